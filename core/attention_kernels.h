@@ -1,0 +1,63 @@
+// Attention kernels over strided per-head views: the double-precision reference (the
+// oracle, never removed) and the blocked float32 CPU kernel used in production.
+#ifndef ATTENTION_CORE_ATTENTION_KERNELS_H_
+#define ATTENTION_CORE_ATTENTION_KERNELS_H_
+
+#include <cstdint>
+
+#include "absl/types/span.h"
+#include "core/attention_options.h"
+#include "core/thread_pool.h"
+
+namespace attention::core {
+
+// Where row i of head h of sequence b lives: base + b*batch + h*head + i*row (in floats).
+struct HeadLayout {
+  int64_t batch_stride = 0;
+  int64_t head_stride = 0;
+  int64_t row_stride = 0;
+
+  int64_t Offset(int64_t b, int64_t h, int64_t i) const {
+    return b * batch_stride + h * head_stride + i * row_stride;
+  }
+  // [B, heads, rows, width], as torch lays out SDPA inputs.
+  static HeadLayout BatchHeadRow(int64_t heads, int64_t rows, int64_t width) {
+    return {heads * rows * width, rows * width, width};
+  }
+  // [B, rows, heads, width], as projections come out of a GEMM over tokens.
+  static HeadLayout BatchRowHead(int64_t heads, int64_t rows, int64_t width) {
+    return {rows * heads * width, width, heads * width};
+  }
+};
+
+struct AttentionProblem {
+  AttentionDims dims;
+  const float* query = nullptr;  // rows of dk
+  HeadLayout query_layout;
+  const float* key = nullptr;  // rows of dk, Hkv heads
+  HeadLayout key_layout;
+  const float* value = nullptr;  // rows of dv, Hkv heads
+  HeadLayout value_layout;
+  float* output = nullptr;  // rows of dv, H heads
+  HeadLayout output_layout;
+  // Null, or dense per-head attention weights [B, H, Nq, Nk] after masking and dropout.
+  float* weights = nullptr;
+  const AttentionOptions* options = nullptr;  // validated against dims; not owned
+};
+
+// Naive, double accumulation.
+void AttentionReference(const AttentionProblem& problem);
+
+// Blocked float32 kernel: for each (sequence, head, block of kQueryBlock queries) one GEMM
+// for the scores against the keys up to the block's causal frontier, a vectorized masked
+// softmax, one GEMM with the values. Extra memory is kQueryBlock * Nk floats per thread:
+// no Nq x Nk matrix unless weights are requested. All problems share one ParallelFor, so
+// a batch of many small requests keeps every thread busy.
+void AttentionBlockedCpu(absl::Span<const AttentionProblem> problems, ThreadPool& pool);
+
+// Query rows per task: 64 rows x up to 4096 keys of scores stay within a 1 MiB L2.
+inline constexpr int64_t kQueryBlock = 64;
+
+}  // namespace attention::core
+
+#endif  // ATTENTION_CORE_ATTENTION_KERNELS_H_

@@ -1,0 +1,141 @@
+#include "core/dtype.h"
+
+#include <cstring>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace attention::core {
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+              "wire tensors are little-endian; a big-endian port must byte-swap");
+
+int64_t ElementSize(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return 4;
+    case DType::kFloat16:
+    case DType::kBFloat16:
+      return 2;
+    case DType::kBool:
+      return 1;
+  }
+  return 0;
+}
+
+absl::string_view DTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return "FLOAT32";
+    case DType::kFloat16:
+      return "FLOAT16";
+    case DType::kBFloat16:
+      return "BFLOAT16";
+    case DType::kBool:
+      return "BOOL";
+  }
+  return "?";
+}
+
+float HalfToFloat(uint16_t bits) {
+  const uint32_t sign = static_cast<uint32_t>(bits & 0x8000) << 16;
+  uint32_t exponent = (bits >> 10) & 0x1f;
+  uint32_t mantissa = bits & 0x3ff;
+  uint32_t out;
+  if (exponent == 0x1f) {  // inf or NaN
+    out = sign | 0x7f800000 | (mantissa << 13);
+  } else if (exponent != 0) {  // normal
+    out = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {  // signed zero
+    out = sign;
+  } else {  // subnormal: normalise
+    exponent = 113;
+    while ((mantissa & 0x400) == 0) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    out = sign | (exponent << 23) | ((mantissa & 0x3ff) << 13);
+  }
+  float value;
+  std::memcpy(&value, &out, sizeof(value));
+  return value;
+}
+
+uint16_t FloatToHalf(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000);
+  const uint32_t abs_bits = bits & 0x7fffffff;
+  if (abs_bits > 0x7f800000) return sign | 0x7e00;   // NaN
+  if (abs_bits >= 0x477ff000) return sign | 0x7c00;  // rounds to >= 65520: inf
+  if (abs_bits < 0x38800000) {                       // below the smallest normal half
+    if (abs_bits < 0x33000000) return sign;          // rounds to zero
+    const uint32_t exponent = abs_bits >> 23;
+    const uint32_t mantissa = (abs_bits & 0x7fffff) | 0x800000;
+    const uint32_t shift = 126 - exponent;  // 14..24
+    uint32_t half = mantissa >> shift;
+    const uint32_t remainder = mantissa & ((1u << shift) - 1);
+    const uint32_t halfway = 1u << (shift - 1);
+    if (remainder > halfway || (remainder == halfway && (half & 1))) ++half;
+    return sign | static_cast<uint16_t>(half);
+  }
+  uint32_t half = ((abs_bits >> 13) - (112u << 10));
+  const uint32_t remainder = abs_bits & 0x1fff;
+  if (remainder > 0x1000 || (remainder == 0x1000 && (half & 1))) ++half;
+  return sign | static_cast<uint16_t>(half);
+}
+
+float BFloat16ToFloat(uint16_t bits) {
+  const uint32_t out = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &out, sizeof(value));
+  return value;
+}
+
+uint16_t FloatToBFloat16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  if ((bits & 0x7fffffff) > 0x7f800000) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  const uint32_t rounding = 0x7fff + ((bits >> 16) & 1);
+  return static_cast<uint16_t>((bits + rounding) >> 16);
+}
+
+absl::StatusOr<std::vector<float>> DecodeFloats(absl::string_view bytes, DType dtype,
+                                                absl::string_view field) {
+  if (dtype == DType::kBool) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".dtype is BOOL; expected FLOAT32, FLOAT16 or BFLOAT16"));
+  }
+  const int64_t size = ElementSize(dtype);
+  if (static_cast<int64_t>(bytes.size()) % size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".raw_data has ", bytes.size(),
+                                                   " bytes, not a multiple of ", size));
+  }
+  std::vector<float> values(bytes.size() / size);
+  if (dtype == DType::kFloat32) {
+    std::memcpy(values.data(), bytes.data(), bytes.size());
+    return values;
+  }
+  for (size_t i = 0; i < values.size(); ++i) {
+    uint16_t bits;
+    std::memcpy(&bits, bytes.data() + 2 * i, 2);
+    values[i] = dtype == DType::kFloat16 ? HalfToFloat(bits) : BFloat16ToFloat(bits);
+  }
+  return values;
+}
+
+std::string EncodeFloats(absl::Span<const float> values, DType dtype) {
+  std::string bytes(values.size() * ElementSize(dtype), '\0');
+  if (dtype == DType::kFloat32) {
+    std::memcpy(bytes.data(), values.data(), bytes.size());
+    return bytes;
+  }
+  for (size_t i = 0; i < values.size(); ++i) {
+    const uint16_t bits =
+        dtype == DType::kFloat16 ? FloatToHalf(values[i]) : FloatToBFloat16(values[i]);
+    std::memcpy(bytes.data() + 2 * i, &bits, 2);
+  }
+  return bytes;
+}
+
+}  // namespace attention::core

@@ -1,0 +1,135 @@
+#include "core/attention_kernels.h"
+
+#include <cmath>
+#include <random>
+
+#include "core/mha_layer.h"
+#include "gtest/gtest.h"
+#include "tests/core/random_options.h"
+
+namespace attention::core {
+namespace {
+
+using testing::Describe;
+using testing::RandomFloats;
+using testing::RandomOptions;
+using testing::TestSeed;
+
+// float32 against the double oracle: scores sum <= 17 products of values in [-1, 1] and
+// softmax/PV sums <= 131 terms, so float rounding stays near 1e-6; 2e-4 leaves room for
+// 1/(1-p) dropout scaling while any indexing or masking bug shows up as errors of ~0.1.
+constexpr float kTolerance = 2e-4f;
+
+void ExpectClose(const std::vector<float>& actual, const std::vector<float>& expected,
+                 const std::string& what) {
+  ASSERT_EQ(actual.size(), expected.size()) << what;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(actual[i])) << what << " element " << i;
+    ASSERT_NEAR(actual[i], expected[i], kTolerance) << what << " element " << i;
+  }
+}
+
+TEST(AttentionKernelsTest, BlockedMatchesReferenceOnRandomGrid) {
+  const uint64_t seed = TestSeed(20261121);
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
+  std::mt19937_64 rng(seed);
+  ThreadPool pool(2);
+  const int64_t lengths[] = {1, 2, 7, 63, 64, 67, 131};
+  const int64_t head_dims[] = {1, 3, 8, 17};
+  const std::pair<int64_t, int64_t> heads[] = {{1, 1}, {2, 1}, {4, 2}, {3, 3}, {6, 2}};
+  auto pick = [&rng](const auto& values) {
+    return values[std::uniform_int_distribution<size_t>(0, std::size(values) - 1)(rng)];
+  };
+  for (int trial = 0; trial < 300; ++trial) {
+    AttentionDims dims;
+    dims.batch = std::uniform_int_distribution<int64_t>(1, 3)(rng);
+    std::tie(dims.num_heads, dims.num_kv_heads) = pick(heads);
+    dims.q_len = pick(lengths);
+    dims.kv_len = pick(lengths);
+    dims.head_dim = pick(head_dims);
+    dims.v_head_dim = pick(head_dims);
+    SdpaInput input;
+    input.dims = dims;
+    const auto q = RandomFloats(rng, dims.batch * dims.num_heads * dims.q_len * dims.head_dim);
+    const auto k = RandomFloats(rng, dims.batch * dims.num_kv_heads * dims.kv_len * dims.head_dim);
+    const auto v =
+        RandomFloats(rng, dims.batch * dims.num_kv_heads * dims.kv_len * dims.v_head_dim);
+    input.query = q;
+    input.key = k;
+    input.value = v;
+    input.options = RandomOptions(rng, dims);
+    ASSERT_TRUE(ValidateSdpaInput(input).ok()) << ValidateSdpaInput(input);
+    const std::string what = "trial " + std::to_string(trial) + ": " + Describe(dims, input.options);
+    const AttentionResult expected = SdpaReference(input);
+    const AttentionResult actual = SdpaForward(input, pool);
+    ExpectClose(actual.output, expected.output, what + " output");
+    ExpectClose(actual.weights, expected.weights, what + " weights");
+  }
+}
+
+TEST(AttentionKernelsTest, CausalIsBottomRightAligned) {
+  // Nq = 2 queries over Nk = 4 keys: query 0 sees keys 0..2, query 1 sees all four.
+  SdpaInput input;
+  input.dims = {1, 1, 1, 2, 4, 1, 1};
+  const std::vector<float> q = {0, 0}, k = {0, 0, 0, 0}, v = {1, 2, 3, 4};
+  input.query = q;
+  input.key = k;
+  input.value = v;
+  input.options.causal = true;
+  input.options.need_weights = NeedWeights::kPerHead;
+  ThreadPool pool(1);
+  for (const AttentionResult& result : {SdpaReference(input), SdpaForward(input, pool)}) {
+    EXPECT_NEAR(result.output[0], 2.0f, 1e-6);  // mean of 1, 2, 3
+    EXPECT_NEAR(result.output[1], 2.5f, 1e-6);  // mean of 1..4
+    EXPECT_EQ(result.weights[3], 0.0f);
+  }
+}
+
+TEST(AttentionKernelsTest, FullyMaskedRowIsZeroNotNan) {
+  SdpaInput input;
+  input.dims = {2, 1, 1, 3, 5, 4, 4};
+  std::mt19937_64 rng(7);
+  const auto q = RandomFloats(rng, 2 * 3 * 4), k = RandomFloats(rng, 2 * 5 * 4),
+             v = RandomFloats(rng, 2 * 5 * 4);
+  input.query = q;
+  input.key = k;
+  input.value = v;
+  input.options.key_lengths = {0, 5};  // sequence 0 has no valid key
+  input.options.need_weights = NeedWeights::kPerHead;
+  ThreadPool pool(2);
+  for (const AttentionResult& result : {SdpaReference(input), SdpaForward(input, pool)}) {
+    for (int e = 0; e < 3 * 4; ++e) EXPECT_EQ(result.output[e], 0.0f) << e;
+    for (int e = 0; e < 3 * 5; ++e) EXPECT_EQ(result.weights[e], 0.0f) << e;
+    for (int e = 12; e < 24; ++e) EXPECT_NE(result.output[e], 0.0f) << e;
+  }
+}
+
+TEST(AttentionKernelsTest, DropoutDependsOnlyOnSeedAndPosition) {
+  EXPECT_EQ(DropoutKeeps(5, 0.5f, 1, 2, 3, 4), DropoutKeeps(5, 0.5f, 1, 2, 3, 4));
+  int kept = 0;
+  for (int j = 0; j < 10000; ++j) kept += DropoutKeeps(99, 0.3f, 0, 0, 0, j);
+  EXPECT_NEAR(kept / 10000.0, 0.7, 0.02);
+  EXPECT_TRUE(DropoutKeeps(99, 0.0f, 0, 0, 0, 0));
+}
+
+TEST(AttentionOptionsTest, ValidateNamesFieldAndValues) {
+  const AttentionDims dims{2, 4, 2, 3, 5, 8, 8};
+  AttentionOptions options;
+  options.key_lengths = {1, 6};
+  EXPECT_EQ(options.Validate(dims).message(), "options.key_lengths[1] = 6 is outside [0, 5] (Nk)");
+  options = {};
+  options.dropout_p = 1.0f;
+  EXPECT_EQ(options.Validate(dims).message(), "options.dropout_p = 1 is outside [0, 1)");
+  options = {};
+  options.scale = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(options.Validate(dims).code(), absl::StatusCode::kInvalidArgument);
+  options = {};
+  options.attn_mask_dims = {1, 3, 3, 5};
+  options.attn_mask_keep.assign(45, 1);
+  EXPECT_EQ(options.Validate(dims).message(),
+            "options.attn_mask shape [1, 3, 3, 5] is not broadcastable to [B, H, Nq, Nk] = "
+            "[2, 4, 3, 5]");
+}
+
+}  // namespace
+}  // namespace attention::core

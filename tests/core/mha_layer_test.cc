@@ -1,0 +1,177 @@
+#include "core/mha_layer.h"
+
+#include <cmath>
+#include <random>
+
+#include "gtest/gtest.h"
+#include "tests/core/random_options.h"
+
+namespace attention::core {
+namespace {
+
+using testing::Describe;
+using testing::RandomFloats;
+using testing::RandomOptions;
+using testing::TestSeed;
+
+// Projections add up to 67 float products before and after attention; 5e-4 absolute on
+// outputs of magnitude ~1 stays far above float rounding and far below any real bug.
+constexpr float kTolerance = 5e-4f;
+
+TEST(MhaConfigTest, ResolvesDefaults) {
+  MhaConfig config;
+  config.embed_dim = 768;
+  config.num_heads = 12;
+  auto resolved = MhaConfig::Resolve(config);
+  ASSERT_TRUE(resolved.ok()) << resolved.status();
+  EXPECT_EQ(resolved->head_dim, 64);
+  EXPECT_EQ(resolved->v_head_dim, 64);
+  EXPECT_EQ(resolved->num_kv_heads, 12);
+  EXPECT_EQ(resolved->output_dim, 768);
+  EXPECT_EQ(resolved->ParameterCount(), 4 * 768 * 768 + 4 * 768);
+}
+
+TEST(MhaConfigTest, RejectsImpossibleConfigs) {
+  MhaConfig config;
+  config.embed_dim = 10;
+  config.num_heads = 3;
+  EXPECT_EQ(MhaConfig::Resolve(config).status().message(),
+            "config.num_heads = 3 does not divide config.embed_dim = 10 (set config.head_dim to "
+            "choose the head size explicitly)");
+  config.num_heads = 2;
+  config.num_kv_heads = 3;
+  EXPECT_EQ(MhaConfig::Resolve(config).status().message(),
+            "config.num_kv_heads = 3 must be >= 1 and divide config.num_heads = 2");
+  config.num_kv_heads = 0;
+  config.rope_theta = 10000;
+  config.head_dim = 3;
+  EXPECT_EQ(MhaConfig::Resolve(config).status().message(),
+            "config.head_dim = 3 must be even when config.rope_theta is set");
+  config = {};
+  config.embed_dim = 0;
+  config.num_heads = 1;
+  EXPECT_EQ(MhaConfig::Resolve(config).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(MhaLayerTest, CreateRejectsMisShapedWeights) {
+  MhaConfig config;
+  config.embed_dim = 4;
+  config.num_heads = 2;
+  const MhaConfig resolved = *MhaConfig::Resolve(config);
+  MhaWeights weights = MhaWeights::Random(resolved, 1);
+  weights.k_weight.pop_back();
+  EXPECT_EQ(MhaLayer::Create(resolved, weights).status().message(),
+            "weight k_proj.weight has 15 elements; expected shape [4, 4]");
+}
+
+TEST(MhaLayerTest, RandomInitIsSeededAndBounded) {
+  MhaConfig config;
+  config.embed_dim = 16;
+  config.num_heads = 4;
+  const MhaConfig resolved = *MhaConfig::Resolve(config);
+  const MhaWeights a = MhaWeights::Random(resolved, 42), b = MhaWeights::Random(resolved, 42),
+                   c = MhaWeights::Random(resolved, 43);
+  EXPECT_EQ(a.q_weight, b.q_weight);
+  EXPECT_NE(a.q_weight, c.q_weight);
+  EXPECT_NE(a.q_weight, a.k_weight);
+  for (float w : a.out_weight) EXPECT_LE(std::abs(w), 0.25f);
+}
+
+TEST(MhaLayerTest, BatchedForwardMatchesReferenceOnRandomConfigs) {
+  const uint64_t seed = TestSeed(1234);
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
+  std::mt19937_64 rng(seed);
+  ThreadPool pool(2);
+  auto uniform = [&rng](int64_t lo, int64_t hi) {
+    return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+  };
+  auto coin = [&rng](double p) { return std::bernoulli_distribution(p)(rng); };
+  for (int trial = 0; trial < 60; ++trial) {
+    MhaConfig config;
+    config.num_kv_heads = uniform(1, 3);
+    config.num_heads = config.num_kv_heads * uniform(1, 3);
+    config.head_dim = 2 * uniform(1, 6);
+    config.v_head_dim = coin(0.5) ? 0 : uniform(1, 9);
+    config.embed_dim = uniform(1, 19);
+    config.kdim = coin(0.5) ? 0 : uniform(1, 11);
+    config.vdim = coin(0.5) ? 0 : uniform(1, 11);
+    config.qkv_bias = coin(0.5);
+    config.output_bias = coin(0.5);
+    config.output_projection = coin(0.8);
+    if (config.output_projection && coin(0.5)) config.output_dim = uniform(1, 13);
+    config.rope_theta = coin(0.3) ? 10000.0 : 0.0;
+    config.always_causal = coin(0.1);
+    auto resolved = MhaConfig::Resolve(config);
+    ASSERT_TRUE(resolved.ok()) << resolved.status();
+    auto layer = MhaLayer::Create(*resolved, MhaWeights::Random(*resolved, rng()));
+    ASSERT_TRUE(layer.ok()) << layer.status();
+    const MhaConfig& c = (*layer)->config();
+    const bool can_self_attend = c.kdim == c.embed_dim && c.vdim == c.embed_dim;
+    // Several requests of different shapes packed into one batch.
+    const int count = static_cast<int>(uniform(1, 4));
+    std::vector<std::vector<float>> storage;
+    std::vector<MhaInput> inputs(count);
+    for (MhaInput& in : inputs) {
+      in.batch = uniform(1, 3);
+      in.q_len = uniform(1, 70);
+      const bool cross = !can_self_attend || coin(0.3);
+      in.kv_len = cross ? uniform(1, 70) : in.q_len;
+      storage.push_back(RandomFloats(rng, in.batch * in.q_len * c.embed_dim));
+      in.query = storage.back();
+      if (cross) {
+        storage.push_back(RandomFloats(rng, in.batch * in.kv_len * c.kdim));
+        in.key = storage.back();
+        storage.push_back(RandomFloats(rng, in.batch * in.kv_len * c.vdim));
+        in.value = storage.back();
+      }
+      in.options = RandomOptions(rng, {in.batch, c.num_heads, c.num_kv_heads, in.q_len,
+                                       in.kv_len, c.head_dim, c.v_head_dim});
+      ASSERT_TRUE((*layer)->ValidateInput(in).ok()) << (*layer)->ValidateInput(in);
+    }
+    std::vector<const MhaInput*> pointers;
+    for (const MhaInput& in : inputs) pointers.push_back(&in);
+    const std::vector<AttentionResult> actual = (*layer)->ForwardBatch(pointers, pool);
+    for (int n = 0; n < count; ++n) {
+      const AttentionResult expected = (*layer)->ForwardReference(inputs[n]);
+      const std::string what =
+          "trial " + std::to_string(trial) + " input " + std::to_string(n) + ": E=" +
+          std::to_string(c.embed_dim) + " kdim=" + std::to_string(c.kdim) +
+          " vdim=" + std::to_string(c.vdim) + " out=" + std::to_string(c.output_dim) +
+          " rope=" + std::to_string(c.rope_theta) + " " +
+          Describe({inputs[n].batch, c.num_heads, c.num_kv_heads, inputs[n].q_len,
+                    inputs[n].kv_len, c.head_dim, c.v_head_dim},
+                   inputs[n].options);
+      ASSERT_EQ(actual[n].output.size(), expected.output.size()) << what;
+      for (size_t e = 0; e < expected.output.size(); ++e) {
+        ASSERT_NEAR(actual[n].output[e], expected.output[e], kTolerance) << what << " [" << e << "]";
+      }
+      ASSERT_EQ(actual[n].weights.size(), expected.weights.size()) << what;
+      for (size_t e = 0; e < expected.weights.size(); ++e) {
+        ASSERT_NEAR(actual[n].weights[e], expected.weights[e], kTolerance) << what;
+      }
+    }
+  }
+}
+
+TEST(MhaLayerTest, ValidateInputNamesShapes) {
+  MhaConfig config;
+  config.embed_dim = 8;
+  config.num_heads = 2;
+  config.kdim = 3;
+  config.vdim = 3;
+  const MhaConfig resolved = *MhaConfig::Resolve(config);
+  auto layer = *MhaLayer::Create(resolved, MhaWeights::Random(resolved, 1));
+  std::vector<float> query(2 * 4 * 8), key(2 * 5 * 4), value(2 * 5 * 3);
+  MhaInput in;
+  in.batch = 2;
+  in.q_len = 4;
+  in.kv_len = 5;
+  in.query = query;
+  in.key = key;
+  in.value = value;
+  EXPECT_EQ(layer->ValidateInput(in).message(),
+            "key has 40 values; expected [B, Nk, kdim] = [2, 5, 3]");
+}
+
+}  // namespace
+}  // namespace attention::core
