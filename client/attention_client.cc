@@ -1,0 +1,144 @@
+#include "client/attention_client.h"
+
+#include <cmath>
+#include <sstream>
+
+#include <grpcpp/client_context.h>
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+
+#include "absl/time/clock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+
+namespace attention::client {
+namespace {
+
+absl::Status FromGrpc(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+void SetDeadline(grpc::ClientContext& context, absl::Duration timeout) {
+  context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+}
+
+// Calls a unary stub method and returns its response or status.
+template <typename Response, typename Request, typename Method>
+absl::StatusOr<Response> Call(Method method, const Request& request, absl::Duration timeout) {
+  grpc::ClientContext context;
+  SetDeadline(context, timeout);
+  Response response;
+  const grpc::Status status = method(&context, request, &response);
+  if (!status.ok()) return FromGrpc(status);
+  return response;
+}
+
+uint64_t Mix(uint64_t x) {  // splitmix64 finaliser
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ULL;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebULL;
+  x ^= x >> 31;
+  return x;
+}
+
+}  // namespace
+
+AttentionClient::AttentionClient(const std::string& target, int64_t max_message_bytes) {
+  grpc::ChannelArguments arguments;
+  arguments.SetMaxReceiveMessageSize(static_cast<int>(max_message_bytes));
+  arguments.SetMaxSendMessageSize(static_cast<int>(max_message_bytes));
+  channel_ = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), arguments);
+  stub_ = v1::AttentionService::NewStub(channel_);
+}
+
+absl::StatusOr<v1::MultiHeadAttentionResponse> AttentionClient::MultiHeadAttention(
+    const v1::MultiHeadAttentionRequest& request, absl::Duration timeout) {
+  return Call<v1::MultiHeadAttentionResponse>(
+      [this](auto* c, const auto& q, auto* r) { return stub_->MultiHeadAttention(c, q, r); },
+      request, timeout);
+}
+
+absl::StatusOr<v1::ScaledDotProductAttentionResponse> AttentionClient::ScaledDotProductAttention(
+    const v1::ScaledDotProductAttentionRequest& request, absl::Duration timeout) {
+  return Call<v1::ScaledDotProductAttentionResponse>(
+      [this](auto* c, const auto& q, auto* r) {
+        return stub_->ScaledDotProductAttention(c, q, r);
+      },
+      request, timeout);
+}
+
+absl::StatusOr<v1::LayerInfo> AttentionClient::LoadLayer(const v1::LoadLayerRequest& request,
+                                                         absl::Duration timeout) {
+  auto response = Call<v1::LoadLayerResponse>(
+      [this](auto* c, const auto& q, auto* r) { return stub_->LoadLayer(c, q, r); }, request,
+      timeout);
+  if (!response.ok()) return response.status();
+  return response->layer();
+}
+
+absl::Status AttentionClient::UnloadLayer(const std::string& name, absl::Duration timeout) {
+  v1::UnloadLayerRequest request;
+  request.set_name(name);
+  return Call<v1::UnloadLayerResponse>(
+             [this](auto* c, const auto& q, auto* r) { return stub_->UnloadLayer(c, q, r); },
+             request, timeout)
+      .status();
+}
+
+absl::StatusOr<std::vector<v1::LayerInfo>> AttentionClient::ListLayers(absl::Duration timeout) {
+  auto response = Call<v1::ListLayersResponse>(
+      [this](auto* c, const auto& q, auto* r) { return stub_->ListLayers(c, q, r); },
+      v1::ListLayersRequest(), timeout);
+  if (!response.ok()) return response.status();
+  return std::vector<v1::LayerInfo>(response->layers().begin(), response->layers().end());
+}
+
+absl::StatusOr<v1::LayerInfo> AttentionClient::GetLayer(const std::string& name,
+                                                        absl::Duration timeout) {
+  v1::GetLayerRequest request;
+  request.set_name(name);
+  auto response = Call<v1::GetLayerResponse>(
+      [this](auto* c, const auto& q, auto* r) { return stub_->GetLayer(c, q, r); }, request,
+      timeout);
+  if (!response.ok()) return response.status();
+  return response->layer();
+}
+
+absl::StatusOr<bool> AttentionClient::IsServing(const std::string& service,
+                                                absl::Duration timeout) {
+  auto health = grpc::health::v1::Health::NewStub(channel_);
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(service);
+  auto response = Call<grpc::health::v1::HealthCheckResponse>(
+      [&health](auto* c, const auto& q, auto* r) { return health->Check(c, q, r); }, request,
+      timeout);
+  if (!response.ok()) return response.status();
+  return response->status() == grpc::health::v1::HealthCheckResponse::SERVING;
+}
+
+std::vector<std::string> SplitWords(const std::string& text) {
+  std::istringstream stream(text);
+  std::vector<std::string> words;
+  for (std::string word; stream >> word;) words.push_back(word);
+  return words;
+}
+
+std::vector<float> EmbedWords(const std::vector<std::string>& words, int64_t dim, uint64_t seed) {
+  std::vector<float> embedding;
+  embedding.reserve(words.size() * dim);
+  for (const std::string& word : words) {
+    uint64_t state = Mix(seed ^ 0x5eed);
+    for (unsigned char ch : word) state = Mix(state ^ ch);
+    for (int64_t e = 0; e < dim; ++e) {
+      // Box-Muller on two uniforms from the word's counter stream.
+      const double u1 = (static_cast<double>(Mix(state + 2 * e) >> 11) + 0.5) * 0x1.0p-53;
+      const double u2 = static_cast<double>(Mix(state + 2 * e + 1) >> 11) * 0x1.0p-53;
+      embedding.push_back(
+          static_cast<float>(std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2)));
+    }
+  }
+  return embedding;
+}
+
+}  // namespace attention::client

@@ -1,0 +1,55 @@
+// C++ client for attention.v1.AttentionService.
+#ifndef ATTENTION_CLIENT_ATTENTION_CLIENT_H_
+#define ATTENTION_CLIENT_ATTENTION_CLIENT_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <grpcpp/channel.h>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "attention/v1/attention.grpc.pb.h"
+
+namespace attention::client {
+
+// Thread-safe: one client may serve many threads.
+class AttentionClient {
+ public:
+  // `target` is a gRPC target such as "localhost:50051".
+  explicit AttentionClient(const std::string& target,
+                           int64_t max_message_bytes = int64_t{64} << 20);
+
+  absl::StatusOr<v1::MultiHeadAttentionResponse> MultiHeadAttention(
+      const v1::MultiHeadAttentionRequest& request, absl::Duration timeout = absl::Seconds(30));
+  absl::StatusOr<v1::ScaledDotProductAttentionResponse> ScaledDotProductAttention(
+      const v1::ScaledDotProductAttentionRequest& request,
+      absl::Duration timeout = absl::Seconds(30));
+  absl::StatusOr<v1::LayerInfo> LoadLayer(const v1::LoadLayerRequest& request,
+                                          absl::Duration timeout = absl::Seconds(60));
+  absl::Status UnloadLayer(const std::string& name, absl::Duration timeout = absl::Seconds(10));
+  absl::StatusOr<std::vector<v1::LayerInfo>> ListLayers(absl::Duration timeout = absl::Seconds(10));
+  absl::StatusOr<v1::LayerInfo> GetLayer(const std::string& name,
+                                         absl::Duration timeout = absl::Seconds(10));
+  // grpc.health.v1 Check for `service` ("" = the whole server); true when SERVING.
+  absl::StatusOr<bool> IsServing(const std::string& service = "",
+                                 absl::Duration timeout = absl::Seconds(5));
+
+  const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
+
+ private:
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::AttentionService::Stub> stub_;
+};
+
+// A deterministic stand-in for a trained token embedding (the seeds' randomly initialised
+// nn.Embedding): each whitespace-separated word maps to `dim` values drawn from N(0, 1),
+// seeded by the word and `seed`. Returns [number of words, dim], row-major.
+std::vector<float> EmbedWords(const std::vector<std::string>& words, int64_t dim,
+                              uint64_t seed = 0);
+std::vector<std::string> SplitWords(const std::string& text);
+
+}  // namespace attention::client
+
+#endif  // ATTENTION_CLIENT_ATTENTION_CLIENT_H_

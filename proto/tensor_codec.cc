@@ -1,0 +1,120 @@
+#include "tensor_codec.h"
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/status_macros.h"
+
+namespace attention::wire {
+
+using core::DType;
+
+namespace {
+
+template <typename... Args>
+absl::Status Invalid(const Args&... pieces) {
+  return absl::InvalidArgumentError(absl::StrCat(pieces...));
+}
+
+}  // namespace
+
+absl::StatusOr<DType> ConvertDType(v1::DataType dtype, absl::string_view field) {
+  switch (dtype) {
+    case v1::FLOAT32:
+      return DType::kFloat32;
+    case v1::FLOAT16:
+      return DType::kFloat16;
+    case v1::BFLOAT16:
+      return DType::kBFloat16;
+    case v1::BOOL:
+      return DType::kBool;
+    case v1::DATA_TYPE_UNSPECIFIED:
+      return Invalid(field, " is DATA_TYPE_UNSPECIFIED; expected FLOAT32, FLOAT16 or BFLOAT16");
+    default:
+      return Invalid(field, " = ", static_cast<int>(dtype), " is not a known DataType");
+  }
+}
+
+// Checks the shape and returns its element count.
+absl::StatusOr<int64_t> CheckShape(const v1::Tensor& tensor, absl::string_view field) {
+  if (tensor.shape_size() == 0) {
+    return Invalid(field, ".shape is empty: the tensor is missing or has rank 0");
+  }
+  int64_t count = 1;
+  for (int d = 0; d < tensor.shape_size(); ++d) {
+    const int64_t dim = tensor.shape(d);
+    if (dim < 1) return Invalid(field, ".shape[", d, "] = ", dim, " must be >= 1");
+    if (dim > kMaxTensorElements || count > kMaxTensorElements / dim) {
+      return Invalid(field, ".shape [", absl::StrJoin(tensor.shape(), ", "), "] has more than ",
+                     kMaxTensorElements, " elements");
+    }
+    count *= dim;
+  }
+  return count;
+}
+
+absl::Status CheckByteCount(const v1::Tensor& tensor, DType dtype, int64_t count,
+                            absl::string_view field) {
+  const int64_t expected = count * core::ElementSize(dtype);
+  if (static_cast<int64_t>(tensor.raw_data().size()) != expected) {
+    return Invalid(field, ".raw_data has ", tensor.raw_data().size(), " bytes; shape [",
+                   absl::StrJoin(tensor.shape(), ", "), "] of ", core::DTypeName(dtype), " needs ",
+                   expected);
+  }
+  return absl::OkStatus();
+}
+
+bool HasContent(const v1::Tensor& tensor) {
+  return tensor.shape_size() > 0 || !tensor.raw_data().empty() || tensor.float_data_size() > 0;
+}
+
+std::string ShapeString(absl::Span<const int64_t> shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+absl::StatusOr<FloatTensor> DecodeFloatTensor(const v1::Tensor& tensor, absl::string_view field) {
+  if (!HasContent(tensor)) return Invalid(field, " is missing");
+  FloatTensor result;
+  ASSIGN_OR_RETURN(const int64_t count, CheckShape(tensor, field));
+  result.shape.assign(tensor.shape().begin(), tensor.shape().end());
+  if (tensor.float_data_size() > 0) {
+    if (!tensor.raw_data().empty()) {
+      return Invalid(field, " has both raw_data and float_data; give exactly one");
+    }
+    if (tensor.dtype() != v1::FLOAT32 && tensor.dtype() != v1::DATA_TYPE_UNSPECIFIED) {
+      return Invalid(field, ".float_data needs dtype FLOAT32, not ",
+                     v1::DataType_Name(tensor.dtype()));
+    }
+    if (tensor.float_data_size() != count) {
+      return Invalid(field, ".float_data has ", tensor.float_data_size(), " values; shape ",
+                     ShapeString(result.shape), " needs ", count);
+    }
+    result.values.assign(tensor.float_data().begin(), tensor.float_data().end());
+    return result;
+  }
+  ASSIGN_OR_RETURN(const DType dtype, ConvertDType(tensor.dtype(), absl::StrCat(field, ".dtype")));
+  if (dtype == DType::kBool) {
+    return Invalid(field, ".dtype is BOOL; expected FLOAT32, FLOAT16 or BFLOAT16");
+  }
+  RETURN_IF_ERROR(CheckByteCount(tensor, dtype, count, field));
+  ASSIGN_OR_RETURN(result.values, core::DecodeFloats(tensor.raw_data(), dtype, field));
+  return result;
+}
+
+void EncodeTensor(absl::Span<const float> values, absl::Span<const int64_t> shape,
+                  core::DType dtype, v1::Tensor* tensor) {
+  switch (dtype) {
+    case DType::kFloat16:
+      tensor->set_dtype(v1::FLOAT16);
+      break;
+    case DType::kBFloat16:
+      tensor->set_dtype(v1::BFLOAT16);
+      break;
+    default:
+      tensor->set_dtype(v1::FLOAT32);
+  }
+  tensor->mutable_shape()->Assign(shape.begin(), shape.end());
+  tensor->set_raw_data(core::EncodeFloats(values, dtype));
+}
+
+}  // namespace attention::wire

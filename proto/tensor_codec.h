@@ -1,0 +1,45 @@
+// Wire tensors (attention.v1.Tensor) to and from float32 values, with validation that
+// names the field and the numbers. Shared by the server and the C++ client.
+#ifndef ATTENTION_PROTO_TENSOR_CODEC_H_
+#define ATTENTION_PROTO_TENSOR_CODEC_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "attention/v1/attention.pb.h"
+#include "core/dtype.h"
+
+namespace attention::wire {
+
+// Largest tensor accepted, in elements; keeps size arithmetic far from overflow.
+inline constexpr int64_t kMaxTensorElements = int64_t{1} << 31;
+
+struct FloatTensor {
+  std::vector<int64_t> shape;
+  std::vector<float> values;
+};
+
+absl::StatusOr<core::DType> ConvertDType(v1::DataType dtype, absl::string_view field);
+// Checks every dimension is >= 1 and returns the element count.
+absl::StatusOr<int64_t> CheckShape(const v1::Tensor& tensor, absl::string_view field);
+absl::Status CheckByteCount(const v1::Tensor& tensor, core::DType dtype, int64_t count,
+                            absl::string_view field);
+// True when any part of the tensor is set.
+bool HasContent(const v1::Tensor& tensor);
+std::string ShapeString(absl::Span<const int64_t> shape);
+
+// Checks dtype, shape and byte count of `tensor` and returns its float32 values.
+// `field` is the request field name used in error messages, e.g. "query".
+absl::StatusOr<FloatTensor> DecodeFloatTensor(const v1::Tensor& tensor, absl::string_view field);
+
+// Writes `values` with `shape` as little-endian raw bytes of `dtype`.
+void EncodeTensor(absl::Span<const float> values, absl::Span<const int64_t> shape,
+                  core::DType dtype, v1::Tensor* tensor);
+
+}  // namespace attention::wire
+
+#endif  // ATTENTION_PROTO_TENSOR_CODEC_H_

@@ -1,0 +1,309 @@
+#include "server/attention_service.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "core/status_macros.h"
+#include "server/status_util.h"
+#include "server/wire_convert.h"
+
+namespace attention::server {
+namespace {
+
+constexpr size_t kMaxRequestIdBytes = 256;
+
+using wire::ShapeString;
+
+template <typename... Args>
+absl::Status Invalid(const Args&... pieces) {
+  return absl::InvalidArgumentError(absl::StrCat(pieces...));
+}
+
+absl::Status CheckRank(const FloatTensor& tensor, size_t rank, absl::string_view field,
+                       absl::string_view layout) {
+  if (tensor.shape.size() != rank) {
+    return Invalid(field, ".shape ", ShapeString(tensor.shape), " has rank ", tensor.shape.size(),
+                   "; expected ", layout);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckDim(const FloatTensor& tensor, size_t dim, int64_t expected,
+                      absl::string_view field, absl::string_view meaning) {
+  if (tensor.shape[dim] != expected) {
+    return Invalid(field, ".shape[", dim, "] = ", tensor.shape[dim], " must equal ", meaning,
+                   " = ", expected);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckRequestId(const std::string& request_id) {
+  if (request_id.size() > kMaxRequestIdBytes) {
+    return Invalid("request_id has ", request_id.size(), " bytes; at most ", kMaxRequestIdBytes);
+  }
+  return absl::OkStatus();
+}
+
+absl::Time Deadline(const grpc::CallbackServerContext* context) {
+  return absl::FromChrono(context->deadline());
+}
+
+// Writes attention weights in the layout the request asked for.
+void EncodeWeights(const core::AttentionResult& result, const core::AttentionDims& dims,
+                   core::NeedWeights need, core::DType dtype, v1::Tensor* tensor) {
+  if (need == core::NeedWeights::kNone) return;
+  const std::vector<int64_t> shape =
+      need == core::NeedWeights::kAveraged
+          ? std::vector<int64_t>{dims.batch, dims.q_len, dims.kv_len}
+          : std::vector<int64_t>{dims.batch, dims.num_heads, dims.q_len, dims.kv_len};
+  EncodeTensor(result.weights, shape, dtype, tensor);
+}
+
+}  // namespace
+
+void DescribeLayer(const LayerSnapshot& snapshot, v1::LayerInfo* info) {
+  const core::MhaLayer& layer = *snapshot.layer;
+  info->set_name(snapshot.name);
+  *info->mutable_config() = ConfigToProto(layer.config());
+  info->set_parameter_count(layer.config().ParameterCount());
+  info->set_weight_bytes(layer.WeightBytes());
+  info->set_dtype(v1::FLOAT32);
+  info->set_device("cpu");
+  info->set_version(snapshot.version);
+  info->set_persisted(false);
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::MultiHeadAttention(
+    grpc::CallbackServerContext* context, const v1::MultiHeadAttentionRequest* request,
+    v1::MultiHeadAttentionResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  const absl::Status status = StartMultiHeadAttention(context, *request, response, reactor);
+  if (!status.ok()) reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+absl::Status AttentionServiceImpl::StartMultiHeadAttention(
+    grpc::CallbackServerContext* context, const v1::MultiHeadAttentionRequest& request,
+    v1::MultiHeadAttentionResponse* response, grpc::ServerUnaryReactor* reactor) {
+  RETURN_IF_ERROR(CheckRequestId(request.request_id()));
+  std::shared_ptr<const LayerSnapshot> snapshot;
+  if (!request.layer().empty() && request.has_inline_layer()) {
+    return Invalid("layer = \"", request.layer(), "\" and inline_layer are both set; give one");
+  }
+  if (request.has_inline_layer()) {
+    auto inline_snapshot = std::make_shared<LayerSnapshot>();
+    inline_snapshot->name = "(inline)";
+    ASSIGN_OR_RETURN(inline_snapshot->layer, BuildLayer(request.inline_layer(), "inline_layer"));
+    snapshot = std::move(inline_snapshot);
+  } else if (request.layer().empty()) {
+    return Invalid("layer is empty: name a loaded layer (see ListLayers) or give inline_layer");
+  } else {
+    ASSIGN_OR_RETURN(snapshot, registry_.Get(request.layer()));
+  }
+  const core::MhaConfig& config = snapshot->layer->config();
+
+  ASSIGN_OR_RETURN(FloatTensor query, DecodeFloatTensor(request.query(), "query"));
+  RETURN_IF_ERROR(CheckRank(query, 3, "query", "[B, Nq, embed_dim]"));
+  RETURN_IF_ERROR(CheckDim(query, 2, config.embed_dim, "query", "the layer's embed_dim"));
+  auto item = std::make_unique<WorkItem>();
+  core::MhaInput& input = item->input;
+  input.batch = query.shape[0];
+  input.q_len = input.kv_len = query.shape[1];
+  const bool has_key = request.has_key(), has_value = request.has_value();
+  if (has_key != has_value) {
+    return Invalid(has_key ? "key" : "value", " is set but ", has_key ? "value" : "key",
+                   " is not; cross-attention needs both");
+  }
+  if (!has_key && (config.kdim != config.embed_dim || config.vdim != config.embed_dim)) {
+    return Invalid("key and value are required: the layer has kdim = ", config.kdim,
+                   " and vdim = ", config.vdim, ", so it cannot self-attend with embed_dim = ",
+                   config.embed_dim);
+  }
+  if (has_key) {
+    ASSIGN_OR_RETURN(FloatTensor key, DecodeFloatTensor(request.key(), "key"));
+    ASSIGN_OR_RETURN(FloatTensor value, DecodeFloatTensor(request.value(), "value"));
+    RETURN_IF_ERROR(CheckRank(key, 3, "key", "[B, Nk, kdim]"));
+    RETURN_IF_ERROR(CheckRank(value, 3, "value", "[B, Nk, vdim]"));
+    RETURN_IF_ERROR(CheckDim(key, 0, input.batch, "key", "query batch size B"));
+    RETURN_IF_ERROR(CheckDim(value, 0, input.batch, "value", "query batch size B"));
+    RETURN_IF_ERROR(CheckDim(value, 1, key.shape[1], "value", "key length Nk"));
+    RETURN_IF_ERROR(CheckDim(key, 2, config.kdim, "key", "the layer's kdim"));
+    RETURN_IF_ERROR(CheckDim(value, 2, config.vdim, "value", "the layer's vdim"));
+    input.kv_len = key.shape[1];
+    item->storage.push_back(std::move(key.values));
+    item->storage.push_back(std::move(value.values));
+  }
+  const core::AttentionDims dims{input.batch,  config.num_heads, config.num_kv_heads,
+                                 input.q_len,  input.kv_len,     config.head_dim,
+                                 config.v_head_dim};
+  ASSIGN_OR_RETURN(input.options, ConvertOptions(request.options(), dims));
+  ASSIGN_OR_RETURN(const core::DType output_dtype,
+                   OutputDType(request.output_dtype(), request.query().dtype()));
+  item->storage.push_back(std::move(query.values));
+  input.query = item->storage.back();
+  if (has_key) {
+    input.key = item->storage[0];
+    input.value = item->storage[1];
+  }
+  RETURN_IF_ERROR(snapshot->layer->ValidateInput(input));
+
+  item->tokens = input.batch * input.q_len;
+  item->priority = request.options().priority();
+  item->deadline = Deadline(context);
+  item->is_cancelled = [context] { return context->IsCancelled(); };
+  const core::NeedWeights need = input.options.need_weights;
+  item->done = [response, reactor, dims, need, output_dtype, snapshot,
+                output_dim = config.output_dim, request_id = request.request_id()](
+                   absl::StatusOr<core::AttentionResult> result) {
+    if (!result.ok()) {
+      reactor->Finish(ToGrpcStatus(result.status()));
+      return;
+    }
+    EncodeTensor(result->output, {dims.batch, dims.q_len, output_dim}, output_dtype,
+                 response->mutable_output());
+    EncodeWeights(*result, dims, need, output_dtype, response->mutable_attention_weights());
+    response->set_request_id(request_id);
+    response->set_layer_version(snapshot->version);
+    reactor->Finish(grpc::Status::OK);
+  };
+  item->layer = std::move(snapshot);
+  return batcher_.Submit(std::move(item));
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::ScaledDotProductAttention(
+    grpc::CallbackServerContext* context, const v1::ScaledDotProductAttentionRequest* request,
+    v1::ScaledDotProductAttentionResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  const absl::Status status =
+      StartScaledDotProductAttention(context, *request, response, reactor);
+  if (!status.ok()) reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+absl::Status AttentionServiceImpl::StartScaledDotProductAttention(
+    grpc::CallbackServerContext* context, const v1::ScaledDotProductAttentionRequest& request,
+    v1::ScaledDotProductAttentionResponse* response, grpc::ServerUnaryReactor* reactor) {
+  RETURN_IF_ERROR(CheckRequestId(request.request_id()));
+  ASSIGN_OR_RETURN(FloatTensor query, DecodeFloatTensor(request.query(), "query"));
+  ASSIGN_OR_RETURN(FloatTensor key, DecodeFloatTensor(request.key(), "key"));
+  ASSIGN_OR_RETURN(FloatTensor value, DecodeFloatTensor(request.value(), "value"));
+  RETURN_IF_ERROR(CheckRank(query, 4, "query", "[B, H, Nq, dk]"));
+  RETURN_IF_ERROR(CheckRank(key, 4, "key", "[B, Hkv, Nk, dk]"));
+  RETURN_IF_ERROR(CheckRank(value, 4, "value", "[B, Hkv, Nk, dv]"));
+  RETURN_IF_ERROR(CheckDim(key, 0, query.shape[0], "key", "query batch size B"));
+  RETURN_IF_ERROR(CheckDim(value, 0, query.shape[0], "value", "query batch size B"));
+  RETURN_IF_ERROR(CheckDim(value, 1, key.shape[1], "value", "key heads Hkv"));
+  RETURN_IF_ERROR(CheckDim(value, 2, key.shape[2], "value", "key length Nk"));
+  RETURN_IF_ERROR(CheckDim(key, 3, query.shape[3], "key", "query head size dk"));
+  if (query.shape[1] % key.shape[1] != 0) {
+    return Invalid("key.shape[1] = ", key.shape[1], " (Hkv) must divide query.shape[1] = ",
+                   query.shape[1], " (H)");
+  }
+  auto item = std::make_unique<WorkItem>();
+  core::SdpaInput input;
+  input.dims = {query.shape[0], query.shape[1], key.shape[1], query.shape[2],
+                key.shape[2],   query.shape[3], value.shape[3]};
+  ASSIGN_OR_RETURN(input.options, ConvertOptions(request.options(), input.dims));
+  ASSIGN_OR_RETURN(const core::DType output_dtype,
+                   OutputDType(request.output_dtype(), request.query().dtype()));
+  RETURN_IF_ERROR(core::ValidateSdpaInput(input));
+  item->tokens = input.dims.batch * input.dims.q_len;
+  item->priority = request.options().priority();
+  item->deadline = Deadline(context);
+  item->is_cancelled = [context] { return context->IsCancelled(); };
+  const core::AttentionDims dims = input.dims;
+  const core::NeedWeights need = input.options.need_weights;
+  // The closure owns the decoded tensors; spans are set where they can no longer move.
+  item->run_alone = [input = std::move(input), q = std::move(query.values),
+                     k = std::move(key.values),
+                     v = std::move(value.values)](core::ThreadPool& pool) mutable {
+    input.query = q;
+    input.key = k;
+    input.value = v;
+    return core::SdpaForward(input, pool);
+  };
+  item->done = [response, reactor, dims, need, output_dtype,
+                request_id = request.request_id()](absl::StatusOr<core::AttentionResult> result) {
+    if (!result.ok()) {
+      reactor->Finish(ToGrpcStatus(result.status()));
+      return;
+    }
+    EncodeTensor(result->output, {dims.batch, dims.num_heads, dims.q_len, dims.v_head_dim},
+                 output_dtype, response->mutable_output());
+    EncodeWeights(*result, dims, need, output_dtype, response->mutable_attention_weights());
+    response->set_request_id(request_id);
+    reactor->Finish(grpc::Status::OK);
+  };
+  return batcher_.Submit(std::move(item));
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::LoadLayer(grpc::CallbackServerContext* context,
+                                                          const v1::LoadLayerRequest* request,
+                                                          v1::LoadLayerResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(DoLoadLayer(*request, response)));
+  return reactor;
+}
+
+absl::Status AttentionServiceImpl::DoLoadLayer(const v1::LoadLayerRequest& request,
+                                               v1::LoadLayerResponse* response) {
+  RETURN_IF_ERROR(ValidateLayerName(request.name(), "name"));
+  if (request.persist()) {
+    return absl::UnimplementedError(
+        "persist = true: persisting layers to the model repository is not implemented yet");
+  }
+  ASSIGN_OR_RETURN(std::shared_ptr<const core::MhaLayer> layer, BuildLayer(request.spec(), "spec"));
+  DescribeLayer(*registry_.Put(request.name(), std::move(layer)), response->mutable_layer());
+  return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::UnloadLayer(
+    grpc::CallbackServerContext* context, const v1::UnloadLayerRequest* request,
+    v1::UnloadLayerResponse* /*response*/) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(registry_.Remove(request->name())));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::ListLayers(
+    grpc::CallbackServerContext* context, const v1::ListLayersRequest* /*request*/,
+    v1::ListLayersResponse* response) {
+  for (const auto& snapshot : registry_.List()) DescribeLayer(*snapshot, response->add_layers());
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::GetLayer(grpc::CallbackServerContext* context,
+                                                         const v1::GetLayerRequest* request,
+                                                         v1::GetLayerResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto snapshot = registry_.Get(request->name());
+  if (snapshot.ok()) DescribeLayer(**snapshot, response->mutable_layer());
+  reactor->Finish(ToGrpcStatus(snapshot.status()));
+  return reactor;
+}
+
+namespace {
+
+// Answers the stream with UNIMPLEMENTED until streaming lands.
+class UnimplementedStream final
+    : public grpc::ServerBidiReactor<v1::MultiHeadAttentionRequest,
+                                     v1::MultiHeadAttentionStreamResponse> {
+ public:
+  UnimplementedStream() {
+    Finish(grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                        "MultiHeadAttentionStream is not implemented yet; use the unary "
+                        "MultiHeadAttention"));
+  }
+  void OnDone() override { delete this; }
+};
+
+}  // namespace
+
+grpc::ServerBidiReactor<v1::MultiHeadAttentionRequest, v1::MultiHeadAttentionStreamResponse>*
+AttentionServiceImpl::MultiHeadAttentionStream(grpc::CallbackServerContext* /*context*/) {
+  return new UnimplementedStream();
+}
+
+}  // namespace attention::server

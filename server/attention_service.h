@@ -1,0 +1,60 @@
+// The attention.v1.AttentionService implementation on gRPC's callback API. Handlers parse
+// and validate on the gRPC thread, hand compute to the batcher and return; a batch worker
+// finishes the call.
+#ifndef ATTENTION_SERVER_ATTENTION_SERVICE_H_
+#define ATTENTION_SERVER_ATTENTION_SERVICE_H_
+
+#include "attention/v1/attention.grpc.pb.h"
+#include "server/batcher.h"
+#include "server/layer_registry.h"
+
+namespace attention::server {
+
+// Thread-safe.
+class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
+ public:
+  AttentionServiceImpl(LayerRegistry& registry, Batcher& batcher)
+      : registry_(registry), batcher_(batcher) {}
+
+  grpc::ServerUnaryReactor* MultiHeadAttention(grpc::CallbackServerContext* context,
+                                               const v1::MultiHeadAttentionRequest* request,
+                                               v1::MultiHeadAttentionResponse* response) override;
+  grpc::ServerBidiReactor<v1::MultiHeadAttentionRequest, v1::MultiHeadAttentionStreamResponse>*
+  MultiHeadAttentionStream(grpc::CallbackServerContext* context) override;
+  grpc::ServerUnaryReactor* ScaledDotProductAttention(
+      grpc::CallbackServerContext* context, const v1::ScaledDotProductAttentionRequest* request,
+      v1::ScaledDotProductAttentionResponse* response) override;
+  grpc::ServerUnaryReactor* LoadLayer(grpc::CallbackServerContext* context,
+                                      const v1::LoadLayerRequest* request,
+                                      v1::LoadLayerResponse* response) override;
+  grpc::ServerUnaryReactor* UnloadLayer(grpc::CallbackServerContext* context,
+                                        const v1::UnloadLayerRequest* request,
+                                        v1::UnloadLayerResponse* response) override;
+  grpc::ServerUnaryReactor* ListLayers(grpc::CallbackServerContext* context,
+                                       const v1::ListLayersRequest* request,
+                                       v1::ListLayersResponse* response) override;
+  grpc::ServerUnaryReactor* GetLayer(grpc::CallbackServerContext* context,
+                                     const v1::GetLayerRequest* request,
+                                     v1::GetLayerResponse* response) override;
+
+ private:
+  absl::Status StartMultiHeadAttention(grpc::CallbackServerContext* context,
+                                       const v1::MultiHeadAttentionRequest& request,
+                                       v1::MultiHeadAttentionResponse* response,
+                                       grpc::ServerUnaryReactor* reactor);
+  absl::Status StartScaledDotProductAttention(grpc::CallbackServerContext* context,
+                                              const v1::ScaledDotProductAttentionRequest& request,
+                                              v1::ScaledDotProductAttentionResponse* response,
+                                              grpc::ServerUnaryReactor* reactor);
+  absl::Status DoLoadLayer(const v1::LoadLayerRequest& request, v1::LoadLayerResponse* response);
+
+  LayerRegistry& registry_;
+  Batcher& batcher_;
+};
+
+// Fills `info` from a snapshot.
+void DescribeLayer(const LayerSnapshot& snapshot, v1::LayerInfo* info);
+
+}  // namespace attention::server
+
+#endif  // ATTENTION_SERVER_ATTENTION_SERVICE_H_

@@ -1,0 +1,58 @@
+// attention-service: the gRPC server binary. The only file with flags.
+#include <csignal>
+#include <cstdio>
+#include <iostream>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "server/server.h"
+
+ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "host:port to serve gRPC on; port 0 picks one");
+ABSL_FLAG(int, compute_threads, 0, "compute threads; 0 = one per hardware thread");
+ABSL_FLAG(int, batch_workers, 1, "threads taking batches off the queue");
+ABSL_FLAG(int64_t, max_batch_requests, 64, "most requests packed into one forward pass");
+ABSL_FLAG(int64_t, max_batch_tokens, 16384, "most query tokens packed into one forward pass");
+ABSL_FLAG(int64_t, max_queue_requests, 1024,
+          "queued requests beyond which new ones get RESOURCE_EXHAUSTED");
+ABSL_FLAG(bool, demo_layer, true, "load the seeded BERT-base-shaped layer 'demo-bert-base'");
+ABSL_FLAG(int64_t, max_message_bytes, int64_t{64} << 20, "largest gRPC message, bytes");
+ABSL_FLAG(double, shutdown_grace_seconds, 10.0,
+          "on SIGTERM/SIGINT, how long calls in flight may take to finish");
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("Serves multi-head attention over gRPC (attention.v1).");
+  absl::ParseCommandLine(argc, argv);
+
+  // Block the stop signals in every thread; the main thread waits for them below.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  attention::server::ServerOptions options;
+  options.listen_address = absl::GetFlag(FLAGS_listen);
+  options.compute_threads = absl::GetFlag(FLAGS_compute_threads);
+  options.batcher.num_workers = absl::GetFlag(FLAGS_batch_workers);
+  options.batcher.max_batch_requests = absl::GetFlag(FLAGS_max_batch_requests);
+  options.batcher.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  options.batcher.max_queue_requests = absl::GetFlag(FLAGS_max_queue_requests);
+  options.demo_layer = absl::GetFlag(FLAGS_demo_layer);
+  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+
+  auto server = attention::server::AttentionServer::Start(options);
+  if (!server.ok()) {
+    std::cerr << "attention-service: " << server.status() << std::endl;
+    return 1;
+  }
+  // Scripts and tests read the port from this line.
+  std::cout << "attention-service listening on port " << (*server)->port() << std::endl;
+
+  int signal_number = 0;
+  sigwait(&stop_signals, &signal_number);
+  std::cerr << "attention-service: signal " << signal_number << ", draining" << std::endl;
+  (*server)->Shutdown(absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_seconds)));
+  std::cerr << "attention-service: stopped" << std::endl;
+  return 0;
+}

@@ -1,0 +1,87 @@
+#include "server/server.h"
+
+#include <thread>
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/server_builder.h>
+
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+
+namespace attention::server {
+namespace {
+
+constexpr char kServiceName[] = "attention.v1.AttentionService";
+
+int ComputeThreads(int requested) {
+  if (requested > 0) return requested;
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+}  // namespace
+
+absl::Status ServerOptions::Validate() const {
+  if (compute_threads < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("compute_threads = ", compute_threads, " must be >= 0"));
+  }
+  if (max_message_bytes < (1 << 20) || max_message_bytes > (int64_t{1} << 31) - 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_message_bytes = ", max_message_bytes, " must be in [1 MiB, 2 GiB)"));
+  }
+  return batcher.Validate();
+}
+
+AttentionServer::AttentionServer(const ServerOptions& options)
+    : pool_(ComputeThreads(options.compute_threads)),
+      batcher_(options.batcher, pool_),
+      service_(registry_, batcher_) {}
+
+absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
+    const ServerOptions& options) {
+  RETURN_IF_ERROR(options.Validate());
+  std::unique_ptr<AttentionServer> server(new AttentionServer(options));
+  if (options.demo_layer) {
+    core::MhaConfig config;
+    config.embed_dim = kDemoEmbedDim;
+    config.num_heads = kDemoNumHeads;
+    ASSIGN_OR_RETURN(const core::MhaConfig resolved, core::MhaConfig::Resolve(config));
+    ASSIGN_OR_RETURN(auto layer,
+                     core::MhaLayer::Create(resolved, core::MhaWeights::Random(resolved, kDemoSeed)));
+    server->registry_.Put(kDemoLayerName, std::move(layer));
+  }
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.listen_address, grpc::InsecureServerCredentials(),
+                           &server->port_);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  builder.RegisterService(&server->service_);
+  server->server_ = builder.BuildAndStart();
+  if (server->server_ == nullptr || server->port_ == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("could not listen on ", options.listen_address, " (address in use?)"));
+  }
+  grpc::HealthCheckServiceInterface* health = server->server_->GetHealthCheckService();
+  health->SetServingStatus(true);
+  health->SetServingStatus(kServiceName, true);
+  return server;
+}
+
+AttentionServer::~AttentionServer() { Shutdown(absl::ZeroDuration()); }
+
+void AttentionServer::Shutdown(absl::Duration grace) {
+  if (shut_down_) return;
+  shut_down_ = true;
+  if (server_ != nullptr) {
+    server_->GetHealthCheckService()->SetServingStatus(false);
+    // In-flight calls finish on batcher workers, which keep running until after this.
+    server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+    server_->Wait();
+  }
+  batcher_.Shutdown();
+}
+
+}  // namespace attention::server

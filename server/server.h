@@ -1,0 +1,67 @@
+// The whole service in one object: compute pool, batcher, layer registry, gRPC server with
+// health and reflection. main.cc and the in-process tests both start it through here.
+#ifndef ATTENTION_SERVER_SERVER_H_
+#define ATTENTION_SERVER_SERVER_H_
+
+#include <memory>
+#include <string>
+
+#include <grpcpp/server.h>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "core/thread_pool.h"
+#include "server/attention_service.h"
+#include "server/batcher.h"
+#include "server/layer_registry.h"
+
+namespace attention::server {
+
+// Name, shape and seed of the built-in demo layer (BERT-base attention, as seed 000).
+inline constexpr char kDemoLayerName[] = "demo-bert-base";
+inline constexpr int64_t kDemoEmbedDim = 768;
+inline constexpr int64_t kDemoNumHeads = 12;
+inline constexpr uint64_t kDemoSeed = 0;
+
+struct ServerOptions {
+  // host:port to listen on; port 0 picks a free port (see AttentionServer::port()).
+  std::string listen_address = "0.0.0.0:50051";
+  // Compute threads; 0 means one per hardware thread.
+  int compute_threads = 0;
+  BatcherOptions batcher;
+  // Load kDemoLayerName with seeded weights at start-up.
+  bool demo_layer = true;
+  // Largest request or response message, bytes. >= 1 MiB; default 64 MiB.
+  int64_t max_message_bytes = int64_t{64} << 20;
+
+  absl::Status Validate() const;
+};
+
+// Thread-safe.
+class AttentionServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<AttentionServer>> Start(const ServerOptions& options);
+  ~AttentionServer();  // Shutdown(absl::ZeroDuration())
+
+  int port() const { return port_; }
+  LayerRegistry& registry() { return registry_; }
+
+  // Health turns NOT_SERVING, new calls are refused, calls in flight get up to `grace` to
+  // finish, then the batcher drains and stops. Idempotent.
+  void Shutdown(absl::Duration grace);
+
+ private:
+  explicit AttentionServer(const ServerOptions& options);
+
+  core::ThreadPool pool_;
+  Batcher batcher_;
+  LayerRegistry registry_;
+  AttentionServiceImpl service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+  bool shut_down_ = false;
+};
+
+}  // namespace attention::server
+
+#endif  // ATTENTION_SERVER_SERVER_H_

@@ -1,0 +1,259 @@
+#include "server/wire_convert.h"
+
+#include <algorithm>
+#include <array>
+#include <cctype>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/status_macros.h"
+
+namespace attention::server {
+namespace {
+
+using core::DType;
+using wire::CheckByteCount;
+using wire::CheckShape;
+using wire::ConvertDType;
+using wire::HasContent;
+using wire::ShapeString;
+
+template <typename... Args>
+absl::Status Invalid(const Args&... pieces) {
+  return absl::InvalidArgumentError(absl::StrCat(pieces...));
+}
+
+// A mask tensor: boolean keep flags (polarity resolved) or additive float bias.
+struct DecodedMask {
+  std::vector<int64_t> shape;
+  std::vector<uint8_t> keep;
+  std::vector<float> bias;
+};
+
+absl::StatusOr<DecodedMask> DecodeMask(const v1::Tensor& tensor, v1::BoolMaskPolarity polarity,
+                                       absl::string_view field) {
+  DecodedMask mask;
+  if (tensor.dtype() == v1::BOOL) {
+    ASSIGN_OR_RETURN(const int64_t count, CheckShape(tensor, field));
+    RETURN_IF_ERROR(CheckByteCount(tensor, DType::kBool, count, field));
+    const bool true_attends = polarity == v1::TRUE_ATTENDS;
+    mask.keep.resize(count);
+    for (int64_t e = 0; e < count; ++e) {
+      mask.keep[e] = (tensor.raw_data()[e] != 0) == true_attends;
+    }
+    mask.shape.assign(tensor.shape().begin(), tensor.shape().end());
+    return mask;
+  }
+  ASSIGN_OR_RETURN(FloatTensor decoded, DecodeFloatTensor(tensor, field));
+  mask.shape = std::move(decoded.shape);
+  mask.bias = std::move(decoded.values);
+  return mask;
+}
+
+}  // namespace
+
+absl::StatusOr<core::DType> OutputDType(v1::DataType requested, v1::DataType query_dtype) {
+  if (requested == v1::DATA_TYPE_UNSPECIFIED) {
+    return query_dtype == v1::DATA_TYPE_UNSPECIFIED ? DType::kFloat32
+                                                    : ConvertDType(query_dtype, "query.dtype");
+  }
+  ASSIGN_OR_RETURN(const DType dtype, ConvertDType(requested, "output_dtype"));
+  if (dtype == DType::kBool) return Invalid("output_dtype is BOOL; expected a float type");
+  return dtype;
+}
+
+absl::StatusOr<core::AttentionOptions> ConvertOptions(const v1::AttentionOptions& in,
+                                                      const core::AttentionDims& dims) {
+  core::AttentionOptions out;
+  out.causal = in.causal();
+  out.key_lengths.assign(in.key_lengths().begin(), in.key_lengths().end());
+  if (HasContent(in.key_padding_mask())) {
+    if (in.key_padding_mask().dtype() != v1::BOOL) {
+      return Invalid("options.key_padding_mask.dtype is ",
+                     v1::DataType_Name(in.key_padding_mask().dtype()),
+                     "; expected BOOL (use attn_mask for additive float masks)");
+    }
+    ASSIGN_OR_RETURN(DecodedMask mask, DecodeMask(in.key_padding_mask(), in.key_padding_polarity(),
+                                                  "options.key_padding_mask"));
+    if (mask.shape != std::vector<int64_t>{dims.batch, dims.kv_len}) {
+      return Invalid("options.key_padding_mask.shape ", ShapeString(mask.shape),
+                     " must be [B, Nk] = [", dims.batch, ", ", dims.kv_len, "]");
+    }
+    out.key_padding_keep = std::move(mask.keep);
+  }
+  if (HasContent(in.attn_mask())) {
+    ASSIGN_OR_RETURN(DecodedMask mask,
+                     DecodeMask(in.attn_mask(), in.attn_mask_polarity(), "options.attn_mask"));
+    if (mask.shape.size() > 4) {
+      return Invalid("options.attn_mask has rank ", mask.shape.size(),
+                     "; expected at most 4, broadcastable to [B, H, Nq, Nk]");
+    }
+    const size_t pad = 4 - mask.shape.size();
+    for (size_t d = 0; d < mask.shape.size(); ++d) out.attn_mask_dims[pad + d] = mask.shape[d];
+    out.attn_mask_keep = std::move(mask.keep);
+    out.attn_mask_bias = std::move(mask.bias);
+  }
+  if (in.has_scale()) out.scale = in.scale();
+  out.dropout_p = in.dropout_p();
+  out.dropout_seed = in.dropout_seed();
+  switch (in.need_weights()) {
+    case v1::NEED_WEIGHTS_NONE:
+      out.need_weights = core::NeedWeights::kNone;
+      break;
+    case v1::NEED_WEIGHTS_AVERAGED:
+      out.need_weights = core::NeedWeights::kAveraged;
+      break;
+    case v1::NEED_WEIGHTS_PER_HEAD:
+      out.need_weights = core::NeedWeights::kPerHead;
+      break;
+    default:
+      return Invalid("options.need_weights = ", static_cast<int>(in.need_weights()),
+                     " is not a known NeedWeights value");
+  }
+  for (auto [name, value] : {std::pair<const char*, int>{"key_padding_polarity",
+                                                         in.key_padding_polarity()},
+                             {"attn_mask_polarity", in.attn_mask_polarity()}}) {
+    if (!v1::BoolMaskPolarity_IsValid(value)) {
+      return Invalid("options.", name, " = ", value, " is not a known BoolMaskPolarity");
+    }
+  }
+  RETURN_IF_ERROR(out.Validate(dims));
+  return out;
+}
+
+core::MhaConfig ConvertConfig(const v1::LayerConfig& in) {
+  core::MhaConfig out;
+  out.embed_dim = in.embed_dim();
+  out.num_heads = in.num_heads();
+  out.num_kv_heads = in.num_kv_heads();
+  out.head_dim = in.head_dim();
+  out.v_head_dim = in.v_head_dim();
+  out.kdim = in.kdim();
+  out.vdim = in.vdim();
+  out.output_dim = in.output_dim();
+  out.qkv_bias = !in.no_qkv_bias();
+  out.output_bias = !in.no_output_bias();
+  out.output_projection = !in.skip_output_projection();
+  out.rope_theta = in.rope_theta();
+  out.always_causal = in.always_causal();
+  return out;
+}
+
+v1::LayerConfig ConfigToProto(const core::MhaConfig& in) {
+  v1::LayerConfig out;
+  out.set_embed_dim(in.embed_dim);
+  out.set_num_heads(in.num_heads);
+  out.set_num_kv_heads(in.num_kv_heads);
+  out.set_head_dim(in.head_dim);
+  out.set_v_head_dim(in.v_head_dim);
+  out.set_kdim(in.kdim);
+  out.set_vdim(in.vdim);
+  out.set_output_dim(in.output_dim);
+  out.set_no_qkv_bias(!in.qkv_bias);
+  out.set_no_output_bias(!in.output_bias);
+  out.set_skip_output_projection(!in.output_projection);
+  out.set_rope_theta(in.rope_theta);
+  out.set_always_causal(in.always_causal);
+  return out;
+}
+
+namespace {
+
+// Inline weights by this project's names (WEIGHT_NAMING_NATIVE), fused or separate QKV.
+absl::StatusOr<core::MhaWeights> ConvertNativeWeights(const v1::LayerWeights& in,
+                                                      const core::MhaConfig& config,
+                                                      absl::string_view field) {
+  core::MhaWeights weights;
+  std::vector<std::string> used;
+  auto take = [&](const std::string& name,
+                  const std::vector<int64_t>& shape) -> absl::StatusOr<std::vector<float>> {
+    const std::string tensor_field = absl::StrCat(field, ".tensors[\"", name, "\"]");
+    auto found = in.tensors().find(name);
+    if (found == in.tensors().end()) return Invalid(tensor_field, " is missing");
+    ASSIGN_OR_RETURN(FloatTensor tensor, DecodeFloatTensor(found->second, tensor_field));
+    if (tensor.shape != shape) {
+      return Invalid(tensor_field, " has shape ", ShapeString(tensor.shape), "; expected ",
+                     ShapeString(shape));
+    }
+    used.push_back(name);
+    return std::move(tensor.values);
+  };
+  const bool fused = in.tensors().count("qkv_proj.weight") > 0;
+  for (const core::MhaWeights::Slot& slot : core::MhaWeights::Slots(config)) {
+    const bool projection = slot.name.rfind("out_proj", 0) != 0;
+    if (fused && projection) continue;
+    ASSIGN_OR_RETURN(weights.*slot.member, take(slot.name, slot.shape));
+  }
+  if (fused) {
+    if (config.kdim != config.embed_dim || config.vdim != config.embed_dim) {
+      return Invalid(field, ".tensors[\"qkv_proj.weight\"]: a fused projection needs kdim (",
+                     config.kdim, ") and vdim (", config.vdim, ") equal to embed_dim (",
+                     config.embed_dim, ")");
+    }
+    const int64_t q = config.QWidth(), k = config.KWidth(), v = config.VWidth();
+    const int64_t e = config.embed_dim;
+    ASSIGN_OR_RETURN(std::vector<float> fused_weight, take("qkv_proj.weight", {q + k + v, e}));
+    weights.q_weight.assign(fused_weight.begin(), fused_weight.begin() + q * e);
+    weights.k_weight.assign(fused_weight.begin() + q * e, fused_weight.begin() + (q + k) * e);
+    weights.v_weight.assign(fused_weight.begin() + (q + k) * e, fused_weight.end());
+    if (config.qkv_bias) {
+      ASSIGN_OR_RETURN(std::vector<float> fused_bias, take("qkv_proj.bias", {q + k + v}));
+      weights.q_bias.assign(fused_bias.begin(), fused_bias.begin() + q);
+      weights.k_bias.assign(fused_bias.begin() + q, fused_bias.begin() + q + k);
+      weights.v_bias.assign(fused_bias.begin() + q + k, fused_bias.end());
+    }
+  }
+  for (const auto& [name, tensor] : in.tensors()) {
+    if (std::find(used.begin(), used.end(), name) == used.end()) {
+      return Invalid(field, ".tensors[\"", name, "\"] is not a weight of this layer config");
+    }
+  }
+  return weights;
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<const core::MhaLayer>> BuildLayer(const v1::LayerSpec& spec,
+                                                                  absl::string_view field) {
+  auto config = core::MhaConfig::Resolve(ConvertConfig(spec.config()));
+  if (!config.ok()) return Invalid(field, ".", config.status().message());
+  core::MhaWeights weights;
+  switch (spec.weights_case()) {
+    case v1::LayerSpec::kInlineWeights: {
+      const std::string weights_field = absl::StrCat(field, ".inline_weights");
+      if (spec.inline_weights().naming() != v1::WEIGHT_NAMING_NATIVE) {
+        return absl::UnimplementedError(absl::StrCat(
+            weights_field, ".naming = ", v1::WeightNaming_Name(spec.inline_weights().naming()),
+            " is not implemented yet; use WEIGHT_NAMING_NATIVE"));
+      }
+      ASSIGN_OR_RETURN(weights, ConvertNativeWeights(spec.inline_weights(), *config, weights_field));
+      break;
+    }
+    case v1::LayerSpec::kRandomInit:
+      weights = core::MhaWeights::Random(*config, spec.random_init().seed());
+      break;
+    case v1::LayerSpec::kSafetensors:
+      return absl::UnimplementedError(
+          absl::StrCat(field, ".safetensors: loading from the model repository is not implemented yet"));
+    case v1::LayerSpec::WEIGHTS_NOT_SET:
+      return Invalid(field, ".weights is not set: give inline_weights, safetensors or random_init");
+  }
+  return core::MhaLayer::Create(*config, std::move(weights));
+}
+
+absl::Status ValidateLayerName(absl::string_view name, absl::string_view field) {
+  if (name.empty() || name.size() > 128) {
+    return Invalid(field, " has ", name.size(), " characters; expected 1 to 128");
+  }
+  for (char ch : name) {
+    const bool allowed = std::isalnum(static_cast<unsigned char>(ch)) || ch == '.' || ch == '_' ||
+                         ch == '-';
+    if (!allowed) {
+      return Invalid(field, " \"", name, "\" has a character outside [A-Za-z0-9._-]");
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace attention::server

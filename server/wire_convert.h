@@ -1,0 +1,43 @@
+// Conversion between wire messages (attention.v1) and core types, with the validation
+// that gives every bad field a specific INVALID_ARGUMENT message.
+#ifndef ATTENTION_SERVER_WIRE_CONVERT_H_
+#define ATTENTION_SERVER_WIRE_CONVERT_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "attention/v1/attention.pb.h"
+#include "tensor_codec.h"
+#include "core/attention_options.h"
+#include "core/dtype.h"
+#include "core/mha_layer.h"
+
+namespace attention::server {
+
+using wire::DecodeFloatTensor;
+using wire::EncodeTensor;
+using wire::FloatTensor;
+
+// The dtype of the reply: output_dtype when set, else the dtype of the query.
+absl::StatusOr<core::DType> OutputDType(v1::DataType requested, v1::DataType query_dtype);
+
+// Converts options for an attention of `dims`, checking mask shapes and values.
+absl::StatusOr<core::AttentionOptions> ConvertOptions(const v1::AttentionOptions& options,
+                                                      const core::AttentionDims& dims);
+
+core::MhaConfig ConvertConfig(const v1::LayerConfig& config);
+v1::LayerConfig ConfigToProto(const core::MhaConfig& config);
+
+// Resolves the config and builds the weights named in `spec` (inline or random init).
+absl::StatusOr<std::shared_ptr<const core::MhaLayer>> BuildLayer(const v1::LayerSpec& spec,
+                                                                  absl::string_view field);
+
+// Layer names: 1-128 characters from [A-Za-z0-9._-].
+absl::Status ValidateLayerName(absl::string_view name, absl::string_view field);
+
+}  // namespace attention::server
+
+#endif  // ATTENTION_SERVER_WIRE_CONVERT_H_
