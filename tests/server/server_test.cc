@@ -1,0 +1,251 @@
+// End to end through a real gRPC server on a loopback port: results against the core
+// reference, seed 002 numbers, half precision, layer management, concurrency, health.
+#include <thread>
+
+#include <grpcpp/client_context.h>
+
+#include "tests/server/test_server.h"
+
+namespace attention::server::testing {
+namespace {
+
+using wire::DecodeFloatTensor;
+using wire::EncodeTensor;
+
+constexpr float kTolerance = 1e-4f;  // float32 GEMMs vs the double reference, values ~1
+
+void ExpectNear(const std::vector<float>& actual, const std::vector<float>& expected,
+                float tolerance, const std::string& what) {
+  ASSERT_EQ(actual.size(), expected.size()) << what;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    ASSERT_NEAR(actual[i], expected[i], tolerance) << what << " element " << i;
+  }
+}
+
+// What the core reference computes for a request on `layer`.
+core::AttentionResult ReferenceFor(const core::MhaLayer& layer,
+                                   const v1::MultiHeadAttentionRequest& request,
+                                   core::NeedWeights need, bool causal = false) {
+  auto query = DecodeFloatTensor(request.query(), "query");
+  EXPECT_TRUE(query.ok()) << query.status();
+  core::MhaInput input;
+  input.batch = query->shape[0];
+  input.q_len = input.kv_len = query->shape[1];
+  input.query = query->values;
+  input.options.need_weights = need;
+  input.options.causal = causal;
+  return layer.ForwardReference(input);
+}
+
+TEST_F(ServerTest, MultiHeadAttentionMatchesCoreReference) {
+  std::mt19937_64 rng(11);
+  v1::MultiHeadAttentionRequest request = DemoRequest(rng, 2, 7);
+  request.set_request_id("abc");
+  request.mutable_options()->set_need_weights(v1::NEED_WEIGHTS_PER_HEAD);
+  auto response = client_->MultiHeadAttention(request);
+  ASSERT_TRUE(response.ok()) << response.status();
+  EXPECT_EQ(response->request_id(), "abc");
+  EXPECT_EQ(response->layer_version(), 1u);
+  auto output = DecodeFloatTensor(response->output(), "output");
+  auto weights = DecodeFloatTensor(response->attention_weights(), "weights");
+  ASSERT_TRUE(output.ok() && weights.ok());
+  EXPECT_EQ(output->shape, (std::vector<int64_t>{2, 7, 768}));
+  EXPECT_EQ(weights->shape, (std::vector<int64_t>{2, 12, 7, 7}));
+  const core::AttentionResult expected =
+      ReferenceFor(*DemoLayer(), request, core::NeedWeights::kPerHead);
+  ExpectNear(output->values, expected.output, kTolerance, "output");
+  ExpectNear(weights->values, expected.weights, kTolerance, "weights");
+}
+
+TEST_F(ServerTest, ScaledDotProductAttentionReproducesSeed002) {
+  // Seed 002's naive attention: softmax(X X^T) X, unscaled, printed to 4 decimals.
+  const std::vector<float> inputs = {0.43f, 0.15f, 0.89f, 0.55f, 0.87f, 0.66f,
+                                     0.57f, 0.85f, 0.64f, 0.22f, 0.58f, 0.33f,
+                                     0.77f, 0.25f, 0.10f, 0.05f, 0.80f, 0.55f};
+  const std::vector<float> printed_context = {
+      0.4421f, 0.5931f, 0.5790f, 0.4419f, 0.6515f, 0.5683f, 0.4431f, 0.6496f, 0.5671f,
+      0.4304f, 0.6298f, 0.5510f, 0.4671f, 0.5910f, 0.5266f, 0.4177f, 0.6503f, 0.5645f};
+  const std::vector<float> printed_first_row = {0.2098f, 0.2006f, 0.1981f,
+                                                0.1242f, 0.1220f, 0.1452f};
+  v1::ScaledDotProductAttentionRequest request;
+  const std::vector<int64_t> shape = {1, 1, 6, 3};
+  for (v1::Tensor* tensor : {request.mutable_query(), request.mutable_key(), request.mutable_value()}) {
+    EncodeTensor(inputs, shape, core::DType::kFloat32, tensor);
+  }
+  request.mutable_options()->set_scale(1.0f);
+  request.mutable_options()->set_need_weights(v1::NEED_WEIGHTS_PER_HEAD);
+  auto response = client_->ScaledDotProductAttention(request);
+  ASSERT_TRUE(response.ok()) << response.status();
+  auto output = DecodeFloatTensor(response->output(), "output");
+  auto weights = DecodeFloatTensor(response->attention_weights(), "weights");
+  ASSERT_TRUE(output.ok() && weights.ok());
+  EXPECT_EQ(output->shape, shape);
+  ExpectNear(output->values, printed_context, 5e-5f, "context");
+  ExpectNear(std::vector<float>(weights->values.begin(), weights->values.begin() + 6),
+             printed_first_row, 5e-5f, "weights row 0");
+}
+
+TEST_F(ServerTest, HalfPrecisionInAndOut) {
+  std::mt19937_64 rng(12);
+  v1::MultiHeadAttentionRequest request = DemoRequest(rng, 1, 5);
+  const core::AttentionResult expected =
+      ReferenceFor(*DemoLayer(), request, core::NeedWeights::kNone);
+  auto query = DecodeFloatTensor(request.query(), "query");
+  for (auto [wire_type, dtype, tolerance] :
+       {std::tuple{v1::FLOAT16, core::DType::kFloat16, 5e-3f},
+        std::tuple{v1::BFLOAT16, core::DType::kBFloat16, 4e-2f}}) {
+    EncodeTensor(query->values, query->shape, dtype, request.mutable_query());
+    auto response = client_->MultiHeadAttention(request);
+    ASSERT_TRUE(response.ok()) << response.status();
+    EXPECT_EQ(response->output().dtype(), wire_type);
+    EXPECT_EQ(response->output().raw_data().size(), 5u * 768 * 2);
+    auto output = DecodeFloatTensor(response->output(), "output");
+    ExpectNear(output->values, expected.output, tolerance, v1::DataType_Name(wire_type));
+  }
+  // output_dtype overrides the query's dtype.
+  request.set_output_dtype(v1::FLOAT32);
+  auto response = client_->MultiHeadAttention(request);
+  ASSERT_TRUE(response.ok()) << response.status();
+  EXPECT_EQ(response->output().dtype(), v1::FLOAT32);
+}
+
+// Native-named weights for a tiny layer: E = 4, H = 2, with biases.
+v1::LoadLayerRequest TinyLayerRequest(const std::string& name, const core::MhaWeights& weights,
+                                      bool fused) {
+  v1::LoadLayerRequest request;
+  request.set_name(name);
+  v1::LayerSpec* spec = request.mutable_spec();
+  spec->mutable_config()->set_embed_dim(4);
+  spec->mutable_config()->set_num_heads(2);
+  auto* tensors = spec->mutable_inline_weights()->mutable_tensors();
+  auto put = [tensors](const std::string& tensor_name, const std::vector<float>& values,
+                       std::vector<int64_t> shape) {
+    EncodeTensor(values, shape, core::DType::kFloat32, &(*tensors)[tensor_name]);
+  };
+  if (fused) {
+    std::vector<float> w = weights.q_weight, b = weights.q_bias;
+    w.insert(w.end(), weights.k_weight.begin(), weights.k_weight.end());
+    w.insert(w.end(), weights.v_weight.begin(), weights.v_weight.end());
+    b.insert(b.end(), weights.k_bias.begin(), weights.k_bias.end());
+    b.insert(b.end(), weights.v_bias.begin(), weights.v_bias.end());
+    put("qkv_proj.weight", w, {12, 4});
+    put("qkv_proj.bias", b, {12});
+  } else {
+    put("q_proj.weight", weights.q_weight, {4, 4});
+    put("k_proj.weight", weights.k_weight, {4, 4});
+    put("v_proj.weight", weights.v_weight, {4, 4});
+    put("q_proj.bias", weights.q_bias, {4});
+    put("k_proj.bias", weights.k_bias, {4});
+    put("v_proj.bias", weights.v_bias, {4});
+  }
+  put("out_proj.weight", weights.out_weight, {4, 4});
+  put("out_proj.bias", weights.out_bias, {4});
+  return request;
+}
+
+TEST_F(ServerTest, LoadInlineWeightsFusedAndSeparate) {
+  core::MhaConfig config;
+  config.embed_dim = 4;
+  config.num_heads = 2;
+  const core::MhaConfig resolved = *core::MhaConfig::Resolve(config);
+  const core::MhaWeights weights = core::MhaWeights::Random(resolved, 77);
+  const auto layer = *core::MhaLayer::Create(resolved, weights);
+  std::mt19937_64 rng(13);
+  const std::vector<float> query = RandomValues(rng, 3 * 4);
+  for (bool fused : {false, true}) {
+    const std::string name = fused ? "tiny-fused" : "tiny";
+    auto info = client_->LoadLayer(TinyLayerRequest(name, weights, fused));
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->parameter_count(), 4 * 4 * 4 + 4 * 4);
+    EXPECT_EQ(info->config().head_dim(), 2);
+    v1::MultiHeadAttentionRequest request;
+    request.set_layer(name);
+    EncodeTensor(query, std::vector<int64_t>{1, 3, 4}, core::DType::kFloat32,
+                 request.mutable_query());
+    auto response = client_->MultiHeadAttention(request);
+    ASSERT_TRUE(response.ok()) << response.status();
+    ExpectNear(DecodeFloatTensor(response->output(), "output")->values,
+               ReferenceFor(*layer, request, core::NeedWeights::kNone).output, kTolerance, name);
+  }
+}
+
+TEST_F(ServerTest, ReloadBumpsVersionAndUnloadRemoves) {
+  v1::LoadLayerRequest load;
+  load.set_name("scratch");
+  load.mutable_spec()->mutable_config()->set_embed_dim(8);
+  load.mutable_spec()->mutable_config()->set_num_heads(2);
+  load.mutable_spec()->mutable_random_init()->set_seed(5);
+  auto first = client_->LoadLayer(load);
+  auto second = client_->LoadLayer(load);
+  ASSERT_TRUE(first.ok() && second.ok());
+  EXPECT_GT(second->version(), first->version());
+  auto layers = client_->ListLayers();
+  ASSERT_TRUE(layers.ok());
+  ASSERT_EQ(layers->size(), 2u);
+  EXPECT_EQ((*layers)[0].name(), kDemoLayerName);
+  EXPECT_EQ((*layers)[1].name(), "scratch");
+  ASSERT_TRUE(client_->UnloadLayer("scratch").ok());
+  EXPECT_EQ(client_->GetLayer("scratch").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->UnloadLayer("scratch").code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(ServerTest, ConcurrentCallersGetTheirOwnAnswers) {
+  // Many callers at once, so the batcher packs requests of different shapes and options
+  // together; interleaved bad requests must not disturb anyone else's result.
+  const uint64_t seed = 2026;
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const auto layer = DemoLayer();
+  constexpr int kThreads = 6, kRequestsPerThread = 6;
+  std::vector<std::thread> threads;
+  std::atomic<int> checked{0};
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937_64 rng(seed + t);
+      for (int r = 0; r < kRequestsPerThread; ++r) {
+        const int64_t batch = 1 + rng() % 2, tokens = 1 + rng() % 20;
+        v1::MultiHeadAttentionRequest request = DemoRequest(rng, batch, tokens);
+        const bool causal = rng() % 2;
+        request.mutable_options()->set_causal(causal);
+        request.set_request_id(std::to_string(t) + "/" + std::to_string(r));
+        if (r % 3 == 2) {  // a malformed neighbour in the same stream of work
+          v1::MultiHeadAttentionRequest bad = request;
+          bad.mutable_query()->mutable_raw_data()->pop_back();
+          EXPECT_EQ(client_->MultiHeadAttention(bad).status().code(),
+                    absl::StatusCode::kInvalidArgument);
+        }
+        auto response = client_->MultiHeadAttention(request);
+        ASSERT_TRUE(response.ok()) << response.status();
+        EXPECT_EQ(response->request_id(), request.request_id());
+        const auto expected = ReferenceFor(*layer, request, core::NeedWeights::kNone, causal);
+        ExpectNear(DecodeFloatTensor(response->output(), "output")->values, expected.output,
+                   kTolerance, request.request_id());
+        ++checked;
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_EQ(checked.load(), kThreads * kRequestsPerThread);
+}
+
+TEST_F(ServerTest, HealthReportsServing) {
+  for (const std::string service : {"", "attention.v1.AttentionService"}) {
+    auto serving = client_->IsServing(service);
+    ASSERT_TRUE(serving.ok()) << serving.status();
+    EXPECT_TRUE(*serving) << service;
+  }
+  EXPECT_EQ(client_->IsServing("no.such.Service").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(ServerTest, StreamAnswersUnimplementedWithAMessage) {
+  auto stub = v1::AttentionService::NewStub(client_->channel());
+  grpc::ClientContext context;
+  auto stream = stub->MultiHeadAttentionStream(&context);
+  v1::MultiHeadAttentionStreamResponse response;
+  EXPECT_FALSE(stream->Read(&response));
+  const grpc::Status status = stream->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  EXPECT_NE(status.error_message().find("MultiHeadAttentionStream"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace attention::server::testing

@@ -1,0 +1,57 @@
+// An in-process server on a free loopback port plus a client connected to it.
+#ifndef ATTENTION_TESTS_SERVER_TEST_SERVER_H_
+#define ATTENTION_TESTS_SERVER_TEST_SERVER_H_
+
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "client/attention_client.h"
+#include "gtest/gtest.h"
+#include "server/server.h"
+#include "tensor_codec.h"
+
+namespace attention::server::testing {
+
+class ServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ServerOptions options;
+    options.listen_address = "127.0.0.1:0";
+    options.compute_threads = 2;
+    auto started = AttentionServer::Start(options);
+    ASSERT_TRUE(started.ok()) << started.status();
+    server_ = std::move(*started);
+    client_ = std::make_unique<client::AttentionClient>("127.0.0.1:" +
+                                                        std::to_string(server_->port()));
+  }
+
+  std::shared_ptr<const core::MhaLayer> DemoLayer() {
+    return (*server_->registry().Get(kDemoLayerName))->layer;
+  }
+
+  std::unique_ptr<AttentionServer> server_;
+  std::unique_ptr<client::AttentionClient> client_;
+};
+
+inline std::vector<float> RandomValues(std::mt19937_64& rng, size_t count) {
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  std::vector<float> values(count);
+  for (float& v : values) v = uniform(rng);
+  return values;
+}
+
+// A valid request for the demo layer: query [batch, tokens, 768] of random values.
+inline v1::MultiHeadAttentionRequest DemoRequest(std::mt19937_64& rng, int64_t batch,
+                                                 int64_t tokens) {
+  v1::MultiHeadAttentionRequest request;
+  request.set_layer(kDemoLayerName);
+  const std::vector<int64_t> shape = {batch, tokens, kDemoEmbedDim};
+  wire::EncodeTensor(RandomValues(rng, batch * tokens * kDemoEmbedDim), shape,
+                     core::DType::kFloat32, request.mutable_query());
+  return request;
+}
+
+}  // namespace attention::server::testing
+
+#endif  // ATTENTION_TESTS_SERVER_TEST_SERVER_H_
