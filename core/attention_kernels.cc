@@ -7,6 +7,9 @@
 #include <vector>
 
 #include <cblas.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace attention::core {
 namespace {
@@ -15,45 +18,84 @@ int64_t KvHead(const AttentionDims& dims, int64_t h) {
   return h / (dims.num_heads / dims.num_kv_heads);
 }
 
-// exp(x) for x <= 0 with |relative error| < 2e-7; -inf and anything below -87 give 0.
-// Written branch-free so the compiler vectorizes it for each target clone.
-__attribute__((target_clones("arch=haswell", "default"))) float ExpAndSum(float* values,
-                                                                          int64_t count,
-                                                                          float shift) {
+// Softmax row helpers. The AVX2+FMA versions are chosen at run time when the CPU has them;
+// the portable versions are the fallback (and what non-x86 builds compile).
+#if defined(__x86_64__)
+__attribute__((target("avx2,fma"))) float HorizontalSum(__m256 v) {
+  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+  sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
+  return _mm_cvtss_f32(sum);
+}
+
+// exp(x - shift) in place for x - shift <= 0 (|relative error| < 2e-7; below -87, and -inf,
+// give exactly 0): 2^n * P(f) with n = round(x / ln2) and a degree-6 polynomial. Returns the sum.
+__attribute__((target("avx2,fma"))) float ExpAndSumAvx2(float* values, int64_t count,
+                                                        float shift) {
+  const __m256 shift_v = _mm256_set1_ps(shift), lowest = _mm256_set1_ps(-87.0f);
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  const __m256 ln2 = _mm256_set1_ps(0.693147180559945309f);
+  const float coefficients[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+  __m256 sum = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= count; j += 8) {
+    const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(values + j), shift_v);
+    const __m256 in_range = _mm256_cmp_ps(x, lowest, _CMP_GE_OQ);
+    const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, lowest), log2e);
+    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), ln2);
+    __m256 p = _mm256_set1_ps(coefficients[0]);
+    for (int c = 1; c < 7; ++c) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(coefficients[c]));
+    const __m256i exponent =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256 e = _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(exponent)), in_range);
+    _mm256_storeu_ps(values + j, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  float total = HorizontalSum(sum);
+  for (; j < count; ++j) {
+    values[j] = std::exp(values[j] - shift);
+    total += values[j];
+  }
+  return total;
+}
+
+__attribute__((target("avx2,fma"))) float RowMaxAvx2(const float* values, int64_t count) {
+  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 8 <= count; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(values + j));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float result = *std::max_element(lanes, lanes + 8);
+  for (; j < count; ++j) result = std::max(result, values[j]);
+  return result;
+}
+
+const bool kHasAvx2Fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+constexpr bool kHasAvx2Fma = false;
+float ExpAndSumAvx2(float*, int64_t, float) { return 0.0f; }
+float RowMaxAvx2(const float*, int64_t) { return 0.0f; }
+#endif
+
+float ExpAndSum(float* values, int64_t count, float shift) {
+  if (kHasAvx2Fma) return ExpAndSumAvx2(values, count, shift);
   float sum = 0.0f;
   for (int64_t j = 0; j < count; ++j) {
-    const float x = values[j] - shift;
-    const float clamped = std::max(x, -87.0f);
-    const float t = clamped * 1.44269504088896341f;
-    const float n = std::floor(t + 0.5f);
-    const float f = (t - n) * 0.693147180559945309f;  // |f| <= ln2/2
-    float p = 1.0f / 720.0f;
-    p = p * f + 1.0f / 120.0f;
-    p = p * f + 1.0f / 24.0f;
-    p = p * f + 1.0f / 6.0f;
-    p = p * f + 0.5f;
-    p = p * f + 1.0f;
-    p = p * f + 1.0f;
-    int32_t exponent_bits = (static_cast<int32_t>(n) + 127) << 23;
-    float two_to_n;
-    std::memcpy(&two_to_n, &exponent_bits, sizeof(two_to_n));
-    const float e = x < -87.0f ? 0.0f : p * two_to_n;
-    values[j] = e;
-    sum += e;
+    values[j] = std::exp(values[j] - shift);
+    sum += values[j];
   }
   return sum;
 }
 
-__attribute__((target_clones("arch=haswell", "default"))) float RowMax(const float* values,
-                                                                       int64_t count) {
+float RowMax(const float* values, int64_t count) {
+  if (kHasAvx2Fma) return RowMaxAvx2(values, count);
   float m = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < count; ++j) m = std::max(m, values[j]);
   return m;
 }
 
-__attribute__((target_clones("arch=haswell", "default"))) void ScaleRow(float* values,
-                                                                        int64_t count,
-                                                                        float factor) {
+void ScaleRow(float* values, int64_t count, float factor) {
   for (int64_t j = 0; j < count; ++j) values[j] *= factor;
 }
 

@@ -1,0 +1,140 @@
+// Microbenchmarks of the CPU core, reported as useful GFLOPS next to OpenBLAS sgemm in the
+// same run. Useful FLOPs per sequence of N tokens: 8*N*E^2 for the four projections plus
+// 4*N^2*E for attention (half of that when causal).
+//
+//   build/bench/attention_bench --benchmark_counters_tabular=true
+#include <cblas.h>
+
+#include <random>
+#include <vector>
+
+#include "benchmark/benchmark.h"
+#include "core/mha_layer.h"
+#include "core/thread_pool.h"
+
+namespace attention::core {
+namespace {
+
+std::vector<float> RandomValues(size_t count, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  std::vector<float> values(count);
+  for (float& v : values) v = uniform(rng);
+  return values;
+}
+
+double UsefulFlops(int64_t tokens, int64_t embed_dim, bool causal) {
+  const double n = static_cast<double>(tokens), e = static_cast<double>(embed_dim);
+  return 8.0 * n * e * e + (causal ? 2.0 : 4.0) * n * n * e;
+}
+
+void SetGflops(benchmark::State& state, double flops_per_iteration) {
+  state.counters["GFLOPS"] = benchmark::Counter(flops_per_iteration * state.iterations() / 1e9,
+                                                benchmark::Counter::kIsRate);
+}
+
+// OpenBLAS sgemm, square n, with its own threading: the hardware reference.
+void BM_Sgemm(benchmark::State& state) {
+  const int64_t n = state.range(0);
+  openblas_set_num_threads(static_cast<int>(state.range(1)));
+  const auto a = RandomValues(n * n, 1), b = RandomValues(n * n, 2);
+  std::vector<float> c(n * n);
+  for (auto _ : state) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(),
+                n, 0.0f, c.data(), n);
+    benchmark::DoNotOptimize(c.data());
+  }
+  SetGflops(state, 2.0 * n * n * n);
+}
+BENCHMARK(BM_Sgemm)->ArgNames({"n", "threads"})->Args({1024, 1})->Args({1024, 2})->UseRealTime();
+
+// Sequence lengths of one batch; all equal unless ragged.
+void RunMha(benchmark::State& state, const std::vector<int64_t>& lengths, int64_t embed_dim,
+            int64_t heads, bool causal, int threads) {
+  MhaConfig config;
+  config.embed_dim = embed_dim;
+  config.num_heads = heads;
+  const MhaConfig resolved = *MhaConfig::Resolve(config);
+  auto layer = *MhaLayer::Create(resolved, MhaWeights::Random(resolved, 7));
+  ThreadPool pool(threads);
+  std::vector<std::vector<float>> queries;
+  std::vector<MhaInput> inputs(lengths.size());
+  double flops = 0;
+  for (size_t s = 0; s < lengths.size(); ++s) {
+    queries.push_back(RandomValues(lengths[s] * embed_dim, s));
+    inputs[s].batch = 1;
+    inputs[s].q_len = inputs[s].kv_len = lengths[s];
+    inputs[s].query = queries.back();
+    inputs[s].options.causal = causal;
+    flops += UsefulFlops(lengths[s], embed_dim, causal);
+  }
+  std::vector<const MhaInput*> pointers;
+  for (const MhaInput& in : inputs) pointers.push_back(&in);
+  for (auto _ : state) benchmark::DoNotOptimize(layer->ForwardBatch(pointers, pool));
+  SetGflops(state, flops);
+}
+
+// The shapes: S1 B=32 N=128, S2 B=8 N=512, S3 B=1 N=2048 causal, S4 B=256 N=16,
+// all E=768 with 12 heads. Arg: threads.
+void BM_MhaS1(benchmark::State& s) { RunMha(s, std::vector<int64_t>(32, 128), 768, 12, false, s.range(0)); }
+void BM_MhaS2(benchmark::State& s) { RunMha(s, std::vector<int64_t>(8, 512), 768, 12, false, s.range(0)); }
+void BM_MhaS3(benchmark::State& s) { RunMha(s, {2048}, 768, 12, true, s.range(0)); }
+void BM_MhaS4(benchmark::State& s) { RunMha(s, std::vector<int64_t>(256, 16), 768, 12, false, s.range(0)); }
+BENCHMARK(BM_MhaS1)->ArgName("threads")->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_MhaS2)->ArgName("threads")->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_MhaS3)->ArgName("threads")->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_MhaS4)->ArgName("threads")->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
+
+// S5: one causal sequence of 65536 tokens, E=512, 8 heads (scores would need 128 GiB if
+// materialised). Run alone: --benchmark_filter=S5.
+void BM_MhaS5(benchmark::State& s) { RunMha(s, {65536}, 512, 8, true, s.range(0)); }
+BENCHMARK(BM_MhaS5)->ArgName("threads")->Arg(2)->UseRealTime()->Iterations(1)->Unit(benchmark::kSecond);
+
+// Ragged: 24 sequences with lengths spread over 16..512 packed into one batch, against the
+// same sequences one batch each, and against padding every sequence to the longest.
+std::vector<int64_t> RaggedLengths() {
+  std::mt19937_64 rng(5);
+  std::vector<int64_t> lengths(24);
+  for (int64_t& n : lengths) n = std::uniform_int_distribution<int64_t>(16, 512)(rng);
+  return lengths;
+}
+void BM_MhaRaggedPacked(benchmark::State& s) { RunMha(s, RaggedLengths(), 768, 12, false, 2); }
+void BM_MhaRaggedPadded(benchmark::State& s) {
+  const auto lengths = RaggedLengths();
+  const int64_t longest = *std::max_element(lengths.begin(), lengths.end());
+  RunMha(s, std::vector<int64_t>(lengths.size(), longest), 768, 12, false, 2);
+}
+void BM_MhaRaggedOneByOne(benchmark::State& state) {
+  // Sum of each sequence run alone; GFLOPS counted on the same useful work as packed.
+  MhaConfig config;
+  config.embed_dim = 768;
+  config.num_heads = 12;
+  const MhaConfig resolved = *MhaConfig::Resolve(config);
+  auto layer = *MhaLayer::Create(resolved, MhaWeights::Random(resolved, 7));
+  ThreadPool pool(2);
+  const auto lengths = RaggedLengths();
+  std::vector<std::vector<float>> queries;
+  std::vector<MhaInput> inputs(lengths.size());
+  double flops = 0;
+  for (size_t s = 0; s < lengths.size(); ++s) {
+    queries.push_back(RandomValues(lengths[s] * 768, s));
+    inputs[s].q_len = inputs[s].kv_len = lengths[s];
+    inputs[s].query = queries.back();
+    flops += UsefulFlops(lengths[s], 768, false);
+  }
+  for (auto _ : state) {
+    for (const MhaInput& in : inputs) {
+      const MhaInput* one = &in;
+      benchmark::DoNotOptimize(layer->ForwardBatch(absl::MakeConstSpan(&one, 1), pool));
+    }
+  }
+  SetGflops(state, flops);
+}
+BENCHMARK(BM_MhaRaggedPacked)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_MhaRaggedOneByOne)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_MhaRaggedPadded)->UseRealTime()->Unit(benchmark::kMillisecond);
+
+}  // namespace
+}  // namespace attention::core
+
+BENCHMARK_MAIN();
