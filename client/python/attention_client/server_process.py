@@ -1,0 +1,113 @@
+"""Starts an attention-server binary on a free loopback port (for tests and examples).
+
+    with ServerProcess("build/server/attention-server", "--compute_threads=2") as server:
+        client = AttentionClient(server.target)
+    # leaving the block sends SIGTERM; server.returncode holds the exit code
+
+The port is read from the server's "attention-service listening on port N" line, polled
+with select() and a deadline; nothing here sleeps. Every port the server opens is bound to
+0: when the binary has a --metrics_listen flag, the metrics endpoint gets 127.0.0.1:0 too
+(unless the caller passes its own --metrics_listen).
+"""
+
+import os
+import re
+import select
+import signal
+import subprocess
+import tempfile
+import time
+
+_PORT_LINE = re.compile(rb"attention-service listening on port (\d+)")
+
+
+class ServerProcess:
+    def __init__(self, binary, *flags, listen="127.0.0.1:0", start_timeout=60.0):
+        self.binary = binary
+        self.flags = list(flags)
+        self.listen = listen
+        self.start_timeout = start_timeout
+        self.process = None
+        self.port = None
+        self.returncode = None
+        self._stderr = None
+
+    @property
+    def target(self):
+        return "127.0.0.1:%d" % self.port
+
+    def _extra_flags(self):
+        if any(f.startswith("--metrics_listen") for f in self.flags):
+            return []
+        try:
+            help_text = subprocess.run([self.binary, "--helpfull"], stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, timeout=30).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return []
+        return ["--metrics_listen=127.0.0.1:0"] if b"metrics_listen" in help_text else []
+
+    def start(self):
+        self._stderr = tempfile.TemporaryFile()
+        args = [self.binary, "--listen=" + self.listen] + self._extra_flags() + self.flags
+        self.process = subprocess.Popen(args,
+                                        stdout=subprocess.PIPE, stderr=self._stderr)
+        deadline = time.monotonic() + self.start_timeout
+        fd = self.process.stdout.fileno()
+        seen = b""
+        while True:
+            match = _PORT_LINE.search(seen)
+            if match and b"\n" in seen[match.end():]:
+                self.port = int(match.group(1))
+                return self
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.kill()
+                raise RuntimeError("server did not print its port within %.0f s; stderr:\n%s"
+                                   % (self.start_timeout, self.stderr_text()))
+            ready, _, _ = select.select([fd], [], [], remaining)
+            if ready:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    code = self.process.wait()
+                    raise RuntimeError("server exited with %s before listening; stderr:\n%s"
+                                       % (code, self.stderr_text()))
+                seen += chunk
+
+    def stderr_text(self):
+        if self._stderr is None:
+            return ""
+        self._stderr.seek(0)
+        return self._stderr.read().decode(errors="replace")
+
+    def stop(self, timeout=60.0):
+        """SIGTERM, wait for exit, return the exit code."""
+        if self.process is None:
+            return self.returncode
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            self.returncode = self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise RuntimeError("server did not exit within %.0f s of SIGTERM" % timeout)
+        self.process.stdout.close()
+        return self.returncode
+
+    def kill(self):
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.returncode = self.process.wait()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, exc_type, *exc):
+        if exc_type is not None:
+            # Keep the original error; still do not leave the server running.
+            try:
+                self.stop()
+            except Exception:
+                self.kill()
+            return False
+        self.stop()
+        return False

@@ -1,0 +1,87 @@
+#!/usr/bin/python3
+"""The real attention-cli against a real attention-server (demo layer) on a free port.
+
+usage: test_cli_demo.py PATH/TO/attention-server PATH/TO/attention-cli
+
+Checks that the CLI prints "attention output shape [1, 5, 768]" for the seed sentence and
+5 attention-weight rows of 5 values that each sum to ~1 (printed with 4 decimals, so the
+bound is 5 * 0.5e-4 plus float slack); with --causal --dtype=bfloat16 the rows are
+lower-triangular (and sum to 1 within bfloat16 precision); an unknown layer is NOT_FOUND.
+"""
+
+import re
+import subprocess
+import sys
+
+import harness
+
+WORDS = ["time", "flies", "like", "an", "arrow"]
+
+
+def weight_rows(stdout):
+    lines = stdout.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("attention weights (")),
+                 None)
+    if start is None:
+        return None
+    rows = []
+    for line in lines[start + 1:]:
+        m = re.match(r"\s+(\S+)\s+\[(.*)\]\s*$", line)
+        if not m:
+            break
+        rows.append((m.group(1), [float(v) for v in m.group(2).split(",")]))
+    return rows
+
+
+def run_cli(t, cli, target, *flags, sum_tolerance=5 * 0.5e-4 + 1e-4):
+    label = "attention-cli " + " ".join(flags)
+    result = subprocess.run([cli, "--target=" + target] + list(flags), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, timeout=120)
+    print("$ %s\n%s" % (label, result.stdout), flush=True)
+    if not t.check(result.returncode == 0, "%s exited %d: %s" % (label, result.returncode,
+                                                                 result.stderr)):
+        return None
+    t.check("attention output shape [1, 5, 768]" in result.stdout,
+            "%s: no 'attention output shape [1, 5, 768]' line" % label)
+    rows = weight_rows(result.stdout)
+    if not t.check(rows is not None and len(rows) == 5, "%s: want 5 weight rows, got %s"
+                   % (label, rows)):
+        return None
+    t.check([w for w, _ in rows] == WORDS, "%s: row labels %s" % (label, [w for w, _ in rows]))
+    for word, values in rows:
+        t.check(len(values) == 5, "%s: row %s has %d values" % (label, word, len(values)))
+        t.check(abs(sum(values) - 1.0) <= sum_tolerance and min(values) >= 0,
+                "%s: row %s = %s sums to %.5f, want ~1" % (label, word, values, sum(values)))
+    return rows
+
+
+def main():
+    if len(sys.argv) != 3:
+        sys.exit(__doc__)
+    server_bin, cli = sys.argv[1], sys.argv[2]
+    t = harness.Checker("test_cli_demo")
+    server = harness.ServerProcess(server_bin, "--compute_threads=2").start()
+    try:
+        run_cli(t, cli, server.target)
+        # bfloat16 weights carry 8 significant bits: each value of ~0.2 is off by up to
+        # 2^-11, so 5 of them may miss 1 by 5 * 2^-11 ~ 2.5e-3 (plus the print rounding).
+        rows = run_cli(t, cli, server.target, "--causal", "--dtype=bfloat16",
+                       sum_tolerance=5 * 2.0 ** -11 + 5 * 0.5e-4)
+        if rows:
+            for i, (word, values) in enumerate(rows):
+                t.check(all(v == 0.0 for v in values[i + 1:]),
+                        "--causal: row %s attends to later tokens: %s" % (word, values))
+        # A wrong layer name is reported, not crashed on.
+        bad = subprocess.run([cli, "--target=" + server.target, "--layer=no-such-layer"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             timeout=120)
+        t.check(bad.returncode != 0 and "NOT_FOUND" in bad.stderr,
+                "unknown layer: exit %d, stderr %r" % (bad.returncode, bad.stderr))
+    except BaseException:
+        server.kill()
+        raise
+    t.finish(server)
+
+
+if __name__ == "__main__":
+    main()

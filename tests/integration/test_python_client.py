@@ -1,0 +1,214 @@
+#!/usr/bin/python3
+"""The Python client package against a real attention-server on a free port.
+
+usage: test_python_client.py PATH/TO/attention-server
+
+Checks: health SERVING; the demo layer through MultiHeadAttention in float32, float16 and
+bfloat16; ScaledDotProductAttention against a numpy reference; LoadLayer / GetLayer /
+ListLayers / UnloadLayer with inline and random weights; malformed requests answered
+INVALID_ARGUMENT / NOT_FOUND; the server exits 0 on SIGTERM.
+"""
+
+import grpc
+import numpy as np
+
+import harness
+import attention_client as ac
+from attention_client import AttentionClient, tensors
+
+DEMO = "demo-bert-base"
+
+
+def softmax(x):
+    x = x - x.max(axis=-1, keepdims=True)
+    e = np.exp(x)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def mha_reference(x, w, heads):
+    """float64 numpy MHA with native weights (self-attention, no masks)."""
+    x = x.astype(np.float64)
+    b, n, e = x.shape
+    proj = lambda name: x @ w[name + ".weight"].T.astype(np.float64) + w[name + ".bias"]
+    d = e // heads
+    q, k, v = (proj(p).reshape(b, n, heads, d).transpose(0, 2, 1, 3)
+               for p in ("q_proj", "k_proj", "v_proj"))
+    p = softmax(q @ k.transpose(0, 1, 3, 2) / np.sqrt(d))
+    ctx = (p @ v).transpose(0, 2, 1, 3).reshape(b, n, e)
+    return ctx @ w["out_proj.weight"].T + w["out_proj.bias"], p.mean(axis=1)
+
+
+def check_codec(t):
+    # bfloat16 bit patterns: exact values, round-to-nearest-even, NaN stays NaN.
+    values = np.array([1.0, -2.0, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, 3.140625, np.inf, np.nan],
+                      dtype=np.float32)
+    bits = ac.float32_to_bfloat16_bits(values)
+    t.check(list(bits[:6]) == [0x3F80, 0xC000, 0x3F80, 0x3F82, 0x4049, 0x7F80],
+            "bfloat16 bits %s" % [hex(v) for v in bits])
+    back = ac.bfloat16_bits_to_float32(bits)
+    t.check(np.isnan(back[6]) and back[3] == np.float32(1.0 + 2 * 2 ** -7),
+            "bfloat16 decode %s" % back)
+    x = np.random.default_rng(1).normal(size=(2, 3, 4)).astype(np.float32)
+    for dtype in ("float32", "float16", "bfloat16"):
+        y = ac.decode(ac.encode(x, dtype))
+        t.check(y.shape == x.shape and np.array_equal(y, ac.round_to_dtype(x, dtype)),
+                "%s encode/decode round trip" % dtype)
+        rel = np.max(np.abs(y - x) / np.abs(x))
+        t.check(rel <= {"float32": 0, "float16": 2 ** -11, "bfloat16": 2 ** -8}[dtype],
+                "%s rounding error %g" % (dtype, rel))
+    mask = np.array([[True, False, True]])
+    t.check(np.array_equal(ac.decode(ac.encode(mask)), mask), "bool round trip")
+
+
+def check_demo_layer(t, client):
+    info = client.get_layer(DEMO)
+    t.check(info.config.embed_dim == 768 and info.config.num_heads == 12,
+            "demo layer config %s" % info.config)
+    t.check(any(layer.name == DEMO for layer in client.list_layers()), "demo layer listed")
+    x = np.random.default_rng(7).normal(size=(1, 5, 768)).astype(np.float32)
+    results = {}
+    for dtype, enum, tol in (("float32", tensors.FLOAT32, 0.0),
+                             ("float16", tensors.FLOAT16, 2e-3),
+                             ("bfloat16", tensors.BFLOAT16, 2e-2)):
+        r = client.multi_head_attention(x, layer=DEMO, dtype=dtype, need_weights="averaged",
+                                        request_id="py-" + dtype)
+        results[dtype] = r
+        t.check(r.output.shape == (1, 5, 768), "%s output shape %s" % (dtype, r.output.shape))
+        t.check(r.weights is not None and r.weights.shape == (1, 5, 5),
+                "%s weights shape %s" % (dtype, None if r.weights is None else r.weights.shape))
+        t.check(r.output_dtype == enum, "%s answered in dtype %d" % (dtype, r.output_dtype))
+        t.check(r.request_id == "py-" + dtype, "request id echoed: %r" % r.request_id)
+        t.check(np.all(np.isfinite(r.output)), "%s output finite" % dtype)
+        if r.weights is not None:
+            t.check(np.allclose(r.weights.sum(-1), 1.0, atol=1e-2 + tol),
+                    "%s weight rows sum to 1: %s" % (dtype, r.weights.sum(-1)))
+        if dtype != "float32":
+            # Same layer on the rounded input in float32, then compare within the dtype's
+            # precision (output rounded once more on the way out).
+            ref = client.multi_head_attention(ac.round_to_dtype(x, dtype), layer=DEMO).output
+            err = np.max(np.abs(r.output - ref) / (np.abs(ref) + 1e-2))
+            t.check(err <= tol, "%s output vs float32 on rounded input: rel err %g > %g"
+                    % (dtype, err, tol))
+    r = client.multi_head_attention(x, layer=DEMO, output_dtype="bfloat16")
+    t.check(r.output_dtype == tensors.BFLOAT16, "output_dtype=bfloat16 honoured")
+    t.check(np.max(np.abs(r.output - results["float32"].output)) < 2e-2 * max(
+        1.0, np.max(np.abs(r.output))), "bfloat16 output close to float32 output")
+    r = client.multi_head_attention(x, layer=DEMO)
+    t.check(r.weights is None, "no weights unless asked")
+
+
+def check_sdpa(t, client):
+    rng = np.random.default_rng(3)
+    b, h, hkv, nq, nk, dk, dv = 2, 4, 2, 5, 7, 8, 6
+    q = rng.normal(size=(b, h, nq, dk)).astype(np.float32)
+    k = rng.normal(size=(b, hkv, nk, dk)).astype(np.float32)
+    v = rng.normal(size=(b, hkv, nk, dv)).astype(np.float32)
+    r = client.scaled_dot_product_attention(q, k, v, causal=True, need_weights="per_head")
+    kr, vr = np.repeat(k, h // hkv, axis=1), np.repeat(v, h // hkv, axis=1)
+    s = q.astype(np.float64) @ kr.transpose(0, 1, 3, 2) / np.sqrt(dk)
+    allowed = np.arange(nk)[None, :] <= np.arange(nq)[:, None] + (nk - nq)
+    p = softmax(np.where(allowed, s, -np.inf))
+    t.check(r.output.shape == (b, h, nq, dv), "sdpa output shape %s" % (r.output.shape,))
+    t.check(np.allclose(r.output, p @ vr, atol=1e-5), "sdpa output vs numpy, max err %g"
+            % np.max(np.abs(r.output - p @ vr)))
+    t.check(np.allclose(r.weights, p, atol=1e-6), "sdpa weights vs numpy")
+
+
+def check_layers(t, client):
+    rng = np.random.default_rng(5)
+    e, heads = 16, 4
+    weights = {}
+    for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+        weights[name + ".weight"] = rng.uniform(-0.25, 0.25, size=(e, e)).astype(np.float32)
+        weights[name + ".bias"] = rng.uniform(-0.25, 0.25, size=(e,)).astype(np.float32)
+    info = client.load_layer("py-test", {"embed_dim": e, "num_heads": heads}, weights)
+    t.check(info.name == "py-test" and info.version >= 1, "LoadLayer info %s" % info)
+    t.check(info.parameter_count == 4 * (e * e + e), "parameter_count %d" % info.parameter_count)
+    got = client.get_layer("py-test")
+    t.check(got.config.head_dim == e // heads and got.config.output_dim == e,
+            "GetLayer resolves defaults: %s" % got.config)
+    names = [layer.name for layer in client.list_layers()]
+    t.check(names == sorted(names) and "py-test" in names, "ListLayers sorted: %s" % names)
+    x = rng.normal(size=(3, 6, e)).astype(np.float32)
+    r = client.multi_head_attention(x, layer="py-test", need_weights="averaged")
+    ref_out, ref_w = mha_reference(x, weights, heads)
+    t.check(np.allclose(r.output, ref_out, atol=1e-5), "loaded layer output, max err %g"
+            % np.max(np.abs(r.output - ref_out)))
+    t.check(np.allclose(r.weights, ref_w, atol=1e-6), "loaded layer weights")
+    t.check(r.layer_version == got.version, "layer_version %d" % r.layer_version)
+    # Same through an inline layer.
+    r2 = client.multi_head_attention(
+        x, layer_spec=ac.make_layer_spec({"embed_dim": e, "num_heads": heads}, weights))
+    t.check(np.allclose(r2.output, r.output, atol=1e-6), "inline layer = loaded layer")
+    # Reload publishes a new version; seeded random init is deterministic.
+    info2 = client.load_layer("py-test", {"embed_dim": e, "num_heads": heads}, random_seed=9)
+    t.check(info2.version > info.version, "reload bumps version %d -> %d"
+            % (info.version, info2.version))
+    client.load_layer("py-test-2", {"embed_dim": e, "num_heads": heads}, random_seed=9)
+    a = client.multi_head_attention(x, layer="py-test").output
+    b = client.multi_head_attention(x, layer="py-test-2").output
+    t.check(np.array_equal(a, b), "same random_init seed gives the same layer")
+    for name in ("py-test", "py-test-2"):
+        client.unload_layer(name)
+    try:
+        client.get_layer("py-test")
+        t.check(False, "GetLayer after UnloadLayer should be NOT_FOUND")
+    except grpc.RpcError as err:
+        t.check(err.code() == grpc.StatusCode.NOT_FOUND,
+                "GetLayer after UnloadLayer: %s %s" % (err.code(), err.details()))
+
+
+def expect_error(t, label, code, fn):
+    try:
+        fn()
+        t.check(False, "%s: succeeded, want %s" % (label, code))
+    except grpc.RpcError as err:
+        t.check(err.code() == code, "%s: got %s (%s), want %s"
+                % (label, err.code(), err.details(), code))
+        t.check(bool(err.details()), "%s: error message is empty" % label)
+
+
+def check_errors(t, client):
+    x = np.zeros((1, 5, 100), dtype=np.float32)
+    expect_error(t, "query embed_dim 100 on a 768 layer", grpc.StatusCode.INVALID_ARGUMENT,
+                 lambda: client.multi_head_attention(x, layer=DEMO))
+    expect_error(t, "unknown layer", grpc.StatusCode.NOT_FOUND,
+                 lambda: client.multi_head_attention(np.zeros((1, 2, 8), np.float32),
+                                                     layer="no-such-layer"))
+    # raw_data whose size does not match the shape.
+    request = client.pb2.MultiHeadAttentionRequest(layer=DEMO)
+    request.query.dtype = tensors.FLOAT32
+    request.query.shape.extend([1, 2, 768])
+    request.query.raw_data = b"\0" * 12
+    expect_error(t, "raw_data size != shape", grpc.StatusCode.INVALID_ARGUMENT,
+                 lambda: client._stub.MultiHeadAttention(request, timeout=30))
+    expect_error(t, "sdpa key heads do not divide query heads",
+                 grpc.StatusCode.INVALID_ARGUMENT,
+                 lambda: client.scaled_dot_product_attention(
+                     np.zeros((1, 3, 2, 4), np.float32), np.zeros((1, 2, 2, 4), np.float32),
+                     np.zeros((1, 2, 2, 4), np.float32)))
+    # The server is still healthy and answering after the bad requests.
+    t.check(client.health() == "SERVING", "still SERVING after malformed requests")
+
+
+def main():
+    t = harness.Checker("test_python_client")
+    check_codec(t)
+    server = harness.ServerProcess(harness.server_binary(), "--compute_threads=2").start()
+    try:
+        with AttentionClient(server.target) as client:
+            t.check(client.health() == "SERVING", "health is %s" % client.health())
+            t.check(client.health("attention.v1.AttentionService") == "SERVING",
+                    "service health")
+            t.run("demo layer", check_demo_layer, t, client)
+            t.run("sdpa", check_sdpa, t, client)
+            t.run("layers", check_layers, t, client)
+            t.run("errors", check_errors, t, client)
+    except BaseException:
+        server.kill()
+        raise
+    t.finish(server)
+
+
+if __name__ == "__main__":
+    main()
