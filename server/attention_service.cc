@@ -73,18 +73,35 @@ void DescribeLayer(const LayerSnapshot& snapshot, v1::LayerInfo* info) {
   info->set_persisted(false);
 }
 
+void AttentionServiceImpl::Finish(grpc::ServerUnaryReactor* reactor, absl::string_view method,
+                                  absl::Time start, const absl::Status& status) {
+  metrics_.CallFinished(method, status.code(), absl::Now() - start);
+  reactor->Finish(ToGrpcStatus(status));
+}
+
+void AttentionServiceImpl::RefreshLayerMetrics() {
+  int64_t weight_bytes = 0;
+  const auto layers = registry_.List();
+  for (const auto& snapshot : layers) weight_bytes += snapshot->layer->WeightBytes();
+  metrics_.SetLayers(static_cast<int64_t>(layers.size()), weight_bytes);
+}
+
 grpc::ServerUnaryReactor* AttentionServiceImpl::MultiHeadAttention(
     grpc::CallbackServerContext* context, const v1::MultiHeadAttentionRequest* request,
     v1::MultiHeadAttentionResponse* response) {
+  const absl::Time start = absl::Now();
+  metrics_.CallStarted();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  const absl::Status status = StartMultiHeadAttention(context, *request, response, reactor);
-  if (!status.ok()) reactor->Finish(ToGrpcStatus(status));
+  const absl::Status status =
+      StartMultiHeadAttention(context, *request, response, reactor, start);
+  if (!status.ok()) Finish(reactor, "MultiHeadAttention", start, status);
   return reactor;
 }
 
 absl::Status AttentionServiceImpl::StartMultiHeadAttention(
     grpc::CallbackServerContext* context, const v1::MultiHeadAttentionRequest& request,
-    v1::MultiHeadAttentionResponse* response, grpc::ServerUnaryReactor* reactor) {
+    v1::MultiHeadAttentionResponse* response, grpc::ServerUnaryReactor* reactor,
+    absl::Time start) {
   RETURN_IF_ERROR(CheckRequestId(request.request_id()));
   std::shared_ptr<const LayerSnapshot> snapshot;
   if (!request.layer().empty() && request.has_inline_layer()) {
@@ -152,11 +169,11 @@ absl::Status AttentionServiceImpl::StartMultiHeadAttention(
   item->deadline = Deadline(context);
   item->is_cancelled = [context] { return context->IsCancelled(); };
   const core::NeedWeights need = input.options.need_weights;
-  item->done = [response, reactor, dims, need, output_dtype, snapshot,
+  item->done = [this, start, response, reactor, dims, need, output_dtype, snapshot,
                 output_dim = config.output_dim, request_id = request.request_id()](
                    absl::StatusOr<core::AttentionResult> result) {
     if (!result.ok()) {
-      reactor->Finish(ToGrpcStatus(result.status()));
+      Finish(reactor, "MultiHeadAttention", start, result.status());
       return;
     }
     EncodeTensor(result->output, {dims.batch, dims.q_len, output_dim}, output_dtype,
@@ -164,7 +181,7 @@ absl::Status AttentionServiceImpl::StartMultiHeadAttention(
     EncodeWeights(*result, dims, need, output_dtype, response->mutable_attention_weights());
     response->set_request_id(request_id);
     response->set_layer_version(snapshot->version);
-    reactor->Finish(grpc::Status::OK);
+    Finish(reactor, "MultiHeadAttention", start, absl::OkStatus());
   };
   item->layer = std::move(snapshot);
   return batcher_.Submit(std::move(item));
@@ -173,16 +190,19 @@ absl::Status AttentionServiceImpl::StartMultiHeadAttention(
 grpc::ServerUnaryReactor* AttentionServiceImpl::ScaledDotProductAttention(
     grpc::CallbackServerContext* context, const v1::ScaledDotProductAttentionRequest* request,
     v1::ScaledDotProductAttentionResponse* response) {
+  const absl::Time start = absl::Now();
+  metrics_.CallStarted();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const absl::Status status =
-      StartScaledDotProductAttention(context, *request, response, reactor);
-  if (!status.ok()) reactor->Finish(ToGrpcStatus(status));
+      StartScaledDotProductAttention(context, *request, response, reactor, start);
+  if (!status.ok()) Finish(reactor, "ScaledDotProductAttention", start, status);
   return reactor;
 }
 
 absl::Status AttentionServiceImpl::StartScaledDotProductAttention(
     grpc::CallbackServerContext* context, const v1::ScaledDotProductAttentionRequest& request,
-    v1::ScaledDotProductAttentionResponse* response, grpc::ServerUnaryReactor* reactor) {
+    v1::ScaledDotProductAttentionResponse* response, grpc::ServerUnaryReactor* reactor,
+    absl::Time start) {
   RETURN_IF_ERROR(CheckRequestId(request.request_id()));
   ASSIGN_OR_RETURN(FloatTensor query, DecodeFloatTensor(request.query(), "query"));
   ASSIGN_OR_RETURN(FloatTensor key, DecodeFloatTensor(request.key(), "key"));
@@ -222,17 +242,17 @@ absl::Status AttentionServiceImpl::StartScaledDotProductAttention(
     input.value = v;
     return core::SdpaForward(input, pool);
   };
-  item->done = [response, reactor, dims, need, output_dtype,
+  item->done = [this, start, response, reactor, dims, need, output_dtype,
                 request_id = request.request_id()](absl::StatusOr<core::AttentionResult> result) {
     if (!result.ok()) {
-      reactor->Finish(ToGrpcStatus(result.status()));
+      Finish(reactor, "ScaledDotProductAttention", start, result.status());
       return;
     }
     EncodeTensor(result->output, {dims.batch, dims.num_heads, dims.q_len, dims.v_head_dim},
                  output_dtype, response->mutable_output());
     EncodeWeights(*result, dims, need, output_dtype, response->mutable_attention_weights());
     response->set_request_id(request_id);
-    reactor->Finish(grpc::Status::OK);
+    Finish(reactor, "ScaledDotProductAttention", start, absl::OkStatus());
   };
   return batcher_.Submit(std::move(item));
 }
@@ -240,8 +260,12 @@ absl::Status AttentionServiceImpl::StartScaledDotProductAttention(
 grpc::ServerUnaryReactor* AttentionServiceImpl::LoadLayer(grpc::CallbackServerContext* context,
                                                           const v1::LoadLayerRequest* request,
                                                           v1::LoadLayerResponse* response) {
+  const absl::Time start = absl::Now();
+  metrics_.CallStarted();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(DoLoadLayer(*request, response)));
+  const absl::Status status = DoLoadLayer(*request, response);
+  RefreshLayerMetrics();
+  Finish(reactor, "LoadLayer", start, status);
   return reactor;
 }
 
@@ -260,27 +284,35 @@ absl::Status AttentionServiceImpl::DoLoadLayer(const v1::LoadLayerRequest& reque
 grpc::ServerUnaryReactor* AttentionServiceImpl::UnloadLayer(
     grpc::CallbackServerContext* context, const v1::UnloadLayerRequest* request,
     v1::UnloadLayerResponse* /*response*/) {
+  const absl::Time start = absl::Now();
+  metrics_.CallStarted();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(registry_.Remove(request->name())));
+  const absl::Status status = registry_.Remove(request->name());
+  RefreshLayerMetrics();
+  Finish(reactor, "UnloadLayer", start, status);
   return reactor;
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::ListLayers(
     grpc::CallbackServerContext* context, const v1::ListLayersRequest* /*request*/,
     v1::ListLayersResponse* response) {
+  const absl::Time start = absl::Now();
+  metrics_.CallStarted();
   for (const auto& snapshot : registry_.List()) DescribeLayer(*snapshot, response->add_layers());
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
+  Finish(reactor, "ListLayers", start, absl::OkStatus());
   return reactor;
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::GetLayer(grpc::CallbackServerContext* context,
                                                          const v1::GetLayerRequest* request,
                                                          v1::GetLayerResponse* response) {
+  const absl::Time start = absl::Now();
+  metrics_.CallStarted();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   auto snapshot = registry_.Get(request->name());
   if (snapshot.ok()) DescribeLayer(**snapshot, response->mutable_layer());
-  reactor->Finish(ToGrpcStatus(snapshot.status()));
+  Finish(reactor, "GetLayer", start, snapshot.status());
   return reactor;
 }
 

@@ -7,14 +7,18 @@
 #include "attention/v1/attention.grpc.pb.h"
 #include "server/batcher.h"
 #include "server/layer_registry.h"
+#include "server/metrics.h"
 
 namespace attention::server {
 
 // Thread-safe.
 class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
  public:
-  AttentionServiceImpl(LayerRegistry& registry, Batcher& batcher)
-      : registry_(registry), batcher_(batcher) {}
+  AttentionServiceImpl(LayerRegistry& registry, Batcher& batcher, Metrics& metrics)
+      : registry_(registry), batcher_(batcher), metrics_(metrics) {}
+
+  // Sets the loaded-layer gauges from the registry.
+  void RefreshLayerMetrics();
 
   grpc::ServerUnaryReactor* MultiHeadAttention(grpc::CallbackServerContext* context,
                                                const v1::MultiHeadAttentionRequest* request,
@@ -41,15 +45,20 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   absl::Status StartMultiHeadAttention(grpc::CallbackServerContext* context,
                                        const v1::MultiHeadAttentionRequest& request,
                                        v1::MultiHeadAttentionResponse* response,
-                                       grpc::ServerUnaryReactor* reactor);
+                                       grpc::ServerUnaryReactor* reactor, absl::Time start);
   absl::Status StartScaledDotProductAttention(grpc::CallbackServerContext* context,
                                               const v1::ScaledDotProductAttentionRequest& request,
                                               v1::ScaledDotProductAttentionResponse* response,
-                                              grpc::ServerUnaryReactor* reactor);
+                                              grpc::ServerUnaryReactor* reactor,
+                                              absl::Time start);
   absl::Status DoLoadLayer(const v1::LoadLayerRequest& request, v1::LoadLayerResponse* response);
+  // Counts the call in the metrics, then finishes it.
+  void Finish(grpc::ServerUnaryReactor* reactor, absl::string_view method, absl::Time start,
+              const absl::Status& status);
 
   LayerRegistry& registry_;
   Batcher& batcher_;
+  Metrics& metrics_;
 };
 
 // Fills `info` from a snapshot.

@@ -19,8 +19,8 @@ absl::Status BatcherOptions::Validate() const {
   return absl::OkStatus();
 }
 
-Batcher::Batcher(const BatcherOptions& options, core::ThreadPool& pool)
-    : options_(options), pool_(pool) {
+Batcher::Batcher(const BatcherOptions& options, core::ThreadPool& pool, Metrics* metrics)
+    : options_(options), pool_(pool), metrics_(metrics) {
   for (int i = 0; i < options_.num_workers; ++i) workers_.emplace_back([this] { WorkerLoop(); });
 }
 
@@ -34,7 +34,9 @@ absl::Status Batcher::Submit(std::unique_ptr<WorkItem> item) {
                                                      options_.max_queue_requests,
                                                      " requests waiting); retry later"));
   }
+  item->enqueued = absl::Now();
   queue_.push_back(std::move(item));
+  if (metrics_ != nullptr) metrics_->SetQueueDepth(static_cast<int64_t>(queue_.size()));
   return absl::OkStatus();
 }
 
@@ -64,6 +66,7 @@ void Batcher::WorkerLoop() {
       mu_.Await(absl::Condition(&ready));
       if (queue_.empty()) return;  // stopping, and everything queued is done
       batch = TakeBatchLocked();
+      if (metrics_ != nullptr) metrics_->SetQueueDepth(static_cast<int64_t>(queue_.size()));
     }
     Run(std::move(batch));
   }
@@ -96,6 +99,7 @@ void Batcher::Run(std::vector<std::unique_ptr<WorkItem>> batch) {
   const absl::Time now = absl::Now();
   std::vector<std::unique_ptr<WorkItem>> live;
   for (auto& item : batch) {
+    if (metrics_ != nullptr) metrics_->Dequeued(now - item->enqueued);
     if (now > item->deadline) {
       item->done(absl::DeadlineExceededError("the deadline passed while the request was queued"));
     } else if (item->is_cancelled && item->is_cancelled()) {
@@ -105,14 +109,23 @@ void Batcher::Run(std::vector<std::unique_ptr<WorkItem>> batch) {
     }
   }
   if (live.empty()) return;
+  int64_t tokens = 0;
+  for (const auto& item : live) tokens += item->tokens;
+  const absl::Time start = absl::Now();
   if (live.front()->layer == nullptr) {
-    live.front()->done(live.front()->run_alone(pool_));
+    core::AttentionResult result = live.front()->run_alone(pool_);
+    if (metrics_ != nullptr) metrics_->BatchComputed(1, tokens, absl::Now() - start);
+    live.front()->done(std::move(result));
     return;
   }
   std::vector<const core::MhaInput*> inputs;
   for (const auto& item : live) inputs.push_back(&item->input);
-  std::vector<core::AttentionResult> results =
-      live.front()->layer->layer->ForwardBatch(inputs, pool_);
+  const LayerSnapshot& snapshot = *live.front()->layer;
+  std::vector<core::AttentionResult> results = snapshot.layer->ForwardBatch(inputs, pool_);
+  if (metrics_ != nullptr) {
+    metrics_->BatchComputed(static_cast<int64_t>(live.size()), tokens, absl::Now() - start);
+    metrics_->TokensProcessed(snapshot.name, tokens);
+  }
   for (size_t n = 0; n < live.size(); ++n) live[n]->done(std::move(results[n]));
 }
 

@@ -17,6 +17,7 @@
 #include "core/mha_layer.h"
 #include "core/thread_pool.h"
 #include "server/layer_registry.h"
+#include "server/metrics.h"
 
 namespace attention::server {
 
@@ -52,6 +53,8 @@ struct WorkItem {
   absl::Time deadline = absl::InfiniteFuture();
   // Polled before compute; true answers CANCELLED. May be empty.
   std::function<bool()> is_cancelled;
+  // Set by Submit.
+  absl::Time enqueued;
   // Called exactly once, on a worker thread, with the result or the reason there is none.
   std::function<void(absl::StatusOr<core::AttentionResult>)> done;
 };
@@ -59,8 +62,8 @@ struct WorkItem {
 // Thread-safe.
 class Batcher {
  public:
-  // `options` must be valid; `pool` must outlive the batcher.
-  Batcher(const BatcherOptions& options, core::ThreadPool& pool);
+  // `options` must be valid; `pool` and `metrics` (may be null) must outlive the batcher.
+  Batcher(const BatcherOptions& options, core::ThreadPool& pool, Metrics* metrics = nullptr);
   ~Batcher();  // Shutdown()
 
   // Queues the item, or returns RESOURCE_EXHAUSTED when the queue is full and UNAVAILABLE
@@ -81,6 +84,7 @@ class Batcher {
 
   const BatcherOptions options_;
   core::ThreadPool& pool_;
+  Metrics* const metrics_;
   mutable absl::Mutex mu_;
   std::deque<std::unique_ptr<WorkItem>> queue_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

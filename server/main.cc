@@ -9,6 +9,8 @@
 #include "server/server.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "host:port to serve gRPC on; port 0 picks one");
+ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9464",
+          "host:port for Prometheus /metrics; port 0 picks one; empty disables");
 ABSL_FLAG(int, compute_threads, 0, "compute threads; 0 = one per hardware thread");
 ABSL_FLAG(int, batch_workers, 1, "threads taking batches off the queue");
 ABSL_FLAG(int64_t, max_batch_requests, 64, "most requests packed into one forward pass");
@@ -33,6 +35,7 @@ int main(int argc, char** argv) {
 
   attention::server::ServerOptions options;
   options.listen_address = absl::GetFlag(FLAGS_listen);
+  options.metrics_address = absl::GetFlag(FLAGS_metrics_listen);
   options.compute_threads = absl::GetFlag(FLAGS_compute_threads);
   options.batcher.num_workers = absl::GetFlag(FLAGS_batch_workers);
   options.batcher.max_batch_requests = absl::GetFlag(FLAGS_max_batch_requests);
@@ -48,6 +51,9 @@ int main(int argc, char** argv) {
   }
   // Scripts and tests read the port from this line.
   std::cout << "attention-service listening on port " << (*server)->port() << std::endl;
+  if ((*server)->metrics_port() != 0) {
+    std::cout << "attention-service metrics on port " << (*server)->metrics_port() << std::endl;
+  }
 
   int signal_number = 0;
   sigwait(&stop_signals, &signal_number);

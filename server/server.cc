@@ -35,8 +35,8 @@ absl::Status ServerOptions::Validate() const {
 
 AttentionServer::AttentionServer(const ServerOptions& options)
     : pool_(ComputeThreads(options.compute_threads)),
-      batcher_(options.batcher, pool_),
-      service_(registry_, batcher_) {}
+      batcher_(options.batcher, pool_, &metrics_),
+      service_(registry_, batcher_, metrics_) {}
 
 absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
     const ServerOptions& options) {
@@ -50,6 +50,10 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
     ASSIGN_OR_RETURN(auto layer,
                      core::MhaLayer::Create(resolved, core::MhaWeights::Random(resolved, kDemoSeed)));
     server->registry_.Put(kDemoLayerName, std::move(layer));
+  }
+  server->service_.RefreshLayerMetrics();
+  if (!options.metrics_address.empty()) {
+    RETURN_IF_ERROR(server->metrics_.Expose(options.metrics_address));
   }
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

@@ -14,6 +14,7 @@
 #include "server/attention_service.h"
 #include "server/batcher.h"
 #include "server/layer_registry.h"
+#include "server/metrics.h"
 
 namespace attention::server {
 
@@ -26,6 +27,8 @@ inline constexpr uint64_t kDemoSeed = 0;
 struct ServerOptions {
   // host:port to listen on; port 0 picks a free port (see AttentionServer::port()).
   std::string listen_address = "0.0.0.0:50051";
+  // host:port serving Prometheus /metrics; port 0 picks one; empty disables the endpoint.
+  std::string metrics_address = "0.0.0.0:9464";
   // Compute threads; 0 means one per hardware thread.
   int compute_threads = 0;
   BatcherOptions batcher;
@@ -44,6 +47,8 @@ class AttentionServer {
   ~AttentionServer();  // Shutdown(absl::ZeroDuration())
 
   int port() const { return port_; }
+  // Port of /metrics, 0 when disabled.
+  int metrics_port() const { return metrics_.port(); }
   LayerRegistry& registry() { return registry_; }
 
   // Health turns NOT_SERVING, new calls are refused, calls in flight get up to `grace` to
@@ -53,6 +58,7 @@ class AttentionServer {
  private:
   explicit AttentionServer(const ServerOptions& options);
 
+  Metrics metrics_;
   core::ThreadPool pool_;
   Batcher batcher_;
   LayerRegistry registry_;

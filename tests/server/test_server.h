@@ -15,11 +15,17 @@ namespace attention::server::testing {
 
 class ServerTest : public ::testing::Test {
  protected:
-  void SetUp() override {
+  // Metrics are off by default: stopping the HTTP exposer costs about 2 s per server.
+  virtual ServerOptions Options() {
     ServerOptions options;
     options.listen_address = "127.0.0.1:0";
+    options.metrics_address = "";
     options.compute_threads = 2;
-    auto started = AttentionServer::Start(options);
+    return options;
+  }
+
+  void SetUp() override {
+    auto started = AttentionServer::Start(Options());
     ASSERT_TRUE(started.ok()) << started.status();
     server_ = std::move(*started);
     client_ = std::make_unique<client::AttentionClient>("127.0.0.1:" +

@@ -1,0 +1,97 @@
+#!/usr/bin/python3
+"""Runs OpenBLAS sgemm, this project's core and PyTorch nn.MultiheadAttention on the
+benchmark shapes in one go and prints GFLOPS and ratios as a markdown table.
+
+    /usr/bin/python3 bench/compare.py [--bench build/bench/attention_bench] [--s5]
+
+Useful FLOPs per sequence of N tokens: 8*N*E^2 (four projections) + 4*N^2*E (attention),
+half the attention term when causal. Ratios are what travels between machines; absolute
+GFLOPS drift with load on these shared machines.
+"""
+import argparse
+import json
+import subprocess
+import time
+
+import torch
+
+SHAPES = {  # name: (batch, tokens, embed_dim, heads, causal)
+    "S1": (32, 128, 768, 12, False),
+    "S2": (8, 512, 768, 12, False),
+    "S3": (1, 2048, 768, 12, True),
+    "S4": (256, 16, 768, 12, False),
+}
+
+
+def useful_flops(batch, tokens, embed_dim, causal):
+    attention = (2.0 if causal else 4.0) * tokens * tokens * embed_dim
+    return batch * (8.0 * tokens * embed_dim * embed_dim + attention)
+
+
+def torch_gflops(batch, tokens, embed_dim, heads, causal, threads, min_seconds=2.0):
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(embed_dim, heads, batch_first=True).eval()
+    x = torch.randn(batch, tokens, embed_dim)
+    mask = torch.triu(torch.ones(tokens, tokens, dtype=torch.bool), 1) if causal else None
+    with torch.inference_mode():
+        mha(x, x, x, attn_mask=mask, need_weights=False)  # warm-up
+        runs, start = 0, time.perf_counter()
+        while time.perf_counter() - start < min_seconds:
+            mha(x, x, x, attn_mask=mask, need_weights=False)
+            runs += 1
+        seconds = (time.perf_counter() - start) / runs
+    return useful_flops(batch, tokens, embed_dim, causal) / seconds / 1e9
+
+
+def core_results(bench, pattern, min_time):
+    output = subprocess.run(
+        [bench, f"--benchmark_filter={pattern}", "--benchmark_format=json",
+         f"--benchmark_min_time={min_time}"],
+        check=True, capture_output=True, text=True).stdout
+    return {b["name"]: b for b in json.loads(output)["benchmarks"]}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--bench", default="build/bench/attention_bench")
+    parser.add_argument("--min-time", default="2")
+    parser.add_argument("--s5", action="store_true", help="also run S5 (N=65536, ~1 minute)")
+    args = parser.parse_args()
+
+    core = core_results(args.bench, "Sgemm|MhaS[1-4]|Ragged", args.min_time)
+    sgemm = {t: core[f"BM_Sgemm/n:1024/threads:{t}/real_time"]["GFLOPS"] for t in (1, 2)}
+    print(f"OpenBLAS sgemm n=1024: {sgemm[1]:.1f} GFLOPS (1 thread), {sgemm[2]:.1f} (2 threads)")
+    print()
+    print("| shape | threads | core GFLOPS | PyTorch GFLOPS | core / sgemm | core / PyTorch |")
+    print("|---|---|---|---|---|---|")
+    for name, (batch, tokens, embed_dim, heads, causal) in SHAPES.items():
+        for threads in (1, 2):
+            key = f"BM_Mha{name}/threads:{threads}/real_time"
+            if key not in core:
+                continue
+            ours = core[key]["GFLOPS"]
+            theirs = torch_gflops(batch, tokens, embed_dim, heads, causal, threads)
+            print(f"| {name} B={batch} N={tokens}{' causal' if causal else ''} | {threads} "
+                  f"| {ours:.1f} | {theirs:.1f} | {ours / sgemm[threads]:.2f} "
+                  f"| {ours / theirs:.2f} |")
+    milliseconds = {kind: core[f"BM_MhaRagged{kind}/real_time"]["real_time"]
+                    for kind in ("Packed", "OneByOne", "Padded")}
+    print()
+    print("Ragged batch (24 sequences, lengths 16..512, 2 threads), milliseconds per batch:")
+    print(f"packed {milliseconds['Packed']:.1f}, sum of each sequence alone "
+          f"{milliseconds['OneByOne']:.1f} (packed / alone = "
+          f"{milliseconds['Packed'] / milliseconds['OneByOne']:.2f}), padded to the longest "
+          f"{milliseconds['Padded']:.1f} (packed / padded = "
+          f"{milliseconds['Packed'] / milliseconds['Padded']:.2f})")
+    if args.s5:
+        result = subprocess.run(
+            ["/usr/bin/time", "-f", "%M", args.bench, "--benchmark_filter=MhaS5",
+             "--benchmark_format=json"], check=True, capture_output=True, text=True)
+        gflops = json.loads(result.stdout)["benchmarks"][0]["GFLOPS"]
+        peak_mib = int(result.stderr.strip().splitlines()[-1]) / 1024
+        print(f"S5 N=65536 causal E=512: {gflops:.1f} GFLOPS, peak RSS {peak_mib:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+#include "server/metrics.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace attention::server {
+namespace {
+
+// 100 us to ~26 s in factors of 2: resolves sub-millisecond calls and multi-second ones.
+prometheus::Histogram::BucketBoundaries SecondsBuckets() {
+  prometheus::Histogram::BucketBoundaries buckets;
+  for (double bound = 1e-4; bound < 30; bound *= 2) buckets.push_back(bound);
+  return buckets;
+}
+
+prometheus::Histogram::BucketBoundaries PowersOfTwo(double largest) {
+  prometheus::Histogram::BucketBoundaries buckets;
+  for (double bound = 1; bound <= largest; bound *= 2) buckets.push_back(bound);
+  return buckets;
+}
+
+}  // namespace
+
+Metrics::Metrics()
+    : registry_(std::make_shared<prometheus::Registry>()),
+      requests_(prometheus::BuildCounter()
+                    .Name("attention_requests_total")
+                    .Help("RPCs finished, by method and gRPC status code")
+                    .Register(*registry_)),
+      request_duration_(prometheus::BuildHistogram()
+                            .Name("attention_request_duration_seconds")
+                            .Help("Time from receiving an RPC to finishing it")
+                            .Register(*registry_)),
+      queue_duration_(prometheus::BuildHistogram()
+                          .Name("attention_queue_duration_seconds")
+                          .Help("Time requests wait in the batcher queue")
+                          .Register(*registry_)
+                          .Add({}, SecondsBuckets())),
+      compute_duration_(prometheus::BuildHistogram()
+                            .Name("attention_compute_duration_seconds")
+                            .Help("Time of one batched forward pass")
+                            .Register(*registry_)
+                            .Add({}, SecondsBuckets())),
+      batch_requests_(prometheus::BuildHistogram()
+                          .Name("attention_batch_size_requests")
+                          .Help("Requests packed into one forward pass")
+                          .Register(*registry_)
+                          .Add({}, PowersOfTwo(1024))),
+      batch_tokens_(prometheus::BuildHistogram()
+                        .Name("attention_batch_size_tokens")
+                        .Help("Query tokens packed into one forward pass")
+                        .Register(*registry_)
+                        .Add({}, PowersOfTwo(1 << 20))),
+      tokens_(prometheus::BuildCounter()
+                  .Name("attention_tokens_processed_total")
+                  .Help("Query tokens computed, by loaded layer ((inline) for one-off layers)")
+                  .Register(*registry_)),
+      queue_depth_(prometheus::BuildGauge()
+                       .Name("attention_queue_depth_requests")
+                       .Help("Requests waiting in the batcher queue")
+                       .Register(*registry_)
+                       .Add({})),
+      in_flight_(prometheus::BuildGauge()
+                     .Name("attention_in_flight_requests")
+                     .Help("RPCs received and not yet finished")
+                     .Register(*registry_)
+                     .Add({})),
+      layers_loaded_(prometheus::BuildGauge()
+                         .Name("attention_layers_loaded")
+                         .Help("Layers in the registry")
+                         .Register(*registry_)
+                         .Add({})),
+      weight_bytes_(prometheus::BuildGauge()
+                        .Name("attention_layer_weight_bytes")
+                        .Help("Bytes of weights held by loaded layers")
+                        .Register(*registry_)
+                        .Add({})) {
+  prometheus::BuildGauge()
+      .Name("attention_build_info")
+      .Help("Build information; the value is always 1")
+      .Register(*registry_)
+      .Add({{"version", ATTENTION_VERSION}, {"backend", "cpu-openblas"}})
+      .Set(1);
+}
+
+absl::Status Metrics::Expose(const std::string& address) {
+  try {  // prometheus-cpp reports bind failures by exception; none escapes this function
+    exposer_ = std::make_unique<prometheus::Exposer>(address);
+  } catch (const std::exception& error) {
+    return absl::UnavailableError(
+        absl::StrCat("metrics: cannot listen on ", address, ": ", error.what()));
+  }
+  exposer_->RegisterCollectable(registry_);
+  const std::vector<int> ports = exposer_->GetListeningPorts();
+  port_ = ports.empty() ? 0 : ports.front();
+  return absl::OkStatus();
+}
+
+void Metrics::CallStarted() { in_flight_.Increment(); }
+
+void Metrics::CallFinished(absl::string_view method, absl::StatusCode code,
+                           absl::Duration elapsed) {
+  in_flight_.Decrement();
+  const std::string method_name(method);
+  requests_.Add({{"method", method_name}, {"code", absl::StatusCodeToString(code)}}).Increment();
+  request_duration_.Add({{"method", method_name}}, SecondsBuckets())
+      .Observe(absl::ToDoubleSeconds(elapsed));
+}
+
+void Metrics::Dequeued(absl::Duration waited) {
+  queue_duration_.Observe(absl::ToDoubleSeconds(waited));
+}
+
+void Metrics::BatchComputed(int64_t requests, int64_t tokens, absl::Duration compute) {
+  batch_requests_.Observe(static_cast<double>(requests));
+  batch_tokens_.Observe(static_cast<double>(tokens));
+  compute_duration_.Observe(absl::ToDoubleSeconds(compute));
+}
+
+void Metrics::TokensProcessed(absl::string_view layer, int64_t tokens) {
+  tokens_.Add({{"layer", std::string(layer)}}).Increment(static_cast<double>(tokens));
+}
+
+void Metrics::SetQueueDepth(int64_t requests) { queue_depth_.Set(static_cast<double>(requests)); }
+
+void Metrics::SetLayers(int64_t count, int64_t weight_bytes) {
+  layers_loaded_.Set(static_cast<double>(count));
+  weight_bytes_.Set(static_cast<double>(weight_bytes));
+}
+
+}  // namespace attention::server

@@ -1,0 +1,64 @@
+// Prometheus metrics of the service: one registry, owned here, exposed on its own port.
+// Naming follows Prometheus practice: attention_ prefix, base units (seconds), _total on
+// counters, small fixed label sets (method, code, layer; layer only for loaded layers).
+#ifndef ATTENTION_SERVER_METRICS_H_
+#define ATTENTION_SERVER_METRICS_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <prometheus/counter.h>
+#include <prometheus/exposer.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+
+namespace attention::server {
+
+// Thread-safe (prometheus-cpp metrics are atomic; families are created under its lock).
+class Metrics {
+ public:
+  Metrics();
+
+  // Serves /metrics on `address` (host:port; port 0 picks one, see port()).
+  absl::Status Expose(const std::string& address);
+  int port() const { return port_; }
+  prometheus::Registry& registry() { return *registry_; }
+
+  // A call started / finished; code is the final gRPC status.
+  void CallStarted();
+  void CallFinished(absl::string_view method, absl::StatusCode code, absl::Duration elapsed);
+  // A request left the queue after waiting `waited`.
+  void Dequeued(absl::Duration waited);
+  // One forward pass over `requests` requests and `tokens` query tokens.
+  void BatchComputed(int64_t requests, int64_t tokens, absl::Duration compute);
+  void TokensProcessed(absl::string_view layer, int64_t tokens);
+  void SetQueueDepth(int64_t requests);
+  void SetLayers(int64_t count, int64_t weight_bytes);
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  int port_ = 0;
+  prometheus::Family<prometheus::Counter>& requests_;
+  prometheus::Family<prometheus::Histogram>& request_duration_;
+  prometheus::Histogram& queue_duration_;
+  prometheus::Histogram& compute_duration_;
+  prometheus::Histogram& batch_requests_;
+  prometheus::Histogram& batch_tokens_;
+  prometheus::Family<prometheus::Counter>& tokens_;
+  prometheus::Gauge& queue_depth_;
+  prometheus::Gauge& in_flight_;
+  prometheus::Gauge& layers_loaded_;
+  prometheus::Gauge& weight_bytes_;
+};
+
+}  // namespace attention::server
+
+#endif  // ATTENTION_SERVER_METRICS_H_
