@@ -43,7 +43,7 @@ COPY --from=build /opt/attention/bin/attention-server /opt/attention/bin/attenti
      /usr/local/bin/
 
 USER 10001:10001
-# 50051: gRPC (attention.v1, grpc.health.v1, reflection). 9464: Prometheus metrics (reserved).
+# 50051: gRPC (attention.v1, grpc.health.v1, reflection). 9464: Prometheus /metrics.
 EXPOSE 50051 9464
 # Flags given to `docker run IMAGE ...` are appended; a later --listen overrides this one.
 ENTRYPOINT ["/usr/local/bin/attention-server", "--listen=0.0.0.0:50051"]
