@@ -1,5 +1,7 @@
 #include "server/attention_service.h"
 
+#include <deque>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -70,7 +72,7 @@ void DescribeLayer(const LayerSnapshot& snapshot, v1::LayerInfo* info) {
   info->set_dtype(v1::FLOAT32);
   info->set_device("cpu");
   info->set_version(snapshot.version);
-  info->set_persisted(false);
+  info->set_persisted(snapshot.persisted);
 }
 
 void AttentionServiceImpl::Finish(grpc::ServerUnaryReactor* reactor, absl::string_view method,
@@ -92,16 +94,19 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::MultiHeadAttention(
   const absl::Time start = absl::Now();
   metrics_.CallStarted();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  const absl::Status status =
-      StartMultiHeadAttention(context, *request, response, reactor, start);
+  const absl::Status status = SubmitMultiHeadAttention(
+      *request, Deadline(context), [context] { return context->IsCancelled(); }, response,
+      [this, reactor, start](const absl::Status& result) {
+        Finish(reactor, "MultiHeadAttention", start, result);
+      });
   if (!status.ok()) Finish(reactor, "MultiHeadAttention", start, status);
   return reactor;
 }
 
-absl::Status AttentionServiceImpl::StartMultiHeadAttention(
-    grpc::CallbackServerContext* context, const v1::MultiHeadAttentionRequest& request,
-    v1::MultiHeadAttentionResponse* response, grpc::ServerUnaryReactor* reactor,
-    absl::Time start) {
+absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
+    const v1::MultiHeadAttentionRequest& request, absl::Time deadline,
+    std::function<bool()> is_cancelled, v1::MultiHeadAttentionResponse* response,
+    std::function<void(const absl::Status&)> finish) {
   RETURN_IF_ERROR(CheckRequestId(request.request_id()));
   std::shared_ptr<const LayerSnapshot> snapshot;
   if (!request.layer().empty() && request.has_inline_layer()) {
@@ -110,7 +115,8 @@ absl::Status AttentionServiceImpl::StartMultiHeadAttention(
   if (request.has_inline_layer()) {
     auto inline_snapshot = std::make_shared<LayerSnapshot>();
     inline_snapshot->name = "(inline)";
-    ASSIGN_OR_RETURN(inline_snapshot->layer, BuildLayer(request.inline_layer(), "inline_layer"));
+    ASSIGN_OR_RETURN(inline_snapshot->layer, BuildLayer(request.inline_layer(), "inline_layer",
+                                                          registry_.repository()));
     snapshot = std::move(inline_snapshot);
   } else if (request.layer().empty()) {
     return Invalid("layer is empty: name a loaded layer (see ListLayers) or give inline_layer");
@@ -166,14 +172,14 @@ absl::Status AttentionServiceImpl::StartMultiHeadAttention(
 
   item->tokens = input.batch * input.q_len;
   item->priority = request.options().priority();
-  item->deadline = Deadline(context);
-  item->is_cancelled = [context] { return context->IsCancelled(); };
+  item->deadline = deadline;
+  item->is_cancelled = std::move(is_cancelled);
   const core::NeedWeights need = input.options.need_weights;
-  item->done = [this, start, response, reactor, dims, need, output_dtype, snapshot,
+  item->done = [finish = std::move(finish), response, dims, need, output_dtype, snapshot,
                 output_dim = config.output_dim, request_id = request.request_id()](
                    absl::StatusOr<core::AttentionResult> result) {
     if (!result.ok()) {
-      Finish(reactor, "MultiHeadAttention", start, result.status());
+      finish(result.status());
       return;
     }
     EncodeTensor(result->output, {dims.batch, dims.q_len, output_dim}, output_dtype,
@@ -181,7 +187,7 @@ absl::Status AttentionServiceImpl::StartMultiHeadAttention(
     EncodeWeights(*result, dims, need, output_dtype, response->mutable_attention_weights());
     response->set_request_id(request_id);
     response->set_layer_version(snapshot->version);
-    Finish(reactor, "MultiHeadAttention", start, absl::OkStatus());
+    finish(absl::OkStatus());
   };
   item->layer = std::move(snapshot);
   return batcher_.Submit(std::move(item));
@@ -272,12 +278,11 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::LoadLayer(grpc::CallbackServerCo
 absl::Status AttentionServiceImpl::DoLoadLayer(const v1::LoadLayerRequest& request,
                                                v1::LoadLayerResponse* response) {
   RETURN_IF_ERROR(ValidateLayerName(request.name(), "name"));
-  if (request.persist()) {
-    return absl::UnimplementedError(
-        "persist = true: persisting layers to the model repository is not implemented yet");
-  }
-  ASSIGN_OR_RETURN(std::shared_ptr<const core::MhaLayer> layer, BuildLayer(request.spec(), "spec"));
-  DescribeLayer(*registry_.Put(request.name(), std::move(layer)), response->mutable_layer());
+  ASSIGN_OR_RETURN(std::shared_ptr<const core::MhaLayer> layer,
+                   BuildLayer(request.spec(), "spec", registry_.repository()));
+  ASSIGN_OR_RETURN(std::shared_ptr<const LayerSnapshot> snapshot,
+                   registry_.Publish(request.name(), std::move(layer), request.persist()));
+  DescribeLayer(*snapshot, response->mutable_layer());
   return absl::OkStatus();
 }
 
@@ -316,26 +321,112 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetLayer(grpc::CallbackServerCon
   return reactor;
 }
 
-namespace {
-
-// Answers the stream with UNIMPLEMENTED until streaming lands.
-class UnimplementedStream final
+// One bidirectional stream. Requests are read one at a time and queued like unary calls;
+// answers are written in completion order, one write in flight as gRPC requires. At most
+// kMaxPendingPerStream requests may be read and not yet written: past that the reactor stops
+// reading, so a caller that does not read its answers is held back by HTTP/2 flow control
+// instead of growing server memory.
+class MultiHeadAttentionStreamReactor final
     : public grpc::ServerBidiReactor<v1::MultiHeadAttentionRequest,
                                      v1::MultiHeadAttentionStreamResponse> {
  public:
-  UnimplementedStream() {
-    Finish(grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
-                        "MultiHeadAttentionStream is not implemented yet; use the unary "
-                        "MultiHeadAttention"));
+  static constexpr int kMaxPendingPerStream = 32;
+
+  MultiHeadAttentionStreamReactor(AttentionServiceImpl& service,
+                                  grpc::CallbackServerContext* context)
+      : service_(service), context_(context) {
+    StartRead(&request_);
   }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the caller closed its side, or the stream broke
+      absl::MutexLock lock(&mu_);
+      reads_done_ = true;
+      MaybeFinishLocked();
+      return;
+    }
+    const absl::Time start = absl::Now();
+    service_.metrics_.CallStarted();
+    auto* answer = new v1::MultiHeadAttentionStreamResponse();  // owned by write_queue_ later
+    answer->set_request_id(request_.request_id());
+    {
+      absl::MutexLock lock(&mu_);
+      ++pending_;
+    }
+    const absl::Status status = service_.SubmitMultiHeadAttention(
+        request_, Deadline(context_), [this] { return context_->IsCancelled(); },
+        answer->mutable_response(),
+        [this, answer, start](const absl::Status& result) { Answer(answer, start, result); });
+    if (!status.ok()) Answer(answer, start, status);
+    absl::MutexLock lock(&mu_);
+    if (pending_ < kMaxPendingPerStream) {
+      StartRead(&request_);
+    } else {
+      reading_paused_ = true;
+    }
+  }
+
+  void OnWriteDone(bool /*ok*/) override {
+    // A failed write means the caller is gone; the remaining answers fail the same way.
+    absl::MutexLock lock(&mu_);
+    write_queue_.pop_front();
+    --pending_;
+    if (reading_paused_ && pending_ < kMaxPendingPerStream) {
+      reading_paused_ = false;
+      StartRead(&request_);
+    }
+    if (!write_queue_.empty()) {
+      StartWrite(write_queue_.front().get());
+    } else {
+      writing_ = false;
+      MaybeFinishLocked();
+    }
+  }
+
   void OnDone() override { delete this; }
+
+ private:
+  // Records the answer for one request (on a batch worker, or the reader on rejection).
+  void Answer(v1::MultiHeadAttentionStreamResponse* answer, absl::Time start,
+              const absl::Status& result) {
+    service_.metrics_.CallFinished("MultiHeadAttentionStream", result.code(),
+                                   absl::Now() - start);
+    if (!result.ok()) {
+      answer->clear_response();
+      answer->set_error_code(static_cast<int>(result.code()));
+      answer->set_error_message(std::string(result.message()));
+    }
+    absl::MutexLock lock(&mu_);
+    write_queue_.emplace_back(answer);
+    if (!writing_) {
+      writing_ = true;
+      StartWrite(write_queue_.front().get());
+    }
+  }
+
+  void MaybeFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (reads_done_ && pending_ == 0 && !writing_ && !finished_) {
+      finished_ = true;
+      Finish(grpc::Status::OK);
+    }
+  }
+
+  AttentionServiceImpl& service_;
+  grpc::CallbackServerContext* const context_;
+  v1::MultiHeadAttentionRequest request_;  // only touched by the read path
+  absl::Mutex mu_;
+  std::deque<std::unique_ptr<v1::MultiHeadAttentionStreamResponse>> write_queue_
+      ABSL_GUARDED_BY(mu_);
+  int pending_ ABSL_GUARDED_BY(mu_) = 0;  // read, not yet written
+  bool reading_paused_ ABSL_GUARDED_BY(mu_) = false;
+  bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
 };
 
-}  // namespace
-
 grpc::ServerBidiReactor<v1::MultiHeadAttentionRequest, v1::MultiHeadAttentionStreamResponse>*
-AttentionServiceImpl::MultiHeadAttentionStream(grpc::CallbackServerContext* /*context*/) {
-  return new UnimplementedStream();
+AttentionServiceImpl::MultiHeadAttentionStream(grpc::CallbackServerContext* context) {
+  return new MultiHeadAttentionStreamReactor(*this, context);
 }
 
 }  // namespace attention::server

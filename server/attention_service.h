@@ -4,6 +4,8 @@
 #ifndef ATTENTION_SERVER_ATTENTION_SERVICE_H_
 #define ATTENTION_SERVER_ATTENTION_SERVICE_H_
 
+#include <functional>
+
 #include "attention/v1/attention.grpc.pb.h"
 #include "server/batcher.h"
 #include "server/layer_registry.h"
@@ -12,6 +14,8 @@
 namespace attention::server {
 
 // Thread-safe.
+class MultiHeadAttentionStreamReactor;
+
 class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
  public:
   AttentionServiceImpl(LayerRegistry& registry, Batcher& batcher, Metrics& metrics)
@@ -42,10 +46,15 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
                                      v1::GetLayerResponse* response) override;
 
  private:
-  absl::Status StartMultiHeadAttention(grpc::CallbackServerContext* context,
-                                       const v1::MultiHeadAttentionRequest& request,
-                                       v1::MultiHeadAttentionResponse* response,
-                                       grpc::ServerUnaryReactor* reactor, absl::Time start);
+  friend class MultiHeadAttentionStreamReactor;
+
+  // Validates `request` and queues it. When queued, `finish` is called exactly once, on a
+  // batch worker, after `response` is filled (OK) or with the error; when this returns an
+  // error, `finish` is never called.
+  absl::Status SubmitMultiHeadAttention(const v1::MultiHeadAttentionRequest& request,
+                                        absl::Time deadline, std::function<bool()> is_cancelled,
+                                        v1::MultiHeadAttentionResponse* response,
+                                        std::function<void(const absl::Status&)> finish);
   absl::Status StartScaledDotProductAttention(grpc::CallbackServerContext* context,
                                               const v1::ScaledDotProductAttentionRequest& request,
                                               v1::ScaledDotProductAttentionResponse* response,

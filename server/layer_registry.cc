@@ -1,18 +1,81 @@
 #include "server/layer_registry.h"
 
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 
 namespace attention::server {
 
-std::shared_ptr<const LayerSnapshot> LayerRegistry::Put(
-    const std::string& name, std::shared_ptr<const core::MhaLayer> layer) {
+absl::Status LayerRegistryOptions::Validate() const {
+  if (max_weight_bytes < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_weight_bytes = ", max_weight_bytes, " must be >= 0 (0 = unlimited)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LayerRegistry::Configure(const LayerRegistryOptions& options) {
+  RETURN_IF_ERROR(options.Validate());
+  max_weight_bytes_ = options.max_weight_bytes;
+  if (!options.model_repository.empty()) {
+    ASSIGN_OR_RETURN(repository_, ModelRepository::Open(options.model_repository));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LayerRegistry::CheckBudget(const std::string& name, int64_t bytes) const {
+  if (max_weight_bytes_ == 0) return absl::OkStatus();
+  int64_t in_use = 0;
+  int others = 0;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    for (const auto& [loaded_name, snapshot] : layers_) {
+      if (loaded_name == name) continue;  // replaced by this load
+      in_use += snapshot->layer->WeightBytes();
+      ++others;
+    }
+  }
+  if (in_use + bytes > max_weight_bytes_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "layer \"", name, "\" needs ", bytes, " weight bytes but only ",
+        std::max<int64_t>(0, max_weight_bytes_ - in_use), " of max_weight_bytes = ",
+        max_weight_bytes_, " are free (", in_use, " in use by ", others,
+        " other layer(s)); unload a layer or raise --max_weight_bytes"));
+  }
+  return absl::OkStatus();
+}
+
+std::shared_ptr<const LayerSnapshot> LayerRegistry::PublishLocked(
+    const std::string& name, std::shared_ptr<const core::MhaLayer> layer, bool persisted) {
   auto snapshot = std::make_shared<LayerSnapshot>();
   snapshot->name = name;
   snapshot->layer = std::move(layer);
+  snapshot->persisted = persisted;
   absl::MutexLock lock(&mu_);
   snapshot->version = next_version_++;
   layers_[name] = snapshot;
   return snapshot;
+}
+
+absl::StatusOr<std::shared_ptr<const LayerSnapshot>> LayerRegistry::Publish(
+    const std::string& name, std::shared_ptr<const core::MhaLayer> layer, bool persist) {
+  absl::MutexLock update(&update_mu_);
+  if (persist && repository_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "persist = true needs a model repository; start the server with --model_repository");
+  }
+  RETURN_IF_ERROR(CheckBudget(name, layer->WeightBytes()));
+  bool replaces_persisted = false;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    auto found = layers_.find(name);
+    replaces_persisted = found != layers_.end() && found->second->persisted;
+  }
+  if (persist) {
+    RETURN_IF_ERROR(repository_->Persist(name, *layer));
+  } else if (replaces_persisted) {
+    RETURN_IF_ERROR(repository_->RemovePersisted(name));
+  }
+  return PublishLocked(name, std::move(layer), persist);
 }
 
 absl::StatusOr<std::shared_ptr<const LayerSnapshot>> LayerRegistry::Get(
@@ -24,8 +87,17 @@ absl::StatusOr<std::shared_ptr<const LayerSnapshot>> LayerRegistry::Get(
 }
 
 absl::Status LayerRegistry::Remove(const std::string& name) {
+  absl::MutexLock update(&update_mu_);
+  bool persisted = false;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    auto found = layers_.find(name);
+    if (found == layers_.end()) return NotFoundLocked(name);
+    persisted = found->second->persisted;
+  }
+  if (persisted && repository_ != nullptr) RETURN_IF_ERROR(repository_->RemovePersisted(name));
   absl::MutexLock lock(&mu_);
-  if (layers_.erase(name) == 0) return NotFoundLocked(name);
+  layers_.erase(name);
   return absl::OkStatus();
 }
 
@@ -34,6 +106,29 @@ std::vector<std::shared_ptr<const LayerSnapshot>> LayerRegistry::List() const {
   std::vector<std::shared_ptr<const LayerSnapshot>> snapshots;
   for (const auto& [name, snapshot] : layers_) snapshots.push_back(snapshot);
   return snapshots;
+}
+
+int64_t LayerRegistry::weight_bytes() const {
+  absl::ReaderMutexLock lock(&mu_);
+  int64_t bytes = 0;
+  for (const auto& [name, snapshot] : layers_) bytes += snapshot->layer->WeightBytes();
+  return bytes;
+}
+
+std::vector<std::string> LayerRegistry::LoadPersisted() {
+  std::vector<std::string> problems;
+  if (repository_ == nullptr) return problems;
+  absl::MutexLock update(&update_mu_);
+  for (ModelRepository::PersistedLayer& persisted : repository_->LoadPersisted(&problems)) {
+    const absl::Status budget = CheckBudget(persisted.name, persisted.layer->WeightBytes());
+    if (!budget.ok()) {
+      problems.push_back(absl::StrCat(PersistedPath(persisted.name), ": ", budget.message(),
+                                      "; skipped (the file is kept)"));
+      continue;
+    }
+    PublishLocked(persisted.name, std::move(persisted.layer), /*persisted=*/true);
+  }
+  return problems;
 }
 
 absl::Status LayerRegistry::NotFoundLocked(const std::string& name) const {

@@ -1,4 +1,5 @@
-// Named, versioned, immutable layer snapshots.
+// Named, versioned, immutable layer snapshots, with an optional weight-memory budget and an
+// optional model repository that persisted layers are written to and read back from.
 #ifndef ATTENTION_SERVER_LAYER_REGISTRY_H_
 #define ATTENTION_SERVER_LAYER_REGISTRY_H_
 
@@ -12,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "core/mha_layer.h"
+#include "server/model_repository.h"
 
 namespace attention::server {
 
@@ -21,26 +23,73 @@ struct LayerSnapshot {
   std::string name;
   uint64_t version = 0;
   std::shared_ptr<const core::MhaLayer> layer;
+  // Written to the model repository; comes back after a restart.
+  bool persisted = false;
 };
 
-// Thread-safe.
+struct LayerRegistryOptions {
+  // Budget for the weights of all published layers together, bytes (float32 storage, see
+  // LayerInfo.weight_bytes). A load that would exceed it is RESOURCE_EXHAUSTED. 0 (default)
+  // means unlimited; >= 0. A layer being replaced does not count against its successor.
+  int64_t max_weight_bytes = 0;
+  // Directory of the model repository; empty (default) means none: safetensors sources and
+  // persist = true are then FAILED_PRECONDITION.
+  std::string model_repository;
+
+  absl::Status Validate() const;
+};
+
+// Thread-safe. Reads (Get, List) take a short shared lock; updates are serialized among
+// themselves by a separate mutex held across their file I/O, so a slow disk never blocks a
+// request looking up its layer.
 class LayerRegistry {
  public:
-  // Publishes `layer` under `name`, replacing any earlier version atomically.
-  std::shared_ptr<const LayerSnapshot> Put(const std::string& name,
-                                           std::shared_ptr<const core::MhaLayer> layer);
+  LayerRegistry() = default;
+
+  // Applies `options` and opens the repository. Call once, before the registry is shared.
+  absl::Status Configure(const LayerRegistryOptions& options);
+  // nullptr when there is no repository.
+  const ModelRepository* repository() const { return repository_.get(); }
+
+  // Publishes `layer` under `name`, replacing any earlier version atomically. RESOURCE_EXHAUSTED
+  // past max_weight_bytes. With `persist`, the layer is first written to the repository (and
+  // nothing is published if that fails); without it, the file of a persisted version being
+  // replaced is removed, so that a restart never brings back an older version than the one
+  // served.
+  absl::StatusOr<std::shared_ptr<const LayerSnapshot>> Publish(
+      const std::string& name, std::shared_ptr<const core::MhaLayer> layer, bool persist = false);
   // NOT_FOUND naming the layer and listing what is loaded.
   absl::StatusOr<std::shared_ptr<const LayerSnapshot>> Get(const std::string& name) const;
+  // Unpublishes `name` and removes its persisted file, if any (the file first: when that
+  // fails the layer stays loaded and the error is returned).
   absl::Status Remove(const std::string& name);
   // Sorted by name.
   std::vector<std::shared_ptr<const LayerSnapshot>> List() const;
+  // Bytes of weights of all published layers.
+  int64_t weight_bytes() const;
+
+  // Publishes every persisted layer of the repository (marked persisted, files untouched).
+  // Returns a description of each file skipped (corrupt, truncated, over budget); never
+  // fails as a whole, so one bad file cannot keep the server from starting.
+  std::vector<std::string> LoadPersisted();
 
  private:
   absl::Status NotFoundLocked(const std::string& name) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  absl::Status CheckBudget(const std::string& name, int64_t bytes) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(update_mu_);
+  std::shared_ptr<const LayerSnapshot> PublishLocked(const std::string& name,
+                                                     std::shared_ptr<const core::MhaLayer> layer,
+                                                     bool persisted)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(update_mu_);
 
+  // Serializes Publish / Remove / LoadPersisted, including their file I/O. Taken before mu_.
+  absl::Mutex update_mu_;
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<const LayerSnapshot>> layers_ ABSL_GUARDED_BY(mu_);
   uint64_t next_version_ ABSL_GUARDED_BY(mu_) = 1;
+  // Set by Configure before the registry is shared; read-only afterwards.
+  int64_t max_weight_bytes_ = 0;
+  std::unique_ptr<ModelRepository> repository_;
 };
 
 }  // namespace attention::server

@@ -18,6 +18,12 @@ ABSL_FLAG(int64_t, max_batch_tokens, 16384, "most query tokens packed into one f
 ABSL_FLAG(int64_t, max_queue_requests, 1024,
           "queued requests beyond which new ones get RESOURCE_EXHAUSTED");
 ABSL_FLAG(bool, demo_layer, true, "load the seeded BERT-base-shaped layer 'demo-bert-base'");
+ABSL_FLAG(std::string, model_repository, "",
+          "directory of safetensors checkpoints for LoadLayer and of persisted layers "
+          "(persisted/<name>.safetensors, loaded at start-up); empty = none");
+ABSL_FLAG(int64_t, max_weight_bytes, 0,
+          "budget for the weights of all loaded layers, bytes; loads past it get "
+          "RESOURCE_EXHAUSTED; 0 = unlimited");
 ABSL_FLAG(int64_t, max_message_bytes, int64_t{64} << 20, "largest gRPC message, bytes");
 ABSL_FLAG(double, shutdown_grace_seconds, 10.0,
           "on SIGTERM/SIGINT, how long calls in flight may take to finish");
@@ -42,6 +48,8 @@ int main(int argc, char** argv) {
   options.batcher.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   options.batcher.max_queue_requests = absl::GetFlag(FLAGS_max_queue_requests);
   options.demo_layer = absl::GetFlag(FLAGS_demo_layer);
+  options.registry.model_repository = absl::GetFlag(FLAGS_model_repository);
+  options.registry.max_weight_bytes = absl::GetFlag(FLAGS_max_weight_bytes);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
 
   auto server = attention::server::AttentionServer::Start(options);

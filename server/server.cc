@@ -1,5 +1,6 @@
 #include "server/server.h"
 
+#include <iostream>
 #include <thread>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
@@ -30,6 +31,7 @@ absl::Status ServerOptions::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat(
         "max_message_bytes = ", max_message_bytes, " must be in [1 MiB, 2 GiB)"));
   }
+  RETURN_IF_ERROR(registry.Validate());
   return batcher.Validate();
 }
 
@@ -42,14 +44,25 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
     const ServerOptions& options) {
   RETURN_IF_ERROR(options.Validate());
   std::unique_ptr<AttentionServer> server(new AttentionServer(options));
-  if (options.demo_layer) {
+  RETURN_IF_ERROR(server->registry_.Configure(options.registry));
+  // Persisted layers load before the port opens, so health never says SERVING without them;
+  // and before the demo layer, so that one persisted under its name wins.
+  server->startup_problems_ = server->registry_.LoadPersisted();
+  if (options.demo_layer && !server->registry_.Get(kDemoLayerName).ok()) {
     core::MhaConfig config;
     config.embed_dim = kDemoEmbedDim;
     config.num_heads = kDemoNumHeads;
     ASSIGN_OR_RETURN(const core::MhaConfig resolved, core::MhaConfig::Resolve(config));
     ASSIGN_OR_RETURN(auto layer,
                      core::MhaLayer::Create(resolved, core::MhaWeights::Random(resolved, kDemoSeed)));
-    server->registry_.Put(kDemoLayerName, std::move(layer));
+    auto published = server->registry_.Publish(kDemoLayerName, std::move(layer));
+    if (!published.ok()) {
+      server->startup_problems_.push_back(absl::StrCat(
+          "demo layer \"", kDemoLayerName, "\": ", published.status().message(), "; skipped"));
+    }
+  }
+  for (const std::string& problem : server->startup_problems_) {
+    std::cerr << "attention-service: " << problem << std::endl;
   }
   server->service_.RefreshLayerMetrics();
   if (!options.metrics_address.empty()) {

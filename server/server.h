@@ -5,6 +5,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <grpcpp/server.h>
 
@@ -32,8 +33,10 @@ struct ServerOptions {
   // Compute threads; 0 means one per hardware thread.
   int compute_threads = 0;
   BatcherOptions batcher;
-  // Load kDemoLayerName with seeded weights at start-up.
+  // Load kDemoLayerName with seeded weights at start-up (unless a persisted layer has its name).
   bool demo_layer = true;
+  // Weight budget (--max_weight_bytes) and model repository (--model_repository).
+  LayerRegistryOptions registry;
   // Largest request or response message, bytes. >= 1 MiB; default 64 MiB.
   int64_t max_message_bytes = int64_t{64} << 20;
 
@@ -50,6 +53,8 @@ class AttentionServer {
   // Port of /metrics, 0 when disabled.
   int metrics_port() const { return metrics_.port(); }
   LayerRegistry& registry() { return registry_; }
+  // Files skipped while loading persisted layers at start-up (also printed to stderr).
+  const std::vector<std::string>& startup_problems() const { return startup_problems_; }
 
   // Health turns NOT_SERVING, new calls are refused, calls in flight get up to `grace` to
   // finish, then the batcher drains and stops. Idempotent.
@@ -65,6 +70,7 @@ class AttentionServer {
   AttentionServiceImpl service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
+  std::vector<std::string> startup_problems_;
   bool shut_down_ = false;
 };
 

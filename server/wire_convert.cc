@@ -8,6 +8,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/status_macros.h"
+#include "server/model_repository.h"
+#include "server/weight_naming.h"
 
 namespace attention::server {
 namespace {
@@ -158,84 +160,40 @@ v1::LayerConfig ConfigToProto(const core::MhaConfig& in) {
   return out;
 }
 
-namespace {
-
-// Inline weights by this project's names (WEIGHT_NAMING_NATIVE), fused or separate QKV.
-absl::StatusOr<core::MhaWeights> ConvertNativeWeights(const v1::LayerWeights& in,
-                                                      const core::MhaConfig& config,
-                                                      absl::string_view field) {
-  core::MhaWeights weights;
-  std::vector<std::string> used;
-  auto take = [&](const std::string& name,
-                  const std::vector<int64_t>& shape) -> absl::StatusOr<std::vector<float>> {
-    const std::string tensor_field = absl::StrCat(field, ".tensors[\"", name, "\"]");
-    auto found = in.tensors().find(name);
-    if (found == in.tensors().end()) return Invalid(tensor_field, " is missing");
-    ASSIGN_OR_RETURN(FloatTensor tensor, DecodeFloatTensor(found->second, tensor_field));
-    if (tensor.shape != shape) {
-      return Invalid(tensor_field, " has shape ", ShapeString(tensor.shape), "; expected ",
-                     ShapeString(shape));
-    }
-    used.push_back(name);
-    return std::move(tensor.values);
-  };
-  const bool fused = in.tensors().count("qkv_proj.weight") > 0;
-  for (const core::MhaWeights::Slot& slot : core::MhaWeights::Slots(config)) {
-    const bool projection = slot.name.rfind("out_proj", 0) != 0;
-    if (fused && projection) continue;
-    ASSIGN_OR_RETURN(weights.*slot.member, take(slot.name, slot.shape));
-  }
-  if (fused) {
-    if (config.kdim != config.embed_dim || config.vdim != config.embed_dim) {
-      return Invalid(field, ".tensors[\"qkv_proj.weight\"]: a fused projection needs kdim (",
-                     config.kdim, ") and vdim (", config.vdim, ") equal to embed_dim (",
-                     config.embed_dim, ")");
-    }
-    const int64_t q = config.QWidth(), k = config.KWidth(), v = config.VWidth();
-    const int64_t e = config.embed_dim;
-    ASSIGN_OR_RETURN(std::vector<float> fused_weight, take("qkv_proj.weight", {q + k + v, e}));
-    weights.q_weight.assign(fused_weight.begin(), fused_weight.begin() + q * e);
-    weights.k_weight.assign(fused_weight.begin() + q * e, fused_weight.begin() + (q + k) * e);
-    weights.v_weight.assign(fused_weight.begin() + (q + k) * e, fused_weight.end());
-    if (config.qkv_bias) {
-      ASSIGN_OR_RETURN(std::vector<float> fused_bias, take("qkv_proj.bias", {q + k + v}));
-      weights.q_bias.assign(fused_bias.begin(), fused_bias.begin() + q);
-      weights.k_bias.assign(fused_bias.begin() + q, fused_bias.begin() + q + k);
-      weights.v_bias.assign(fused_bias.begin() + q + k, fused_bias.end());
-    }
-  }
-  for (const auto& [name, tensor] : in.tensors()) {
-    if (std::find(used.begin(), used.end(), name) == used.end()) {
-      return Invalid(field, ".tensors[\"", name, "\"] is not a weight of this layer config");
-    }
-  }
-  return weights;
-}
-
-}  // namespace
-
-absl::StatusOr<std::shared_ptr<const core::MhaLayer>> BuildLayer(const v1::LayerSpec& spec,
-                                                                  absl::string_view field) {
+absl::StatusOr<std::shared_ptr<const core::MhaLayer>> BuildLayer(
+    const v1::LayerSpec& spec, absl::string_view field, const ModelRepository* repository) {
   auto config = core::MhaConfig::Resolve(ConvertConfig(spec.config()));
   if (!config.ok()) return Invalid(field, ".", config.status().message());
   core::MhaWeights weights;
   switch (spec.weights_case()) {
     case v1::LayerSpec::kInlineWeights: {
       const std::string weights_field = absl::StrCat(field, ".inline_weights");
-      if (spec.inline_weights().naming() != v1::WEIGHT_NAMING_NATIVE) {
-        return absl::UnimplementedError(absl::StrCat(
-            weights_field, ".naming = ", v1::WeightNaming_Name(spec.inline_weights().naming()),
-            " is not implemented yet; use WEIGHT_NAMING_NATIVE"));
-      }
-      ASSIGN_OR_RETURN(weights, ConvertNativeWeights(spec.inline_weights(), *config, weights_field));
+      const v1::LayerWeights& inline_weights = spec.inline_weights();
+      WireTensorSource source(inline_weights, weights_field);
+      ASSIGN_OR_RETURN(weights, ConvertWeights(inline_weights.naming(), source,
+                                               inline_weights.prefix(), *config,
+                                               absl::StrCat(weights_field, ".naming")));
       break;
     }
     case v1::LayerSpec::kRandomInit:
       weights = core::MhaWeights::Random(*config, spec.random_init().seed());
       break;
-    case v1::LayerSpec::kSafetensors:
-      return absl::UnimplementedError(
-          absl::StrCat(field, ".safetensors: loading from the model repository is not implemented yet"));
+    case v1::LayerSpec::kSafetensors: {
+      const std::string source_field = absl::StrCat(field, ".safetensors");
+      const v1::SafetensorsSource& safetensors = spec.safetensors();
+      if (repository == nullptr) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            source_field, ": the server has no model repository; start it with "
+            "--model_repository"));
+      }
+      ASSIGN_OR_RETURN(std::unique_ptr<core::SafetensorsFile> file,
+                       repository->OpenSafetensors(safetensors.path(),
+                                                   absl::StrCat(source_field, ".path")));
+      SafetensorsTensorSource source(*file, source_field);
+      ASSIGN_OR_RETURN(weights, ConvertWeights(safetensors.naming(), source, safetensors.prefix(),
+                                               *config, absl::StrCat(source_field, ".naming")));
+      break;
+    }
     case v1::LayerSpec::WEIGHTS_NOT_SET:
       return Invalid(field, ".weights is not set: give inline_weights, safetensors or random_init");
   }

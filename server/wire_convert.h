@@ -31,9 +31,13 @@ absl::StatusOr<core::AttentionOptions> ConvertOptions(const v1::AttentionOptions
 core::MhaConfig ConvertConfig(const v1::LayerConfig& config);
 v1::LayerConfig ConfigToProto(const core::MhaConfig& config);
 
-// Resolves the config and builds the weights named in `spec` (inline or random init).
-absl::StatusOr<std::shared_ptr<const core::MhaLayer>> BuildLayer(const v1::LayerSpec& spec,
-                                                                  absl::string_view field);
+class ModelRepository;
+
+// Resolves the config and builds the weights named in `spec`: inline tensors, a safetensors
+// file of `repository` (FAILED_PRECONDITION when it is null), or seeded random init.
+absl::StatusOr<std::shared_ptr<const core::MhaLayer>> BuildLayer(
+    const v1::LayerSpec& spec, absl::string_view field,
+    const ModelRepository* repository = nullptr);
 
 // Layer names: 1-128 characters from [A-Za-z0-9._-].
 absl::Status ValidateLayerName(absl::string_view name, absl::string_view field);

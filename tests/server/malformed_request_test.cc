@@ -116,7 +116,7 @@ std::vector<MhaCase> MhaCases() {
          r.mutable_inline_layer()->mutable_config()->set_num_heads(12);
          r.mutable_inline_layer()->mutable_safetensors()->set_path("x.safetensors");
        },
-       C::kUnimplemented, "inline_layer.safetensors"},
+       C::kFailedPrecondition, "inline_layer.safetensors: the server has no model repository"},
   };
 }
 
@@ -231,8 +231,16 @@ TEST_F(ServerTest, MalformedLayerManagementIsRejected) {
        [](auto& r) {
          r.mutable_spec()->mutable_inline_weights()->set_naming(v1::WEIGHT_NAMING_HF_BERT);
        },
-       C::kUnimplemented, "spec.inline_weights.naming = WEIGHT_NAMING_HF_BERT"},
-      {"persist", [](auto& r) { r.set_persist(true); }, C::kUnimplemented, "persist = true"},
+       C::kInvalidArgument,
+       "spec.inline_weights.tensors[\"attention.self.query.weight\"] is missing; "
+       "WEIGHT_NAMING_HF_BERT expects shape [8, 8]"},
+      {"unknown naming",
+       [](auto& r) {
+         r.mutable_spec()->mutable_inline_weights()->set_naming(static_cast<v1::WeightNaming>(9));
+       },
+       C::kInvalidArgument, "spec.inline_weights.naming = 9 is not a known WeightNaming value"},
+      {"persist without repository", [](auto& r) { r.set_persist(true); },
+       C::kFailedPrecondition, "persist = true needs a model repository"},
   };
   for (const Case& test_case : cases) {
     v1::LoadLayerRequest request = valid;

@@ -1,5 +1,6 @@
 // End to end through a real gRPC server on a loopback port: results against the core
 // reference, seed 002 numbers, half precision, layer management, concurrency, health.
+#include <map>
 #include <thread>
 
 #include <grpcpp/client_context.h>
@@ -236,15 +237,54 @@ TEST_F(ServerTest, HealthReportsServing) {
   EXPECT_EQ(client_->IsServing("no.such.Service").status().code(), absl::StatusCode::kNotFound);
 }
 
-TEST_F(ServerTest, StreamAnswersUnimplementedWithAMessage) {
+TEST_F(ServerTest, StreamAnswersEveryRequestByIdIncludingErrors) {
+  // More requests than a stream may hold pending, so reading pauses and resumes; a writer
+  // thread and the reader run at once, as a real client would.
+  constexpr int kRequests = 100;
+  const auto layer = DemoLayer();
+  std::mt19937_64 rng(31);
+  std::vector<v1::MultiHeadAttentionRequest> requests;
+  for (int r = 0; r < kRequests; ++r) {
+    requests.push_back(DemoRequest(rng, 1, 1 + r % 9));
+    requests.back().set_request_id("r" + std::to_string(r));
+    if (r % 10 == 7) requests.back().set_layer("missing");
+  }
   auto stub = v1::AttentionService::NewStub(client_->channel());
   grpc::ClientContext context;
   auto stream = stub->MultiHeadAttentionStream(&context);
-  v1::MultiHeadAttentionStreamResponse response;
-  EXPECT_FALSE(stream->Read(&response));
-  const grpc::Status status = stream->Finish();
-  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNIMPLEMENTED);
-  EXPECT_NE(status.error_message().find("MultiHeadAttentionStream"), std::string::npos);
+  std::thread writer([&] {
+    for (const auto& request : requests) ASSERT_TRUE(stream->Write(request));
+    stream->WritesDone();
+  });
+  std::map<std::string, v1::MultiHeadAttentionStreamResponse> answers;
+  for (v1::MultiHeadAttentionStreamResponse answer; stream->Read(&answer);) {
+    answers[answer.request_id()] = answer;
+  }
+  writer.join();
+  ASSERT_TRUE(stream->Finish().ok());
+  ASSERT_EQ(answers.size(), static_cast<size_t>(kRequests));
+  for (const auto& request : requests) {
+    const auto& answer = answers[request.request_id()];
+    if (request.layer() == "missing") {
+      EXPECT_EQ(answer.error_code(), static_cast<int>(absl::StatusCode::kNotFound));
+      EXPECT_NE(answer.error_message().find("\"missing\" is not loaded"), std::string::npos);
+      continue;
+    }
+    ASSERT_EQ(answer.error_code(), 0) << answer.error_message();
+    ExpectNear(DecodeFloatTensor(answer.response().output(), "output")->values,
+               ReferenceFor(*layer, request, core::NeedWeights::kNone).output, kTolerance,
+               request.request_id());
+  }
+}
+
+TEST_F(ServerTest, EmptyStreamFinishesOk) {
+  auto stub = v1::AttentionService::NewStub(client_->channel());
+  grpc::ClientContext context;
+  auto stream = stub->MultiHeadAttentionStream(&context);
+  stream->WritesDone();
+  v1::MultiHeadAttentionStreamResponse answer;
+  EXPECT_FALSE(stream->Read(&answer));
+  EXPECT_TRUE(stream->Finish().ok());
 }
 
 }  // namespace
