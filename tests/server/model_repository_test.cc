@@ -695,7 +695,9 @@ TEST_F(RepositoryTest, LoadReloadAndUnloadUnderTraffic) {
     ASSERT_TRUE(loaded.ok()) << loaded.status();
     EXPECT_GT(loaded->version(), last_version);
     last_version = loaded->version();
-    if (round % 5 == 4) ASSERT_TRUE(client_->UnloadLayer("hot").ok());
+    if (round % 5 == 4) {
+      ASSERT_TRUE(client_->UnloadLayer("hot").ok());
+    }
   }
   ASSERT_TRUE(LoadRandom("hot", 8, 99).ok());
   done = true;
