@@ -285,15 +285,17 @@ std::vector<ModelRepository::PersistedLayer> ModelRepository::LoadPersisted(
   std::sort(entries.begin(), entries.end());
   for (const std::string& file_name : entries) {
     const std::string relative = absl::StrCat(kPersistedDir, "/", file_name);
-    if (file_name.front() == '.' && absl::StrContains(file_name, kTempMarker)) {
-      // A write interrupted by a crash; its rename never happened, so nothing refers to it.
-      ::unlink(absl::StrCat(dir, "/", file_name).c_str());
-      problems->push_back(absl::StrCat(
-          relative, ": temporary file of an interrupted write; removed"));
-      continue;
-    }
     if (!absl::EndsWith(file_name, kSuffix)) {
-      problems->push_back(absl::StrCat(relative, ": not a ", kSuffix, " file; ignored"));
+      // Temporary names never end in the suffix, so a layer named like one is safe.
+      if (file_name.front() == '.' &&
+          absl::StrContains(file_name, absl::StrCat(kSuffix, kTempMarker))) {
+        // A write interrupted by a crash; its rename never happened, so nothing refers to it.
+        ::unlink(absl::StrCat(dir, "/", file_name).c_str());
+        problems->push_back(
+            absl::StrCat(relative, ": temporary file of an interrupted write; removed"));
+      } else {
+        problems->push_back(absl::StrCat(relative, ": not a ", kSuffix, " file; ignored"));
+      }
       continue;
     }
     const std::string name = file_name.substr(0, file_name.size() - std::strlen(kSuffix));

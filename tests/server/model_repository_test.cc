@@ -611,6 +611,48 @@ TEST_F(RepositoryTest, CorruptPersistedFilesAreSkippedAtStartUp) {
   EXPECT_EQ(client_->ListLayers()->size(), 2u);
 }
 
+TEST_F(RepositoryTest, OddNamesSurviveRestartsAndAPersistedDemoNameWins) {
+  // Names that look like temporary files or dot files are still layers.
+  for (const std::string name : {".x.safetensors.tmp.1.2", "..", "a.safetensors"}) {
+    auto loaded = LoadRandom(name, 8, 1, /*persist=*/true);
+    ASSERT_TRUE(loaded.ok()) << name << ": " << loaded.status();
+  }
+  ASSERT_TRUE(LoadRandom(kDemoLayerName, 8, 2, /*persist=*/true).ok());
+  ServerOptions options = Options();
+  options.demo_layer = true;
+  Start(options);
+  EXPECT_TRUE(server_->startup_problems().empty()) << server_->startup_problems()[0];
+  auto layers = client_->ListLayers();
+  ASSERT_TRUE(layers.ok());
+  ASSERT_EQ(layers->size(), 4u);
+  auto demo = client_->GetLayer(kDemoLayerName);
+  ASSERT_TRUE(demo.ok());
+  EXPECT_EQ(demo->config().embed_dim(), 8) << "the persisted layer, not the built-in demo";
+  EXPECT_TRUE(demo->persisted());
+}
+
+TEST_F(RepositoryTest, InlineLayersCanNameARepositoryFile) {
+  core::MhaConfig config;
+  config.embed_dim = 8, config.num_heads = 2;
+  config = *core::MhaConfig::Resolve(config);
+  WriteSafetensors(repository_ / "m.safetensors",
+                   ConventionTensors(v1::WEIGHT_NAMING_TORCH_MHA, config, ExactWeights(config, 6), ""));
+  ASSERT_TRUE(LoadFromFile("loaded", config, "m.safetensors", v1::WEIGHT_NAMING_TORCH_MHA).ok());
+  std::mt19937_64 rng(5);
+  v1::MultiHeadAttentionRequest request;
+  *request.mutable_inline_layer()->mutable_config() = ToProto(config);
+  request.mutable_inline_layer()->mutable_safetensors()->set_path("m.safetensors");
+  request.mutable_inline_layer()->mutable_safetensors()->set_naming(v1::WEIGHT_NAMING_TORCH_MHA);
+  EncodeTensor(RandomValues(rng, 2 * 3 * 8), std::vector<int64_t>{2, 3, 8}, core::DType::kFloat32,
+               request.mutable_query());
+  auto response = client_->MultiHeadAttention(request);
+  ASSERT_TRUE(response.ok()) << response.status();
+  EXPECT_EQ(DecodeFloatTensor(response->output(), "output")->values, Run("loaded", config));
+  request.mutable_inline_layer()->mutable_safetensors()->set_path("../m.safetensors");
+  ExpectStatus(client_->MultiHeadAttention(request).status(), absl::StatusCode::kInvalidArgument,
+               "inline_layer.safetensors.path = \"../m.safetensors\" contains \"..\"");
+}
+
 TEST_F(RepositoryTest, WeightBudgetRefusesLoadsPastIt) {
   // E = 8, H = 2 with biases: 4 * 64 + 4 * 8 = 288 parameters = 1152 bytes.
   constexpr int64_t kLayerBytes = 1152;
