@@ -11,17 +11,108 @@ absl::Status BatcherOptions::Validate() const {
                                                              max_batch_requests},
                              {"max_batch_tokens", max_batch_tokens},
                              {"max_queue_requests", max_queue_requests},
+                             {"max_queue_tokens", max_queue_tokens},
                              {"num_workers", num_workers}}) {
     if (value < 1) {
       return absl::InvalidArgumentError(absl::StrCat(name, " = ", value, " must be >= 1"));
     }
   }
+  if (max_queue_delay < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_queue_delay = ", absl::FormatDuration(max_queue_delay),
+                     " must be >= 0"));
+  }
+  if (starvation_limit <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("starvation_limit = ", absl::FormatDuration(starvation_limit),
+                     " must be > 0"));
+  }
   return absl::OkStatus();
 }
 
+absl::Status BatchQueue::Push(std::unique_ptr<WorkItem>& item, absl::Time now) {
+  if (size() >= options_.max_queue_requests) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the compute queue is full (", options_.max_queue_requests, " requests waiting); retry later"));
+  }
+  if (tokens_ + item->tokens > options_.max_queue_tokens && !items_.empty()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the compute queue is full (", tokens_, " tokens waiting, limit ",
+                     options_.max_queue_tokens, "); retry later"));
+  }
+  item->enqueued = now;
+  tokens_ += item->tokens;
+  items_.push_back(std::move(item));
+  return absl::OkStatus();
+}
+
+BatchQueue::Iterator BatchQueue::Head(absl::Time now) {
+  Iterator head = items_.begin();
+  if (now - (*head)->enqueued > options_.starvation_limit) return head;  // oldest is starving
+  for (Iterator it = items_.begin(); it != items_.end(); ++it) {
+    if ((*it)->priority > (*head)->priority) head = it;
+  }
+  return head;
+}
+
+BatchQueue::Batch BatchQueue::Members(Iterator head, absl::Time now) {
+  Batch batch;
+  batch.members = {head};
+  const LayerSnapshot* layer = (*head)->layer.get();
+  if (layer == nullptr) {  // runs alone
+    batch.full = true;
+    return batch;
+  }
+  // Candidates in the order they would lead: starving first, then by priority and age.
+  std::vector<Iterator> candidates;
+  for (Iterator it = items_.begin(); it != items_.end(); ++it) {
+    if (it != head && (*it)->layer.get() == layer) candidates.push_back(it);
+  }
+  auto rank = [&](Iterator it) {
+    return std::pair<bool, int>(now - (*it)->enqueued > options_.starvation_limit,
+                                (*it)->priority);
+  };
+  std::stable_sort(candidates.begin(), candidates.end(),
+                   [&](Iterator a, Iterator b) { return rank(a) > rank(b); });
+  int64_t tokens = (*head)->tokens;
+  for (Iterator it : candidates) {
+    if (static_cast<int64_t>(batch.members.size()) >= options_.max_batch_requests ||
+        tokens + (*it)->tokens > options_.max_batch_tokens) {
+      batch.full = true;
+      break;
+    }
+    tokens += (*it)->tokens;
+    batch.members.push_back(it);
+  }
+  if (static_cast<int64_t>(batch.members.size()) >= options_.max_batch_requests) {
+    batch.full = true;
+  }
+  return batch;
+}
+
+std::vector<std::unique_ptr<WorkItem>> BatchQueue::PopDue(absl::Time now, bool flush,
+                                                          absl::Time* due) {
+  *due = absl::InfiniteFuture();
+  if (items_.empty()) return {};
+  const Batch next = Members(Head(now), now);
+  absl::Time oldest = absl::InfiniteFuture();
+  for (Iterator it : next.members) oldest = std::min(oldest, (*it)->enqueued);
+  if (!flush && !next.full && now - oldest < options_.max_queue_delay) {
+    *due = oldest + options_.max_queue_delay;
+    return {};
+  }
+  std::vector<std::unique_ptr<WorkItem>> batch;
+  for (Iterator it : next.members) {
+    tokens_ -= (*it)->tokens;
+    batch.push_back(std::move(*it));
+    items_.erase(it);
+  }
+  return batch;
+}
+
 Batcher::Batcher(const BatcherOptions& options, core::ThreadPool& pool, Metrics* metrics)
-    : options_(options), pool_(pool), metrics_(metrics) {
-  for (int i = 0; i < options_.num_workers; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+    : pool_(pool), metrics_(metrics), queue_(options) {
+  for (int i = 0; i < options.num_workers; ++i) workers_.emplace_back([this] { WorkerLoop(); });
 }
 
 Batcher::~Batcher() { Shutdown(); }
@@ -29,14 +120,10 @@ Batcher::~Batcher() { Shutdown(); }
 absl::Status Batcher::Submit(std::unique_ptr<WorkItem> item) {
   absl::MutexLock lock(&mu_);
   if (stopping_) return absl::UnavailableError("the server is shutting down");
-  if (static_cast<int64_t>(queue_.size()) >= options_.max_queue_requests) {
-    return absl::ResourceExhaustedError(absl::StrCat("the compute queue is full (",
-                                                     options_.max_queue_requests,
-                                                     " requests waiting); retry later"));
-  }
-  item->enqueued = absl::Now();
-  queue_.push_back(std::move(item));
-  if (metrics_ != nullptr) metrics_->SetQueueDepth(static_cast<int64_t>(queue_.size()));
+  const absl::Status status = queue_.Push(item, absl::Now());
+  if (!status.ok()) return status;
+  ++arrivals_;
+  if (metrics_ != nullptr) metrics_->SetQueueDepth(queue_.size());
   return absl::OkStatus();
 }
 
@@ -52,7 +139,7 @@ void Batcher::Shutdown() {
 
 int64_t Batcher::QueueDepth() const {
   absl::MutexLock lock(&mu_);
-  return static_cast<int64_t>(queue_.size());
+  return queue_.size();
 }
 
 void Batcher::WorkerLoop() {
@@ -60,39 +147,27 @@ void Batcher::WorkerLoop() {
     std::vector<std::unique_ptr<WorkItem>> batch;
     {
       absl::MutexLock lock(&mu_);
-      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return stopping_ || !queue_.empty();
-      };
-      mu_.Await(absl::Condition(&ready));
-      if (queue_.empty()) return;  // stopping, and everything queued is done
-      batch = TakeBatchLocked();
-      if (metrics_ != nullptr) metrics_->SetQueueDepth(static_cast<int64_t>(queue_.size()));
+      while (batch.empty()) {
+        auto has_work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return stopping_ || queue_.size() > 0;
+        };
+        mu_.Await(absl::Condition(&has_work));
+        if (queue_.size() == 0) return;  // stopping, and everything queued is done
+        absl::Time due;
+        batch = queue_.PopDue(absl::Now(), stopping_, &due);
+        if (batch.empty()) {
+          // Wait for the delay to pass, or for an arrival that may fill the batch sooner.
+          const int64_t seen = arrivals_;
+          auto changed = [this, seen]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+            return stopping_ || arrivals_ != seen;
+          };
+          mu_.AwaitWithDeadline(absl::Condition(&changed), due);
+        }
+      }
+      if (metrics_ != nullptr) metrics_->SetQueueDepth(queue_.size());
     }
     Run(std::move(batch));
   }
-}
-
-std::vector<std::unique_ptr<WorkItem>> Batcher::TakeBatchLocked() {
-  auto first = std::max_element(queue_.begin(), queue_.end(), [](const auto& a, const auto& b) {
-    return a->priority < b->priority;  // max_element keeps the earliest of equals
-  });
-  std::vector<std::unique_ptr<WorkItem>> batch;
-  batch.push_back(std::move(*first));
-  queue_.erase(first);
-  const LayerSnapshot* layer = batch.front()->layer.get();
-  if (layer == nullptr) return batch;
-  int64_t tokens = batch.front()->tokens;
-  for (auto it = queue_.begin(); it != queue_.end() &&
-                                 static_cast<int64_t>(batch.size()) < options_.max_batch_requests;) {
-    if ((*it)->layer.get() == layer && tokens + (*it)->tokens <= options_.max_batch_tokens) {
-      tokens += (*it)->tokens;
-      batch.push_back(std::move(*it));
-      it = queue_.erase(it);
-    } else {
-      ++it;
-    }
-  }
-  return batch;
 }
 
 void Batcher::Run(std::vector<std::unique_ptr<WorkItem>> batch) {

@@ -1,10 +1,12 @@
-// Queues attention work and packs requests for the same layer into one forward pass.
+// Dynamic batching: requests queue up and are packed, without padding, into one forward
+// pass per layer. BatchQueue is the policy (no threads, time passed in, so tests drive it
+// with a fake clock); Batcher runs it with worker threads and the real clock.
 #ifndef ATTENTION_SERVER_BATCHER_H_
 #define ATTENTION_SERVER_BATCHER_H_
 
 #include <cstdint>
-#include <deque>
 #include <functional>
+#include <list>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -22,13 +24,23 @@
 namespace attention::server {
 
 struct BatcherOptions {
-  // Most requests packed into one forward pass. >= 1; default 64.
+  // A batch closes when it holds this many requests. >= 1; default 64.
   int64_t max_batch_requests = 64;
-  // Most query tokens (sum of B * Nq) packed into one forward pass; a larger request runs
-  // alone. >= 1; default 16384.
+  // ... or when adding the next request would pass this many query tokens (sum of B * Nq);
+  // a single larger request runs alone. >= 1; default 16384.
   int64_t max_batch_tokens = 16384;
-  // Queued requests beyond which Submit answers RESOURCE_EXHAUSTED. >= 1; default 1024.
+  // ... or when its oldest request has waited this long. Zero (the default) closes a batch
+  // as soon as a worker is free: under load, requests that arrive while a batch computes
+  // form the next one, so batching costs no added latency. >= 0.
+  absl::Duration max_queue_delay = absl::ZeroDuration();
+  // Queued requests, and queued query tokens, beyond which Submit answers
+  // RESOURCE_EXHAUSTED at once. >= 1; defaults 1024 and 1 << 20.
   int64_t max_queue_requests = 1024;
+  int64_t max_queue_tokens = int64_t{1} << 20;
+  // Higher priorities run first, except that a request which has waited longer than this
+  // goes ahead of every younger one whatever its priority, so low priorities never starve.
+  // > 0; default 100 ms.
+  absl::Duration starvation_limit = absl::Milliseconds(100);
   // Threads taking batches off the queue; each batch uses the whole compute pool, so more
   // than one only helps to overlap encoding with compute. >= 1; default 1.
   int num_workers = 1;
@@ -45,7 +57,7 @@ struct WorkItem {
   std::vector<std::vector<float>> storage;
   // For work that runs alone (layer is null), e.g. scaled dot-product attention.
   std::function<core::AttentionResult(core::ThreadPool&)> run_alone;
-  // Query tokens, for max_batch_tokens.
+  // Query tokens, for the batch and queue token limits.
   int64_t tokens = 0;
   // Higher runs first; equal priorities run in arrival order.
   int priority = 0;
@@ -53,10 +65,45 @@ struct WorkItem {
   absl::Time deadline = absl::InfiniteFuture();
   // Polled before compute; true answers CANCELLED. May be empty.
   std::function<bool()> is_cancelled;
-  // Set by Submit.
+  // Set by the queue when the item arrives.
   absl::Time enqueued;
   // Called exactly once, on a worker thread, with the result or the reason there is none.
   std::function<void(absl::StatusOr<core::AttentionResult>)> done;
+};
+
+// The batching policy. Thread-compatible.
+class BatchQueue {
+ public:
+  explicit BatchQueue(const BatcherOptions& options) : options_(options) {}
+
+  // Queues `item` arriving at `now`, or returns RESOURCE_EXHAUSTED when a queue limit is
+  // reached (the item is then left untouched).
+  absl::Status Push(std::unique_ptr<WorkItem>& item, absl::Time now);
+
+  // The batch due at `now`, removed from the queue, or an empty vector with *due set to
+  // when the next batch will be due (InfiniteFuture when the queue is empty). `flush`
+  // closes a batch regardless of the delay (used when shutting down).
+  std::vector<std::unique_ptr<WorkItem>> PopDue(absl::Time now, bool flush, absl::Time* due);
+
+  int64_t size() const { return static_cast<int64_t>(items_.size()); }
+  int64_t tokens() const { return tokens_; }
+
+ private:
+  using Iterator = std::list<std::unique_ptr<WorkItem>>::iterator;
+  // The request that leads the next batch: the oldest starving one, else the first of the
+  // highest priority.
+  Iterator Head(absl::Time now);
+  // Items that would join a batch led by `head`, in order, within the batch limits; `full`
+  // when another queued item of the same layer is left out by a limit.
+  struct Batch {
+    std::vector<Iterator> members;
+    bool full = false;
+  };
+  Batch Members(Iterator head, absl::Time now);
+
+  const BatcherOptions options_;
+  std::list<std::unique_ptr<WorkItem>> items_;  // arrival order
+  int64_t tokens_ = 0;
 };
 
 // Thread-safe.
@@ -77,16 +124,14 @@ class Batcher {
 
  private:
   void WorkerLoop();
-  // Removes and returns the next batch: the highest-priority item plus queued items of the
-  // same layer snapshot up to the batch limits.
-  std::vector<std::unique_ptr<WorkItem>> TakeBatchLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Run(std::vector<std::unique_ptr<WorkItem>> batch);
 
-  const BatcherOptions options_;
   core::ThreadPool& pool_;
   Metrics* const metrics_;
   mutable absl::Mutex mu_;
-  std::deque<std::unique_ptr<WorkItem>> queue_ ABSL_GUARDED_BY(mu_);
+  BatchQueue queue_ ABSL_GUARDED_BY(mu_);
+  // Bumped on every Push so a worker waiting for the delay re-checks early.
+  int64_t arrivals_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> workers_;
 };

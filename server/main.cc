@@ -15,8 +15,15 @@ ABSL_FLAG(int, compute_threads, 0, "compute threads; 0 = one per hardware thread
 ABSL_FLAG(int, batch_workers, 1, "threads taking batches off the queue");
 ABSL_FLAG(int64_t, max_batch_requests, 64, "most requests packed into one forward pass");
 ABSL_FLAG(int64_t, max_batch_tokens, 16384, "most query tokens packed into one forward pass");
+ABSL_FLAG(absl::Duration, max_queue_delay, absl::ZeroDuration(),
+          "longest a request waits for a fuller batch, e.g. 2ms; 0 = run as soon as a worker "
+          "is free");
 ABSL_FLAG(int64_t, max_queue_requests, 1024,
           "queued requests beyond which new ones get RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_queue_tokens, int64_t{1} << 20,
+          "queued query tokens beyond which new requests get RESOURCE_EXHAUSTED");
+ABSL_FLAG(absl::Duration, starvation_limit, absl::Milliseconds(100),
+          "a request queued longer than this runs before younger ones of any priority");
 ABSL_FLAG(bool, demo_layer, true, "load the seeded BERT-base-shaped layer 'demo-bert-base'");
 ABSL_FLAG(std::string, model_repository, "",
           "directory of safetensors checkpoints for LoadLayer and of persisted layers "
@@ -47,6 +54,9 @@ int main(int argc, char** argv) {
   options.batcher.max_batch_requests = absl::GetFlag(FLAGS_max_batch_requests);
   options.batcher.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   options.batcher.max_queue_requests = absl::GetFlag(FLAGS_max_queue_requests);
+  options.batcher.max_queue_delay = absl::GetFlag(FLAGS_max_queue_delay);
+  options.batcher.max_queue_tokens = absl::GetFlag(FLAGS_max_queue_tokens);
+  options.batcher.starvation_limit = absl::GetFlag(FLAGS_starvation_limit);
   options.demo_layer = absl::GetFlag(FLAGS_demo_layer);
   options.registry.model_repository = absl::GetFlag(FLAGS_model_repository);
   options.registry.max_weight_bytes = absl::GetFlag(FLAGS_max_weight_bytes);

@@ -2,6 +2,7 @@
 // Workers are held with notifications, never with sleeps.
 #include "server/batcher.h"
 
+#include <map>
 #include <random>
 
 #include "absl/synchronization/notification.h"
@@ -77,7 +78,9 @@ TEST_F(BatcherTest, ExpiredAndCancelledItemsAreNotComputed) {
 }
 
 TEST_F(BatcherTest, HigherPriorityRunsFirstEqualPrioritiesInOrder) {
-  Batcher batcher(BatcherOptions(), pool_);
+  BatcherOptions options;
+  options.starvation_limit = absl::Hours(1);  // however slow this machine, nothing starves
+  Batcher batcher(options, pool_);
   absl::Notification started, release;
   ASSERT_TRUE(batcher.Submit(TaggedItem(0, &order_, &mu_, &started, &release)).ok());
   started.WaitForNotification();
@@ -136,6 +139,123 @@ TEST_F(BatcherTest, PacksRequestsOfOneLayerAndMatchesEachAlone) {
       ASSERT_NEAR(outputs[n][e], alone[n].output[e], 1e-4) << "request " << n;
     }
   }
+}
+
+}  // namespace
+}  // namespace attention::server
+
+namespace attention::server {
+namespace {
+
+// The policy on a fake clock: times are given, nothing sleeps.
+class BatchQueueTest : public ::testing::Test {
+ protected:
+  BatchQueueTest() {
+    layer_ = std::make_shared<LayerSnapshot>();
+    other_layer_ = std::make_shared<LayerSnapshot>();
+  }
+
+  std::unique_ptr<WorkItem> Item(int tag, int64_t tokens, int priority = 0,
+                                 bool other_layer = false) {
+    auto item = std::make_unique<WorkItem>();
+    item->layer = other_layer ? other_layer_ : layer_;
+    item->tokens = tokens;
+    item->priority = priority;
+    tags_[item.get()] = tag;
+    return item;
+  }
+
+  std::vector<int> Tags(const std::vector<std::unique_ptr<WorkItem>>& batch) {
+    std::vector<int> tags;
+    for (const auto& item : batch) tags.push_back(tags_[item.get()]);
+    return tags;
+  }
+
+  void Push(BatchQueue& queue, std::unique_ptr<WorkItem> item, absl::Time now) {
+    ASSERT_TRUE(queue.Push(item, now).ok());
+  }
+
+  const absl::Time t0_ = absl::FromUnixSeconds(1000);
+  std::shared_ptr<LayerSnapshot> layer_, other_layer_;
+  std::map<const WorkItem*, int> tags_;
+};
+
+TEST_F(BatchQueueTest, WaitsForTheDelayThenCloses) {
+  BatcherOptions options;
+  options.max_queue_delay = absl::Milliseconds(10);
+  BatchQueue queue(options);
+  Push(queue, Item(1, 4), t0_);
+  Push(queue, Item(2, 4), t0_ + absl::Milliseconds(3));
+  absl::Time due;
+  EXPECT_TRUE(queue.PopDue(t0_ + absl::Milliseconds(9), false, &due).empty());
+  EXPECT_EQ(due, t0_ + absl::Milliseconds(10));
+  EXPECT_EQ(Tags(queue.PopDue(t0_ + absl::Milliseconds(10), false, &due)),
+            (std::vector<int>{1, 2}));
+  EXPECT_EQ(queue.size(), 0);
+  EXPECT_EQ(queue.tokens(), 0);
+}
+
+TEST_F(BatchQueueTest, ClosesEarlyWhenFullByRequestsOrTokens) {
+  BatcherOptions options;
+  options.max_queue_delay = absl::Seconds(1);
+  options.max_batch_requests = 2;
+  options.max_batch_tokens = 10;
+  BatchQueue queue(options);
+  absl::Time due;
+  Push(queue, Item(1, 3), t0_);
+  Push(queue, Item(2, 3), t0_);
+  Push(queue, Item(3, 3), t0_);
+  EXPECT_EQ(Tags(queue.PopDue(t0_, false, &due)), (std::vector<int>{1, 2}));  // 2 requests
+  Push(queue, Item(4, 8), t0_);
+  EXPECT_EQ(Tags(queue.PopDue(t0_, false, &due)), (std::vector<int>{3}));  // 3 + 8 > 10 tokens
+  EXPECT_TRUE(queue.PopDue(t0_, false, &due).empty());  // 4 alone is not full: it waits
+  EXPECT_EQ(Tags(queue.PopDue(t0_, true, &due)), (std::vector<int>{4}));  // flush
+}
+
+TEST_F(BatchQueueTest, ZeroDelayClosesAtOnceAndKeepsLayersApart) {
+  BatchQueue queue(BatcherOptions{});
+  absl::Time due;
+  Push(queue, Item(1, 1), t0_);
+  Push(queue, Item(2, 1, 0, /*other_layer=*/true), t0_);
+  Push(queue, Item(3, 1), t0_);
+  EXPECT_EQ(Tags(queue.PopDue(t0_, false, &due)), (std::vector<int>{1, 3}));
+  EXPECT_EQ(Tags(queue.PopDue(t0_, false, &due)), (std::vector<int>{2}));
+  EXPECT_TRUE(queue.PopDue(t0_, false, &due).empty());
+  EXPECT_EQ(due, absl::InfiniteFuture());
+}
+
+TEST_F(BatchQueueTest, QueueLimitsAnswerResourceExhausted) {
+  BatcherOptions options;
+  options.max_queue_requests = 2;
+  options.max_queue_tokens = 10;
+  BatchQueue queue(options);
+  Push(queue, Item(1, 6), t0_);
+  auto too_many_tokens = Item(2, 5);
+  const absl::Status tokens = queue.Push(too_many_tokens, t0_);
+  EXPECT_EQ(tokens.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(tokens.message().find("6 tokens waiting, limit 10"), std::string::npos) << tokens;
+  ASSERT_NE(too_many_tokens, nullptr);  // a refused item stays with the caller
+  Push(queue, Item(3, 4), t0_);
+  auto too_many_requests = Item(4, 1);
+  EXPECT_EQ(queue.Push(too_many_requests, t0_).code(), absl::StatusCode::kResourceExhausted);
+}
+
+TEST_F(BatchQueueTest, PriorityFirstButStarvingRequestsGoAhead) {
+  BatcherOptions options;
+  options.max_batch_requests = 1;
+  options.starvation_limit = absl::Milliseconds(100);
+  BatchQueue queue(options);
+  absl::Time due;
+  Push(queue, Item(1, 1, /*priority=*/0), t0_);
+  Push(queue, Item(2, 1, /*priority=*/5), t0_ + absl::Milliseconds(50));
+  Push(queue, Item(3, 1, /*priority=*/5), t0_ + absl::Milliseconds(60));
+  // At 90 ms nothing starves: priority 5 first, in arrival order.
+  EXPECT_EQ(Tags(queue.PopDue(t0_ + absl::Milliseconds(90), false, &due)), (std::vector<int>{2}));
+  // At 150 ms request 1 has waited 150 ms > 100 ms and goes ahead of priority 5.
+  EXPECT_EQ(Tags(queue.PopDue(t0_ + absl::Milliseconds(150), false, &due)),
+            (std::vector<int>{1}));
+  EXPECT_EQ(Tags(queue.PopDue(t0_ + absl::Milliseconds(150), false, &due)),
+            (std::vector<int>{3}));
 }
 
 }  // namespace
