@@ -22,9 +22,10 @@ ThreadPool::ThreadPool(int num_threads) {
 
 ThreadPool::~ThreadPool() {
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
   }
+  work_available_.notify_all();
   for (std::thread& thread : threads_) thread.join();
 }
 
@@ -33,21 +34,18 @@ void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) 
   auto job = std::make_shared<Job>();
   job->fn = &fn;
   job->size = n;
-  absl::MutexLock lock(&mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   jobs_.push_back(job);
-  auto all_finished = [&job] { return job->finished.load() == job->size; };
-  mu_.Await(absl::Condition(&all_finished));
+  work_available_.notify_all();
+  job_finished_.wait(lock, [&job] { return job->finished.load() == job->size; });
 }
 
 void ThreadPool::WorkerLoop() {
   while (true) {
     std::shared_ptr<Job> job;
     {
-      absl::MutexLock lock(&mu_);
-      auto has_work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return stopping_ || !jobs_.empty();
-      };
-      mu_.Await(absl::Condition(&has_work));
+      std::unique_lock<std::mutex> lock(mu_);
+      work_available_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
       if (jobs_.empty()) return;  // stopping
       job = jobs_.front();
     }
@@ -56,10 +54,10 @@ void ThreadPool::WorkerLoop() {
       (*job->fn)(i);
       ++done_here;
     }
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     // Every item is claimed: the job leaves the queue so workers move on to the next one.
     if (!jobs_.empty() && jobs_.front() == job) jobs_.pop_front();
-    job->finished.fetch_add(done_here);
+    if (job->finished.fetch_add(done_here) + done_here == job->size) job_finished_.notify_all();
   }
 }
 

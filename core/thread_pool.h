@@ -2,15 +2,16 @@
 #ifndef ATTENTION_CORE_THREAD_POOL_H_
 #define ATTENTION_CORE_THREAD_POOL_H_
 
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
 
 namespace attention::core {
 
@@ -37,7 +38,11 @@ class ThreadPool {
   struct Job;
   void WorkerLoop();
 
-  absl::Mutex mu_;
+  // std::mutex rather than absl::Mutex so ThreadSanitizer sees the locking: Debian's
+  // prebuilt Abseil is not instrumented.
+  std::mutex mu_;
+  std::condition_variable work_available_;  // a job was queued, or stopping
+  std::condition_variable job_finished_;    // some job's last item finished
   std::deque<std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;

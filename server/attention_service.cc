@@ -1,6 +1,7 @@
 #include "server/attention_service.h"
 
 #include <deque>
+#include <mutex>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -340,7 +341,7 @@ class MultiHeadAttentionStreamReactor final
 
   void OnReadDone(bool ok) override {
     if (!ok) {  // the caller closed its side, or the stream broke
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       reads_done_ = true;
       MaybeFinishLocked();
       return;
@@ -350,7 +351,7 @@ class MultiHeadAttentionStreamReactor final
     auto* answer = new v1::MultiHeadAttentionStreamResponse();  // owned by write_queue_ later
     answer->set_request_id(request_.request_id());
     {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       ++pending_;
     }
     const absl::Status status = service_.SubmitMultiHeadAttention(
@@ -358,7 +359,7 @@ class MultiHeadAttentionStreamReactor final
         answer->mutable_response(),
         [this, answer, start](const absl::Status& result) { Answer(answer, start, result); });
     if (!status.ok()) Answer(answer, start, status);
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     if (pending_ < kMaxPendingPerStream) {
       StartRead(&request_);
     } else {
@@ -368,7 +369,7 @@ class MultiHeadAttentionStreamReactor final
 
   void OnWriteDone(bool /*ok*/) override {
     // A failed write means the caller is gone; the remaining answers fail the same way.
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     write_queue_.pop_front();
     --pending_;
     if (reading_paused_ && pending_ < kMaxPendingPerStream) {
@@ -396,7 +397,7 @@ class MultiHeadAttentionStreamReactor final
       answer->set_error_code(static_cast<int>(result.code()));
       answer->set_error_message(std::string(result.message()));
     }
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     write_queue_.emplace_back(answer);
     if (!writing_) {
       writing_ = true;
@@ -414,7 +415,7 @@ class MultiHeadAttentionStreamReactor final
   AttentionServiceImpl& service_;
   grpc::CallbackServerContext* const context_;
   v1::MultiHeadAttentionRequest request_;  // only touched by the read path
-  absl::Mutex mu_;
+  std::mutex mu_;  // std::mutex so ThreadSanitizer sees it (see layer_registry.h)
   std::deque<std::unique_ptr<v1::MultiHeadAttentionStreamResponse>> write_queue_
       ABSL_GUARDED_BY(mu_);
   int pending_ ABSL_GUARDED_BY(mu_) = 0;  // read, not yet written

@@ -118,27 +118,30 @@ Batcher::Batcher(const BatcherOptions& options, core::ThreadPool& pool, Metrics*
 Batcher::~Batcher() { Shutdown(); }
 
 absl::Status Batcher::Submit(std::unique_ptr<WorkItem> item) {
-  absl::MutexLock lock(&mu_);
-  if (stopping_) return absl::UnavailableError("the server is shutting down");
-  const absl::Status status = queue_.Push(item, absl::Now());
-  if (!status.ok()) return status;
-  ++arrivals_;
-  if (metrics_ != nullptr) metrics_->SetQueueDepth(queue_.size());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return absl::UnavailableError("the server is shutting down");
+    const absl::Status status = queue_.Push(item, absl::Now());
+    if (!status.ok()) return status;
+    if (metrics_ != nullptr) metrics_->SetQueueDepth(queue_.size());
+  }
+  changed_.notify_all();
   return absl::OkStatus();
 }
 
 void Batcher::Shutdown() {
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
   }
+  changed_.notify_all();
   for (std::thread& worker : workers_) {
     if (worker.joinable()) worker.join();
   }
 }
 
 int64_t Batcher::QueueDepth() const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   return queue_.size();
 }
 
@@ -146,23 +149,15 @@ void Batcher::WorkerLoop() {
   while (true) {
     std::vector<std::unique_ptr<WorkItem>> batch;
     {
-      absl::MutexLock lock(&mu_);
+      std::unique_lock<std::mutex> lock(mu_);
       while (batch.empty()) {
-        auto has_work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-          return stopping_ || queue_.size() > 0;
-        };
-        mu_.Await(absl::Condition(&has_work));
+        changed_.wait(lock, [this] { return stopping_ || queue_.size() > 0; });
         if (queue_.size() == 0) return;  // stopping, and everything queued is done
         absl::Time due;
         batch = queue_.PopDue(absl::Now(), stopping_, &due);
-        if (batch.empty()) {
-          // Wait for the delay to pass, or for an arrival that may fill the batch sooner.
-          const int64_t seen = arrivals_;
-          auto changed = [this, seen]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-            return stopping_ || arrivals_ != seen;
-          };
-          mu_.AwaitWithDeadline(absl::Condition(&changed), due);
-        }
+        // Not due yet: wait for the delay to pass, or for an arrival that may fill the
+        // batch sooner (either way the loop asks the queue again).
+        if (batch.empty()) changed_.wait_until(lock, absl::ToChronoTime(due));
       }
       if (metrics_ != nullptr) metrics_->SetQueueDepth(queue_.size());
     }

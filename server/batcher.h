@@ -4,17 +4,18 @@
 #ifndef ATTENTION_SERVER_BATCHER_H_
 #define ATTENTION_SERVER_BATCHER_H_
 
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <list>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "core/mha_layer.h"
 #include "core/thread_pool.h"
@@ -128,10 +129,11 @@ class Batcher {
 
   core::ThreadPool& pool_;
   Metrics* const metrics_;
-  mutable absl::Mutex mu_;
+  // std::mutex rather than absl::Mutex so ThreadSanitizer sees the locking: Debian's
+  // prebuilt Abseil is not instrumented.
+  mutable std::mutex mu_;
+  std::condition_variable changed_;  // an arrival, or stopping
   BatchQueue queue_ ABSL_GUARDED_BY(mu_);
-  // Bumped on every Push so a worker waiting for the delay re-checks early.
-  int64_t arrivals_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> workers_;
 };

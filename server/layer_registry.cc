@@ -27,7 +27,7 @@ absl::Status LayerRegistry::CheckBudget(const std::string& name, int64_t bytes) 
   int64_t in_use = 0;
   int others = 0;
   {
-    absl::ReaderMutexLock lock(&mu_);
+    std::shared_lock<std::shared_mutex> lock(mu_);
     for (const auto& [loaded_name, snapshot] : layers_) {
       if (loaded_name == name) continue;  // replaced by this load
       in_use += snapshot->layer->WeightBytes();
@@ -50,7 +50,7 @@ std::shared_ptr<const LayerSnapshot> LayerRegistry::PublishLocked(
   snapshot->name = name;
   snapshot->layer = std::move(layer);
   snapshot->persisted = persisted;
-  absl::MutexLock lock(&mu_);
+  std::unique_lock<std::shared_mutex> lock(mu_);
   snapshot->version = next_version_++;
   layers_[name] = snapshot;
   return snapshot;
@@ -58,7 +58,7 @@ std::shared_ptr<const LayerSnapshot> LayerRegistry::PublishLocked(
 
 absl::StatusOr<std::shared_ptr<const LayerSnapshot>> LayerRegistry::Publish(
     const std::string& name, std::shared_ptr<const core::MhaLayer> layer, bool persist) {
-  absl::MutexLock update(&update_mu_);
+  std::lock_guard<std::mutex> update(update_mu_);
   if (persist && repository_ == nullptr) {
     return absl::FailedPreconditionError(
         "persist = true needs a model repository; start the server with --model_repository");
@@ -66,7 +66,7 @@ absl::StatusOr<std::shared_ptr<const LayerSnapshot>> LayerRegistry::Publish(
   RETURN_IF_ERROR(CheckBudget(name, layer->WeightBytes()));
   bool replaces_persisted = false;
   {
-    absl::ReaderMutexLock lock(&mu_);
+    std::shared_lock<std::shared_mutex> lock(mu_);
     auto found = layers_.find(name);
     replaces_persisted = found != layers_.end() && found->second->persisted;
   }
@@ -80,36 +80,36 @@ absl::StatusOr<std::shared_ptr<const LayerSnapshot>> LayerRegistry::Publish(
 
 absl::StatusOr<std::shared_ptr<const LayerSnapshot>> LayerRegistry::Get(
     const std::string& name) const {
-  absl::ReaderMutexLock lock(&mu_);
+  std::shared_lock<std::shared_mutex> lock(mu_);
   auto found = layers_.find(name);
   if (found == layers_.end()) return NotFoundLocked(name);
   return found->second;
 }
 
 absl::Status LayerRegistry::Remove(const std::string& name) {
-  absl::MutexLock update(&update_mu_);
+  std::lock_guard<std::mutex> update(update_mu_);
   bool persisted = false;
   {
-    absl::ReaderMutexLock lock(&mu_);
+    std::shared_lock<std::shared_mutex> lock(mu_);
     auto found = layers_.find(name);
     if (found == layers_.end()) return NotFoundLocked(name);
     persisted = found->second->persisted;
   }
   if (persisted && repository_ != nullptr) RETURN_IF_ERROR(repository_->RemovePersisted(name));
-  absl::MutexLock lock(&mu_);
+  std::unique_lock<std::shared_mutex> lock(mu_);
   layers_.erase(name);
   return absl::OkStatus();
 }
 
 std::vector<std::shared_ptr<const LayerSnapshot>> LayerRegistry::List() const {
-  absl::ReaderMutexLock lock(&mu_);
+  std::shared_lock<std::shared_mutex> lock(mu_);
   std::vector<std::shared_ptr<const LayerSnapshot>> snapshots;
   for (const auto& [name, snapshot] : layers_) snapshots.push_back(snapshot);
   return snapshots;
 }
 
 int64_t LayerRegistry::weight_bytes() const {
-  absl::ReaderMutexLock lock(&mu_);
+  std::shared_lock<std::shared_mutex> lock(mu_);
   int64_t bytes = 0;
   for (const auto& [name, snapshot] : layers_) bytes += snapshot->layer->WeightBytes();
   return bytes;
@@ -118,7 +118,7 @@ int64_t LayerRegistry::weight_bytes() const {
 std::vector<std::string> LayerRegistry::LoadPersisted() {
   std::vector<std::string> problems;
   if (repository_ == nullptr) return problems;
-  absl::MutexLock update(&update_mu_);
+  std::lock_guard<std::mutex> update(update_mu_);
   for (ModelRepository::PersistedLayer& persisted : repository_->LoadPersisted(&problems)) {
     const absl::Status budget = CheckBudget(persisted.name, persisted.layer->WeightBytes());
     if (!budget.ok()) {

@@ -5,13 +5,14 @@
 
 #include <cstdint>
 #include <map>
+#include <mutex>
+#include <shared_mutex>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "core/mha_layer.h"
 #include "server/model_repository.h"
 
@@ -83,8 +84,10 @@ class LayerRegistry {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(update_mu_);
 
   // Serializes Publish / Remove / LoadPersisted, including their file I/O. Taken before mu_.
-  absl::Mutex update_mu_;
-  mutable absl::Mutex mu_;
+  std::mutex update_mu_;
+  // std:: mutexes rather than absl::Mutex: ThreadSanitizer sees std:: locking, while
+  // Debian's prebuilt Abseil is not instrumented and its locks would look like races.
+  mutable std::shared_mutex mu_;
   std::map<std::string, std::shared_ptr<const LayerSnapshot>> layers_ ABSL_GUARDED_BY(mu_);
   uint64_t next_version_ ABSL_GUARDED_BY(mu_) = 1;
   // Set by Configure before the registry is shared; read-only afterwards.
