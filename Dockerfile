@@ -16,7 +16,7 @@ ARG BUILD_JOBS=
 WORKDIR /src
 # Dependencies first, from the script alone, so editing sources keeps this layer cached.
 COPY scripts/install-deps scripts/install-deps
-RUN scripts/install-deps && rm -rf /var/lib/apt/lists/*
+RUN scripts/install-deps --build && rm -rf /var/lib/apt/lists/*
 
 COPY . .
 RUN cmake -S . -B /tmp/build -DCMAKE_BUILD_TYPE=Release -DATTENTION_BUILD_TESTS=OFF \
