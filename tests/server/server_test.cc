@@ -1,5 +1,6 @@
 // End to end through a real gRPC server on a loopback port: results against the core
 // reference, seed 002 numbers, half precision, layer management, concurrency, health.
+#include <algorithm>
 #include <map>
 #include <thread>
 
@@ -56,6 +57,40 @@ TEST_F(ServerTest, MultiHeadAttentionMatchesCoreReference) {
       ReferenceFor(*DemoLayer(), request, core::NeedWeights::kPerHead);
   ExpectNear(output->values, expected.output, kTolerance, "output");
   ExpectNear(weights->values, expected.weights, kTolerance, "weights");
+}
+
+TEST_F(ServerTest, DropoutIsDeterministicAndMatchesTheReference) {
+  std::mt19937_64 rng(14);
+  v1::MultiHeadAttentionRequest request = DemoRequest(rng, 2, 6);
+  auto* options = request.mutable_options();
+  options->set_dropout_p(0.25f);
+  options->set_dropout_seed(99);
+  options->set_priority(3);
+  options->set_need_weights(v1::NEED_WEIGHTS_PER_HEAD);
+  auto first = client_->MultiHeadAttention(request);
+  auto second = client_->MultiHeadAttention(request);
+  ASSERT_TRUE(first.ok() && second.ok()) << first.status() << second.status();
+  EXPECT_EQ(first->output().raw_data(), second->output().raw_data());
+  // The same keep decisions as the core reference, keyed by (seed, b, h, i, j).
+  auto query = DecodeFloatTensor(request.query(), "query");
+  core::MhaInput input;
+  input.batch = 2;
+  input.q_len = input.kv_len = 6;
+  input.query = query->values;
+  input.options.dropout_p = 0.25f;
+  input.options.dropout_seed = 99;
+  input.options.need_weights = core::NeedWeights::kPerHead;
+  const core::AttentionResult expected = DemoLayer()->ForwardReference(input);
+  ExpectNear(DecodeFloatTensor(first->output(), "output")->values, expected.output, kTolerance,
+             "output");
+  const auto weights = DecodeFloatTensor(first->attention_weights(), "weights")->values;
+  ExpectNear(weights, expected.weights, kTolerance, "weights");
+  const int64_t dropped = std::count(weights.begin(), weights.end(), 0.0f);
+  EXPECT_GT(dropped, 0);  // 2*12*6*6 = 864 weights, about a quarter dropped
+  options->set_dropout_seed(100);
+  auto reseeded = client_->MultiHeadAttention(request);
+  ASSERT_TRUE(reseeded.ok());
+  EXPECT_NE(reseeded->output().raw_data(), first->output().raw_data());
 }
 
 TEST_F(ServerTest, ScaledDotProductAttentionReproducesSeed002) {
