@@ -157,7 +157,10 @@ void AttentionReference(const AttentionProblem& p) {
 
 namespace {
 
-int64_t QueryBlocks(const AttentionDims& d) { return (d.q_len + kQueryBlock - 1) / kQueryBlock; }
+int64_t QueryBlocks(const AttentionDims& d) {
+  const int64_t rows = QueryBlockRows(d.kv_len);
+  return (d.q_len + rows - 1) / rows;
+}
 
 // One (sequence b, head h, query block) of a problem.
 void AttendBlock(const AttentionProblem& p, int64_t b, int64_t h, int64_t block) {
@@ -167,8 +170,9 @@ void AttendBlock(const AttentionProblem& p, int64_t b, int64_t h, int64_t block)
   const bool element_masks = options.HasElementMasks();
   const float keep_scale = 1.0f / (1.0f - options.dropout_p);
   const int64_t hk = KvHead(d, h);
-  const int64_t first_row = block * kQueryBlock;
-  const int64_t rows = std::min(kQueryBlock, d.q_len - first_row);
+  const int64_t block_rows = QueryBlockRows(d.kv_len);
+  const int64_t first_row = block * block_rows;
+  const int64_t rows = std::min(block_rows, d.q_len - first_row);
   // Keys past the last row's causal frontier are never attended: skip them entirely.
   const int64_t key_count = options.KeyLimit(d, b, first_row + rows - 1);
   float* out = p.output + p.output_layout.Offset(b, h, first_row);

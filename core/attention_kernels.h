@@ -3,6 +3,7 @@
 #ifndef ATTENTION_CORE_ATTENTION_KERNELS_H_
 #define ATTENTION_CORE_ATTENTION_KERNELS_H_
 
+#include <algorithm>
 #include <cstdint>
 
 #include "absl/types/span.h"
@@ -48,15 +49,21 @@ struct AttentionProblem {
 // Naive, double accumulation.
 void AttentionReference(const AttentionProblem& problem);
 
-// Blocked float32 kernel: for each (sequence, head, block of kQueryBlock queries) one GEMM
-// for the scores against the keys up to the block's causal frontier, a vectorized masked
-// softmax, one GEMM with the values. Extra memory is kQueryBlock * Nk floats per thread:
+// Blocked float32 kernel: for each (sequence, head, block of QueryBlockRows(Nk) queries)
+// one GEMM for the scores against the keys up to the block's causal frontier, a vectorized
+// masked softmax, one GEMM with the values. Extra memory is one block of scores per thread:
 // no Nq x Nk matrix unless weights are requested. All problems share one ParallelFor, so
 // a batch of many small requests keeps every thread busy.
 void AttentionBlockedCpu(absl::Span<const AttentionProblem> problems, ThreadPool& pool);
 
-// Query rows per task: 64 rows x up to 4096 keys of scores stay within a 1 MiB L2.
-inline constexpr int64_t kQueryBlock = 64;
+// Query rows per block: as many as keep the block's scores within 512 KiB (a quarter of a
+// 2 MiB L2, leaving room for the K and V tiles), between 64 and 256. Taller blocks make the
+// two GEMMs more efficient; short keys allow them.
+inline int64_t QueryBlockRows(int64_t kv_len) {
+  constexpr int64_t kScoreFloats = (512 << 10) / sizeof(float);
+  const int64_t rows = kScoreFloats / std::max<int64_t>(kv_len, 1);
+  return std::clamp<int64_t>(rows, 64, 256);
+}
 
 }  // namespace attention::core
 

@@ -34,7 +34,9 @@ TEST(AttentionKernelsTest, BlockedMatchesReferenceOnRandomGrid) {
   SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
   std::mt19937_64 rng(seed);
   ThreadPool pool(2);
-  const int64_t lengths[] = {1, 2, 7, 63, 64, 67, 131};
+  // 1, primes, block-size neighbours, and 257 / 300 queries so that over short keys
+  // (256-row blocks) several query blocks occur.
+  const int64_t lengths[] = {1, 2, 7, 63, 64, 67, 131, 257, 300};
   const int64_t head_dims[] = {1, 3, 8, 17};
   const std::pair<int64_t, int64_t> heads[] = {{1, 1}, {2, 1}, {4, 2}, {3, 3}, {6, 2}};
   auto pick = [&rng](const auto& values) {
@@ -60,6 +62,30 @@ TEST(AttentionKernelsTest, BlockedMatchesReferenceOnRandomGrid) {
     input.options = RandomOptions(rng, dims);
     ASSERT_TRUE(ValidateSdpaInput(input).ok()) << ValidateSdpaInput(input);
     const std::string what = "trial " + std::to_string(trial) + ": " + Describe(dims, input.options);
+    const AttentionResult expected = SdpaReference(input);
+    const AttentionResult actual = SdpaForward(input, pool);
+    ExpectClose(actual.output, expected.output, what + " output");
+    ExpectClose(actual.weights, expected.weights, what + " weights");
+  }
+}
+
+TEST(AttentionKernelsTest, BlockedMatchesReferenceWithLongKeys) {
+  // 2500 keys give 64-row query blocks, so 150 queries span three blocks.
+  const uint64_t seed = TestSeed(77);
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
+  std::mt19937_64 rng(seed);
+  ThreadPool pool(2);
+  ASSERT_EQ(QueryBlockRows(2500), 64);
+  for (int trial = 0; trial < 4; ++trial) {
+    SdpaInput input;
+    input.dims = {1, 2, 1, 150, 2500, 8, 5};
+    const auto q = RandomFloats(rng, 2 * 150 * 8), k = RandomFloats(rng, 2500 * 8),
+               v = RandomFloats(rng, 2500 * 5);
+    input.query = q;
+    input.key = k;
+    input.value = v;
+    input.options = RandomOptions(rng, input.dims);
+    const std::string what = "trial " + std::to_string(trial) + ": " + Describe(input.dims, input.options);
     const AttentionResult expected = SdpaReference(input);
     const AttentionResult actual = SdpaForward(input, pool);
     ExpectClose(actual.output, expected.output, what + " output");
