@@ -56,11 +56,11 @@ void AttentionReference(const AttentionProblem& problem);
 // a batch of many small requests keeps every thread busy.
 void AttentionBlockedCpu(absl::Span<const AttentionProblem> problems, ThreadPool& pool);
 
-// Query rows per block: as many as keep the block's scores within 512 KiB (a quarter of a
-// 2 MiB L2, leaving room for the K and V tiles), between 64 and 256. Taller blocks make the
+// Query rows per block: as many as keep the block's scores within 1 MiB (half of a
+// 2 MiB L2, the rest for the K and V tiles), between 64 and 256. Taller blocks make the
 // two GEMMs more efficient; short keys allow them.
 inline int64_t QueryBlockRows(int64_t kv_len) {
-  constexpr int64_t kScoreFloats = (512 << 10) / sizeof(float);
+  constexpr int64_t kScoreFloats = (1024 << 10) / sizeof(float);
   const int64_t rows = kScoreFloats / std::max<int64_t>(kv_len, 1);
   return std::clamp<int64_t>(rows, 64, 256);
 }

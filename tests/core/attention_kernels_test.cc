@@ -70,17 +70,17 @@ TEST(AttentionKernelsTest, BlockedMatchesReferenceOnRandomGrid) {
 }
 
 TEST(AttentionKernelsTest, BlockedMatchesReferenceWithLongKeys) {
-  // 2500 keys give 64-row query blocks, so 150 queries span three blocks.
+  // 4100 keys give 64-row query blocks, so 150 queries span three blocks.
   const uint64_t seed = TestSeed(77);
   SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
   std::mt19937_64 rng(seed);
   ThreadPool pool(2);
-  ASSERT_EQ(QueryBlockRows(2500), 64);
+  ASSERT_EQ(QueryBlockRows(4100), 64);
   for (int trial = 0; trial < 4; ++trial) {
     SdpaInput input;
-    input.dims = {1, 2, 1, 150, 2500, 8, 5};
-    const auto q = RandomFloats(rng, 2 * 150 * 8), k = RandomFloats(rng, 2500 * 8),
-               v = RandomFloats(rng, 2500 * 5);
+    input.dims = {1, 2, 1, 150, 4100, 8, 5};
+    const auto q = RandomFloats(rng, 2 * 150 * 8), k = RandomFloats(rng, 4100 * 8),
+               v = RandomFloats(rng, 4100 * 5);
     input.query = q;
     input.key = k;
     input.value = v;
