@@ -1,11 +1,19 @@
 // attention-service: the gRPC server binary. The only file with flags.
+#include <pthread.h>
+
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <iostream>
+#include <string>
+#include <vector>
 
+#include "absl/flags/commandlineflag.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/match.h"
 #include "server/server.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "host:port to serve gRPC on; port 0 picks one");
@@ -35,9 +43,36 @@ ABSL_FLAG(int64_t, max_message_bytes, int64_t{64} << 20, "largest gRPC message, 
 ABSL_FLAG(double, shutdown_grace_seconds, 10.0,
           "on SIGTERM/SIGINT, how long calls in flight may take to finish");
 
+namespace {
+
+pthread_t main_thread;
+
+// Threads started before main() (OpenBLAS's pool, from a library constructor) do not block
+// SIGINT/SIGTERM, and the kernel hands a process-directed signal to such a thread whenever
+// the main thread is not inside sigwait(): during start-up, or a second signal while
+// draining. Without a handler the default action then kills the process (exit 143); this
+// one passes the signal on to the main thread, where it waits for sigwait() (or is ignored
+// once the drain has begun). pthread_kill is async-signal-safe.
+void ForwardToMainThread(int signal_number) { pthread_kill(main_thread, signal_number); }
+
+}  // namespace
+
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("Serves multi-head attention over gRPC (attention.v1).");
   absl::ParseCommandLine(argc, argv);
+  // Start-up configuration, one line on stderr: every flag defined in this file, sorted.
+  // (Filename() is __FILE__ with its leading slashes stripped.)
+  std::vector<std::string> settings;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    const std::string file = flag->Filename();
+    if (!file.empty() && absl::EndsWith(__FILE__, file)) {
+      settings.push_back("--" + std::string(name) + "=" + flag->CurrentValue());
+    }
+  }
+  std::sort(settings.begin(), settings.end());
+  std::string config_line = "attention-service: starting with";
+  for (const std::string& setting : settings) config_line += " " + setting;
+  std::cerr << config_line << std::endl;
 
   // Block the stop signals in every thread; the main thread waits for them below.
   sigset_t stop_signals;
@@ -45,6 +80,12 @@ int main(int argc, char** argv) {
   sigaddset(&stop_signals, SIGINT);
   sigaddset(&stop_signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  main_thread = pthread_self();
+  struct sigaction forward = {};
+  forward.sa_handler = ForwardToMainThread;
+  sigemptyset(&forward.sa_mask);
+  sigaction(SIGINT, &forward, nullptr);
+  sigaction(SIGTERM, &forward, nullptr);
 
   attention::server::ServerOptions options;
   options.listen_address = absl::GetFlag(FLAGS_listen);
