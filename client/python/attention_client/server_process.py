@@ -7,7 +7,8 @@
 The port is read from the server's "attention-service listening on port N" line, polled
 with select() and a deadline; nothing here sleeps. Every port the server opens is bound to
 0: when the binary has a --metrics_listen flag, the metrics endpoint gets 127.0.0.1:0 too
-(unless the caller passes its own --metrics_listen).
+(unless the caller passes its own --metrics_listen), and server.metrics_port is read from
+the "attention-service metrics on port M" line.
 """
 
 import os
@@ -19,6 +20,7 @@ import tempfile
 import time
 
 _PORT_LINE = re.compile(rb"attention-service listening on port (\d+)")
+_METRICS_LINE = re.compile(rb"attention-service metrics on port (\d+)")
 
 
 class ServerProcess:
@@ -29,6 +31,7 @@ class ServerProcess:
         self.start_timeout = start_timeout
         self.process = None
         self.port = None
+        self.metrics_port = None  # /metrics port, when --metrics_listen is set
         self.returncode = None
         self._stderr = None
 
@@ -49,6 +52,10 @@ class ServerProcess:
     def start(self):
         self._stderr = tempfile.TemporaryFile()
         args = [self.binary, "--listen=" + self.listen] + self._extra_flags() + self.flags
+        # The metrics line follows the port line when a /metrics address is given.
+        metrics_flags = [a for a in args if a.startswith("--metrics_listen=")]
+        expect_metrics = bool(metrics_flags) and metrics_flags[-1] not in (
+            "--metrics_listen=", '--metrics_listen=""', "--metrics_listen=''")
         self.process = subprocess.Popen(args,
                                         stdout=subprocess.PIPE, stderr=self._stderr)
         deadline = time.monotonic() + self.start_timeout
@@ -58,7 +65,11 @@ class ServerProcess:
             match = _PORT_LINE.search(seen)
             if match and b"\n" in seen[match.end():]:
                 self.port = int(match.group(1))
-                return self
+                metrics = _METRICS_LINE.search(seen)
+                if metrics and b"\n" in seen[metrics.end():]:
+                    self.metrics_port = int(metrics.group(1))
+                if self.metrics_port is not None or not expect_metrics:
+                    return self
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self.kill()
