@@ -76,9 +76,17 @@ void DescribeLayer(const LayerSnapshot& snapshot, v1::LayerInfo* info) {
   info->set_persisted(snapshot.persisted);
 }
 
+void AttentionServiceImpl::RecordCall(absl::string_view method, absl::Time start,
+                                      const absl::Status& status, absl::string_view request_id) {
+  const absl::Duration elapsed = absl::Now() - start;
+  metrics_.CallFinished(method, status.code(), elapsed);
+  log_.Record(method, status, elapsed, request_id);
+}
+
 void AttentionServiceImpl::Finish(grpc::ServerUnaryReactor* reactor, absl::string_view method,
-                                  absl::Time start, const absl::Status& status) {
-  metrics_.CallFinished(method, status.code(), absl::Now() - start);
+                                  absl::Time start, const absl::Status& status,
+                                  absl::string_view request_id) {
+  RecordCall(method, start, status, request_id);
   reactor->Finish(ToGrpcStatus(status));
 }
 
@@ -97,10 +105,10 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::MultiHeadAttention(
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const absl::Status status = SubmitMultiHeadAttention(
       *request, Deadline(context), [context] { return context->IsCancelled(); }, response,
-      [this, reactor, start](const absl::Status& result) {
-        Finish(reactor, "MultiHeadAttention", start, result);
+      [this, reactor, start, request](const absl::Status& result) {
+        Finish(reactor, "MultiHeadAttention", start, result, request->request_id());
       });
-  if (!status.ok()) Finish(reactor, "MultiHeadAttention", start, status);
+  if (!status.ok()) Finish(reactor, "MultiHeadAttention", start, status, request->request_id());
   return reactor;
 }
 
@@ -202,7 +210,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ScaledDotProductAttention(
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const absl::Status status =
       StartScaledDotProductAttention(context, *request, response, reactor, start);
-  if (!status.ok()) Finish(reactor, "ScaledDotProductAttention", start, status);
+  if (!status.ok()) {
+    Finish(reactor, "ScaledDotProductAttention", start, status, request->request_id());
+  }
   return reactor;
 }
 
@@ -252,14 +262,14 @@ absl::Status AttentionServiceImpl::StartScaledDotProductAttention(
   item->done = [this, start, response, reactor, dims, need, output_dtype,
                 request_id = request.request_id()](absl::StatusOr<core::AttentionResult> result) {
     if (!result.ok()) {
-      Finish(reactor, "ScaledDotProductAttention", start, result.status());
+      Finish(reactor, "ScaledDotProductAttention", start, result.status(), request_id);
       return;
     }
     EncodeTensor(result->output, {dims.batch, dims.num_heads, dims.q_len, dims.v_head_dim},
                  output_dtype, response->mutable_output());
     EncodeWeights(*result, dims, need, output_dtype, response->mutable_attention_weights());
     response->set_request_id(request_id);
-    Finish(reactor, "ScaledDotProductAttention", start, absl::OkStatus());
+    Finish(reactor, "ScaledDotProductAttention", start, absl::OkStatus(), request_id);
   };
   return batcher_.Submit(std::move(item));
 }
@@ -390,8 +400,7 @@ class MultiHeadAttentionStreamReactor final
   // Records the answer for one request (on a batch worker, or the reader on rejection).
   void Answer(v1::MultiHeadAttentionStreamResponse* answer, absl::Time start,
               const absl::Status& result) {
-    service_.metrics_.CallFinished("MultiHeadAttentionStream", result.code(),
-                                   absl::Now() - start);
+    service_.RecordCall("MultiHeadAttentionStream", start, result, answer->request_id());
     if (!result.ok()) {
       answer->clear_response();
       answer->set_error_code(static_cast<int>(result.code()));

@@ -10,6 +10,7 @@
 #include "server/batcher.h"
 #include "server/layer_registry.h"
 #include "server/metrics.h"
+#include "server/request_log.h"
 
 namespace attention::server {
 
@@ -18,8 +19,9 @@ class MultiHeadAttentionStreamReactor;
 
 class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
  public:
-  AttentionServiceImpl(LayerRegistry& registry, Batcher& batcher, Metrics& metrics)
-      : registry_(registry), batcher_(batcher), metrics_(metrics) {}
+  AttentionServiceImpl(LayerRegistry& registry, Batcher& batcher, Metrics& metrics,
+                       RequestLog& log)
+      : registry_(registry), batcher_(batcher), metrics_(metrics), log_(log) {}
 
   // Sets the loaded-layer gauges from the registry.
   void RefreshLayerMetrics();
@@ -61,13 +63,17 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
                                               grpc::ServerUnaryReactor* reactor,
                                               absl::Time start);
   absl::Status DoLoadLayer(const v1::LoadLayerRequest& request, v1::LoadLayerResponse* response);
-  // Counts the call in the metrics, then finishes it.
+  // Counts the call in the metrics and the request log.
+  void RecordCall(absl::string_view method, absl::Time start, const absl::Status& status,
+                  absl::string_view request_id);
+  // RecordCall, then finishes the call.
   void Finish(grpc::ServerUnaryReactor* reactor, absl::string_view method, absl::Time start,
-              const absl::Status& status);
+              const absl::Status& status, absl::string_view request_id = "");
 
   LayerRegistry& registry_;
   Batcher& batcher_;
   Metrics& metrics_;
+  RequestLog& log_;
 };
 
 // Fills `info` from a snapshot.

@@ -42,6 +42,13 @@ ABSL_FLAG(int64_t, max_weight_bytes, 0,
 ABSL_FLAG(int64_t, max_message_bytes, int64_t{64} << 20, "largest gRPC message, bytes");
 ABSL_FLAG(double, shutdown_grace_seconds, 10.0,
           "on SIGTERM/SIGINT, how long calls in flight may take to finish");
+ABSL_FLAG(absl::Duration, drain_delay, absl::ZeroDuration(),
+          "on SIGTERM/SIGINT, how long health answers NOT_SERVING while calls are still "
+          "accepted, before the listener closes (e.g. 5s behind a load balancer)");
+ABSL_FLAG(bool, log_errors, true, "one stderr line for every call that fails");
+ABSL_FLAG(double, access_log_sample, 0.0,
+          "fraction of successful calls logged on stderr, in [0, 1]");
+ABSL_FLAG(bool, log_json, false, "request log lines as JSON objects");
 
 namespace {
 
@@ -102,6 +109,10 @@ int main(int argc, char** argv) {
   options.registry.model_repository = absl::GetFlag(FLAGS_model_repository);
   options.registry.max_weight_bytes = absl::GetFlag(FLAGS_max_weight_bytes);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options.drain_delay = absl::GetFlag(FLAGS_drain_delay);
+  options.request_log.errors = absl::GetFlag(FLAGS_log_errors);
+  options.request_log.access_sample = absl::GetFlag(FLAGS_access_log_sample);
+  options.request_log.json = absl::GetFlag(FLAGS_log_json);
 
   auto server = attention::server::AttentionServer::Start(options);
   if (!server.ok()) {

@@ -59,6 +59,11 @@ Metrics::Metrics()
                        .Help("Requests waiting in the batcher queue")
                        .Register(*registry_)
                        .Add({})),
+      queue_capacity_(prometheus::BuildGauge()
+                          .Name("attention_queue_capacity_requests")
+                          .Help("Requests the batcher queue holds before rejecting (--max_queue_requests)")
+                          .Register(*registry_)
+                          .Add({})),
       in_flight_(prometheus::BuildGauge()
                      .Name("attention_in_flight_requests")
                      .Help("RPCs received and not yet finished")
@@ -121,6 +126,10 @@ void Metrics::TokensProcessed(absl::string_view layer, int64_t tokens) {
 }
 
 void Metrics::SetQueueDepth(int64_t requests) { queue_depth_.Set(static_cast<double>(requests)); }
+
+void Metrics::SetQueueCapacity(int64_t requests) {
+  queue_capacity_.Set(static_cast<double>(requests));
+}
 
 void Metrics::SetLayers(int64_t count, int64_t weight_bytes) {
   layers_loaded_.Set(static_cast<double>(count));

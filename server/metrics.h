@@ -40,6 +40,8 @@ class Metrics {
   void BatchComputed(int64_t requests, int64_t tokens, absl::Duration compute);
   void TokensProcessed(absl::string_view layer, int64_t tokens);
   void SetQueueDepth(int64_t requests);
+  // The configured queue bound, so alerts can compare depth with it.
+  void SetQueueCapacity(int64_t requests);
   void SetLayers(int64_t count, int64_t weight_bytes);
 
  private:
@@ -54,6 +56,7 @@ class Metrics {
   prometheus::Histogram& batch_tokens_;
   prometheus::Family<prometheus::Counter>& tokens_;
   prometheus::Gauge& queue_depth_;
+  prometheus::Gauge& queue_capacity_;
   prometheus::Gauge& in_flight_;
   prometheus::Gauge& layers_loaded_;
   prometheus::Gauge& weight_bytes_;

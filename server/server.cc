@@ -31,14 +31,21 @@ absl::Status ServerOptions::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat(
         "max_message_bytes = ", max_message_bytes, " must be in [1 MiB, 2 GiB)"));
   }
+  if (drain_delay < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("drain_delay = ", absl::FormatDuration(drain_delay), " must be >= 0"));
+  }
   RETURN_IF_ERROR(registry.Validate());
+  RETURN_IF_ERROR(request_log.Validate());
   return batcher.Validate();
 }
 
 AttentionServer::AttentionServer(const ServerOptions& options)
-    : pool_(ComputeThreads(options.compute_threads)),
+    : request_log_(options.request_log),
+      drain_delay_(options.drain_delay),
+      pool_(ComputeThreads(options.compute_threads)),
       batcher_(options.batcher, pool_, &metrics_),
-      service_(registry_, batcher_, metrics_) {}
+      service_(registry_, batcher_, metrics_, request_log_) {}
 
 absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
     const ServerOptions& options) {
@@ -65,6 +72,7 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
     std::cerr << "attention-service: " << problem << std::endl;
   }
   server->service_.RefreshLayerMetrics();
+  server->metrics_.SetQueueCapacity(options.batcher.max_queue_requests);
   if (!options.metrics_address.empty()) {
     RETURN_IF_ERROR(server->metrics_.Expose(options.metrics_address));
   }
@@ -94,6 +102,8 @@ void AttentionServer::Shutdown(absl::Duration grace) {
   shut_down_ = true;
   if (server_ != nullptr) {
     server_->GetHealthCheckService()->SetServingStatus(false);
+    // Health Check and Watch answer NOT_SERVING while calls are still accepted.
+    absl::SleepFor(drain_delay_);
     // In-flight calls finish on batcher workers, which keep running until after this.
     server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
     server_->Wait();

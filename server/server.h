@@ -16,6 +16,7 @@
 #include "server/batcher.h"
 #include "server/layer_registry.h"
 #include "server/metrics.h"
+#include "server/request_log.h"
 
 namespace attention::server {
 
@@ -33,6 +34,11 @@ struct ServerOptions {
   // Compute threads; 0 means one per hardware thread.
   int compute_threads = 0;
   BatcherOptions batcher;
+  // Error lines and the sampled access log on stderr.
+  RequestLogOptions request_log;
+  // On Shutdown, how long health reports NOT_SERVING while calls are still accepted, so
+  // load balancers and probes see the drain before the listener closes. >= 0; default 0.
+  absl::Duration drain_delay = absl::ZeroDuration();
   // Load kDemoLayerName with seeded weights at start-up (unless a persisted layer has its name).
   bool demo_layer = true;
   // Weight budget (--max_weight_bytes) and model repository (--model_repository).
@@ -64,6 +70,8 @@ class AttentionServer {
   explicit AttentionServer(const ServerOptions& options);
 
   Metrics metrics_;
+  RequestLog request_log_;
+  const absl::Duration drain_delay_;
   core::ThreadPool pool_;
   Batcher batcher_;
   LayerRegistry registry_;

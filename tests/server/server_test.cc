@@ -324,3 +324,34 @@ TEST_F(ServerTest, EmptyStreamFinishesOk) {
 
 }  // namespace
 }  // namespace attention::server::testing
+
+namespace attention::server::testing {
+namespace {
+
+class DrainTest : public ServerTest {
+ protected:
+  ServerOptions Options() override {
+    ServerOptions options = ServerTest::Options();
+    // Long enough for the checks below on a loaded machine; the test waits it out once.
+    options.drain_delay = absl::Seconds(2);
+    return options;
+  }
+};
+
+TEST_F(DrainTest, HealthAnswersNotServingWhileStillAcceptingCalls) {
+  std::thread stopper([this] { server_->Shutdown(absl::Seconds(1)); });
+  // Poll until the drain is visible; Shutdown sleeps drain_delay before closing the port.
+  absl::StatusOr<bool> serving = true;
+  const absl::Time give_up = absl::Now() + absl::Seconds(2);
+  while (serving.ok() && *serving && absl::Now() < give_up) serving = client_->IsServing();
+  ASSERT_TRUE(serving.ok()) << serving.status();
+  EXPECT_FALSE(*serving);
+  std::mt19937_64 rng(5);
+  EXPECT_TRUE(client_->MultiHeadAttention(DemoRequest(rng, 1, 3)).ok())
+      << "calls are still served during the drain delay";
+  stopper.join();
+  EXPECT_FALSE(client_->IsServing("", absl::Seconds(1)).ok()) << "the listener is closed";
+}
+
+}  // namespace
+}  // namespace attention::server::testing

@@ -1,0 +1,75 @@
+#include "server/request_log.h"
+
+#include <cmath>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+
+namespace attention::server {
+namespace {
+
+// A JSON string literal (also used for text values, which may contain spaces and quotes).
+std::string Quoted(absl::string_view text) {
+  std::string out = "\"";
+  for (unsigned char ch : text) {
+    switch (ch) {
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      default:
+        if (ch < 0x20) {
+          out += absl::StrFormat("\\u%04x", ch);
+        } else {
+          out += static_cast<char>(ch);
+        }
+    }
+  }
+  return out + "\"";
+}
+
+}  // namespace
+
+absl::Status RequestLogOptions::Validate() const {
+  if (!(access_sample >= 0.0 && access_sample <= 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("access_log_sample = ", access_sample, " is outside [0, 1]"));
+  }
+  return absl::OkStatus();
+}
+
+bool RequestLog::SampleSuccess() {
+  if (options_.access_sample <= 0.0) return false;
+  // Call n is logged when floor(n * fraction) steps up: exactly the fraction, evenly spread.
+  const uint64_t n = successes_.fetch_add(1);
+  return std::floor((n + 1) * options_.access_sample) > std::floor(n * options_.access_sample);
+}
+
+void RequestLog::Record(absl::string_view method, const absl::Status& status,
+                        absl::Duration elapsed, absl::string_view request_id) {
+  if (status.ok() ? !SampleSuccess() : !options_.errors) return;
+  const std::string time = absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", absl::Now(), absl::UTCTimeZone());
+  const std::string code = absl::StatusCodeToString(status.code());
+  const double seconds = absl::ToDoubleSeconds(elapsed);
+  std::string line;
+  if (options_.json) {
+    line = absl::StrFormat(
+        R"({"time":%s,"method":%s,"code":%s,"seconds":%.6f,"request_id":%s,"message":%s})",
+        Quoted(time), Quoted(method), Quoted(code), seconds, Quoted(request_id),
+        Quoted(status.message()));
+  } else {
+    line = absl::StrFormat("%s method=%s code=%s seconds=%.6f request_id=%s message=%s", time,
+                           method, code, seconds, Quoted(request_id), Quoted(status.message()));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  out_ << line << '\n' << std::flush;
+}
+
+}  // namespace attention::server
