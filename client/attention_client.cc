@@ -7,6 +7,7 @@
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
 
+#include "core/hash.h"
 #include "absl/time/clock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
@@ -31,15 +32,6 @@ absl::StatusOr<Response> Call(Method method, const Request& request, absl::Durat
   const grpc::Status status = method(&context, request, &response);
   if (!status.ok()) return FromGrpc(status);
   return response;
-}
-
-uint64_t Mix(uint64_t x) {  // splitmix64 finaliser
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ULL;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebULL;
-  x ^= x >> 31;
-  return x;
 }
 
 }  // namespace
@@ -128,12 +120,12 @@ std::vector<float> EmbedWords(const std::vector<std::string>& words, int64_t dim
   std::vector<float> embedding;
   embedding.reserve(words.size() * dim);
   for (const std::string& word : words) {
-    uint64_t state = Mix(seed ^ 0x5eed);
-    for (unsigned char ch : word) state = Mix(state ^ ch);
+    uint64_t state = core::Mix64(seed ^ 0x5eed);
+    for (unsigned char ch : word) state = core::Mix64(state ^ ch);
     for (int64_t e = 0; e < dim; ++e) {
       // Box-Muller on two uniforms from the word's counter stream.
-      const double u1 = (static_cast<double>(Mix(state + 2 * e) >> 11) + 0.5) * 0x1.0p-53;
-      const double u2 = static_cast<double>(Mix(state + 2 * e + 1) >> 11) * 0x1.0p-53;
+      const double u1 = (static_cast<double>(core::Mix64(state + 2 * e) >> 11) + 0.5) * 0x1.0p-53;
+      const double u2 = core::UnitInterval(core::Mix64(state + 2 * e + 1));
       embedding.push_back(
           static_cast<float>(std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2)));
     }

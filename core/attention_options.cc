@@ -4,22 +4,11 @@
 #include <cmath>
 #include <limits>
 
+#include "core/hash.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
 namespace attention::core {
-namespace {
-
-uint64_t Mix(uint64_t x) {  // splitmix64 finaliser
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ULL;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebULL;
-  x ^= x >> 31;
-  return x;
-}
-
-}  // namespace
 
 absl::Status AttentionOptions::Validate(const AttentionDims& dims) const {
   if (!key_lengths.empty()) {
@@ -101,12 +90,12 @@ float AttentionOptions::ScoreBias(const AttentionDims& dims, int64_t b, int64_t 
 
 bool DropoutKeeps(uint64_t seed, float p, int64_t b, int64_t h, int64_t i, int64_t j) {
   if (p <= 0.0f) return true;
-  uint64_t x = Mix(seed ^ 0x9e3779b97f4a7c15ULL);
-  x = Mix(x + static_cast<uint64_t>(b));
-  x = Mix(x + static_cast<uint64_t>(h));
-  x = Mix(x + static_cast<uint64_t>(i));
-  x = Mix(x + static_cast<uint64_t>(j));
-  const double uniform = static_cast<double>(x >> 11) * 0x1.0p-53;
+  uint64_t x = Mix64(seed ^ 0x9e3779b97f4a7c15ULL);
+  x = Mix64(x + static_cast<uint64_t>(b));
+  x = Mix64(x + static_cast<uint64_t>(h));
+  x = Mix64(x + static_cast<uint64_t>(i));
+  x = Mix64(x + static_cast<uint64_t>(j));
+  const double uniform = UnitInterval(x);
   return uniform >= p;
 }
 

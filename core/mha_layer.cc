@@ -5,6 +5,7 @@
 
 #include <cblas.h>
 
+#include "core/hash.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/status_macros.h"
@@ -14,15 +15,6 @@ namespace {
 
 absl::Status Invalid(absl::string_view field, int64_t value, absl::string_view rule) {
   return absl::InvalidArgumentError(absl::StrCat(field, " = ", value, " ", rule));
-}
-
-uint64_t Mix(uint64_t x) {  // splitmix64 finaliser
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ULL;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebULL;
-  x ^= x >> 31;
-  return x;
 }
 
 // Y[M, N] = X[M, K] * W[N, K]^T (+ bias[N]), split across the pool by rows, or by output
@@ -226,9 +218,9 @@ MhaWeights MhaWeights::Random(const MhaConfig& config, uint64_t seed) {
     const double bound = 1.0 / std::sqrt(static_cast<double>(fan_in));
     std::vector<float>& values = weights.*slot.member;
     values.resize(count);
-    const uint64_t stream = Mix(seed ^ Mix(tensor_index));
+    const uint64_t stream = Mix64(seed ^ Mix64(tensor_index));
     for (int64_t e = 0; e < count; ++e) {
-      const double uniform = static_cast<double>(Mix(stream + e) >> 11) * 0x1.0p-53;
+      const double uniform = UnitInterval(Mix64(stream + e));
       values[e] = static_cast<float>((2.0 * uniform - 1.0) * bound);
     }
   }
