@@ -80,6 +80,13 @@ void BM_MhaS1(benchmark::State& s) { RunMha(s, std::vector<int64_t>(32, 128), 76
 void BM_MhaS2(benchmark::State& s) { RunMha(s, std::vector<int64_t>(8, 512), 768, 12, false, s.range(0)); }
 void BM_MhaS3(benchmark::State& s) { RunMha(s, {2048}, 768, 12, true, s.range(0)); }
 void BM_MhaS4(benchmark::State& s) { RunMha(s, std::vector<int64_t>(256, 16), 768, 12, false, s.range(0)); }
+// The serving benchmark's requests (one sequence of 16 tokens): alone, and packed 32 and
+// 64 at a time as the batcher does under 64 concurrent callers. Arg: requests per batch.
+void BM_MhaRequests16(benchmark::State& s) {
+  RunMha(s, std::vector<int64_t>(s.range(0), 16), 768, 12, false, 2);
+}
+BENCHMARK(BM_MhaRequests16)->ArgName("requests")->Arg(1)->Arg(32)->Arg(64)->UseRealTime();
+
 BENCHMARK(BM_MhaS1)->ArgName("threads")->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MhaS2)->ArgName("threads")->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MhaS3)->ArgName("threads")->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
