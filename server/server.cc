@@ -52,8 +52,29 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
   RETURN_IF_ERROR(options.Validate());
   std::unique_ptr<AttentionServer> server(new AttentionServer(options));
   RETURN_IF_ERROR(server->registry_.Configure(options.registry));
-  // Persisted layers load before the port opens, so health never says SERVING without them;
-  // and before the demo layer, so that one persisted under its name wins.
+  if (!options.metrics_address.empty()) {
+    RETURN_IF_ERROR(server->metrics_.Expose(options.metrics_address));
+  }
+  server->metrics_.SetQueueCapacity(options.batcher.max_queue_requests);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.listen_address, grpc::InsecureServerCredentials(),
+                           &server->port_);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  builder.RegisterService(&server->service_);
+  server->server_ = builder.BuildAndStart();
+  if (server->server_ == nullptr || server->port_ == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("could not listen on ", options.listen_address, " (address in use?)"));
+  }
+  // The port is open, but health says NOT_SERVING until every layer is loaded, so probes
+  // and load balancers can tell "starting" from "down" during a long repository load.
+  grpc::HealthCheckServiceInterface* health = server->server_->GetHealthCheckService();
+  health->SetServingStatus(false);
+  health->SetServingStatus(kServiceName, false);
+  // Persisted layers load before the demo layer, so one persisted under its name wins.
   server->startup_problems_ = server->registry_.LoadPersisted();
   if (options.demo_layer && !server->registry_.Get(kDemoLayerName).ok()) {
     core::MhaConfig config;
@@ -72,24 +93,6 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
     std::cerr << "attention-service: " << problem << std::endl;
   }
   server->service_.RefreshLayerMetrics();
-  server->metrics_.SetQueueCapacity(options.batcher.max_queue_requests);
-  if (!options.metrics_address.empty()) {
-    RETURN_IF_ERROR(server->metrics_.Expose(options.metrics_address));
-  }
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen_address, grpc::InsecureServerCredentials(),
-                           &server->port_);
-  builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
-  builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
-  builder.RegisterService(&server->service_);
-  server->server_ = builder.BuildAndStart();
-  if (server->server_ == nullptr || server->port_ == 0) {
-    return absl::UnavailableError(
-        absl::StrCat("could not listen on ", options.listen_address, " (address in use?)"));
-  }
-  grpc::HealthCheckServiceInterface* health = server->server_->GetHealthCheckService();
   health->SetServingStatus(true);
   health->SetServingStatus(kServiceName, true);
   return server;
