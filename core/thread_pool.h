@@ -32,6 +32,7 @@ class ThreadPool {
   int size() const { return static_cast<int>(threads_.size()); }
 
   // Runs fn(i) for every i in [0, n) on the pool and returns when all have finished.
+  // Not from inside fn: a pool thread waiting on the pool would deadlock it.
   void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn);
 
  private:
