@@ -28,11 +28,6 @@ using Json = nlohmann::json;
 // The deepest a valid header nests: root object -> tensor object -> shape array.
 constexpr int kMaxHeaderDepth = 3;
 
-template <typename... Args>
-absl::Status Invalid(const Args&... pieces) {
-  return absl::InvalidArgumentError(absl::StrCat(pieces...));
-}
-
 absl::Status ErrnoError(int error, absl::string_view what) {
   const std::string message = absl::StrCat(what, ": ", std::strerror(error));
   switch (error) {

@@ -1,9 +1,10 @@
-// Status propagation helpers; Abseil 20220623 ships none.
+// Status helpers; Abseil 20220623 ships none.
 #ifndef ATTENTION_CORE_STATUS_MACROS_H_
 #define ATTENTION_CORE_STATUS_MACROS_H_
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 
 #define ATTENTION_CONCAT_INNER(a, b) a##b
 #define ATTENTION_CONCAT(a, b) ATTENTION_CONCAT_INNER(a, b)
@@ -22,5 +23,15 @@
   auto statusor = (expr);                          \
   if (!statusor.ok()) return statusor.status();    \
   lhs = std::move(statusor).value()
+
+namespace attention {
+
+// INVALID_ARGUMENT with the pieces concatenated: the field, the values, the rule.
+template <typename... Args>
+absl::Status Invalid(const Args&... pieces) {
+  return absl::InvalidArgumentError(absl::StrCat(pieces...));
+}
+
+}  // namespace attention
 
 #endif  // ATTENTION_CORE_STATUS_MACROS_H_

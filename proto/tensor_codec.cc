@@ -9,15 +9,6 @@ namespace attention::wire {
 
 using core::DType;
 
-namespace {
-
-template <typename... Args>
-absl::Status Invalid(const Args&... pieces) {
-  return absl::InvalidArgumentError(absl::StrCat(pieces...));
-}
-
-}  // namespace
-
 absl::StatusOr<DType> ConvertDType(v1::DataType dtype, absl::string_view field) {
   switch (dtype) {
     case v1::FLOAT32:

@@ -17,11 +17,6 @@ constexpr size_t kMaxRequestIdBytes = 256;
 
 using wire::ShapeString;
 
-template <typename... Args>
-absl::Status Invalid(const Args&... pieces) {
-  return absl::InvalidArgumentError(absl::StrCat(pieces...));
-}
-
 absl::Status CheckRank(const FloatTensor& tensor, size_t rank, absl::string_view field,
                        absl::string_view layout) {
   if (tensor.shape.size() != rank) {

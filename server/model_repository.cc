@@ -27,11 +27,6 @@ namespace {
 constexpr char kSuffix[] = ".safetensors";
 constexpr char kTempMarker[] = ".tmp.";
 
-template <typename... Args>
-absl::Status Invalid(const Args&... pieces) {
-  return absl::InvalidArgumentError(absl::StrCat(pieces...));
-}
-
 // I/O failures while writing: a full disk is a configured limit (RESOURCE_EXHAUSTED, so it is
 // not paged as an outage); anything else is INTERNAL.
 absl::Status WriteError(int error, absl::string_view what) {

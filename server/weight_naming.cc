@@ -14,11 +14,6 @@ using core::MhaConfig;
 using core::MhaWeights;
 using wire::ShapeString;
 
-template <typename... Args>
-absl::Status Invalid(const Args&... pieces) {
-  return absl::InvalidArgumentError(absl::StrCat(pieces...));
-}
-
 // One source tensor and the weights it fills: its rows (the elements, for a bias) are split
 // in order among `parts`, so a fused [Q+K+V, E] projection fills q, k and v.
 struct Part {

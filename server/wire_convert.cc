@@ -21,11 +21,6 @@ using wire::ConvertDType;
 using wire::HasContent;
 using wire::ShapeString;
 
-template <typename... Args>
-absl::Status Invalid(const Args&... pieces) {
-  return absl::InvalidArgumentError(absl::StrCat(pieces...));
-}
-
 // A mask tensor: boolean keep flags (polarity resolved) or additive float bias.
 struct DecodedMask {
   std::vector<int64_t> shape;
