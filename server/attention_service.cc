@@ -42,6 +42,24 @@ absl::Status CheckRequestId(const std::string& request_id) {
   return absl::OkStatus();
 }
 
+// Refuses work whose answer could not be sent anyway, before it allocates or computes:
+// the output plus the attention weights asked for, at the reply's element size.
+absl::Status CheckResponseSize(int64_t output_elements, const core::AttentionDims& dims,
+                               core::NeedWeights need, core::DType dtype, int64_t limit) {
+  const int64_t weight_elements =
+      need == core::NeedWeights::kNone     ? 0
+      : need == core::NeedWeights::kAveraged ? dims.batch * dims.q_len * dims.kv_len
+                                           : dims.batch * dims.num_heads * dims.q_len * dims.kv_len;
+  const int64_t bytes = (output_elements + weight_elements) * core::ElementSize(dtype);
+  if (bytes > limit) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the answer would be ", bytes, " bytes (output ", output_elements,
+        " values, attention weights ", weight_elements, " values), over the server's ", limit,
+        "-byte message limit; send fewer sequences per request or drop options.need_weights"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Time Deadline(const grpc::CallbackServerContext* context) {
   return absl::FromChrono(context->deadline());
 }
@@ -166,6 +184,9 @@ absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
   ASSIGN_OR_RETURN(input.options, ConvertOptions(request.options(), dims));
   ASSIGN_OR_RETURN(const core::DType output_dtype,
                    OutputDType(request.output_dtype(), request.query().dtype()));
+  RETURN_IF_ERROR(CheckResponseSize(input.batch * input.q_len * config.output_dim, dims,
+                                    input.options.need_weights, output_dtype,
+                                    max_response_bytes_));
   item->storage.push_back(std::move(query.values));
   input.query = item->storage.back();
   if (has_key) {
@@ -239,6 +260,10 @@ absl::Status AttentionServiceImpl::StartScaledDotProductAttention(
   ASSIGN_OR_RETURN(const core::DType output_dtype,
                    OutputDType(request.output_dtype(), request.query().dtype()));
   RETURN_IF_ERROR(core::ValidateSdpaInput(input));
+  const core::AttentionDims& d = input.dims;
+  RETURN_IF_ERROR(CheckResponseSize(d.batch * d.num_heads * d.q_len * d.v_head_dim, d,
+                                    input.options.need_weights, output_dtype,
+                                    max_response_bytes_));
   item->tokens = input.dims.batch * input.dims.q_len;
   item->priority = request.options().priority();
   item->deadline = Deadline(context);

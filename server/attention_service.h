@@ -19,9 +19,14 @@ class MultiHeadAttentionStreamReactor;
 
 class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
  public:
+  // `max_response_bytes`: answers larger than this are refused before compute.
   AttentionServiceImpl(LayerRegistry& registry, Batcher& batcher, Metrics& metrics,
-                       RequestLog& log)
-      : registry_(registry), batcher_(batcher), metrics_(metrics), log_(log) {}
+                       RequestLog& log, int64_t max_response_bytes)
+      : registry_(registry),
+        batcher_(batcher),
+        metrics_(metrics),
+        log_(log),
+        max_response_bytes_(max_response_bytes) {}
 
   // Sets the loaded-layer gauges from the registry.
   void RefreshLayerMetrics();
@@ -74,6 +79,7 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   Batcher& batcher_;
   Metrics& metrics_;
   RequestLog& log_;
+  const int64_t max_response_bytes_;
 };
 
 // Fills `info` from a snapshot.

@@ -45,7 +45,7 @@ AttentionServer::AttentionServer(const ServerOptions& options)
       drain_delay_(options.drain_delay),
       pool_(ComputeThreads(options.compute_threads)),
       batcher_(options.batcher, pool_, &metrics_),
-      service_(registry_, batcher_, metrics_, request_log_) {}
+      service_(registry_, batcher_, metrics_, request_log_, options.max_message_bytes) {}
 
 absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
     const ServerOptions& options) {

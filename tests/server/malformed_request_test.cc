@@ -257,3 +257,32 @@ TEST_F(ServerTest, MalformedLayerManagementIsRejected) {
 
 }  // namespace
 }  // namespace attention::server::testing
+
+namespace attention::server::testing {
+namespace {
+
+TEST_F(ServerTest, AnswerLargerThanTheMessageLimitIsRefusedBeforeCompute) {
+  // 1500 tokens fit in a request (4.6 MB), but per-head weights 12 x 1500 x 1500 floats
+  // (108 MB) would not fit in a 64 MiB answer.
+  std::mt19937_64 rng(9);
+  v1::MultiHeadAttentionRequest request = DemoRequest(rng, 1, 1500);
+  request.mutable_options()->set_need_weights(v1::NEED_WEIGHTS_PER_HEAD);
+  const absl::Status status = client_->MultiHeadAttention(request).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
+  EXPECT_NE(status.message().find("attention weights 27000000 values"), std::string::npos)
+      << status;
+  request.mutable_options()->set_need_weights(v1::NEED_WEIGHTS_AVERAGED);  // 9 MB: fine
+  EXPECT_TRUE(client_->MultiHeadAttention(request).ok());
+
+  v1::ScaledDotProductAttentionRequest sdpa;
+  const std::vector<int64_t> shape = {1, 8, 1500, 4};
+  for (v1::Tensor* tensor : {sdpa.mutable_query(), sdpa.mutable_key(), sdpa.mutable_value()}) {
+    wire::EncodeTensor(RandomValues(rng, 8 * 1500 * 4), shape, core::DType::kFloat32, tensor);
+  }
+  sdpa.mutable_options()->set_need_weights(v1::NEED_WEIGHTS_PER_HEAD);  // 72 MB
+  EXPECT_EQ(client_->ScaledDotProductAttention(sdpa).status().code(),
+            absl::StatusCode::kResourceExhausted);
+}
+
+}  // namespace
+}  // namespace attention::server::testing
