@@ -170,9 +170,20 @@ absl::StatusOr<std::shared_ptr<const core::MhaLayer>> BuildLayer(
                                                absl::StrCat(weights_field, ".naming")));
       break;
     }
-    case v1::LayerSpec::kRandomInit:
+    case v1::LayerSpec::kRandomInit: {
+      // Inline and file weights are bounded by the message and the file; random init is
+      // bounded here, before anything is allocated.
+      constexpr int64_t kMaxRandomInitBytes = int64_t{4} << 30;
+      const int64_t bytes = config->ParameterCount() * 4;
+      if (bytes > kMaxRandomInitBytes) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            field, ".random_init: the config needs ", bytes, " bytes of weights (",
+            config->ParameterCount(), " parameters); random init is limited to ",
+            kMaxRandomInitBytes, " bytes"));
+      }
       weights = core::MhaWeights::Random(*config, spec.random_init().seed());
       break;
+    }
     case v1::LayerSpec::kSafetensors: {
       const std::string source_field = absl::StrCat(field, ".safetensors");
       const v1::SafetensorsSource& safetensors = spec.safetensors();

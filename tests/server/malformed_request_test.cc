@@ -210,6 +210,14 @@ TEST_F(ServerTest, MalformedLayerManagementIsRejected) {
     std::string message_part;
   };
   const std::vector<Case> cases = {
+      {"random init too large",
+       [](auto& r) {
+         r.mutable_spec()->mutable_config()->set_embed_dim(65536);
+         r.mutable_spec()->mutable_config()->set_num_heads(64);
+       },
+       C::kResourceExhausted,
+       "spec.random_init: the config needs 68720525312 bytes of weights (17180131328 "
+       "parameters)"},
       {"bad name", [](auto& r) { r.set_name("a/b"); }, C::kInvalidArgument,
        "name \"a/b\" has a character outside [A-Za-z0-9._-]"},
       {"empty name", [](auto& r) { r.clear_name(); }, C::kInvalidArgument,
