@@ -29,6 +29,11 @@ struct HeadLayout {
   static HeadLayout BatchRowHead(int64_t heads, int64_t rows, int64_t width) {
     return {rows * heads * width, width, heads * width};
   }
+  // The same with `row_stride` floats between tokens, e.g. Q, K and V as column ranges of
+  // one fused projection.
+  static HeadLayout StridedRows(int64_t rows, int64_t width, int64_t row_stride) {
+    return {rows * row_stride, width, row_stride};
+  }
 };
 
 struct AttentionProblem {

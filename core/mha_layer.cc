@@ -20,7 +20,7 @@ absl::Status Invalid(absl::string_view field, int64_t value, absl::string_view r
 // Y[M, N] = X[M, K] * W[N, K]^T (+ bias[N]), split across the pool by rows, or by output
 // columns when there are too few rows to go round.
 void LinearForward(ThreadPool& pool, const float* x, int64_t rows, int64_t in_features,
-                   const std::vector<float>& weight, const std::vector<float>& bias,
+                   absl::Span<const float> weight, absl::Span<const float> bias,
                    int64_t out_features, float* y) {
   constexpr int64_t kMinRowsPerPart = 16;
   const int64_t threads = pool.size();
@@ -48,8 +48,8 @@ void LinearForward(ThreadPool& pool, const float* x, int64_t rows, int64_t in_fe
 
 // Reference linear layer in double: y[r, o] = sum_i x[r, i] * w[o, i] + bias[o].
 std::vector<double> LinearReference(const double* x, int64_t rows, int64_t in_features,
-                                    const std::vector<float>& weight,
-                                    const std::vector<float>& bias, int64_t out_features) {
+                                    absl::Span<const float> weight,
+                                    absl::Span<const float> bias, int64_t out_features) {
   std::vector<double> y(rows * out_features);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t o = 0; o < out_features; ++o) {
@@ -242,6 +242,63 @@ absl::StatusOr<std::shared_ptr<const MhaLayer>> MhaLayer::Create(const MhaConfig
   return std::shared_ptr<const MhaLayer>(new MhaLayer(config, std::move(weights)));
 }
 
+MhaLayer::MhaLayer(const MhaConfig& config, MhaWeights weights)
+    : config_(config), weights_(std::move(weights)) {
+  if (config_.kdim != config_.embed_dim || config_.vdim != config_.embed_dim) return;
+  // Move Q, K and V into the fused matrix; peak memory is one extra projection briefly.
+  for (std::vector<float>* part : {&weights_.q_weight, &weights_.k_weight, &weights_.v_weight}) {
+    fused_qkv_weight_.insert(fused_qkv_weight_.end(), part->begin(), part->end());
+    std::vector<float>().swap(*part);
+  }
+  for (std::vector<float>* part : {&weights_.q_bias, &weights_.k_bias, &weights_.v_bias}) {
+    fused_qkv_bias_.insert(fused_qkv_bias_.end(), part->begin(), part->end());
+    std::vector<float>().swap(*part);
+  }
+}
+
+absl::Span<const float> MhaLayer::QWeight() const {
+  if (fused_qkv_weight_.empty()) return weights_.q_weight;
+  return absl::MakeConstSpan(fused_qkv_weight_).subspan(0, config_.QWidth() * config_.embed_dim);
+}
+absl::Span<const float> MhaLayer::KWeight() const {
+  if (fused_qkv_weight_.empty()) return weights_.k_weight;
+  return absl::MakeConstSpan(fused_qkv_weight_)
+      .subspan(config_.QWidth() * config_.embed_dim, config_.KWidth() * config_.embed_dim);
+}
+absl::Span<const float> MhaLayer::VWeight() const {
+  if (fused_qkv_weight_.empty()) return weights_.v_weight;
+  return absl::MakeConstSpan(fused_qkv_weight_)
+      .subspan((config_.QWidth() + config_.KWidth()) * config_.embed_dim);
+}
+absl::Span<const float> MhaLayer::QBias() const {
+  if (fused_qkv_weight_.empty()) return weights_.q_bias;
+  if (fused_qkv_bias_.empty()) return {};
+  return absl::MakeConstSpan(fused_qkv_bias_).subspan(0, config_.QWidth());
+}
+absl::Span<const float> MhaLayer::KBias() const {
+  if (fused_qkv_weight_.empty()) return weights_.k_bias;
+  if (fused_qkv_bias_.empty()) return {};
+  return absl::MakeConstSpan(fused_qkv_bias_).subspan(config_.QWidth(), config_.KWidth());
+}
+absl::Span<const float> MhaLayer::VBias() const {
+  if (fused_qkv_weight_.empty()) return weights_.v_bias;
+  if (fused_qkv_bias_.empty()) return {};
+  return absl::MakeConstSpan(fused_qkv_bias_).subspan(config_.QWidth() + config_.KWidth());
+}
+
+MhaWeights MhaLayer::weights() const {
+  MhaWeights copy = weights_;
+  if (!fused_qkv_weight_.empty()) {
+    copy.q_weight.assign(QWeight().begin(), QWeight().end());
+    copy.k_weight.assign(KWeight().begin(), KWeight().end());
+    copy.v_weight.assign(VWeight().begin(), VWeight().end());
+    copy.q_bias.assign(QBias().begin(), QBias().end());
+    copy.k_bias.assign(KBias().begin(), KBias().end());
+    copy.v_bias.assign(VBias().begin(), VBias().end());
+  }
+  return copy;
+}
+
 AttentionDims MhaLayer::Dims(const MhaInput& input) const {
   return {input.batch, config_.num_heads, config_.num_kv_heads, input.q_len, input.kv_len,
           config_.head_dim, config_.v_head_dim};
@@ -285,10 +342,10 @@ AttentionResult MhaLayer::ForwardReference(const MhaInput& in) const {
   const std::vector<double> xk = self_attention ? x : std::vector<double>(in.key.begin(), in.key.end());
   const std::vector<double> xv =
       self_attention ? x : std::vector<double>(in.value.begin(), in.value.end());
-  std::vector<double> q = LinearReference(x.data(), q_rows, c.embed_dim, w.q_weight, w.q_bias, c.QWidth());
-  std::vector<double> k = LinearReference(xk.data(), kv_rows, c.kdim, w.k_weight, w.k_bias, c.KWidth());
+  std::vector<double> q = LinearReference(x.data(), q_rows, c.embed_dim, QWeight(), QBias(), c.QWidth());
+  std::vector<double> k = LinearReference(xk.data(), kv_rows, c.kdim, KWeight(), KBias(), c.KWidth());
   const std::vector<double> v =
-      LinearReference(xv.data(), kv_rows, c.vdim, w.v_weight, w.v_bias, c.VWidth());
+      LinearReference(xv.data(), kv_rows, c.vdim, VWeight(), VBias(), c.VWidth());
   if (c.rope_theta > 0.0) {
     RotaryReference(q, q_rows, in.q_len, c.num_heads, c.head_dim, c.rope_theta);
     RotaryReference(k, kv_rows, in.kv_len, c.num_kv_heads, c.head_dim, c.rope_theta);
@@ -366,19 +423,32 @@ std::vector<AttentionResult> MhaLayer::ForwardBatch(absl::Span<const MhaInput* c
     key_input = xk;
     value_input = xv;
   }
-  float* q = scratch.Get(ForwardScratch::kQ, q_rows * c.QWidth());
-  float* k = scratch.Get(ForwardScratch::kK, kv_rows * c.KWidth());
-  float* v = scratch.Get(ForwardScratch::kV, kv_rows * c.VWidth());
-  LinearForward(pool, x, q_rows, c.embed_dim, w.q_weight, w.q_bias, c.QWidth(), q);
-  LinearForward(pool, key_input, kv_rows, c.kdim, w.k_weight, w.k_bias, c.KWidth(), k);
-  LinearForward(pool, value_input, kv_rows, c.vdim, w.v_weight, w.v_bias, c.VWidth(), v);
+  // Projected Q, K and V rows and their strides (floats from one token's row to the next).
+  float *q, *k, *v;
+  int64_t q_stride = c.QWidth(), k_stride = c.KWidth(), v_stride = c.VWidth();
+  if (all_self_attention && !fused_qkv_weight_.empty()) {
+    // One GEMM for all three: [T, E] x [E, Q + K + V]; Q, K, V are column ranges of it.
+    const int64_t width = c.QWidth() + c.KWidth() + c.VWidth();
+    q = scratch.Get(ForwardScratch::kQ, q_rows * width);
+    LinearForward(pool, x, q_rows, c.embed_dim, fused_qkv_weight_, fused_qkv_bias_, width, q);
+    k = q + c.QWidth();
+    v = k + c.KWidth();
+    q_stride = k_stride = v_stride = width;
+  } else {
+    q = scratch.Get(ForwardScratch::kQ, q_rows * c.QWidth());
+    k = scratch.Get(ForwardScratch::kK, kv_rows * c.KWidth());
+    v = scratch.Get(ForwardScratch::kV, kv_rows * c.VWidth());
+    LinearForward(pool, x, q_rows, c.embed_dim, QWeight(), QBias(), c.QWidth(), q);
+    LinearForward(pool, key_input, kv_rows, c.kdim, KWeight(), KBias(), c.KWidth(), k);
+    LinearForward(pool, value_input, kv_rows, c.vdim, VWeight(), VBias(), c.VWidth(), v);
+  }
   if (c.rope_theta > 0.0) {
     for (size_t n = 0; n < inputs.size(); ++n) {
       const MhaInput& in = *inputs[n];
-      ApplyRotary(q + q_row[n] * c.QWidth(), in.batch * in.q_len, in.q_len, c.num_heads,
-                  c.head_dim, c.rope_theta);
-      ApplyRotary(k + kv_row[n] * c.KWidth(), in.batch * in.kv_len, in.kv_len, c.num_kv_heads,
-                  c.head_dim, c.rope_theta);
+      ApplyRotary(q + q_row[n] * q_stride, in.batch * in.q_len, in.q_len, c.num_heads,
+                  c.head_dim, c.rope_theta, q_stride);
+      ApplyRotary(k + kv_row[n] * k_stride, in.batch * in.kv_len, in.kv_len, c.num_kv_heads,
+                  c.head_dim, c.rope_theta, k_stride);
     }
   }
   float* attended = scratch.Get(ForwardScratch::kAttended, q_rows * c.AttentionWidth());
@@ -394,12 +464,12 @@ std::vector<AttentionResult> MhaLayer::ForwardBatch(absl::Span<const MhaInput* c
     }
     AttentionProblem& p = problems[n];
     p.dims = Dims(in);
-    p.query = q + q_row[n] * c.QWidth();
-    p.query_layout = HeadLayout::BatchRowHead(c.num_heads, in.q_len, c.head_dim);
-    p.key = k + kv_row[n] * c.KWidth();
-    p.key_layout = HeadLayout::BatchRowHead(c.num_kv_heads, in.kv_len, c.head_dim);
-    p.value = v + kv_row[n] * c.VWidth();
-    p.value_layout = HeadLayout::BatchRowHead(c.num_kv_heads, in.kv_len, c.v_head_dim);
+    p.query = q + q_row[n] * q_stride;
+    p.query_layout = HeadLayout::StridedRows(in.q_len, c.head_dim, q_stride);
+    p.key = k + kv_row[n] * k_stride;
+    p.key_layout = HeadLayout::StridedRows(in.kv_len, c.head_dim, k_stride);
+    p.value = v + kv_row[n] * v_stride;
+    p.value_layout = HeadLayout::StridedRows(in.kv_len, c.v_head_dim, v_stride);
     p.output = attended + q_row[n] * c.AttentionWidth();
     p.output_layout = HeadLayout::BatchRowHead(c.num_heads, in.q_len, c.v_head_dim);
     p.weights = results[n].weights.empty() ? nullptr : results[n].weights.data();
@@ -422,7 +492,7 @@ std::vector<AttentionResult> MhaLayer::ForwardBatch(absl::Span<const MhaInput* c
 }
 
 void ApplyRotary(float* data, int64_t rows, int64_t seq_len, int64_t heads, int64_t head_dim,
-                 double theta) {
+                 double theta, int64_t row_stride) {
   const int64_t half = head_dim / 2;
   std::vector<double> inverse_frequency(half);
   for (int64_t c = 0; c < half; ++c) inverse_frequency[c] = std::pow(theta, -2.0 * c / head_dim);
@@ -432,7 +502,7 @@ void ApplyRotary(float* data, int64_t rows, int64_t seq_len, int64_t heads, int6
       const float cos_a = static_cast<float>(std::cos(position * inverse_frequency[c]));
       const float sin_a = static_cast<float>(std::sin(position * inverse_frequency[c]));
       for (int64_t h = 0; h < heads; ++h) {
-        float* x = data + (r * heads + h) * head_dim;
+        float* x = data + r * row_stride + h * head_dim;
         const float x1 = x[c], x2 = x[c + half];
         x[c] = x1 * cos_a - x2 * sin_a;
         x[c + half] = x2 * cos_a + x1 * sin_a;

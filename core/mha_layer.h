@@ -86,7 +86,8 @@ class MhaLayer {
                                                                 MhaWeights weights);
 
   const MhaConfig& config() const { return config_; }
-  const MhaWeights& weights() const { return weights_; }
+  // The weights as separate tensors (Q, K and V copied out when they are stored fused).
+  MhaWeights weights() const;
   int64_t WeightBytes() const { return config_.ParameterCount() * 4; }
 
   // Checks shapes and options of `input`; errors name the request fields.
@@ -101,12 +102,24 @@ class MhaLayer {
                                             ThreadPool& pool) const;
 
  private:
-  MhaLayer(const MhaConfig& config, MhaWeights weights)
-      : config_(config), weights_(std::move(weights)) {}
+  MhaLayer(const MhaConfig& config, MhaWeights weights);
   AttentionDims Dims(const MhaInput& input) const;
+  // Q, K and V projection weights and biases, wherever they are stored.
+  absl::Span<const float> QWeight() const;
+  absl::Span<const float> KWeight() const;
+  absl::Span<const float> VWeight() const;
+  absl::Span<const float> QBias() const;
+  absl::Span<const float> KBias() const;
+  absl::Span<const float> VBias() const;
 
   MhaConfig config_;
+  // Output projection always; Q, K and V only when they are not fused.
   MhaWeights weights_;
+  // When kdim == vdim == E, Q, K and V live here as one [Q + K + V, E] matrix (rows in that
+  // order), so self-attention projects every token with a single GEMM. Stored once, not
+  // copied: the separate vectors in weights_ are then empty.
+  std::vector<float> fused_qkv_weight_;
+  std::vector<float> fused_qkv_bias_;
 };
 
 // Scaled dot-product attention on caller-given Q [B,H,Nq,dk], K [B,Hkv,Nk,dk], V [B,Hkv,Nk,dv].
@@ -120,9 +133,10 @@ AttentionResult SdpaReference(const SdpaInput& input);
 AttentionResult SdpaForward(const SdpaInput& input, ThreadPool& pool);
 
 // Rotary position embedding, rotate-half layout (Hugging Face Llama), in place on `rows`
-// rows of `heads` heads of width dk; row r of sequence position `first_position + r % len`.
+// rows (`row_stride` floats apart) of `heads` heads of width dk; row r is at sequence
+// position r % seq_len.
 void ApplyRotary(float* data, int64_t rows, int64_t seq_len, int64_t heads, int64_t head_dim,
-                 double theta);
+                 double theta, int64_t row_stride);
 
 }  // namespace attention::core
 
