@@ -2,7 +2,7 @@
 """Runs OpenBLAS sgemm, this project's core and PyTorch nn.MultiheadAttention on the
 benchmark shapes in one go and prints GFLOPS and ratios as a markdown table.
 
-    /usr/bin/python3 bench/compare.py [--bench build/bench/attention_bench] [--s5]
+    /usr/bin/python3 bench/compare.py [--bench build/bench/attention_bench] [--repeats 3] [--s5]
 
 Useful FLOPs per sequence of N tokens: 8*N*E^2 (four projections) + 4*N^2*E (attention),
 half the attention term when causal. Ratios are what travels between machines; absolute
@@ -10,6 +10,7 @@ GFLOPS drift with load on these shared machines.
 """
 import argparse
 import json
+import statistics
 import subprocess
 import time
 
@@ -44,7 +45,7 @@ def torch_gflops(batch, tokens, embed_dim, heads, causal, threads, min_seconds=2
     return useful_flops(batch, tokens, embed_dim, causal) / seconds / 1e9
 
 
-def core_results(bench, pattern, min_time):
+def run_bench(bench, pattern, min_time):
     output = subprocess.run(
         [bench, f"--benchmark_filter={pattern}", "--benchmark_format=json",
          f"--benchmark_min_time={min_time}"],
@@ -52,30 +53,49 @@ def core_results(bench, pattern, min_time):
     return {b["name"]: b for b in json.loads(output)["benchmarks"]}
 
 
+def median(values):
+    return statistics.median(values)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--bench", default="build/bench/attention_bench")
-    parser.add_argument("--min-time", default="2")
+    parser.add_argument("--min-time", default="1")
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--s5", action="store_true", help="also run S5 (N=65536, ~1 minute)")
     args = parser.parse_args()
 
-    core = core_results(args.bench, "Sgemm|MhaS[1-4]|Ragged", args.min_time)
-    sgemm = {t: core[f"BM_Sgemm/n:1024/threads:{t}/real_time"]["GFLOPS"] for t in (1, 2)}
-    print(f"OpenBLAS sgemm n=1024: {sgemm[1]:.1f} GFLOPS (1 thread), {sgemm[2]:.1f} (2 threads)")
+    # The host's speed drifts by tens of percent within minutes, so sgemm, the core and
+    # PyTorch are measured back to back for each row, several times, and the ratios are
+    # taken per repeat before the median.
+    print(f"Each row: median of {args.repeats} back-to-back triples (sgemm n=1024, core, PyTorch).")
     print()
-    print("| shape | threads | core GFLOPS | PyTorch GFLOPS | core / sgemm | core / PyTorch |")
-    print("|---|---|---|---|---|---|")
+    print("| shape | threads | sgemm GFLOPS | core GFLOPS | PyTorch GFLOPS | core / sgemm "
+          "| core / PyTorch |")
+    print("|---|---|---|---|---|---|---|")
     for name, (batch, tokens, embed_dim, heads, causal) in SHAPES.items():
         for threads in (1, 2):
             key = f"BM_Mha{name}/threads:{threads}/real_time"
-            if key not in core:
+            sgemm_key = f"BM_Sgemm/n:1024/threads:{threads}/real_time"
+            rows = []
+            for _ in range(args.repeats):
+                pattern = f"^BM_Sgemm/n:1024/threads:{threads}/|^BM_Mha{name}/threads:{threads}/"
+                results = run_bench(args.bench, pattern, args.min_time)
+                if key not in results:
+                    break
+                ours = results[key]["GFLOPS"]
+                sgemm = results[sgemm_key]["GFLOPS"]
+                theirs = torch_gflops(batch, tokens, embed_dim, heads, causal, threads,
+                                      min_seconds=float(args.min_time))
+                rows.append((sgemm, ours, theirs, ours / sgemm, ours / theirs))
+            if not rows:
                 continue
-            ours = core[key]["GFLOPS"]
-            theirs = torch_gflops(batch, tokens, embed_dim, heads, causal, threads)
+            columns = [median([row[i] for row in rows]) for i in range(5)]
             print(f"| {name} B={batch} N={tokens}{' causal' if causal else ''} | {threads} "
-                  f"| {ours:.1f} | {theirs:.1f} | {ours / sgemm[threads]:.2f} "
-                  f"| {ours / theirs:.2f} |")
-    milliseconds = {kind: core[f"BM_MhaRagged{kind}/real_time"]["real_time"]
+                  f"| {columns[0]:.1f} | {columns[1]:.1f} | {columns[2]:.1f} "
+                  f"| {columns[3]:.2f} | {columns[4]:.2f} |")
+    ragged = run_bench(args.bench, "Ragged", args.min_time)
+    milliseconds = {kind: ragged[f"BM_MhaRagged{kind}/real_time"]["real_time"]
                     for kind in ("Packed", "OneByOne", "Padded")}
     print()
     print("Ragged batch (24 sequences, lengths 16..512, 2 threads), milliseconds per batch:")
