@@ -96,8 +96,9 @@ class MhaLayer {
   // The oracle: naive loops with double accumulation.
   AttentionResult ForwardReference(const MhaInput& input) const;
 
-  // Production path for validated inputs: the projections of all inputs run as one GEMM per
-  // weight matrix over every token of the batch, attention per sequence and head.
+  // Production path for validated inputs: the projections of all inputs run over every
+  // token of the batch at once (Q, K and V as one GEMM for self-attention when they are
+  // fused), attention per sequence, head and query block, one GEMM for the output.
   std::vector<AttentionResult> ForwardBatch(absl::Span<const MhaInput* const> inputs,
                                             ThreadPool& pool) const;
 
