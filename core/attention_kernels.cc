@@ -162,6 +162,71 @@ int64_t QueryBlocks(const AttentionDims& d) {
   return (d.q_len + rows - 1) / rows;
 }
 
+// Keys per step of the online softmax: long key ranges are processed in blocks this size, so
+// the scores of one query block never exceed rows x kKeyBlock floats.
+constexpr int64_t kKeyBlock = 1024;
+
+// Flash-style pass for one query block over `key_count` keys in blocks of kKeyBlock: a
+// running row maximum and sum rescale what is already accumulated in `out`, so no row of
+// scores longer than kKeyBlock is ever held. Used when no attention weights are returned.
+void AttendBlockOnline(const AttentionProblem& p, int64_t b, int64_t h, int64_t first_row,
+                       int64_t rows, int64_t key_count, float* out) {
+  const AttentionOptions& options = *p.options;
+  const AttentionDims& d = p.dims;
+  const int64_t hk = KvHead(d, h);
+  const float keep_scale = 1.0f / (1.0f - options.dropout_p);
+  const int64_t out_stride = p.output_layout.row_stride;
+  thread_local std::vector<float> scores, row_max, row_sum;
+  scores.resize(rows * kKeyBlock);
+  row_max.assign(rows, -std::numeric_limits<float>::infinity());
+  row_sum.assign(rows, 0.0f);
+  for (int64_t r = 0; r < rows; ++r) std::fill(out + r * out_stride, out + r * out_stride + d.v_head_dim, 0.0f);
+  for (int64_t first_key = 0; first_key < key_count; first_key += kKeyBlock) {
+    const int64_t keys = std::min(kKeyBlock, key_count - first_key);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, d.head_dim,
+                options.Scale(d), p.query + p.query_layout.Offset(b, h, first_row),
+                p.query_layout.row_stride, p.key + p.key_layout.Offset(b, hk, first_key),
+                p.key_layout.row_stride, 0.0f, scores.data(), keys);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = first_row + r;
+      float* row = scores.data() + r * keys;
+      const int64_t valid = std::clamp<int64_t>(options.KeyLimit(d, b, i) - first_key, 0, keys);
+      std::fill(row + valid, row + keys, 0.0f);
+      if (options.HasElementMasks()) {
+        for (int64_t j = 0; j < valid; ++j) row[j] += options.ScoreBias(d, b, h, i, first_key + j);
+      }
+      const float block_max = RowMax(row, valid);
+      if (block_max == -std::numeric_limits<float>::infinity()) {
+        std::fill(row, row + valid, 0.0f);  // nothing to attend in this block
+        continue;
+      }
+      const float new_max = std::max(row_max[r], block_max);
+      // Earlier blocks were exponentiated against the old maximum: rescale them.
+      const float correction = std::exp(row_max[r] - new_max);
+      if (correction != 1.0f) {
+        ScaleRow(out + r * out_stride, d.v_head_dim, correction);
+        row_sum[r] *= correction;
+      }
+      row_max[r] = new_max;
+      row_sum[r] += ExpAndSum(row, valid, new_max);  // the sum before dropout normalizes
+      if (options.dropout_p > 0.0f) {
+        for (int64_t j = 0; j < valid; ++j) {
+          row[j] = DropoutKeeps(options.dropout_seed, options.dropout_p, b, h, i, first_key + j)
+                       ? row[j] * keep_scale
+                       : 0.0f;
+        }
+      }
+    }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, d.v_head_dim, keys, 1.0f,
+                scores.data(), keys, p.value + p.value_layout.Offset(b, hk, first_key),
+                p.value_layout.row_stride, 1.0f, out, out_stride);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    // A fully masked row has sum 0 and an all-zero accumulator: it stays zeros.
+    if (row_sum[r] > 0.0f) ScaleRow(out + r * out_stride, d.v_head_dim, 1.0f / row_sum[r]);
+  }
+}
+
 // One (sequence b, head h, query block) of a problem.
 void AttendBlock(const AttentionProblem& p, int64_t b, int64_t h, int64_t block) {
   const AttentionOptions& options = *p.options;
@@ -187,6 +252,12 @@ void AttendBlock(const AttentionProblem& p, int64_t b, int64_t h, int64_t block)
     }
     return;
   }
+  if (weights == nullptr && key_count > kKeyBlock) {
+    AttendBlockOnline(p, b, h, first_row, rows, key_count, out);
+    return;
+  }
+  // One pass over all keys: the whole row of scores is needed when weights are returned,
+  // and short rows need no second pass anyway.
   thread_local std::vector<float> scores;
   scores.resize(rows * key_count);
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, key_count, d.head_dim, scale,

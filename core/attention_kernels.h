@@ -54,11 +54,13 @@ struct AttentionProblem {
 // Naive, double accumulation.
 void AttentionReference(const AttentionProblem& problem);
 
-// Blocked float32 kernel: for each (sequence, head, block of QueryBlockRows(Nk) queries)
-// one GEMM for the scores against the keys up to the block's causal frontier, a vectorized
-// masked softmax, one GEMM with the values. Extra memory is one block of scores per thread:
-// no Nq x Nk matrix unless weights are requested. All problems share one ParallelFor, so
-// a batch of many small requests keeps every thread busy.
+// Blocked float32 kernel: for each (sequence, head, block of QueryBlockRows(Nk) queries),
+// GEMMs for the scores against the keys up to the block's causal frontier, a vectorized
+// masked softmax, GEMMs with the values. Past 1024 keys (and when no weights are returned)
+// the keys are taken in blocks with an online softmax (running max and sum, flash-style),
+// so extra memory is at most rows x 1024 floats per thread: no Nq x Nk matrix unless
+// weights are requested. All problems share one ParallelFor, so a batch of many small
+// requests keeps every thread busy.
 void AttentionBlockedCpu(absl::Span<const AttentionProblem> problems, ThreadPool& pool);
 
 // Query rows per block: as many as keep the block's scores within 1 MiB (half of a
