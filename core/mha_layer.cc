@@ -17,14 +17,16 @@ absl::Status Invalid(absl::string_view field, int64_t value, absl::string_view r
   return absl::InvalidArgumentError(absl::StrCat(field, " = ", value, " ", rule));
 }
 
-// Y[M, N] = X[M, K] * W[N, K]^T (+ bias[N]), split across the pool by rows, or by output
-// columns when there are too few rows to go round.
+// Y[M, N] = X[M, K] * W[N, K]^T (+ bias[N]), split across the pool. Every part's GEMM
+// packs all of the operand that is not split, so split the larger one: by output columns
+// when the weights outweigh the rows (few tokens), else by rows.
 void LinearForward(ThreadPool& pool, const float* x, int64_t rows, int64_t in_features,
                    absl::Span<const float> weight, absl::Span<const float> bias,
                    int64_t out_features, float* y) {
-  constexpr int64_t kMinRowsPerPart = 16;
+  constexpr int64_t kMinPart = 16;
   const int64_t threads = pool.size();
-  const bool split_rows = rows >= threads * kMinRowsPerPart || out_features < threads * 16;
+  const bool split_rows = rows >= out_features ? rows >= threads * kMinPart
+                                               : out_features < threads * kMinPart;
   const int64_t total = split_rows ? rows : out_features;
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, total));
   pool.ParallelFor(parts, [&](int64_t part) {
@@ -36,13 +38,15 @@ void LinearForward(ThreadPool& pool, const float* x, int64_t rows, int64_t in_fe
     const float* a = split_rows ? x + begin * in_features : x;
     const float* w = split_rows ? weight.data() : weight.data() + begin * in_features;
     float* c = split_rows ? y + begin * out_features : y + begin;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, in_features, 1.0f, a,
-                in_features, w, in_features, 0.0f, c, out_features);
-    if (bias.empty()) return;
-    const float* b = split_rows ? bias.data() : bias.data() + begin;
-    for (int64_t r = 0; r < m; ++r) {
-      for (int64_t col = 0; col < n; ++col) c[r * out_features + col] += b[col];
+    // The bias goes in as the GEMM's C with beta = 1: no separate pass over Y.
+    float beta = 0.0f;
+    if (!bias.empty()) {
+      const float* b = split_rows ? bias.data() : bias.data() + begin;
+      for (int64_t r = 0; r < m; ++r) std::copy(b, b + n, c + r * out_features);
+      beta = 1.0f;
     }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, in_features, 1.0f, a,
+                in_features, w, in_features, beta, c, out_features);
   });
 }
 
