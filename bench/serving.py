@@ -1,0 +1,143 @@
+#!/usr/bin/python3
+"""Issue 5's serving measurement, reproducible in one command:
+
+    /usr/bin/python3 bench/serving.py [--build build] [--rounds 3] [--duration 8]
+
+Each round runs, back to back on this machine: the server with batching (default flags),
+the same server with --max_batch_requests=1, both under attention-loadgen (one sequence of
+16 tokens per request, E=768, 12 heads, 64 closed-loop callers), and the in-process core on
+the same packed work (attention_bench: B=256 N=16, one 16-token request, 32 and 64 packed).
+One server runs at a time. Ratios are taken within a round, then the median is printed:
+the host's speed drifts by tens of percent within minutes. Mean batch size and compute time
+per batch come from the server's own /metrics.
+"""
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import tempfile
+import time
+import urllib.request
+
+TOKENS = 16
+EMBED_DIM = 768
+
+
+def wait_for_line(path, pattern, process, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(path) as f:
+            match = re.search(pattern, f.read())
+        if match:
+            return int(match.group(1))
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited: {open(path).read()}")
+        time.sleep(0.05)
+    raise RuntimeError(f"no '{pattern}' from the server within {timeout} s")
+
+
+def scrape(port):
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    values = {}
+    for name in ("attention_batch_size_requests_sum", "attention_batch_size_requests_count",
+                 "attention_compute_duration_seconds_sum"):
+        match = re.search(rf"^{name} (\S+)$", text, re.M)
+        values[name] = float(match.group(1)) if match else 0.0
+    return values
+
+
+def serve_and_load(args, server_flags, loadgen_flags):
+    """Starts a server, drives it with the load generator, stops it; returns loadgen's JSON
+    plus the server's mean batch size and compute milliseconds per batch."""
+    with tempfile.TemporaryDirectory() as tmp:
+        log = os.path.join(tmp, "server.log")
+        with open(log, "w") as out:
+            server = subprocess.Popen(
+                [f"{args.build}/server/attention-server", "--listen=127.0.0.1:0",
+                 "--metrics_listen=127.0.0.1:0"] + server_flags,
+                stdout=out, stderr=subprocess.STDOUT)
+        try:
+            port = wait_for_line(log, r"listening on port (\d+)", server)
+            metrics_port = wait_for_line(log, r"metrics on port (\d+)", server)
+            before = scrape(metrics_port)
+            report = os.path.join(tmp, "load.json")
+            subprocess.run(
+                [f"{args.build}/client/attention-loadgen", f"--target=127.0.0.1:{port}",
+                 f"--tokens={TOKENS}", "--batch=1", f"--duration={args.duration}",
+                 f"--warmup={args.warmup}", f"--json={report}"] + loadgen_flags,
+                check=True, capture_output=True)
+            after = scrape(metrics_port)
+            with open(report) as f:
+                result = json.load(f)
+        finally:
+            server.terminate()
+            server.wait()
+    batches = after["attention_batch_size_requests_count"] - before["attention_batch_size_requests_count"]
+    requests = after["attention_batch_size_requests_sum"] - before["attention_batch_size_requests_sum"]
+    compute = after["attention_compute_duration_seconds_sum"] - before["attention_compute_duration_seconds_sum"]
+    result["mean_batch_requests"] = requests / batches if batches else 0.0
+    result["compute_ms_per_batch"] = 1e3 * compute / batches if batches else 0.0
+    return result
+
+
+def in_process(args):
+    """Tokens per second of the core: B=256 N=16 packed, and 1, 32, 64 packed requests."""
+    output = subprocess.run(
+        [f"{args.build}/bench/attention_bench", "--benchmark_filter=MhaS4|MhaRequests16",
+         "--benchmark_format=json", "--benchmark_min_time=1"],
+        check=True, capture_output=True, text=True).stdout
+    rates = {}
+    for bench in json.loads(output)["benchmarks"]:
+        seconds = bench["real_time"] / 1e9 if bench["time_unit"] == "ns" else bench["real_time"] / 1e3
+        match = re.search(r"requests:(\d+)", bench["name"])
+        requests = int(match.group(1)) if match else 256
+        key = "S4" if "MhaS4" in bench["name"] else f"packed {requests}"
+        rates[key] = requests * TOKENS / seconds
+    return rates
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--build", default="build")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--duration", type=int, default=8, help="seconds measured per run")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--server_flags", default="", help="added to both servers")
+    args = parser.parse_args()
+    common = args.server_flags.split()
+    closed = [f"--concurrency={args.concurrency}"]
+    rows = []
+    for round_index in range(args.rounds):
+        batching = serve_and_load(args, common, closed)
+        single = serve_and_load(args, common + ["--max_batch_requests=1"], closed)
+        core = in_process(args)
+        row = {
+            "batching": batching["tokens_per_second"],
+            "single": single["tokens_per_second"],
+            "batching / single": batching["tokens_per_second"] / single["tokens_per_second"],
+            "served / in-process S4": batching["tokens_per_second"] / core["S4"],
+            "in-process S4": core["S4"],
+            "in-process 1 request": core["packed 1"],
+            "in-process 64 packed / 1": core["packed 64"] / core["packed 1"],
+            "mean batch": batching["mean_batch_requests"],
+            "ms per batch": batching["compute_ms_per_batch"],
+            "single ms per request": single["compute_ms_per_batch"],
+            "batching p50 ms": batching["latency_ms"]["p50"],
+            "batching p99 ms": batching["latency_ms"]["p99"],
+            "errors": batching["errors"] + single["errors"],
+        }
+        rows.append(row)
+        print(f"round {round_index + 1}: " +
+              ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
+              flush=True)
+    print("\n| measure | median | min | max |\n|---|---|---|---|")
+    for key in rows[0]:
+        values = [r[key] for r in rows]
+        print(f"| {key} | {statistics.median(values):,.2f} | {min(values):,.2f} | {max(values):,.2f} |")
+
+
+if __name__ == "__main__":
+    main()
