@@ -30,79 +30,102 @@ absl::Status BatcherOptions::Validate() const {
   return absl::OkStatus();
 }
 
+std::string QueueName(const WorkItem& item) {
+  return item.layer == nullptr ? kScaledDotProductAttentionQueue : item.layer->name;
+}
+
+bool BatchQueue::Rank::operator>(const Rank& other) const {
+  if (starving != other.starving) return starving;
+  if (priority != other.priority) return priority > other.priority;
+  return arrival < other.arrival;
+}
+
+int64_t BatchQueue::size(const std::string& queue_name) const {
+  const auto it = usage_.find(queue_name);
+  return it == usage_.end() ? 0 : it->second.requests;
+}
+
 absl::Status BatchQueue::Push(std::unique_ptr<WorkItem>& item, absl::Time now) {
-  if (size() >= options_.max_queue_requests) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "the compute queue is full (", options_.max_queue_requests, " requests waiting); retry later"));
+  const std::string name = QueueName(*item);
+  Usage& usage = usage_[name];
+  absl::Status status;
+  if (usage.requests >= options_.max_queue_requests) {
+    status = absl::ResourceExhaustedError(
+        absl::StrCat("the compute queue of layer \"", name, "\" is full (", usage.requests,
+                     " requests waiting, limit ", options_.max_queue_requests, "); retry later"));
+  } else if (usage.tokens + item->tokens > options_.max_queue_tokens && usage.requests > 0) {
+    status = absl::ResourceExhaustedError(
+        absl::StrCat("the compute queue of layer \"", name, "\" is full (", usage.tokens,
+                     " tokens waiting, limit ", options_.max_queue_tokens, "); retry later"));
   }
-  if (tokens_ + item->tokens > options_.max_queue_tokens && !items_.empty()) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("the compute queue is full (", tokens_, " tokens waiting, limit ",
-                     options_.max_queue_tokens, "); retry later"));
+  if (!status.ok()) {
+    if (usage.requests == 0) usage_.erase(name);
+    return status;
   }
+  ++usage.requests;
+  usage.tokens += item->tokens;
   item->enqueued = now;
   tokens_ += item->tokens;
   items_.push_back(std::move(item));
   return absl::OkStatus();
 }
 
-BatchQueue::Iterator BatchQueue::Head(absl::Time now) {
-  Iterator head = items_.begin();
-  if (now - (*head)->enqueued > options_.starvation_limit) return head;  // oldest is starving
-  for (Iterator it = items_.begin(); it != items_.end(); ++it) {
-    if ((*it)->priority > (*head)->priority) head = it;
-  }
-  return head;
-}
-
-BatchQueue::Batch BatchQueue::Members(Iterator head, absl::Time now) {
-  Batch batch;
-  batch.members = {head};
-  const LayerSnapshot* layer = (*head)->layer.get();
-  if (layer == nullptr) {  // runs alone
-    batch.full = true;
-    return batch;
-  }
-  // Candidates in the order they would lead: starving first, then by priority and age.
-  std::vector<Iterator> candidates;
-  for (Iterator it = items_.begin(); it != items_.end(); ++it) {
-    if (it != head && (*it)->layer.get() == layer) candidates.push_back(it);
-  }
-  auto rank = [&](Iterator it) {
-    return std::pair<bool, int>(now - (*it)->enqueued > options_.starvation_limit,
-                                (*it)->priority);
-  };
-  std::stable_sort(candidates.begin(), candidates.end(),
-                   [&](Iterator a, Iterator b) { return rank(a) > rank(b); });
-  int64_t tokens = (*head)->tokens;
-  for (Iterator it : candidates) {
-    if (static_cast<int64_t>(batch.members.size()) >= options_.max_batch_requests ||
-        tokens + (*it)->tokens > options_.max_batch_tokens) {
-      batch.full = true;
-      break;
-    }
-    tokens += (*it)->tokens;
-    batch.members.push_back(it);
-  }
-  if (static_cast<int64_t>(batch.members.size()) >= options_.max_batch_requests) {
-    batch.full = true;
-  }
-  return batch;
-}
-
 std::vector<std::unique_ptr<WorkItem>> BatchQueue::PopDue(absl::Time now, bool flush,
                                                           absl::Time* due) {
   *due = absl::InfiniteFuture();
-  if (items_.empty()) return {};
-  const Batch next = Members(Head(now), now);
-  absl::Time oldest = absl::InfiniteFuture();
-  for (Iterator it : next.members) oldest = std::min(oldest, (*it)->enqueued);
-  if (!flush && !next.full && now - oldest < options_.max_queue_delay) {
-    *due = oldest + options_.max_queue_delay;
-    return {};
+  // Group the queue by what can share a forward pass: one layer snapshot, or a lone item.
+  struct Entry {
+    Rank rank;
+    Iterator item;
+  };
+  absl::flat_hash_map<const void*, std::vector<Entry>> groups;
+  int64_t arrival = 0;
+  for (Iterator it = items_.begin(); it != items_.end(); ++it, ++arrival) {
+    const WorkItem& item = **it;
+    const void* group = item.layer != nullptr ? static_cast<const void*>(item.layer.get())
+                                              : static_cast<const void*>(&item);
+    groups[group].push_back(
+        {{now - item.enqueued > options_.starvation_limit, item.priority, arrival}, it});
+  }
+  // Each group's batch: its members in the order they would lead, within the batch limits.
+  std::vector<Iterator> best;
+  Rank best_rank{};
+  for (auto& [group, entries] : groups) {
+    std::sort(entries.begin(), entries.end(),
+              [](const Entry& a, const Entry& b) { return a.rank > b.rank; });
+    std::vector<Iterator> members;
+    int64_t tokens = 0;
+    absl::Time oldest = absl::InfiniteFuture();
+    bool full = (*entries.front().item)->layer == nullptr;  // runs alone
+    for (const Entry& entry : entries) {
+      const WorkItem& item = **entry.item;
+      if (!members.empty() &&
+          (static_cast<int64_t>(members.size()) >= options_.max_batch_requests ||
+           tokens + item.tokens > options_.max_batch_tokens)) {
+        full = true;
+        break;
+      }
+      members.push_back(entry.item);
+      tokens += item.tokens;
+      oldest = std::min(oldest, item.enqueued);
+    }
+    full = full || static_cast<int64_t>(members.size()) >= options_.max_batch_requests;
+    if (!flush && !full && now - oldest < options_.max_queue_delay) {
+      *due = std::min(*due, oldest + options_.max_queue_delay);
+      continue;
+    }
+    if (best.empty() || entries.front().rank > best_rank) {
+      best = std::move(members);
+      best_rank = entries.front().rank;
+    }
   }
   std::vector<std::unique_ptr<WorkItem>> batch;
-  for (Iterator it : next.members) {
+  for (Iterator it : best) {
+    const std::string name = QueueName(**it);
+    Usage& usage = usage_[name];
+    --usage.requests;
+    usage.tokens -= (*it)->tokens;
+    if (usage.requests == 0) usage_.erase(name);
     tokens_ -= (*it)->tokens;
     batch.push_back(std::move(*it));
     items_.erase(it);
@@ -121,9 +144,10 @@ absl::Status Batcher::Submit(std::unique_ptr<WorkItem> item) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return absl::UnavailableError("the server is shutting down");
+    const std::string name = QueueName(*item);
     const absl::Status status = queue_.Push(item, absl::Now());
     if (!status.ok()) return status;
-    if (metrics_ != nullptr) metrics_->SetQueueDepth(queue_.size());
+    if (metrics_ != nullptr) metrics_->SetQueueDepth(name, queue_.size(name));
   }
   changed_.notify_all();
   return absl::OkStatus();
@@ -159,7 +183,10 @@ void Batcher::WorkerLoop() {
         // batch sooner (either way the loop asks the queue again).
         if (batch.empty()) changed_.wait_until(lock, absl::ToChronoTime(due));
       }
-      if (metrics_ != nullptr) metrics_->SetQueueDepth(queue_.size());
+      if (metrics_ != nullptr) {
+        const std::string name = QueueName(*batch.front());
+        metrics_->SetQueueDepth(name, queue_.size(name));
+      }
     }
     Run(std::move(batch));
   }

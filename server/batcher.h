@@ -10,10 +10,12 @@
 #include <list>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -34,8 +36,8 @@ struct BatcherOptions {
   // as soon as a worker is free: under load, requests that arrive while a batch computes
   // form the next one, so batching costs no added latency. >= 0.
   absl::Duration max_queue_delay = absl::ZeroDuration();
-  // Queued requests, and queued query tokens, beyond which Submit answers
-  // RESOURCE_EXHAUSTED at once. >= 1; defaults 1024 and 1 << 20.
+  // Queued requests, and queued query tokens, of one layer beyond which Submit answers
+  // RESOURCE_EXHAUSTED at once for that layer. >= 1; defaults 1024 and 1 << 20.
   int64_t max_queue_requests = 1024;
   int64_t max_queue_tokens = int64_t{1} << 20;
   // Higher priorities run first, except that a request which has waited longer than this
@@ -72,39 +74,55 @@ struct WorkItem {
   std::function<void(absl::StatusOr<core::AttentionResult>)> done;
 };
 
-// The batching policy. Thread-compatible.
+// The queue a request counts against for the queue limits: its layer's name ("(inline)" for
+// inline layers), or kScaledDotProductAttentionQueue for work without a layer.
+inline constexpr char kScaledDotProductAttentionQueue[] = "(scaled_dot_product_attention)";
+std::string QueueName(const WorkItem& item);
+
+// The batching policy: one queue per layer. Each layer has its own queue limits, so a flood
+// of calls to one layer never makes another layer's calls RESOURCE_EXHAUSTED, and its own
+// batch timing, so a layer still waiting out max_queue_delay never holds back another
+// layer's batch that is due. Requests pack only with requests of the same layer snapshot;
+// work without a layer runs alone. Thread-compatible.
 class BatchQueue {
  public:
   explicit BatchQueue(const BatcherOptions& options) : options_(options) {}
 
-  // Queues `item` arriving at `now`, or returns RESOURCE_EXHAUSTED when a queue limit is
-  // reached (the item is then left untouched).
+  // Queues `item` arriving at `now`, or returns RESOURCE_EXHAUSTED when its layer's queue
+  // is full (the item is then left untouched).
   absl::Status Push(std::unique_ptr<WorkItem>& item, absl::Time now);
 
   // The batch due at `now`, removed from the queue, or an empty vector with *due set to
-  // when the next batch will be due (InfiniteFuture when the queue is empty). `flush`
-  // closes a batch regardless of the delay (used when shutting down).
+  // when the next batch will be due (InfiniteFuture when the queue is empty). Of several
+  // due batches, the one led by the highest-ranked request runs: a starving request first,
+  // then higher priority, then earlier arrival. `flush` closes batches regardless of the
+  // delay (used when shutting down).
   std::vector<std::unique_ptr<WorkItem>> PopDue(absl::Time now, bool flush, absl::Time* due);
 
+  // Requests and query tokens waiting, in all queues.
   int64_t size() const { return static_cast<int64_t>(items_.size()); }
   int64_t tokens() const { return tokens_; }
+  // Requests waiting in one layer's queue (see QueueName).
+  int64_t size(const std::string& queue_name) const;
 
  private:
   using Iterator = std::list<std::unique_ptr<WorkItem>>::iterator;
-  // The request that leads the next batch: the oldest starving one, else the first of the
-  // highest priority.
-  Iterator Head(absl::Time now);
-  // Items that would join a batch led by `head`, in order, within the batch limits; `full`
-  // when another queued item of the same layer is left out by a limit.
-  struct Batch {
-    std::vector<Iterator> members;
-    bool full = false;
+  // How a request ranks for leading a batch, highest first; `arrival` breaks ties.
+  struct Rank {
+    bool starving;
+    int priority;
+    int64_t arrival;
+    bool operator>(const Rank& other) const;
   };
-  Batch Members(Iterator head, absl::Time now);
+  struct Usage {
+    int64_t requests = 0;
+    int64_t tokens = 0;
+  };
 
   const BatcherOptions options_;
   std::list<std::unique_ptr<WorkItem>> items_;  // arrival order
   int64_t tokens_ = 0;
+  absl::flat_hash_map<std::string, Usage> usage_;  // by queue name; no zero entries
 };
 
 // Thread-safe.

@@ -27,9 +27,10 @@ ABSL_FLAG(absl::Duration, max_queue_delay, absl::ZeroDuration(),
           "longest a request waits for a fuller batch, e.g. 2ms; 0 = run as soon as a worker "
           "is free");
 ABSL_FLAG(int64_t, max_queue_requests, 1024,
-          "queued requests beyond which new ones get RESOURCE_EXHAUSTED");
+          "queued requests of one layer beyond which new ones for it get RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, max_queue_tokens, int64_t{1} << 20,
-          "queued query tokens beyond which new requests get RESOURCE_EXHAUSTED");
+          "queued query tokens of one layer beyond which new requests for it get "
+          "RESOURCE_EXHAUSTED");
 ABSL_FLAG(absl::Duration, starvation_limit, absl::Milliseconds(100),
           "a request queued longer than this runs before younger ones of any priority");
 ABSL_FLAG(bool, demo_layer, true, "load the seeded BERT-base-shaped layer 'demo-bert-base'");

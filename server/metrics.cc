@@ -56,12 +56,12 @@ Metrics::Metrics()
                   .Register(*registry_)),
       queue_depth_(prometheus::BuildGauge()
                        .Name("attention_queue_depth_requests")
-                       .Help("Requests waiting in the batcher queue")
-                       .Register(*registry_)
-                       .Add({})),
+                       .Help("Requests waiting in the batcher queue, by layer ((inline) for "
+                             "one-off layers, (scaled_dot_product_attention) for that RPC)")
+                       .Register(*registry_)),
       queue_capacity_(prometheus::BuildGauge()
                           .Name("attention_queue_capacity_requests")
-                          .Help("Requests the batcher queue holds before rejecting (--max_queue_requests)")
+                          .Help("Requests each layer's batcher queue holds before rejecting (--max_queue_requests)")
                           .Register(*registry_)
                           .Add({})),
       in_flight_(prometheus::BuildGauge()
@@ -125,7 +125,9 @@ void Metrics::TokensProcessed(absl::string_view layer, int64_t tokens) {
   tokens_.Add({{"layer", std::string(layer)}}).Increment(static_cast<double>(tokens));
 }
 
-void Metrics::SetQueueDepth(int64_t requests) { queue_depth_.Set(static_cast<double>(requests)); }
+void Metrics::SetQueueDepth(absl::string_view layer, int64_t requests) {
+  queue_depth_.Add({{"layer", std::string(layer)}}).Set(static_cast<double>(requests));
+}
 
 void Metrics::SetQueueCapacity(int64_t requests) {
   queue_capacity_.Set(static_cast<double>(requests));

@@ -1,6 +1,7 @@
 // Prometheus metrics of the service: one registry, owned here, exposed on its own port.
 // Naming follows Prometheus practice: attention_ prefix, base units (seconds), _total on
-// counters, small fixed label sets (method, code, layer; layer only for loaded layers).
+// counters, small fixed label sets (method, code, layer: a loaded layer's name, "(inline)"
+// for one-off layers, or "(scaled_dot_product_attention)" for the queue of that RPC).
 #ifndef ATTENTION_SERVER_METRICS_H_
 #define ATTENTION_SERVER_METRICS_H_
 
@@ -39,8 +40,9 @@ class Metrics {
   // One forward pass over `requests` requests and `tokens` query tokens.
   void BatchComputed(int64_t requests, int64_t tokens, absl::Duration compute);
   void TokensProcessed(absl::string_view layer, int64_t tokens);
-  void SetQueueDepth(int64_t requests);
-  // The configured queue bound, so alerts can compare depth with it.
+  // Requests waiting in one layer's queue (see QueueName in batcher.h).
+  void SetQueueDepth(absl::string_view layer, int64_t requests);
+  // The configured bound of each layer's queue, so alerts can compare depth with it.
   void SetQueueCapacity(int64_t requests);
   void SetLayers(int64_t count, int64_t weight_bytes);
 
@@ -55,7 +57,7 @@ class Metrics {
   prometheus::Histogram& batch_requests_;
   prometheus::Histogram& batch_tokens_;
   prometheus::Family<prometheus::Counter>& tokens_;
-  prometheus::Gauge& queue_depth_;
+  prometheus::Family<prometheus::Gauge>& queue_depth_;
   prometheus::Gauge& queue_capacity_;
   prometheus::Gauge& in_flight_;
   prometheus::Gauge& layers_loaded_;

@@ -152,7 +152,9 @@ class BatchQueueTest : public ::testing::Test {
  protected:
   BatchQueueTest() {
     layer_ = std::make_shared<LayerSnapshot>();
+    layer_->name = "a";
     other_layer_ = std::make_shared<LayerSnapshot>();
+    other_layer_->name = "b";
   }
 
   std::unique_ptr<WorkItem> Item(int tag, int64_t tokens, int priority = 0,
@@ -233,11 +235,61 @@ TEST_F(BatchQueueTest, QueueLimitsAnswerResourceExhausted) {
   auto too_many_tokens = Item(2, 5);
   const absl::Status tokens = queue.Push(too_many_tokens, t0_);
   EXPECT_EQ(tokens.code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_NE(tokens.message().find("6 tokens waiting, limit 10"), std::string::npos) << tokens;
+  EXPECT_NE(tokens.message().find("queue of layer \"a\" is full (6 tokens waiting, limit 10)"),
+            std::string::npos)
+      << tokens;
   ASSERT_NE(too_many_tokens, nullptr);  // a refused item stays with the caller
   Push(queue, Item(3, 4), t0_);
   auto too_many_requests = Item(4, 1);
-  EXPECT_EQ(queue.Push(too_many_requests, t0_).code(), absl::StatusCode::kResourceExhausted);
+  const absl::Status requests = queue.Push(too_many_requests, t0_);
+  EXPECT_EQ(requests.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(requests.message().find("(2 requests waiting, limit 2)"), std::string::npos)
+      << requests;
+  // Each layer has its own limits: layer "b" is still admitted while "a" is full.
+  Push(queue, Item(5, 10, 0, /*other_layer=*/true), t0_);
+  Push(queue, Item(6, 0, 0, /*other_layer=*/true), t0_);
+  EXPECT_EQ(queue.size("a"), 2);
+  EXPECT_EQ(queue.size("b"), 2);
+  EXPECT_EQ(queue.size(), 4);
+  EXPECT_EQ(queue.tokens(), 20);
+  // Popping a's batch frees a's queue only.
+  absl::Time due;
+  EXPECT_EQ(Tags(queue.PopDue(t0_, false, &due)), (std::vector<int>{1, 3}));
+  EXPECT_EQ(queue.size("a"), 0);
+  Push(queue, Item(7, 10), t0_);
+  auto b_full = Item(8, 0, 0, /*other_layer=*/true);
+  EXPECT_EQ(queue.Push(b_full, t0_).code(), absl::StatusCode::kResourceExhausted);
+}
+
+TEST_F(BatchQueueTest, ALayerWaitingForItsDelayDoesNotHoldBackAnotherLayersDueBatch) {
+  BatcherOptions options;
+  options.max_queue_delay = absl::Milliseconds(10);
+  options.max_batch_requests = 2;
+  BatchQueue queue(options);
+  absl::Time due;
+  Push(queue, Item(1, 1), t0_);  // a: waits up to 10 ms for a second request
+  Push(queue, Item(2, 1, 0, /*other_layer=*/true), t0_ + absl::Milliseconds(1));
+  EXPECT_TRUE(queue.PopDue(t0_ + absl::Milliseconds(2), false, &due).empty());
+  EXPECT_EQ(due, t0_ + absl::Milliseconds(10));  // a's delay ends first
+  Push(queue, Item(3, 1, 0, /*other_layer=*/true), t0_ + absl::Milliseconds(2));
+  // b is full (2 requests) and runs at once although a, older, is still waiting.
+  EXPECT_EQ(Tags(queue.PopDue(t0_ + absl::Milliseconds(2), false, &due)),
+            (std::vector<int>{2, 3}));
+  EXPECT_TRUE(queue.PopDue(t0_ + absl::Milliseconds(9), false, &due).empty());
+  EXPECT_EQ(Tags(queue.PopDue(t0_ + absl::Milliseconds(10), false, &due)),
+            (std::vector<int>{1}));
+}
+
+TEST_F(BatchQueueTest, OfSeveralDueBatchesTheHighestRankedLeaderRunsFirst) {
+  BatchQueue queue(BatcherOptions{});
+  absl::Time due;
+  Push(queue, Item(1, 1), t0_);
+  Push(queue, Item(2, 1, /*priority=*/3, /*other_layer=*/true), t0_);
+  Push(queue, Item(3, 1), t0_);
+  Push(queue, Item(4, 1, /*priority=*/0, /*other_layer=*/true), t0_);
+  // b's batch is led by priority 3; a's batch, older, goes next; priority orders members.
+  EXPECT_EQ(Tags(queue.PopDue(t0_, false, &due)), (std::vector<int>{2, 4}));
+  EXPECT_EQ(Tags(queue.PopDue(t0_, false, &due)), (std::vector<int>{1, 3}));
 }
 
 TEST_F(BatchQueueTest, PriorityFirstButStarvingRequestsGoAhead) {
