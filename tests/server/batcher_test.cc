@@ -6,6 +6,7 @@
 #include <random>
 
 #include "absl/synchronization/notification.h"
+#include "prometheus/metric_family.h"
 #include "gtest/gtest.h"
 
 namespace attention::server {
@@ -57,6 +58,69 @@ TEST_F(BatcherTest, FullQueueAnswersResourceExhaustedAtOnce) {
   batcher.Shutdown();
   EXPECT_EQ(order_, (std::vector<int>{1, 2}));
   EXPECT_EQ(batcher.Submit(TaggedItem(4, &order_, &mu_)).code(), absl::StatusCode::kUnavailable);
+}
+
+// The gauge attention_queue_depth_requests{layer=...} as the registry reports it, or -1.
+double QueueDepthGauge(Metrics& metrics, const std::string& layer) {
+  for (const prometheus::MetricFamily& family : metrics.registry().Collect()) {
+    if (family.name != "attention_queue_depth_requests") continue;
+    for (const prometheus::ClientMetric& metric : family.metric) {
+      for (const prometheus::ClientMetric::Label& label : metric.label) {
+        if (label.name == "layer" && label.value == layer) return metric.gauge.value;
+      }
+    }
+  }
+  return -1;
+}
+
+// A small named layer and a one-token request for it that records its tag when answered.
+std::shared_ptr<LayerSnapshot> SmallLayer(const std::string& name) {
+  core::MhaConfig config;
+  config.embed_dim = 8;
+  config.num_heads = 2;
+  const core::MhaConfig resolved = *core::MhaConfig::Resolve(config);
+  auto snapshot = std::make_shared<LayerSnapshot>();
+  snapshot->name = name;
+  snapshot->layer = *core::MhaLayer::Create(resolved, core::MhaWeights::Random(resolved, 1));
+  return snapshot;
+}
+
+std::unique_ptr<WorkItem> LayerItem(std::shared_ptr<LayerSnapshot> layer, int tag,
+                                    std::vector<int>* order, absl::Mutex* mu) {
+  auto item = TaggedItem(tag, order, mu);
+  item->layer = std::move(layer);
+  item->input.batch = item->input.q_len = item->input.kv_len = 1;
+  item->storage.push_back(std::vector<float>(8, 0.5f));
+  item->input.query = item->storage.back();
+  item->tokens = 1;
+  return item;
+}
+
+TEST_F(BatcherTest, EachLayerHasItsOwnQueueLimit) {
+  BatcherOptions options;
+  options.max_queue_requests = 2;
+  Metrics metrics;
+  Batcher batcher(options, pool_, &metrics);
+  absl::Notification started, release;
+  ASSERT_TRUE(batcher.Submit(TaggedItem(0, &order_, &mu_, &started, &release)).ok());
+  started.WaitForNotification();  // the worker is held; everything below stays queued
+  const auto a = SmallLayer("a"), b = SmallLayer("b");
+  ASSERT_TRUE(batcher.Submit(LayerItem(a, 1, &order_, &mu_)).ok());
+  ASSERT_TRUE(batcher.Submit(LayerItem(a, 2, &order_, &mu_)).ok());
+  const absl::Status a_full = batcher.Submit(LayerItem(a, 3, &order_, &mu_));
+  EXPECT_EQ(a_full.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(a_full.message().find("queue of layer \"a\" is full (2 requests waiting, limit 2)"),
+            std::string::npos)
+      << a_full;
+  ASSERT_TRUE(batcher.Submit(LayerItem(b, 4, &order_, &mu_)).ok());  // b is not held back by a
+  EXPECT_EQ(batcher.QueueDepth(), 3);
+  EXPECT_EQ(QueueDepthGauge(metrics, "a"), 2);
+  EXPECT_EQ(QueueDepthGauge(metrics, "b"), 1);
+  release.Notify();
+  batcher.Shutdown();
+  EXPECT_EQ(order_, (std::vector<int>{0, 1, 2, 4}));
+  EXPECT_EQ(QueueDepthGauge(metrics, "a"), 0);
+  EXPECT_EQ(QueueDepthGauge(metrics, "b"), 0);
 }
 
 TEST_F(BatcherTest, ExpiredAndCancelledItemsAreNotComputed) {
