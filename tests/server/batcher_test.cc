@@ -175,7 +175,7 @@ TEST_F(BatcherTest, PacksRequestsOfOneLayerAndMatchesEachAlone) {
   started.WaitForNotification();  // everything below queues up and is packed together
   std::mt19937_64 rng(8);
   std::vector<std::vector<float>> outputs(5);
-  std::vector<core::AttentionResult> alone(5);
+  std::vector<core::AttentionResult> alone(5), alone_fast(5);
   for (int n = 0; n < 5; ++n) {
     auto item = std::make_unique<WorkItem>();
     item->layer = snapshot;
@@ -189,6 +189,8 @@ TEST_F(BatcherTest, PacksRequestsOfOneLayerAndMatchesEachAlone) {
     item->input.options.causal = n % 2 == 0;
     item->tokens = item->input.batch * item->input.q_len;
     alone[n] = snapshot->layer->ForwardReference(item->input);
+    const core::MhaInput* one[] = {&item->input};
+    alone_fast[n] = snapshot->layer->ForwardBatch(one, pool_).front();
     item->done = [&outputs, n](absl::StatusOr<core::AttentionResult> result) {
       outputs[n] = result->output;
     };
@@ -201,6 +203,9 @@ TEST_F(BatcherTest, PacksRequestsOfOneLayerAndMatchesEachAlone) {
     ASSERT_EQ(outputs[n].size(), alone[n].output.size()) << n;
     for (size_t e = 0; e < outputs[n].size(); ++e) {
       ASSERT_NEAR(outputs[n][e], alone[n].output[e], 1e-4) << "request " << n;
+      // Packing changes only float rounding: OpenBLAS picks kernels by matrix size, so
+      // results are not always bitwise equal (seen: ~0.3% of values, by < 5e-7).
+      ASSERT_NEAR(outputs[n][e], alone_fast[n].output[e], 1e-6) << "request " << n;
     }
   }
 }
