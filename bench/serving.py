@@ -5,8 +5,10 @@
 
 Each round runs, back to back on this machine: the server with batching (default flags),
 the same server with --max_batch_requests=1, both under attention-loadgen (one sequence of
-16 tokens per request, E=768, 12 heads, 64 closed-loop callers), and the in-process core on
-the same packed work (attention_bench: B=256 N=16, one 16-token request, 32 and 64 packed).
+16 tokens per request, E=768, 12 heads, 64 closed-loop callers); the batching server again
+under open-loop Poisson arrivals at half the peak it just reached, and with one caller
+(idle); then the in-process core on the same work (attention_bench: B=256 N=16, one
+16-token request, 32 and 64 packed).
 One server runs at a time. Ratios are taken within a round, then the median is printed:
 the host's speed drifts by tens of percent within minutes. Mean batch size and compute time
 per batch come from the server's own /metrics.
@@ -113,6 +115,9 @@ def main():
     for round_index in range(args.rounds):
         batching = serve_and_load(args, common, closed)
         single = serve_and_load(args, common + ["--max_batch_requests=1"], closed)
+        half_rate = 0.5 * batching["requests_per_second"]
+        half_peak = serve_and_load(args, common, [f"--rate={half_rate:.0f}"])
+        idle = serve_and_load(args, common, ["--concurrency=1"])
         core = in_process(args)
         row = {
             "batching": batching["tokens_per_second"],
@@ -127,7 +132,12 @@ def main():
             "single ms per request": single["compute_ms_per_batch"],
             "batching p50 ms": batching["latency_ms"]["p50"],
             "batching p99 ms": batching["latency_ms"]["p99"],
-            "errors": batching["errors"] + single["errors"],
+            "half-peak rate req/s": half_rate,
+            "half-peak p50 ms": half_peak["latency_ms"]["p50"],
+            "half-peak p99 ms": half_peak["latency_ms"]["p99"],
+            "idle p50 ms": idle["latency_ms"]["p50"],
+            "idle p50 - in-process ms": idle["latency_ms"]["p50"] - 1e3 * TOKENS / core["packed 1"],
+            "errors": sum(r["errors"] for r in (batching, single, half_peak, idle)),
         }
         rows.append(row)
         print(f"round {round_index + 1}: " +

@@ -197,7 +197,7 @@ absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
 
   item->tokens = input.batch * input.q_len;
   item->priority = request.options().priority();
-  item->deadline = deadline;
+  ASSIGN_OR_RETURN(item->deadline, QueueDeadline(request.options(), deadline, absl::Now()));
   item->is_cancelled = std::move(is_cancelled);
   const core::NeedWeights need = input.options.need_weights;
   item->done = [finish = std::move(finish), response, dims, need, output_dtype, snapshot,
@@ -266,7 +266,8 @@ absl::Status AttentionServiceImpl::StartScaledDotProductAttention(
                                     max_response_bytes_));
   item->tokens = input.dims.batch * input.dims.q_len;
   item->priority = request.options().priority();
-  item->deadline = Deadline(context);
+  ASSIGN_OR_RETURN(item->deadline,
+                   QueueDeadline(request.options(), Deadline(context), absl::Now()));
   item->is_cancelled = [context] { return context->IsCancelled(); };
   const core::AttentionDims dims = input.dims;
   const core::NeedWeights need = input.options.need_weights;

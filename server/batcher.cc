@@ -198,7 +198,9 @@ void Batcher::Run(std::vector<std::unique_ptr<WorkItem>> batch) {
   for (auto& item : batch) {
     if (metrics_ != nullptr) metrics_->Dequeued(now - item->enqueued);
     if (now > item->deadline) {
-      item->done(absl::DeadlineExceededError("the deadline passed while the request was queued"));
+      item->done(absl::DeadlineExceededError(
+          "the deadline (the call's, or options.queue_timeout_us) passed while the request "
+          "was queued"));
     } else if (item->is_cancelled && item->is_cancelled()) {
       item->done(absl::CancelledError("the request was cancelled before compute"));
     } else {

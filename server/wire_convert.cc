@@ -60,6 +60,17 @@ absl::StatusOr<core::DType> OutputDType(v1::DataType requested, v1::DataType que
   return dtype;
 }
 
+absl::StatusOr<absl::Time> QueueDeadline(const v1::AttentionOptions& options,
+                                         absl::Time call_deadline, absl::Time now) {
+  const int64_t timeout_us = options.queue_timeout_us();
+  if (timeout_us < 0) {
+    return Invalid("options.queue_timeout_us = ", timeout_us,
+                   " must be >= 0 (microseconds; 0 = no limit)");
+  }
+  if (timeout_us == 0) return call_deadline;
+  return std::min(call_deadline, now + absl::Microseconds(timeout_us));
+}
+
 absl::StatusOr<core::AttentionOptions> ConvertOptions(const v1::AttentionOptions& in,
                                                       const core::AttentionDims& dims) {
   core::AttentionOptions out;

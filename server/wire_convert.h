@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "attention/v1/attention.pb.h"
 #include "tensor_codec.h"
 #include "core/attention_options.h"
@@ -27,6 +28,11 @@ absl::StatusOr<core::DType> OutputDType(v1::DataType requested, v1::DataType que
 // Converts options for an attention of `dims`, checking mask shapes and values.
 absl::StatusOr<core::AttentionOptions> ConvertOptions(const v1::AttentionOptions& options,
                                                       const core::AttentionDims& dims);
+
+// When a request received at `now` stops being worth computing: the call's deadline, or
+// sooner options.queue_timeout_us after `now`. INVALID_ARGUMENT for a negative timeout.
+absl::StatusOr<absl::Time> QueueDeadline(const v1::AttentionOptions& options,
+                                         absl::Time call_deadline, absl::Time now);
 
 core::MhaConfig ConvertConfig(const v1::LayerConfig& config);
 v1::LayerConfig ConfigToProto(const core::MhaConfig& config);

@@ -106,6 +106,8 @@ std::vector<MhaCase> MhaCases() {
        C::kInvalidArgument, "options.need_weights = 7 is not a known NeedWeights value"},
       {"unknown polarity", [](auto& r) { r.mutable_options()->set_attn_mask_polarity(static_cast<v1::BoolMaskPolarity>(9)); },
        C::kInvalidArgument, "options.attn_mask_polarity = 9 is not a known BoolMaskPolarity"},
+      {"negative queue timeout", [](auto& r) { r.mutable_options()->set_queue_timeout_us(-5); },
+       C::kInvalidArgument, "options.queue_timeout_us = -5 must be >= 0"},
       {"bool output dtype", [](auto& r) { r.set_output_dtype(v1::BOOL); },
        C::kInvalidArgument, "output_dtype is BOOL"},
       {"request id too long", [](auto& r) { r.set_request_id(std::string(300, 'x')); },
@@ -177,6 +179,9 @@ TEST_F(ServerTest, MalformedScaledDotProductAttentionRequestsAreRejected) {
        },
        "query.shape [2, 12, 8] has rank 3; expected [B, H, Nq, dk]"},
       {"missing value", [](auto& r) { r.clear_value(); }, "value is missing"},
+      {"negative queue timeout",
+       [](auto& r) { r.mutable_options()->set_queue_timeout_us(-1); },
+       "options.queue_timeout_us = -1 must be >= 0"},
       {"causal with lengths beyond Nk",
        [](auto& r) {
          r.mutable_options()->set_causal(true);

@@ -283,6 +283,9 @@ TEST_F(ServerTest, StreamAnswersEveryRequestByIdIncludingErrors) {
     requests.push_back(DemoRequest(rng, 1, 1 + r % 9));
     requests.back().set_request_id("r" + std::to_string(r));
     if (r % 10 == 7) requests.back().set_layer("missing");
+    // The stream's per-request queue bound: a generous one is met, a negative one refused.
+    if (r % 10 == 3) requests.back().mutable_options()->set_queue_timeout_us(60'000'000);
+    if (r % 10 == 5) requests.back().mutable_options()->set_queue_timeout_us(-1);
   }
   auto stub = v1::AttentionService::NewStub(client_->channel());
   grpc::ClientContext context;
@@ -303,6 +306,13 @@ TEST_F(ServerTest, StreamAnswersEveryRequestByIdIncludingErrors) {
     if (request.layer() == "missing") {
       EXPECT_EQ(answer.error_code(), static_cast<int>(absl::StatusCode::kNotFound));
       EXPECT_NE(answer.error_message().find("\"missing\" is not loaded"), std::string::npos);
+      continue;
+    }
+    if (request.options().queue_timeout_us() < 0) {
+      EXPECT_EQ(answer.error_code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+      EXPECT_NE(answer.error_message().find("options.queue_timeout_us = -1 must be >= 0"),
+                std::string::npos)
+          << answer.error_message();
       continue;
     }
     ASSERT_EQ(answer.error_code(), 0) << answer.error_message();

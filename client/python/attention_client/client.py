@@ -98,7 +98,8 @@ class AttentionClient:
     def _options(self, options, causal=False, key_lengths=None, key_padding_mask=None,
                  key_padding_polarity="true_masks_out", attn_mask=None,
                  attn_mask_polarity="true_masks_out", attn_mask_dtype=None, scale=None,
-                 dropout_p=0.0, dropout_seed=0, need_weights=None, priority=0):
+                 dropout_p=0.0, dropout_seed=0, need_weights=None, priority=0,
+                 queue_timeout_us=0):
         options.causal = bool(causal)
         if key_lengths is not None:
             options.key_lengths.extend(int(n) for n in key_lengths)
@@ -115,6 +116,7 @@ class AttentionClient:
         options.dropout_seed = int(dropout_seed)
         options.need_weights = _enum(_NEED_WEIGHTS, need_weights, "need_weights")
         options.priority = int(priority)
+        options.queue_timeout_us = int(queue_timeout_us)
 
     @staticmethod
     def _result(response):
@@ -133,7 +135,8 @@ class AttentionClient:
         AttentionOptions fields: causal, key_lengths, key_padding_mask (bool [B, Nk]),
         key_padding_polarity, attn_mask (bool or float, broadcast to [B, H, Nq, Nk]),
         attn_mask_polarity ('true_masks_out' | 'true_attends'), attn_mask_dtype, scale,
-        dropout_p, dropout_seed, need_weights (None | 'averaged' | 'per_head'), priority.
+        dropout_p, dropout_seed, need_weights (None | 'averaged' | 'per_head'), priority,
+        queue_timeout_us.
         Returns AttentionResult(output float32 ndarray, weights ndarray or None, ...)."""
         request = self._pb2.MultiHeadAttentionRequest(request_id=request_id)
         if layer is not None:
