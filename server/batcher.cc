@@ -149,7 +149,9 @@ absl::Status Batcher::Submit(std::unique_ptr<WorkItem> item) {
     if (!status.ok()) return status;
     if (metrics_ != nullptr) metrics_->SetQueueDepth(name, queue_.size(name));
   }
-  changed_.notify_all();
+  // One worker is enough to look at the queue; waking every idle worker for each arrival
+  // takes CPU from the compute threads (a worker that takes a batch wakes the next one).
+  changed_.notify_one();
   return absl::OkStatus();
 }
 
@@ -172,6 +174,7 @@ int64_t Batcher::QueueDepth() const {
 void Batcher::WorkerLoop() {
   while (true) {
     std::vector<std::unique_ptr<WorkItem>> batch;
+    bool more_queued = false;
     {
       std::unique_lock<std::mutex> lock(mu_);
       while (batch.empty()) {
@@ -187,7 +190,9 @@ void Batcher::WorkerLoop() {
         const std::string name = QueueName(*batch.front());
         metrics_->SetQueueDepth(name, queue_.size(name));
       }
+      more_queued = queue_.size() > 0;
     }
+    if (more_queued) changed_.notify_one();  // the rest is another worker's to look at
     Run(std::move(batch));
   }
 }

@@ -20,7 +20,9 @@ ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "host:port to serve gRPC on; por
 ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9464",
           "host:port for Prometheus /metrics; port 0 picks one; empty disables");
 ABSL_FLAG(int, compute_threads, 0, "compute threads; 0 = one per hardware thread");
-ABSL_FLAG(int, batch_workers, 1, "threads taking batches off the queue");
+ABSL_FLAG(int, batch_workers, 2,
+          "threads taking batches off the queue; two overlap one batch's encoding with "
+          "another's compute");
 ABSL_FLAG(int64_t, max_batch_requests, 64, "most requests packed into one forward pass");
 ABSL_FLAG(int64_t, max_batch_tokens, 16384, "most query tokens packed into one forward pass");
 ABSL_FLAG(absl::Duration, max_queue_delay, absl::ZeroDuration(),

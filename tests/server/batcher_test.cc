@@ -32,6 +32,12 @@ std::unique_ptr<WorkItem> TaggedItem(int tag, std::vector<int>* order, absl::Mut
 class BatcherTest : public ::testing::Test {
  protected:
   BatcherTest() : pool_(1) {}
+  // One worker, which the tests hold, so that everything submitted meanwhile queues up.
+  static BatcherOptions OneWorker() {
+    BatcherOptions options;
+    options.num_workers = 1;
+    return options;
+  }
   core::ThreadPool pool_;
   absl::Mutex mu_;
   std::vector<int> order_;
@@ -44,7 +50,7 @@ TEST_F(BatcherTest, RejectsInvalidOptions) {
 }
 
 TEST_F(BatcherTest, FullQueueAnswersResourceExhaustedAtOnce) {
-  BatcherOptions options;
+  BatcherOptions options = OneWorker();
   options.max_queue_requests = 1;
   Batcher batcher(options, pool_);
   absl::Notification started, release;
@@ -97,7 +103,7 @@ std::unique_ptr<WorkItem> LayerItem(std::shared_ptr<LayerSnapshot> layer, int ta
 }
 
 TEST_F(BatcherTest, EachLayerHasItsOwnQueueLimit) {
-  BatcherOptions options;
+  BatcherOptions options = OneWorker();
   options.max_queue_requests = 2;
   Metrics metrics;
   Batcher batcher(options, pool_, &metrics);
@@ -124,7 +130,7 @@ TEST_F(BatcherTest, EachLayerHasItsOwnQueueLimit) {
 }
 
 TEST_F(BatcherTest, ExpiredAndCancelledItemsAreNotComputed) {
-  Batcher batcher(BatcherOptions(), pool_);
+  Batcher batcher(OneWorker(), pool_);
   absl::Notification started, release;
   ASSERT_TRUE(batcher.Submit(TaggedItem(1, &order_, &mu_, &started, &release)).ok());
   started.WaitForNotification();
@@ -142,7 +148,7 @@ TEST_F(BatcherTest, ExpiredAndCancelledItemsAreNotComputed) {
 }
 
 TEST_F(BatcherTest, HigherPriorityRunsFirstEqualPrioritiesInOrder) {
-  BatcherOptions options;
+  BatcherOptions options = OneWorker();
   options.starvation_limit = absl::Hours(1);  // however slow this machine, nothing starves
   Batcher batcher(options, pool_);
   absl::Notification started, release;
@@ -167,7 +173,7 @@ TEST_F(BatcherTest, PacksRequestsOfOneLayerAndMatchesEachAlone) {
   auto snapshot = std::make_shared<LayerSnapshot>();
   snapshot->name = "l";
   snapshot->layer = *core::MhaLayer::Create(resolved, core::MhaWeights::Random(resolved, 3));
-  BatcherOptions options;
+  BatcherOptions options = OneWorker();
   options.max_batch_requests = 8;
   Batcher batcher(options, pool_);
   absl::Notification started, release;
