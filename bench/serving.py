@@ -137,6 +137,9 @@ def main():
             "half-peak p99 ms": half_peak["latency_ms"]["p99"],
             "idle p50 ms": idle["latency_ms"]["p50"],
             "idle p50 - in-process ms": idle["latency_ms"]["p50"] - 1e3 * TOKENS / core["packed 1"],
+            # The serving overhead alone: round trip minus the server's own compute time.
+            "idle mean - server compute ms":
+                idle["latency_ms"]["mean"] - idle["compute_ms_per_batch"],
             "errors": sum(r["errors"] for r in (batching, single, half_peak, idle)),
         }
         rows.append(row)
