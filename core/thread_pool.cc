@@ -13,11 +13,11 @@ struct ThreadPool::Job {
   std::atomic<int64_t> finished{0};
 };
 
-ThreadPool::ThreadPool(int num_threads) {
+ThreadPool::ThreadPool(int num_threads) : size_(num_threads < 1 ? 1 : num_threads) {
   openblas_set_num_threads(1);
-  if (num_threads < 1) num_threads = 1;
-  threads_.reserve(num_threads);
-  for (int i = 0; i < num_threads; ++i) threads_.emplace_back([this] { WorkerLoop(); });
+  // The caller of ParallelFor is the last of the `size_` compute threads.
+  threads_.reserve(size_ - 1);
+  for (int i = 0; i < size_ - 1; ++i) threads_.emplace_back([this] { WorkerLoop(); });
 }
 
 ThreadPool::~ThreadPool() {
@@ -31,13 +31,35 @@ ThreadPool::~ThreadPool() {
 
 void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) {
   if (n <= 0) return;
+  if (n == 1 || threads_.empty()) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
   auto job = std::make_shared<Job>();
   job->fn = &fn;
   job->size = n;
-  std::unique_lock<std::mutex> lock(mu_);
-  jobs_.push_back(job);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    jobs_.push_back(job);
+  }
   work_available_.notify_all();
+  // The caller works on its own job rather than sleeping until a pool thread has woken up
+  // and finished it: on a VM each such wake-up costs tens of microseconds.
+  RunItems(job);
+  std::unique_lock<std::mutex> lock(mu_);
   job_finished_.wait(lock, [&job] { return job->finished.load() == job->size; });
+}
+
+void ThreadPool::RunItems(const std::shared_ptr<Job>& job) {
+  int64_t done_here = 0;
+  for (int64_t i = job->next.fetch_add(1); i < job->size; i = job->next.fetch_add(1)) {
+    (*job->fn)(i);
+    ++done_here;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  // Every item is claimed: the job leaves the queue so workers move on to the next one.
+  if (!jobs_.empty() && jobs_.front() == job) jobs_.pop_front();
+  if (job->finished.fetch_add(done_here) + done_here == job->size) job_finished_.notify_all();
 }
 
 void ThreadPool::WorkerLoop() {
@@ -49,15 +71,7 @@ void ThreadPool::WorkerLoop() {
       if (jobs_.empty()) return;  // stopping
       job = jobs_.front();
     }
-    int64_t done_here = 0;
-    for (int64_t i = job->next.fetch_add(1); i < job->size; i = job->next.fetch_add(1)) {
-      (*job->fn)(i);
-      ++done_here;
-    }
-    std::lock_guard<std::mutex> lock(mu_);
-    // Every item is claimed: the job leaves the queue so workers move on to the next one.
-    if (!jobs_.empty() && jobs_.front() == job) jobs_.pop_front();
-    if (job->finished.fetch_add(done_here) + done_here == job->size) job_finished_.notify_all();
+    RunItems(job);
   }
 }
 

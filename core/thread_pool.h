@@ -15,29 +15,35 @@
 
 namespace attention::core {
 
-// Thread-safe. Several callers may run ParallelFor at once; their items share the threads,
-// so the process never runs more compute threads than `num_threads`.
+// Thread-safe. Several callers may run ParallelFor at once; the pool's threads help with
+// the oldest job first.
 //
-// Thread budget: OpenBLAS is pinned to one thread per call (see Create) and every GEMM is
-// split across this pool instead, so BLAS threads and pool threads never oversubscribe the
-// cores. Callers block while the pool works and do no compute themselves.
+// Thread budget: OpenBLAS is pinned to one thread per call (see the constructor) and every
+// GEMM is split across this pool instead, so BLAS threads never add to the count. The pool
+// owns `num_threads - 1` threads and the caller of ParallelFor computes too, so one caller
+// runs exactly `num_threads` compute threads; two callers at once (two batch workers) run
+// one more, for the moments their jobs overlap.
 class ThreadPool {
  public:
-  // num_threads >= 1. Also sets OpenBLAS to single-threaded calls.
+  // num_threads >= 1 (1 = everything runs on the caller). Also sets OpenBLAS to
+  // single-threaded calls.
   explicit ThreadPool(int num_threads);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
-  int size() const { return static_cast<int>(threads_.size()); }
+  // Threads that compute one job: the pool's and the caller.
+  int size() const { return size_; }
 
-  // Runs fn(i) for every i in [0, n) on the pool and returns when all have finished.
-  // Not from inside fn: a pool thread waiting on the pool would deadlock it.
+  // Runs fn(i) for every i in [0, n) on the pool and the calling thread, and returns when
+  // all have finished. Not from inside fn: a pool thread waiting on the pool would deadlock.
   void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn);
 
  private:
   struct Job;
   void WorkerLoop();
+  // Claims and runs items of `job` until none is left, then records them as finished.
+  void RunItems(const std::shared_ptr<Job>& job);
 
   // std::mutex rather than absl::Mutex so ThreadSanitizer sees the locking: Debian's
   // prebuilt Abseil is not instrumented.
@@ -46,6 +52,7 @@ class ThreadPool {
   std::condition_variable job_finished_;    // some job's last item finished
   std::deque<std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  const int size_;
   std::vector<std::thread> threads_;
 };
 
