@@ -78,6 +78,7 @@
 #include "absl/strings/string_view.h"
 #include "client/attention_client.h"
 #include "core/dtype.h"
+#include "core/json_text.h"
 
 ABSL_FLAG(std::string, target, "localhost:50051", "server address");
 ABSL_FLAG(std::string, layer, "demo-bert-base", "name of a layer loaded on the server");
@@ -842,31 +843,6 @@ void RunOpenLoop(const Config& config, Run& run, const RequestFactory& factory) 
 // ---------------------------------------------------------------------------------------
 // Output.
 
-std::string JsonString(absl::string_view s) {
-  std::string out = "\"";
-  for (char ch : s) {
-    switch (ch) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      default:
-        if (static_cast<unsigned char>(ch) < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof(buf), "\\u%04x", ch);
-          out += buf;
-        } else {
-          out += ch;
-        }
-    }
-  }
-  return out + "\"";
-}
 
 std::string JsonNumber(double v) {
   if (!std::isfinite(v)) return "null";
@@ -885,15 +861,15 @@ std::string ToJson(const Config& c, const Report& r) {
   const LatencySummary& l = r.latency;
   auto latency = [&](double v) { return l.count > 0 ? JsonNumber(v) : std::string("null"); };
   o << "{\n";
-  o << "  \"config\": {\"target\": " << JsonString(c.target) << ", \"layer\": "
-    << JsonString(c.layer) << ", \"mode\": \"" << (c.stream ? "stream" : "unary")
+  o << "  \"config\": {\"target\": " << attention::core::JsonQuoted(c.target) << ", \"layer\": "
+    << attention::core::JsonQuoted(c.layer) << ", \"mode\": \"" << (c.stream ? "stream" : "unary")
     << "\", \"loop\": \"" << (c.open_loop ? "open" : "closed") << "\", \"concurrency\": "
     << (c.open_loop ? 0 : c.concurrency) << ", \"rate\": " << JsonNumber(c.rate)
     << ", \"streams\": " << (c.stream ? c.streams : 0) << ", \"connections\": "
     << c.connections << ", \"batch\": " << c.batch << ", \"tokens\": "
-    << JsonString(c.tokens_flag) << ", \"min_tokens\": " << c.min_tokens
+    << attention::core::JsonQuoted(c.tokens_flag) << ", \"min_tokens\": " << c.min_tokens
     << ", \"max_tokens\": " << c.max_tokens << ", \"embed_dim\": " << c.embed_dim
-    << ", \"dtype\": " << JsonString(c.dtype_name) << ", \"causal\": "
+    << ", \"dtype\": " << attention::core::JsonQuoted(c.dtype_name) << ", \"causal\": "
     << (c.causal ? "true" : "false") << ", \"duration_seconds\": " << JsonNumber(c.duration)
     << ", \"warmup_seconds\": " << JsonNumber(c.warmup) << ", \"seed\": " << c.seed << "},\n";
   o << "  \"window_seconds\": " << JsonNumber(r.window_seconds) << ",\n";
@@ -906,7 +882,7 @@ std::string ToJson(const Config& c, const Report& r) {
   o << "  \"errors_by_code\": {";
   bool first = true;
   for (const auto& [name, count] : r.errors_by_code) {
-    o << (first ? "" : ", ") << JsonString(name) << ": " << count;
+    o << (first ? "" : ", ") << attention::core::JsonQuoted(name) << ": " << count;
     first = false;
   }
   o << "},\n";

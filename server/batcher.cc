@@ -120,16 +120,18 @@ std::vector<std::unique_ptr<WorkItem>> BatchQueue::PopDue(absl::Time now, bool f
     }
   }
   std::vector<std::unique_ptr<WorkItem>> batch;
+  if (best.empty()) return batch;
+  // A batch is one layer snapshot (or one item), so it leaves one layer's queue.
+  const std::string name = QueueName(**best.front());
+  Usage& usage = usage_[name];
   for (Iterator it : best) {
-    const std::string name = QueueName(**it);
-    Usage& usage = usage_[name];
     --usage.requests;
     usage.tokens -= (*it)->tokens;
-    if (usage.requests == 0) usage_.erase(name);
     tokens_ -= (*it)->tokens;
     batch.push_back(std::move(*it));
     items_.erase(it);
   }
+  if (usage.requests == 0) usage_.erase(name);
   return batch;
 }
 

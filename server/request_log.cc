@@ -6,36 +6,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "core/json_text.h"
 
 namespace attention::server {
-namespace {
-
-// A JSON string literal (also used for text values, which may contain spaces and quotes).
-std::string Quoted(absl::string_view text) {
-  std::string out = "\"";
-  for (unsigned char ch : text) {
-    switch (ch) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      default:
-        if (ch < 0x20) {
-          out += absl::StrFormat("\\u%04x", ch);
-        } else {
-          out += static_cast<char>(ch);
-        }
-    }
-  }
-  return out + "\"";
-}
-
-}  // namespace
 
 absl::Status RequestLogOptions::Validate() const {
   if (!(access_sample >= 0.0 && access_sample <= 1.0)) {
@@ -62,11 +35,13 @@ void RequestLog::Record(absl::string_view method, const absl::Status& status,
   if (options_.json) {
     line = absl::StrFormat(
         R"({"time":%s,"method":%s,"code":%s,"seconds":%.6f,"request_id":%s,"message":%s})",
-        Quoted(time), Quoted(method), Quoted(code), seconds, Quoted(request_id),
-        Quoted(status.message()));
+        core::JsonQuoted(time), core::JsonQuoted(method), core::JsonQuoted(code), seconds,
+        core::JsonQuoted(request_id), core::JsonQuoted(status.message()));
   } else {
+    // Text values are quoted too: they may contain spaces and quotes.
     line = absl::StrFormat("%s method=%s code=%s seconds=%.6f request_id=%s message=%s", time,
-                           method, code, seconds, Quoted(request_id), Quoted(status.message()));
+                           method, code, seconds, core::JsonQuoted(request_id),
+                           core::JsonQuoted(status.message()));
   }
   std::lock_guard<std::mutex> lock(mu_);
   out_ << line << '\n' << std::flush;
