@@ -77,7 +77,8 @@ void EncodeWeights(const core::AttentionResult& result, const core::AttentionDim
 
 }  // namespace
 
-void DescribeLayer(const LayerSnapshot& snapshot, v1::LayerInfo* info) {
+void DescribeLayer(const LayerSnapshot& snapshot, const BatchLimits& server_limits,
+                   v1::LayerInfo* info) {
   const core::MhaLayer& layer = *snapshot.layer;
   info->set_name(snapshot.name);
   *info->mutable_config() = ConfigToProto(layer.config());
@@ -87,6 +88,7 @@ void DescribeLayer(const LayerSnapshot& snapshot, v1::LayerInfo* info) {
   info->set_device("cpu");
   info->set_version(snapshot.version);
   info->set_persisted(snapshot.persisted);
+  *info->mutable_batching() = BatchingPolicyToProto(snapshot.batching.ApplyTo(server_limits));
 }
 
 void AttentionServiceImpl::RecordCall(absl::string_view method, absl::Time start,
@@ -310,11 +312,14 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::LoadLayer(grpc::CallbackServerCo
 absl::Status AttentionServiceImpl::DoLoadLayer(const v1::LoadLayerRequest& request,
                                                v1::LoadLayerResponse* response) {
   RETURN_IF_ERROR(ValidateLayerName(request.name(), "name"));
+  ASSIGN_OR_RETURN(const BatchLimitOverrides batching,
+                   ConvertBatchingPolicy(request.batching(), "batching"));
   ASSIGN_OR_RETURN(std::shared_ptr<const core::MhaLayer> layer,
                    BuildLayer(request.spec(), "spec", registry_.repository()));
-  ASSIGN_OR_RETURN(std::shared_ptr<const LayerSnapshot> snapshot,
-                   registry_.Publish(request.name(), std::move(layer), request.persist()));
-  DescribeLayer(*snapshot, response->mutable_layer());
+  ASSIGN_OR_RETURN(
+      std::shared_ptr<const LayerSnapshot> snapshot,
+      registry_.Publish(request.name(), std::move(layer), request.persist(), batching));
+  DescribeLayer(*snapshot, batcher_.server_limits(), response->mutable_layer());
   return absl::OkStatus();
 }
 
@@ -335,7 +340,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ListLayers(
     v1::ListLayersResponse* response) {
   const absl::Time start = absl::Now();
   metrics_.CallStarted();
-  for (const auto& snapshot : registry_.List()) DescribeLayer(*snapshot, response->add_layers());
+  for (const auto& snapshot : registry_.List()) DescribeLayer(*snapshot, batcher_.server_limits(), response->add_layers());
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   Finish(reactor, "ListLayers", start, absl::OkStatus());
   return reactor;
@@ -348,7 +353,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetLayer(grpc::CallbackServerCon
   metrics_.CallStarted();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   auto snapshot = registry_.Get(request->name());
-  if (snapshot.ok()) DescribeLayer(**snapshot, response->mutable_layer());
+  if (snapshot.ok()) DescribeLayer(**snapshot, batcher_.server_limits(), response->mutable_layer());
   Finish(reactor, "GetLayer", start, snapshot.status());
   return reactor;
 }

@@ -83,7 +83,8 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
 };
 
 // Fills `info` from a snapshot.
-void DescribeLayer(const LayerSnapshot& snapshot, v1::LayerInfo* info);
+void DescribeLayer(const LayerSnapshot& snapshot, const BatchLimits& server_limits,
+                   v1::LayerInfo* info);
 
 }  // namespace attention::server
 

@@ -3,24 +3,15 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 
 namespace attention::server {
 
 absl::Status BatcherOptions::Validate() const {
-  for (auto [name, value] : {std::pair<const char*, int64_t>{"max_batch_requests",
-                                                             max_batch_requests},
-                             {"max_batch_tokens", max_batch_tokens},
-                             {"max_queue_requests", max_queue_requests},
-                             {"max_queue_tokens", max_queue_tokens},
-                             {"num_workers", num_workers}}) {
-    if (value < 1) {
-      return absl::InvalidArgumentError(absl::StrCat(name, " = ", value, " must be >= 1"));
-    }
-  }
-  if (max_queue_delay < absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("max_queue_delay = ", absl::FormatDuration(max_queue_delay),
-                     " must be >= 0"));
+  RETURN_IF_ERROR(limits.Validate());
+  if (num_workers < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("num_workers = ", num_workers,
+                                                   " must be >= 1"));
   }
   if (starvation_limit <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
@@ -40,6 +31,10 @@ bool BatchQueue::Rank::operator>(const Rank& other) const {
   return arrival < other.arrival;
 }
 
+BatchLimits BatchQueue::LimitsFor(const WorkItem& item) const {
+  return item.layer == nullptr ? options_.limits : item.layer->batching.ApplyTo(options_.limits);
+}
+
 int64_t BatchQueue::size(const std::string& queue_name) const {
   const auto it = usage_.find(queue_name);
   return it == usage_.end() ? 0 : it->second.requests;
@@ -47,16 +42,17 @@ int64_t BatchQueue::size(const std::string& queue_name) const {
 
 absl::Status BatchQueue::Push(std::unique_ptr<WorkItem>& item, absl::Time now) {
   const std::string name = QueueName(*item);
+  const BatchLimits limits = LimitsFor(*item);
   Usage& usage = usage_[name];
   absl::Status status;
-  if (usage.requests >= options_.max_queue_requests) {
+  if (usage.requests >= limits.max_queue_requests) {
     status = absl::ResourceExhaustedError(
         absl::StrCat("the compute queue of layer \"", name, "\" is full (", usage.requests,
-                     " requests waiting, limit ", options_.max_queue_requests, "); retry later"));
-  } else if (usage.tokens + item->tokens > options_.max_queue_tokens && usage.requests > 0) {
+                     " requests waiting, limit ", limits.max_queue_requests, "); retry later"));
+  } else if (usage.tokens + item->tokens > limits.max_queue_tokens && usage.requests > 0) {
     status = absl::ResourceExhaustedError(
         absl::StrCat("the compute queue of layer \"", name, "\" is full (", usage.tokens,
-                     " tokens waiting, limit ", options_.max_queue_tokens, "); retry later"));
+                     " tokens waiting, limit ", limits.max_queue_tokens, "); retry later"));
   }
   if (!status.ok()) {
     if (usage.requests == 0) usage_.erase(name);
@@ -96,12 +92,13 @@ std::vector<std::unique_ptr<WorkItem>> BatchQueue::PopDue(absl::Time now, bool f
     std::vector<Iterator> members;
     int64_t tokens = 0;
     absl::Time oldest = absl::InfiniteFuture();
+    const BatchLimits limits = LimitsFor(**entries.front().item);  // one layer per group
     bool full = (*entries.front().item)->layer == nullptr;  // runs alone
     for (const Entry& entry : entries) {
       const WorkItem& item = **entry.item;
       if (!members.empty() &&
-          (static_cast<int64_t>(members.size()) >= options_.max_batch_requests ||
-           tokens + item.tokens > options_.max_batch_tokens)) {
+          (static_cast<int64_t>(members.size()) >= limits.max_batch_requests ||
+           tokens + item.tokens > limits.max_batch_tokens)) {
         full = true;
         break;
       }
@@ -109,9 +106,9 @@ std::vector<std::unique_ptr<WorkItem>> BatchQueue::PopDue(absl::Time now, bool f
       tokens += item.tokens;
       oldest = std::min(oldest, item.enqueued);
     }
-    full = full || static_cast<int64_t>(members.size()) >= options_.max_batch_requests;
-    if (!flush && !full && now - oldest < options_.max_queue_delay) {
-      *due = std::min(*due, oldest + options_.max_queue_delay);
+    full = full || static_cast<int64_t>(members.size()) >= limits.max_batch_requests;
+    if (!flush && !full && now - oldest < limits.max_queue_delay) {
+      *due = std::min(*due, oldest + limits.max_queue_delay);
       continue;
     }
     if (best.empty() || entries.front().rank > best_rank) {
@@ -136,7 +133,7 @@ std::vector<std::unique_ptr<WorkItem>> BatchQueue::PopDue(absl::Time now, bool f
 }
 
 Batcher::Batcher(const BatcherOptions& options, core::ThreadPool& pool, Metrics* metrics)
-    : pool_(pool), metrics_(metrics), queue_(options) {
+    : server_limits_(options.limits), pool_(pool), metrics_(metrics), queue_(options) {
   for (int i = 0; i < options.num_workers; ++i) workers_.emplace_back([this] { WorkerLoop(); });
 }
 
@@ -147,6 +144,9 @@ absl::Status Batcher::Submit(std::unique_ptr<WorkItem> item) {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return absl::UnavailableError("the server is shutting down");
     const std::string name = QueueName(*item);
+    if (metrics_ != nullptr) {
+      metrics_->SetQueueCapacity(name, queue_.LimitsFor(*item).max_queue_requests);
+    }
     const absl::Status status = queue_.Push(item, absl::Now());
     if (!status.ok()) return status;
     if (metrics_ != nullptr) metrics_->SetQueueDepth(name, queue_.size(name));

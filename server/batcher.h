@@ -21,25 +21,16 @@
 #include "absl/time/time.h"
 #include "core/mha_layer.h"
 #include "core/thread_pool.h"
+#include "server/batch_limits.h"
 #include "server/layer_registry.h"
 #include "server/metrics.h"
 
 namespace attention::server {
 
 struct BatcherOptions {
-  // A batch closes when it holds this many requests. >= 1; default 64.
-  int64_t max_batch_requests = 64;
-  // ... or when adding the next request would pass this many query tokens (sum of B * Nq);
-  // a single larger request runs alone. >= 1; default 16384.
-  int64_t max_batch_tokens = 16384;
-  // ... or when its oldest request has waited this long. Zero (the default) closes a batch
-  // as soon as a worker is free: under load, requests that arrive while a batch computes
-  // form the next one, so batching costs no added latency. >= 0.
-  absl::Duration max_queue_delay = absl::ZeroDuration();
-  // Queued requests, and queued query tokens, of one layer beyond which Submit answers
-  // RESOURCE_EXHAUSTED at once for that layer. >= 1; defaults 1024 and 1 << 20.
-  int64_t max_queue_requests = 1024;
-  int64_t max_queue_tokens = int64_t{1} << 20;
+  // Every layer's batch and queue limits, except those a layer sets for itself
+  // (LayerSnapshot::batching).
+  BatchLimits limits;
   // Higher priorities run first, except that a request which has waited longer than this
   // goes ahead of every younger one whatever its priority, so low priorities never starve.
   // > 0; default 100 ms.
@@ -81,7 +72,8 @@ struct WorkItem {
 inline constexpr char kScaledDotProductAttentionQueue[] = "(scaled_dot_product_attention)";
 std::string QueueName(const WorkItem& item);
 
-// The batching policy: one queue per layer. Each layer has its own queue limits, so a flood
+// The batching policy: one queue per layer. Each layer has its own queue limits (the
+// server's, or the layer's own: LayerSnapshot::batching), so a flood
 // of calls to one layer never makes another layer's calls RESOURCE_EXHAUSTED, and its own
 // batch timing, so a layer still waiting out max_queue_delay never holds back another
 // layer's batch that is due. Requests pack only with requests of the same layer snapshot;
@@ -106,6 +98,8 @@ class BatchQueue {
   int64_t tokens() const { return tokens_; }
   // Requests waiting in one layer's queue (see QueueName).
   int64_t size(const std::string& queue_name) const;
+  // The limits `item` is batched and queued under: its layer's own, else the server's.
+  BatchLimits LimitsFor(const WorkItem& item) const;
 
  private:
   using Iterator = std::list<std::unique_ptr<WorkItem>>::iterator;
@@ -142,11 +136,14 @@ class Batcher {
   void Shutdown();
 
   int64_t QueueDepth() const;
+  // The limits of layers that do not set their own.
+  const BatchLimits& server_limits() const { return server_limits_; }
 
  private:
   void WorkerLoop();
   void Run(std::vector<std::unique_ptr<WorkItem>> batch);
 
+  const BatchLimits server_limits_;
   core::ThreadPool& pool_;
   Metrics* const metrics_;
   // std::mutex rather than absl::Mutex so ThreadSanitizer sees the locking: Debian's

@@ -45,11 +45,13 @@ absl::Status LayerRegistry::CheckBudget(const std::string& name, int64_t bytes) 
 }
 
 std::shared_ptr<const LayerSnapshot> LayerRegistry::PublishLocked(
-    const std::string& name, std::shared_ptr<const core::MhaLayer> layer, bool persisted) {
+    const std::string& name, std::shared_ptr<const core::MhaLayer> layer, bool persisted,
+    const BatchLimitOverrides& batching) {
   auto snapshot = std::make_shared<LayerSnapshot>();
   snapshot->name = name;
   snapshot->layer = std::move(layer);
   snapshot->persisted = persisted;
+  snapshot->batching = batching;
   std::unique_lock<std::shared_mutex> lock(mu_);
   snapshot->version = next_version_++;
   layers_[name] = snapshot;
@@ -57,7 +59,8 @@ std::shared_ptr<const LayerSnapshot> LayerRegistry::PublishLocked(
 }
 
 absl::StatusOr<std::shared_ptr<const LayerSnapshot>> LayerRegistry::Publish(
-    const std::string& name, std::shared_ptr<const core::MhaLayer> layer, bool persist) {
+    const std::string& name, std::shared_ptr<const core::MhaLayer> layer, bool persist,
+    const BatchLimitOverrides& batching) {
   std::lock_guard<std::mutex> update(update_mu_);
   if (persist && repository_ == nullptr) {
     return absl::FailedPreconditionError(
@@ -71,11 +74,11 @@ absl::StatusOr<std::shared_ptr<const LayerSnapshot>> LayerRegistry::Publish(
     replaces_persisted = found != layers_.end() && found->second->persisted;
   }
   if (persist) {
-    RETURN_IF_ERROR(repository_->Persist(name, *layer));
+    RETURN_IF_ERROR(repository_->Persist(name, *layer, batching));
   } else if (replaces_persisted) {
     RETURN_IF_ERROR(repository_->RemovePersisted(name));
   }
-  return PublishLocked(name, std::move(layer), persist);
+  return PublishLocked(name, std::move(layer), persist, batching);
 }
 
 absl::StatusOr<std::shared_ptr<const LayerSnapshot>> LayerRegistry::Get(
@@ -126,7 +129,8 @@ std::vector<std::string> LayerRegistry::LoadPersisted() {
                                       "; skipped (the file is kept)"));
       continue;
     }
-    PublishLocked(persisted.name, std::move(persisted.layer), /*persisted=*/true);
+    PublishLocked(persisted.name, std::move(persisted.layer), /*persisted=*/true,
+                  persisted.batching);
   }
   return problems;
 }

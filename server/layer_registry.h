@@ -14,6 +14,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "core/mha_layer.h"
+#include "server/batch_limits.h"
 #include "server/model_repository.h"
 
 namespace attention::server {
@@ -26,6 +27,8 @@ struct LayerSnapshot {
   std::shared_ptr<const core::MhaLayer> layer;
   // Written to the model repository; comes back after a restart.
   bool persisted = false;
+  // The layer's own batching limits; the rest follow the server's.
+  BatchLimitOverrides batching;
 };
 
 struct LayerRegistryOptions {
@@ -56,9 +59,10 @@ class LayerRegistry {
   // past max_weight_bytes. With `persist`, the layer is first written to the repository (and
   // nothing is published if that fails); without it, the file of a persisted version being
   // replaced is removed, so that a restart never brings back an older version than the one
-  // served.
+  // served. The batching overrides are persisted with the layer.
   absl::StatusOr<std::shared_ptr<const LayerSnapshot>> Publish(
-      const std::string& name, std::shared_ptr<const core::MhaLayer> layer, bool persist = false);
+      const std::string& name, std::shared_ptr<const core::MhaLayer> layer, bool persist = false,
+      const BatchLimitOverrides& batching = {});
   // NOT_FOUND naming the layer and listing what is loaded.
   absl::StatusOr<std::shared_ptr<const LayerSnapshot>> Get(const std::string& name) const;
   // Unpublishes `name` and removes its persisted file, if any (the file first: when that
@@ -80,7 +84,8 @@ class LayerRegistry {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(update_mu_);
   std::shared_ptr<const LayerSnapshot> PublishLocked(const std::string& name,
                                                      std::shared_ptr<const core::MhaLayer> layer,
-                                                     bool persisted)
+                                                     bool persisted,
+                                                     const BatchLimitOverrides& batching)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(update_mu_);
 
   // Serializes Publish / Remove / LoadPersisted, including their file I/O. Taken before mu_.

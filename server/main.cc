@@ -23,6 +23,7 @@ ABSL_FLAG(int, compute_threads, 0, "compute threads; 0 = one per hardware thread
 ABSL_FLAG(int, batch_workers, 2,
           "threads taking batches off the queue; two overlap one batch's encoding with "
           "another's compute");
+// The five batch and queue limits below are defaults; a layer may set its own at LoadLayer.
 ABSL_FLAG(int64_t, max_batch_requests, 64, "most requests packed into one forward pass");
 ABSL_FLAG(int64_t, max_batch_tokens, 16384, "most query tokens packed into one forward pass");
 ABSL_FLAG(absl::Duration, max_queue_delay, absl::ZeroDuration(),
@@ -102,11 +103,11 @@ int main(int argc, char** argv) {
   options.metrics_address = absl::GetFlag(FLAGS_metrics_listen);
   options.compute_threads = absl::GetFlag(FLAGS_compute_threads);
   options.batcher.num_workers = absl::GetFlag(FLAGS_batch_workers);
-  options.batcher.max_batch_requests = absl::GetFlag(FLAGS_max_batch_requests);
-  options.batcher.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
-  options.batcher.max_queue_requests = absl::GetFlag(FLAGS_max_queue_requests);
-  options.batcher.max_queue_delay = absl::GetFlag(FLAGS_max_queue_delay);
-  options.batcher.max_queue_tokens = absl::GetFlag(FLAGS_max_queue_tokens);
+  options.batcher.limits.max_batch_requests = absl::GetFlag(FLAGS_max_batch_requests);
+  options.batcher.limits.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  options.batcher.limits.max_queue_requests = absl::GetFlag(FLAGS_max_queue_requests);
+  options.batcher.limits.max_queue_delay = absl::GetFlag(FLAGS_max_queue_delay);
+  options.batcher.limits.max_queue_tokens = absl::GetFlag(FLAGS_max_queue_tokens);
   options.batcher.starvation_limit = absl::GetFlag(FLAGS_starvation_limit);
   options.demo_layer = absl::GetFlag(FLAGS_demo_layer);
   options.registry.model_repository = absl::GetFlag(FLAGS_model_repository);

@@ -61,9 +61,9 @@ Metrics::Metrics()
                        .Register(*registry_)),
       queue_capacity_(prometheus::BuildGauge()
                           .Name("attention_queue_capacity_requests")
-                          .Help("Requests each layer's batcher queue holds before rejecting (--max_queue_requests)")
-                          .Register(*registry_)
-                          .Add({})),
+                          .Help("Requests a layer's batcher queue holds before rejecting (its "
+                                "max_queue_requests), by layer as the queue depth")
+                          .Register(*registry_)),
       in_flight_(prometheus::BuildGauge()
                      .Name("attention_in_flight_requests")
                      .Help("RPCs received and not yet finished")
@@ -129,8 +129,8 @@ void Metrics::SetQueueDepth(absl::string_view layer, int64_t requests) {
   queue_depth_.Add({{"layer", std::string(layer)}}).Set(static_cast<double>(requests));
 }
 
-void Metrics::SetQueueCapacity(int64_t requests) {
-  queue_capacity_.Set(static_cast<double>(requests));
+void Metrics::SetQueueCapacity(absl::string_view layer, int64_t requests) {
+  queue_capacity_.Add({{"layer", std::string(layer)}}).Set(static_cast<double>(requests));
 }
 
 void Metrics::SetLayers(int64_t count, int64_t weight_bytes) {

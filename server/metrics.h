@@ -42,8 +42,9 @@ class Metrics {
   void TokensProcessed(absl::string_view layer, int64_t tokens);
   // Requests waiting in one layer's queue (see QueueName in batcher.h).
   void SetQueueDepth(absl::string_view layer, int64_t requests);
-  // The configured bound of each layer's queue, so alerts can compare depth with it.
-  void SetQueueCapacity(int64_t requests);
+  // The bound of one layer's queue (its max_queue_requests), so alerts can compare the
+  // depth with it.
+  void SetQueueCapacity(absl::string_view layer, int64_t requests);
   void SetLayers(int64_t count, int64_t weight_bytes);
 
  private:
@@ -58,7 +59,7 @@ class Metrics {
   prometheus::Histogram& batch_tokens_;
   prometheus::Family<prometheus::Counter>& tokens_;
   prometheus::Family<prometheus::Gauge>& queue_depth_;
-  prometheus::Gauge& queue_capacity_;
+  prometheus::Family<prometheus::Gauge>& queue_capacity_;
   prometheus::Gauge& in_flight_;
   prometheus::Gauge& layers_loaded_;
   prometheus::Gauge& weight_bytes_;

@@ -165,8 +165,8 @@ absl::StatusOr<std::unique_ptr<core::SafetensorsFile>> ModelRepository::OpenSafe
   return file;
 }
 
-absl::Status ModelRepository::Persist(const std::string& name,
-                                      const core::MhaLayer& layer) const {
+absl::Status ModelRepository::Persist(const std::string& name, const core::MhaLayer& layer,
+                                      const BatchLimitOverrides& batching) const {
   RETURN_IF_ERROR(ValidateLayerName(name, "name"));
   const std::string relative = PersistedPath(name);
   const std::string dir = absl::StrCat(root_, "/", kPersistedDir);
@@ -174,12 +174,15 @@ absl::Status ModelRepository::Persist(const std::string& name,
     return WriteError(errno, absl::StrCat("cannot create ", kPersistedDir, "/ in the model repository"));
   }
 
-  std::string config_json;
+  std::string config_json, batching_json;
   google::protobuf::util::JsonPrintOptions print_options;
-  print_options.always_print_primitive_fields = true;
+  print_options.always_print_primitive_fields = true;  // unset optional fields stay absent
   print_options.preserve_proto_field_names = true;
   if (!google::protobuf::util::MessageToJsonString(ConfigToProto(layer.config()), &config_json,
                                                    print_options)
+           .ok() ||
+      !google::protobuf::util::MessageToJsonString(BatchingPolicyToProto(batching),
+                                                   &batching_json, print_options)
            .ok()) {
     return absl::InternalError(absl::StrCat("cannot encode the config of layer \"", name, "\""));
   }
@@ -194,6 +197,7 @@ absl::Status ModelRepository::Persist(const std::string& name,
   ASSIGN_OR_RETURN(const std::string header,
                    core::SafetensorsHeader(entries, {{"format", "pt"},
                                                      {kLayerConfigKey, config_json},
+                                                     {kBatchingKey, batching_json},
                                                      {kLayerNameKey, name},
                                                      {kFormatVersionKey, "1"}}));
 
@@ -233,31 +237,45 @@ absl::Status ModelRepository::RemovePersisted(const std::string& name) const {
                         absl::StrCat("cannot remove ", PersistedPath(name)));
 }
 
-absl::StatusOr<std::shared_ptr<const core::MhaLayer>> ModelRepository::ReadPersisted(
+absl::StatusOr<ModelRepository::PersistedLayer> ModelRepository::ReadPersisted(
     const std::string& name) const {
   const std::string relative = PersistedPath(name);
   ASSIGN_OR_RETURN(std::unique_ptr<core::SafetensorsFile> file,
                    OpenSafetensors(relative, "persisted layer"));
-  auto config_json = file->metadata().find(kLayerConfigKey);
-  if (config_json == file->metadata().end()) {
+  const auto& metadata = file->metadata();
+  auto config_json = metadata.find(kLayerConfigKey);
+  if (config_json == metadata.end()) {
     return Invalid(relative, " has no __metadata__[\"", kLayerConfigKey,
                    "\"]; it is not a layer persisted by this server");
   }
-  v1::LayerConfig config_proto;
   google::protobuf::util::JsonParseOptions parse_options;
   parse_options.ignore_unknown_fields = true;  // files from newer versions still load
-  const auto parsed =
-      google::protobuf::util::JsonStringToMessage(config_json->second, &config_proto, parse_options);
-  if (!parsed.ok()) {
+  v1::LayerConfig config_proto;
+  if (const auto parsed = google::protobuf::util::JsonStringToMessage(
+          config_json->second, &config_proto, parse_options);
+      !parsed.ok()) {
     return Invalid(relative, ": __metadata__[\"", kLayerConfigKey,
                    "\"] is not a LayerConfig: ", parsed.ToString());
   }
+  v1::BatchingPolicy batching_proto;
+  if (auto batching_json = metadata.find(kBatchingKey); batching_json != metadata.end()) {
+    if (const auto parsed = google::protobuf::util::JsonStringToMessage(
+            batching_json->second, &batching_proto, parse_options);
+        !parsed.ok()) {
+      return Invalid(relative, ": __metadata__[\"", kBatchingKey,
+                     "\"] is not a BatchingPolicy: ", parsed.ToString());
+    }
+  }
+  auto batching = ConvertBatchingPolicy(batching_proto, "batching");
+  if (!batching.ok()) return Invalid(relative, ": ", batching.status().message());
   auto config = core::MhaConfig::Resolve(ConvertConfig(config_proto));
   if (!config.ok()) return Invalid(relative, ": ", config.status().message());
   SafetensorsTensorSource source(*file, "persisted layer");
   ASSIGN_OR_RETURN(core::MhaWeights weights,
                    ConvertWeights(v1::WEIGHT_NAMING_NATIVE, source, "", *config, "naming"));
-  return core::MhaLayer::Create(*config, std::move(weights));
+  ASSIGN_OR_RETURN(std::shared_ptr<const core::MhaLayer> layer,
+                   core::MhaLayer::Create(*config, std::move(weights)));
+  return PersistedLayer{name, std::move(layer), *std::move(batching)};
 }
 
 std::vector<ModelRepository::PersistedLayer> ModelRepository::LoadPersisted(
@@ -304,7 +322,7 @@ std::vector<ModelRepository::PersistedLayer> ModelRepository::LoadPersisted(
       problems->push_back(absl::StrCat(layer.status().message(), "; skipped"));
       continue;
     }
-    layers.push_back({name, *std::move(layer)});
+    layers.push_back(*std::move(layer));
   }
   return layers;
 }

@@ -5,7 +5,10 @@
 //   <root>/persisted/<name>.safetensors  one file per persisted layer, written by the server:
 //                                        this project's tensor names (WEIGHT_NAMING_NATIVE,
 //                                        float32) and the resolved LayerConfig as proto3 JSON
-//                                        in __metadata__["attention_service.layer_config"]
+//                                        in __metadata__["attention_service.layer_config"],
+//                                        the layer's own batching limits (a BatchingPolicy
+//                                        as proto3 JSON, only the fields it sets) in
+//                                        __metadata__["attention_service.batching"]
 //
 // Persisted layers live in their own directory so that start-up never mistakes an operator's
 // checkpoint for a layer to load, and a persisted file is itself a valid checkpoint.
@@ -20,11 +23,13 @@
 #include "absl/strings/string_view.h"
 #include "core/mha_layer.h"
 #include "core/safetensors.h"
+#include "server/batch_limits.h"
 
 namespace attention::server {
 
 inline constexpr char kPersistedDir[] = "persisted";
 inline constexpr char kLayerConfigKey[] = "attention_service.layer_config";
+inline constexpr char kBatchingKey[] = "attention_service.batching";
 inline constexpr char kLayerNameKey[] = "attention_service.layer_name";
 inline constexpr char kFormatVersionKey[] = "attention_service.format_version";
 
@@ -51,22 +56,24 @@ class ModelRepository {
   // same directory, fsync, rename over the old file, fsync of the directory. A crash at any
   // point leaves either the old file or the new one, never a mix. RESOURCE_EXHAUSTED when
   // the disk is full, INTERNAL for other I/O errors; the message names the file.
-  absl::Status Persist(const std::string& name, const core::MhaLayer& layer) const;
+  absl::Status Persist(const std::string& name, const core::MhaLayer& layer,
+                       const BatchLimitOverrides& batching = {}) const;
   // Removes persisted/<name>.safetensors; OK when there is none.
   absl::Status RemovePersisted(const std::string& name) const;
 
   struct PersistedLayer {
     std::string name;
     std::shared_ptr<const core::MhaLayer> layer;
+    BatchLimitOverrides batching;
   };
   // Every persisted layer that reads back cleanly, sorted by name. Each file that does not
   // (truncated, corrupt, not a layer) is skipped and described in `problems`; leftover
   // temporary files of interrupted writes are removed and reported there too.
   std::vector<PersistedLayer> LoadPersisted(std::vector<std::string>* problems) const;
 
-  // Reads one persisted layer back.
-  absl::StatusOr<std::shared_ptr<const core::MhaLayer>> ReadPersisted(
-      const std::string& name) const;
+  // Reads one persisted layer back. A file without batching metadata (written before it
+  // existed) has no overrides.
+  absl::StatusOr<PersistedLayer> ReadPersisted(const std::string& name) const;
 
  private:
   ModelRepository(std::string root, const core::SafetensorsOptions& options)

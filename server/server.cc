@@ -55,7 +55,6 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
   if (!options.metrics_address.empty()) {
     RETURN_IF_ERROR(server->metrics_.Expose(options.metrics_address));
   }
-  server->metrics_.SetQueueCapacity(options.batcher.max_queue_requests);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;

@@ -71,6 +71,45 @@ absl::StatusOr<absl::Time> QueueDeadline(const v1::AttentionOptions& options,
   return std::min(call_deadline, now + absl::Microseconds(timeout_us));
 }
 
+absl::StatusOr<BatchLimitOverrides> ConvertBatchingPolicy(const v1::BatchingPolicy& policy,
+                                                          absl::string_view field) {
+  BatchLimitOverrides overrides;
+  if (policy.has_max_batch_requests()) overrides.max_batch_requests = policy.max_batch_requests();
+  if (policy.has_max_batch_tokens()) overrides.max_batch_tokens = policy.max_batch_tokens();
+  if (policy.has_max_queue_delay_us()) {
+    if (policy.max_queue_delay_us() < 0) {  // checked here to name the wire field
+      return Invalid(field, ".max_queue_delay_us = ", policy.max_queue_delay_us(),
+                     " must be >= 0 (microseconds)");
+    }
+    overrides.max_queue_delay = absl::Microseconds(policy.max_queue_delay_us());
+  }
+  if (policy.has_max_queue_requests()) overrides.max_queue_requests = policy.max_queue_requests();
+  if (policy.has_max_queue_tokens()) overrides.max_queue_tokens = policy.max_queue_tokens();
+  // The defaults are valid, so whatever fails is a field the caller set (named as on the
+  // wire).
+  RETURN_IF_ERROR(overrides.ApplyTo(BatchLimits{}).Validate(absl::StrCat(field, ".")));
+  return overrides;
+}
+
+v1::BatchingPolicy BatchingPolicyToProto(const BatchLimitOverrides& overrides) {
+  v1::BatchingPolicy policy;
+  if (overrides.max_batch_requests) policy.set_max_batch_requests(*overrides.max_batch_requests);
+  if (overrides.max_batch_tokens) policy.set_max_batch_tokens(*overrides.max_batch_tokens);
+  if (overrides.max_queue_delay) {
+    policy.set_max_queue_delay_us(absl::ToInt64Microseconds(*overrides.max_queue_delay));
+  }
+  if (overrides.max_queue_requests) policy.set_max_queue_requests(*overrides.max_queue_requests);
+  if (overrides.max_queue_tokens) policy.set_max_queue_tokens(*overrides.max_queue_tokens);
+  return policy;
+}
+
+v1::BatchingPolicy BatchingPolicyToProto(const BatchLimits& limits) {
+  return BatchingPolicyToProto(BatchLimitOverrides{limits.max_batch_requests,
+                                                   limits.max_batch_tokens, limits.max_queue_delay,
+                                                   limits.max_queue_requests,
+                                                   limits.max_queue_tokens});
+}
+
 absl::StatusOr<core::AttentionOptions> ConvertOptions(const v1::AttentionOptions& in,
                                                       const core::AttentionDims& dims) {
   core::AttentionOptions out;

@@ -15,6 +15,7 @@
 #include "core/attention_options.h"
 #include "core/dtype.h"
 #include "core/mha_layer.h"
+#include "server/batch_limits.h"
 
 namespace attention::server {
 
@@ -36,6 +37,15 @@ absl::StatusOr<absl::Time> QueueDeadline(const v1::AttentionOptions& options,
 
 core::MhaConfig ConvertConfig(const v1::LayerConfig& config);
 v1::LayerConfig ConfigToProto(const core::MhaConfig& config);
+
+// A layer's batching overrides from the wire; `field` prefixes the field in errors
+// ("batching." -> "batching.max_batch_requests = 0 must be >= 1").
+absl::StatusOr<BatchLimitOverrides> ConvertBatchingPolicy(const v1::BatchingPolicy& policy,
+                                                          absl::string_view field);
+// Only the fields the layer sets.
+v1::BatchingPolicy BatchingPolicyToProto(const BatchLimitOverrides& overrides);
+// Every field.
+v1::BatchingPolicy BatchingPolicyToProto(const BatchLimits& limits);
 
 class ModelRepository;
 

@@ -144,7 +144,11 @@ def check_layers(t, client):
     info2 = client.load_layer("py-test", {"embed_dim": e, "num_heads": heads}, random_seed=9)
     t.check(info2.version > info.version, "reload bumps version %d -> %d"
             % (info.version, info2.version))
-    client.load_layer("py-test-2", {"embed_dim": e, "num_heads": heads}, random_seed=9)
+    tuned = client.load_layer("py-test-2", {"embed_dim": e, "num_heads": heads}, random_seed=9,
+                              batching={"max_batch_requests": 2, "max_queue_delay_us": 0})
+    t.check(tuned.batching.max_batch_requests == 2 and tuned.batching.max_queue_delay_us == 0
+            and tuned.batching.max_batch_tokens == info2.batching.max_batch_tokens,
+            "the layer's own batching policy, the rest the server's: %s" % tuned.batching)
     a = client.multi_head_attention(x, layer="py-test").output
     b = client.multi_head_attention(x, layer="py-test-2").output
     t.check(np.array_equal(a, b), "same random_init seed gives the same layer")

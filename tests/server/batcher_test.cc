@@ -45,13 +45,13 @@ class BatcherTest : public ::testing::Test {
 
 TEST_F(BatcherTest, RejectsInvalidOptions) {
   BatcherOptions options;
-  options.max_queue_requests = 0;
+  options.limits.max_queue_requests = 0;
   EXPECT_EQ(options.Validate().message(), "max_queue_requests = 0 must be >= 1");
 }
 
 TEST_F(BatcherTest, FullQueueAnswersResourceExhaustedAtOnce) {
   BatcherOptions options = OneWorker();
-  options.max_queue_requests = 1;
+  options.limits.max_queue_requests = 1;
   Batcher batcher(options, pool_);
   absl::Notification started, release;
   ASSERT_TRUE(batcher.Submit(TaggedItem(1, &order_, &mu_, &started, &release)).ok());
@@ -66,10 +66,10 @@ TEST_F(BatcherTest, FullQueueAnswersResourceExhaustedAtOnce) {
   EXPECT_EQ(batcher.Submit(TaggedItem(4, &order_, &mu_)).code(), absl::StatusCode::kUnavailable);
 }
 
-// The gauge attention_queue_depth_requests{layer=...} as the registry reports it, or -1.
-double QueueDepthGauge(Metrics& metrics, const std::string& layer) {
+// The gauge `name`{layer=...} as the registry reports it, or -1.
+double LayerGauge(Metrics& metrics, const std::string& name, const std::string& layer) {
   for (const prometheus::MetricFamily& family : metrics.registry().Collect()) {
-    if (family.name != "attention_queue_depth_requests") continue;
+    if (family.name != name) continue;
     for (const prometheus::ClientMetric& metric : family.metric) {
       for (const prometheus::ClientMetric::Label& label : metric.label) {
         if (label.name == "layer" && label.value == layer) return metric.gauge.value;
@@ -77,6 +77,10 @@ double QueueDepthGauge(Metrics& metrics, const std::string& layer) {
     }
   }
   return -1;
+}
+
+double QueueDepthGauge(Metrics& metrics, const std::string& layer) {
+  return LayerGauge(metrics, "attention_queue_depth_requests", layer);
 }
 
 // A small named layer and a one-token request for it that records its tag when answered.
@@ -104,7 +108,7 @@ std::unique_ptr<WorkItem> LayerItem(std::shared_ptr<LayerSnapshot> layer, int ta
 
 TEST_F(BatcherTest, EachLayerHasItsOwnQueueLimit) {
   BatcherOptions options = OneWorker();
-  options.max_queue_requests = 2;
+  options.limits.max_queue_requests = 2;
   Metrics metrics;
   Batcher batcher(options, pool_, &metrics);
   absl::Notification started, release;
@@ -127,6 +131,31 @@ TEST_F(BatcherTest, EachLayerHasItsOwnQueueLimit) {
   EXPECT_EQ(order_, (std::vector<int>{0, 1, 2, 4}));
   EXPECT_EQ(QueueDepthGauge(metrics, "a"), 0);
   EXPECT_EQ(QueueDepthGauge(metrics, "b"), 0);
+}
+
+TEST_F(BatcherTest, ALayersOwnQueueLimitIsEnforcedAndExported) {
+  BatcherOptions options = OneWorker();
+  options.limits.max_queue_requests = 2;
+  Metrics metrics;
+  Batcher batcher(options, pool_, &metrics);
+  absl::Notification started, release;
+  ASSERT_TRUE(batcher.Submit(TaggedItem(0, &order_, &mu_, &started, &release)).ok());
+  started.WaitForNotification();  // the worker is held; everything below stays queued
+  const auto a = SmallLayer("a"), b = SmallLayer("b");
+  b->batching.max_queue_requests = 1;
+  ASSERT_TRUE(batcher.Submit(LayerItem(b, 1, &order_, &mu_)).ok());
+  const absl::Status b_full = batcher.Submit(LayerItem(b, 2, &order_, &mu_));
+  EXPECT_EQ(b_full.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(b_full.message().find("queue of layer \"b\" is full (1 requests waiting, limit 1)"),
+            std::string::npos)
+      << b_full;
+  ASSERT_TRUE(batcher.Submit(LayerItem(a, 3, &order_, &mu_)).ok());
+  ASSERT_TRUE(batcher.Submit(LayerItem(a, 4, &order_, &mu_)).ok());  // a has the server's 2
+  EXPECT_EQ(LayerGauge(metrics, "attention_queue_capacity_requests", "a"), 2);
+  EXPECT_EQ(LayerGauge(metrics, "attention_queue_capacity_requests", "b"), 1);
+  release.Notify();
+  batcher.Shutdown();
+  EXPECT_EQ(order_, (std::vector<int>{0, 1, 3, 4}));
 }
 
 TEST_F(BatcherTest, ExpiredAndCancelledItemsAreNotComputed) {
@@ -174,7 +203,7 @@ TEST_F(BatcherTest, PacksRequestsOfOneLayerAndMatchesEachAlone) {
   snapshot->name = "l";
   snapshot->layer = *core::MhaLayer::Create(resolved, core::MhaWeights::Random(resolved, 3));
   BatcherOptions options = OneWorker();
-  options.max_batch_requests = 8;
+  options.limits.max_batch_requests = 8;
   Batcher batcher(options, pool_);
   absl::Notification started, release;
   ASSERT_TRUE(batcher.Submit(TaggedItem(0, &order_, &mu_, &started, &release)).ok());
@@ -259,7 +288,7 @@ class BatchQueueTest : public ::testing::Test {
 
 TEST_F(BatchQueueTest, WaitsForTheDelayThenCloses) {
   BatcherOptions options;
-  options.max_queue_delay = absl::Milliseconds(10);
+  options.limits.max_queue_delay = absl::Milliseconds(10);
   BatchQueue queue(options);
   Push(queue, Item(1, 4), t0_);
   Push(queue, Item(2, 4), t0_ + absl::Milliseconds(3));
@@ -274,9 +303,9 @@ TEST_F(BatchQueueTest, WaitsForTheDelayThenCloses) {
 
 TEST_F(BatchQueueTest, ClosesEarlyWhenFullByRequestsOrTokens) {
   BatcherOptions options;
-  options.max_queue_delay = absl::Seconds(1);
-  options.max_batch_requests = 2;
-  options.max_batch_tokens = 10;
+  options.limits.max_queue_delay = absl::Seconds(1);
+  options.limits.max_batch_requests = 2;
+  options.limits.max_batch_tokens = 10;
   BatchQueue queue(options);
   absl::Time due;
   Push(queue, Item(1, 3), t0_);
@@ -303,8 +332,8 @@ TEST_F(BatchQueueTest, ZeroDelayClosesAtOnceAndKeepsLayersApart) {
 
 TEST_F(BatchQueueTest, QueueLimitsAnswerResourceExhausted) {
   BatcherOptions options;
-  options.max_queue_requests = 2;
-  options.max_queue_tokens = 10;
+  options.limits.max_queue_requests = 2;
+  options.limits.max_queue_tokens = 10;
   BatchQueue queue(options);
   Push(queue, Item(1, 6), t0_);
   auto too_many_tokens = Item(2, 5);
@@ -338,8 +367,8 @@ TEST_F(BatchQueueTest, QueueLimitsAnswerResourceExhausted) {
 
 TEST_F(BatchQueueTest, ALayerWaitingForItsDelayDoesNotHoldBackAnotherLayersDueBatch) {
   BatcherOptions options;
-  options.max_queue_delay = absl::Milliseconds(10);
-  options.max_batch_requests = 2;
+  options.limits.max_queue_delay = absl::Milliseconds(10);
+  options.limits.max_batch_requests = 2;
   BatchQueue queue(options);
   absl::Time due;
   Push(queue, Item(1, 1), t0_);  // a: waits up to 10 ms for a second request
@@ -353,6 +382,36 @@ TEST_F(BatchQueueTest, ALayerWaitingForItsDelayDoesNotHoldBackAnotherLayersDueBa
   EXPECT_TRUE(queue.PopDue(t0_ + absl::Milliseconds(9), false, &due).empty());
   EXPECT_EQ(Tags(queue.PopDue(t0_ + absl::Milliseconds(10), false, &due)),
             (std::vector<int>{1}));
+}
+
+TEST_F(BatchQueueTest, ALayersOwnLimitsApplyToThatLayerOnly) {
+  BatcherOptions options;  // the server's: 64 requests, no delay, 1024 queued
+  layer_->batching.max_batch_requests = 2;
+  layer_->batching.max_queue_delay = absl::Milliseconds(10);
+  layer_->batching.max_queue_requests = 3;
+  BatchQueue queue(options);
+  absl::Time due;
+  Push(queue, Item(1, 1), t0_);
+  Push(queue, Item(2, 1, 0, /*other_layer=*/true), t0_);
+  // b has no delay and runs at once; a waits out its own 10 ms.
+  EXPECT_EQ(Tags(queue.PopDue(t0_, false, &due)), (std::vector<int>{2}));
+  EXPECT_TRUE(queue.PopDue(t0_, false, &due).empty());
+  EXPECT_EQ(due, t0_ + absl::Milliseconds(10));
+  const absl::Time t1 = t0_ + absl::Milliseconds(1);
+  Push(queue, Item(3, 1), t1);
+  Push(queue, Item(4, 1), t1);
+  auto past_limit = Item(5, 1);
+  const absl::Status full = queue.Push(past_limit, t1);
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(full.message().find("(3 requests waiting, limit 3)"), std::string::npos) << full;
+  // a's batch is full at 2 requests, so it closes before the delay; the third waits.
+  EXPECT_EQ(Tags(queue.PopDue(t1, false, &due)), (std::vector<int>{1, 3}));
+  EXPECT_TRUE(queue.PopDue(t1, false, &due).empty());
+  EXPECT_EQ(due, t1 + absl::Milliseconds(10));
+  // b keeps the server's limits: five requests make one batch.
+  for (int tag = 6; tag <= 10; ++tag) Push(queue, Item(tag, 1, 0, /*other_layer=*/true), t1);
+  EXPECT_EQ(Tags(queue.PopDue(t1, false, &due)), (std::vector<int>{6, 7, 8, 9, 10}));
+  EXPECT_EQ(Tags(queue.PopDue(t1 + absl::Milliseconds(10), false, &due)), (std::vector<int>{4}));
 }
 
 TEST_F(BatchQueueTest, OfSeveralDueBatchesTheHighestRankedLeaderRunsFirst) {
@@ -369,7 +428,7 @@ TEST_F(BatchQueueTest, OfSeveralDueBatchesTheHighestRankedLeaderRunsFirst) {
 
 TEST_F(BatchQueueTest, PriorityFirstButStarvingRequestsGoAhead) {
   BatcherOptions options;
-  options.max_batch_requests = 1;
+  options.limits.max_batch_requests = 1;
   options.starvation_limit = absl::Milliseconds(100);
   BatchQueue queue(options);
   absl::Time due;

@@ -254,6 +254,13 @@ TEST_F(ServerTest, MalformedLayerManagementIsRejected) {
        C::kInvalidArgument, "spec.inline_weights.naming = 9 is not a known WeightNaming value"},
       {"persist without repository", [](auto& r) { r.set_persist(true); },
        C::kFailedPrecondition, "persist = true needs a model repository"},
+      {"zero batch size", [](auto& r) { r.mutable_batching()->set_max_batch_requests(0); },
+       C::kInvalidArgument, "batching.max_batch_requests = 0 must be >= 1"},
+      {"negative queue delay",
+       [](auto& r) { r.mutable_batching()->set_max_queue_delay_us(-2); }, C::kInvalidArgument,
+       "batching.max_queue_delay_us = -2 must be >= 0 (microseconds)"},
+      {"zero queue bound", [](auto& r) { r.mutable_batching()->set_max_queue_tokens(0); },
+       C::kInvalidArgument, "batching.max_queue_tokens = 0 must be >= 1"},
   };
   for (const Case& test_case : cases) {
     v1::LoadLayerRequest request = valid;
@@ -263,6 +270,7 @@ TEST_F(ServerTest, MalformedLayerManagementIsRejected) {
     EXPECT_NE(status.message().find(test_case.message_part), std::string::npos)
         << test_case.name << ": got \"" << status.message() << "\"";
   }
+  EXPECT_EQ(client_->GetLayer("ok").status().code(), C::kNotFound) << "nothing was loaded";
   EXPECT_EQ(client_->GetLayer("missing").status().code(), C::kNotFound);
   EXPECT_EQ(client_->UnloadLayer("missing").code(), C::kNotFound);
   EXPECT_TRUE(client_->LoadLayer(valid).ok()) << "server must still answer";

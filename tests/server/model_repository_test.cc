@@ -563,6 +563,33 @@ TEST_F(RepositoryTest, PersistedLayersComeBackAfterARestart) {
   EXPECT_TRUE(after->empty()) << (*after)[0].name();
 }
 
+TEST_F(RepositoryTest, ALayersBatchingPolicyIsPersistedAndTheRestFollowsTheFlags) {
+  v1::LoadLayerRequest request;
+  request.set_name("tuned");
+  request.set_persist(true);
+  request.mutable_spec()->mutable_config()->set_embed_dim(8);
+  request.mutable_spec()->mutable_config()->set_num_heads(2);
+  request.mutable_spec()->mutable_random_init()->set_seed(4);
+  request.mutable_batching()->set_max_batch_requests(3);
+  request.mutable_batching()->set_max_queue_delay_us(0);
+  ASSERT_TRUE(client_->LoadLayer(request).ok());
+
+  // Restarted with other flags: the layer keeps what it set and takes the new flags for
+  // the rest.
+  ServerOptions options = Options();
+  options.batcher.limits.max_batch_requests = 50;
+  options.batcher.limits.max_batch_tokens = 500;
+  options.batcher.limits.max_queue_delay = absl::Milliseconds(7);
+  Start(options);
+  EXPECT_TRUE(server_->startup_problems().empty()) << server_->startup_problems()[0];
+  auto layer = client_->GetLayer("tuned");
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  EXPECT_EQ(layer->batching().max_batch_requests(), 3);
+  EXPECT_EQ(layer->batching().max_queue_delay_us(), 0);
+  EXPECT_EQ(layer->batching().max_batch_tokens(), 500);
+  EXPECT_EQ(layer->batching().max_queue_requests(), options.batcher.limits.max_queue_requests);
+}
+
 TEST_F(RepositoryTest, CorruptPersistedFilesAreSkippedAtStartUp) {
   ASSERT_TRUE(LoadRandom("good", 8, 1, /*persist=*/true).ok());
   ASSERT_TRUE(LoadRandom("torn", 8, 2, /*persist=*/true).ok());

@@ -225,6 +225,37 @@ TEST_F(ServerTest, ReloadBumpsVersionAndUnloadRemoves) {
   EXPECT_EQ(client_->UnloadLayer("scratch").code(), absl::StatusCode::kNotFound);
 }
 
+TEST_F(ServerTest, LayerInfoReportsTheBatchingPolicyResolved) {
+  v1::LoadLayerRequest load;
+  load.set_name("tuned");
+  load.mutable_spec()->mutable_config()->set_embed_dim(8);
+  load.mutable_spec()->mutable_config()->set_num_heads(2);
+  load.mutable_spec()->mutable_random_init()->set_seed(5);
+  load.mutable_batching()->set_max_batch_requests(4);
+  load.mutable_batching()->set_max_queue_delay_us(2500);
+  auto loaded = client_->LoadLayer(load);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  const BatchLimits server = Options().batcher.limits;
+  for (const v1::LayerInfo& info : {*loaded, *client_->GetLayer("tuned")}) {
+    EXPECT_EQ(info.batching().max_batch_requests(), 4);
+    EXPECT_EQ(info.batching().max_queue_delay_us(), 2500);
+    EXPECT_EQ(info.batching().max_batch_tokens(), server.max_batch_tokens);
+    EXPECT_EQ(info.batching().max_queue_requests(), server.max_queue_requests);
+    EXPECT_EQ(info.batching().max_queue_tokens(), server.max_queue_tokens);
+  }
+  auto demo = client_->GetLayer(kDemoLayerName);  // loaded without a policy: the server's
+  ASSERT_TRUE(demo.ok());
+  EXPECT_EQ(demo->batching().max_batch_requests(), server.max_batch_requests);
+  EXPECT_EQ(demo->batching().max_queue_delay_us(), absl::ToInt64Microseconds(server.max_queue_delay));
+  // The layer answers through its own queue.
+  std::mt19937_64 rng(11);
+  v1::MultiHeadAttentionRequest request;
+  request.set_layer("tuned");
+  wire::EncodeTensor(RandomValues(rng, 3 * 8), std::vector<int64_t>{1, 3, 8},
+                     core::DType::kFloat32, request.mutable_query());
+  EXPECT_TRUE(client_->MultiHeadAttention(request).ok());
+}
+
 TEST_F(ServerTest, ConcurrentCallersGetTheirOwnAnswers) {
   // Many callers at once, so the batcher packs requests of different shapes and options
   // together; interleaved bad requests must not disturb anyone else's result.

@@ -1,4 +1,5 @@
-// Conversions from the wire that need no server: the queue deadline of a request.
+// Conversions from the wire that need no server: the queue deadline of a request, a layer's
+// batching policy.
 #include "server/wire_convert.h"
 
 #include "gtest/gtest.h"
@@ -27,6 +28,53 @@ TEST(QueueDeadlineTest, NegativeTimeoutIsInvalid) {
   EXPECT_EQ(deadline.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(deadline.status().message(),
             "options.queue_timeout_us = -5 must be >= 0 (microseconds; 0 = no limit)");
+}
+
+TEST(BatchingPolicyTest, OnlyTheFieldsSetOverrideTheServer) {
+  v1::BatchingPolicy policy;
+  policy.set_max_batch_requests(4);
+  policy.set_max_queue_delay_us(0);  // set to zero is not unset: no delay for this layer
+  const absl::StatusOr<BatchLimitOverrides> overrides = ConvertBatchingPolicy(policy, "batching");
+  ASSERT_TRUE(overrides.ok()) << overrides.status();
+  BatchLimits server;
+  server.max_batch_tokens = 100;
+  server.max_queue_delay = absl::Milliseconds(3);
+  const BatchLimits limits = overrides->ApplyTo(server);
+  EXPECT_EQ(limits.max_batch_requests, 4);
+  EXPECT_EQ(limits.max_batch_tokens, 100);
+  EXPECT_EQ(limits.max_queue_delay, absl::ZeroDuration());
+  EXPECT_EQ(limits.max_queue_requests, server.max_queue_requests);
+  // Back to the wire: the overrides carry only what was set; the limits carry everything.
+  const v1::BatchingPolicy round_trip = BatchingPolicyToProto(*overrides);
+  EXPECT_EQ(round_trip.SerializeAsString(), policy.SerializeAsString());
+  const v1::BatchingPolicy resolved = BatchingPolicyToProto(limits);
+  EXPECT_TRUE(resolved.has_max_queue_tokens());
+  EXPECT_EQ(resolved.max_batch_tokens(), 100);
+}
+
+TEST(BatchingPolicyTest, OutOfRangeValuesAreInvalidAndNamed) {
+  const struct {
+    void (v1::BatchingPolicy::*set)(int64_t);
+    int64_t value;
+    const char* message;
+  } cases[] = {
+      {&v1::BatchingPolicy::set_max_batch_requests, 0,
+       "batching.max_batch_requests = 0 must be >= 1"},
+      {&v1::BatchingPolicy::set_max_batch_tokens, -3, "batching.max_batch_tokens = -3 must be >= 1"},
+      {&v1::BatchingPolicy::set_max_queue_delay_us, -1,
+       "batching.max_queue_delay_us = -1 must be >= 0 (microseconds)"},
+      {&v1::BatchingPolicy::set_max_queue_requests, 0,
+       "batching.max_queue_requests = 0 must be >= 1"},
+      {&v1::BatchingPolicy::set_max_queue_tokens, 0, "batching.max_queue_tokens = 0 must be >= 1"},
+  };
+  for (const auto& c : cases) {
+    v1::BatchingPolicy policy;
+    (policy.*c.set)(c.value);
+    const absl::StatusOr<BatchLimitOverrides> overrides =
+        ConvertBatchingPolicy(policy, "batching");
+    EXPECT_EQ(overrides.status().code(), absl::StatusCode::kInvalidArgument) << c.message;
+    EXPECT_EQ(overrides.status().message(), c.message);
+  }
 }
 
 }  // namespace

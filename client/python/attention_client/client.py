@@ -169,12 +169,14 @@ class AttentionClient:
 
     # ---- layers -------------------------------------------------------------------------
     def load_layer(self, name, config, weights=None, random_seed=None, weight_dtype="float32",
-                   persist=False):
+                   persist=False, batching=None):
         """Loads (or replaces) a layer; `weights` maps native tensor names to numpy arrays.
-        Returns the server's LayerInfo."""
+        `batching` sets this layer's own BatchingPolicy fields, e.g.
+        {"max_batch_requests": 8, "max_queue_delay_us": 2000}; the rest follow the server's
+        flags. Returns the server's LayerInfo."""
         request = self._pb2.LoadLayerRequest(
             name=name, spec=make_layer_spec(config, weights, random_seed, weight_dtype),
-            persist=persist)
+            persist=persist, batching=self._pb2.BatchingPolicy(**(batching or {})))
         return self._stub.LoadLayer(request, timeout=self.timeout).layer
 
     def get_layer(self, name):
