@@ -45,8 +45,8 @@ def scrape(port):
     values = {}
     for name in ("attention_batch_size_requests_sum", "attention_batch_size_requests_count",
                  "attention_compute_duration_seconds_sum"):
-        match = re.search(rf"^{name} (\S+)$", text, re.M)
-        values[name] = float(match.group(1)) if match else 0.0
+        # Summed over the layer label (one layer here).
+        values[name] = sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
     return values
 
 

@@ -220,7 +220,9 @@ void Batcher::Run(std::vector<std::unique_ptr<WorkItem>> batch) {
   const absl::Time start = absl::Now();
   if (live.front()->layer == nullptr) {
     core::AttentionResult result = live.front()->run_alone(pool_);
-    if (metrics_ != nullptr) metrics_->BatchComputed(1, tokens, absl::Now() - start);
+    if (metrics_ != nullptr) {
+      metrics_->BatchComputed(QueueName(*live.front()), 1, tokens, absl::Now() - start);
+    }
     live.front()->done(std::move(result));
     return;
   }
@@ -229,7 +231,8 @@ void Batcher::Run(std::vector<std::unique_ptr<WorkItem>> batch) {
   const LayerSnapshot& snapshot = *live.front()->layer;
   std::vector<core::AttentionResult> results = snapshot.layer->ForwardBatch(inputs, pool_);
   if (metrics_ != nullptr) {
-    metrics_->BatchComputed(static_cast<int64_t>(live.size()), tokens, absl::Now() - start);
+    metrics_->BatchComputed(snapshot.name, static_cast<int64_t>(live.size()), tokens,
+                            absl::Now() - start);
     metrics_->TokensProcessed(snapshot.name, tokens);
   }
   for (size_t n = 0; n < live.size(); ++n) live[n]->done(std::move(results[n]));

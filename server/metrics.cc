@@ -37,19 +37,16 @@ Metrics::Metrics()
                           .Add({}, SecondsBuckets())),
       compute_duration_(prometheus::BuildHistogram()
                             .Name("attention_compute_duration_seconds")
-                            .Help("Time of one batched forward pass")
-                            .Register(*registry_)
-                            .Add({}, SecondsBuckets())),
+                            .Help("Time of one batched forward pass, by layer")
+                            .Register(*registry_)),
       batch_requests_(prometheus::BuildHistogram()
                           .Name("attention_batch_size_requests")
-                          .Help("Requests packed into one forward pass")
-                          .Register(*registry_)
-                          .Add({}, PowersOfTwo(1024))),
+                          .Help("Requests packed into one forward pass, by layer")
+                          .Register(*registry_)),
       batch_tokens_(prometheus::BuildHistogram()
                         .Name("attention_batch_size_tokens")
-                        .Help("Query tokens packed into one forward pass")
-                        .Register(*registry_)
-                        .Add({}, PowersOfTwo(1 << 20))),
+                        .Help("Query tokens packed into one forward pass, by layer")
+                        .Register(*registry_)),
       tokens_(prometheus::BuildCounter()
                   .Name("attention_tokens_processed_total")
                   .Help("Query tokens computed, by loaded layer ((inline) for one-off layers)")
@@ -115,10 +112,12 @@ void Metrics::Dequeued(absl::Duration waited) {
   queue_duration_.Observe(absl::ToDoubleSeconds(waited));
 }
 
-void Metrics::BatchComputed(int64_t requests, int64_t tokens, absl::Duration compute) {
-  batch_requests_.Observe(static_cast<double>(requests));
-  batch_tokens_.Observe(static_cast<double>(tokens));
-  compute_duration_.Observe(absl::ToDoubleSeconds(compute));
+void Metrics::BatchComputed(absl::string_view layer, int64_t requests, int64_t tokens,
+                            absl::Duration compute) {
+  const prometheus::Labels labels = {{"layer", std::string(layer)}};
+  batch_requests_.Add(labels, PowersOfTwo(1024)).Observe(static_cast<double>(requests));
+  batch_tokens_.Add(labels, PowersOfTwo(1 << 20)).Observe(static_cast<double>(tokens));
+  compute_duration_.Add(labels, SecondsBuckets()).Observe(absl::ToDoubleSeconds(compute));
 }
 
 void Metrics::TokensProcessed(absl::string_view layer, int64_t tokens) {

@@ -37,8 +37,10 @@ class Metrics {
   void CallFinished(absl::string_view method, absl::StatusCode code, absl::Duration elapsed);
   // A request left the queue after waiting `waited`.
   void Dequeued(absl::Duration waited);
-  // One forward pass over `requests` requests and `tokens` query tokens.
-  void BatchComputed(int64_t requests, int64_t tokens, absl::Duration compute);
+  // One forward pass of `layer`'s queue (see QueueName in batcher.h) over `requests`
+  // requests and `tokens` query tokens; by layer, so each layer's batching can be tuned.
+  void BatchComputed(absl::string_view layer, int64_t requests, int64_t tokens,
+                     absl::Duration compute);
   void TokensProcessed(absl::string_view layer, int64_t tokens);
   // Requests waiting in one layer's queue (see QueueName in batcher.h).
   void SetQueueDepth(absl::string_view layer, int64_t requests);
@@ -54,9 +56,9 @@ class Metrics {
   prometheus::Family<prometheus::Counter>& requests_;
   prometheus::Family<prometheus::Histogram>& request_duration_;
   prometheus::Histogram& queue_duration_;
-  prometheus::Histogram& compute_duration_;
-  prometheus::Histogram& batch_requests_;
-  prometheus::Histogram& batch_tokens_;
+  prometheus::Family<prometheus::Histogram>& compute_duration_;
+  prometheus::Family<prometheus::Histogram>& batch_requests_;
+  prometheus::Family<prometheus::Histogram>& batch_tokens_;
   prometheus::Family<prometheus::Counter>& tokens_;
   prometheus::Family<prometheus::Gauge>& queue_depth_;
   prometheus::Family<prometheus::Gauge>& queue_capacity_;

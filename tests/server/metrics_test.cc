@@ -73,7 +73,10 @@ TEST_F(MetricsTest, CountRequestsByMethodAndCode) {
   EXPECT_EQ(Sample(text, R"(attention_request_duration_seconds_count{method="MultiHeadAttention"})"), 5);
   EXPECT_EQ(Sample(text, "attention_tokens_processed_total{layer=\"demo-bert-base\"}"), 12);
   EXPECT_EQ(Sample(text, "attention_queue_duration_seconds_count"), 3);
-  EXPECT_GE(Sample(text, "attention_batch_size_requests_count"), 1);
+  EXPECT_GE(Sample(text, "attention_batch_size_requests_count{layer=\"demo-bert-base\"}"), 1);
+  EXPECT_EQ(Sample(text, "attention_batch_size_tokens_sum{layer=\"demo-bert-base\"}"), 12);
+  EXPECT_EQ(Sample(text, "attention_queue_capacity_requests{layer=\"demo-bert-base\"}"),
+            BatchLimits{}.max_queue_requests);
   EXPECT_EQ(Sample(text, "attention_in_flight_requests"), 0);
   EXPECT_EQ(Sample(text, "attention_layers_loaded"), 1);
   EXPECT_EQ(Sample(text, "attention_layer_weight_bytes"), 4.0 * (4 * 768 * 768 + 4 * 768));
