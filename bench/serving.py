@@ -50,9 +50,38 @@ def scrape(port):
     return values
 
 
+def cpu_seconds_by_thread_name(pid):
+    """CPU seconds (user + system) used so far by each thread name of process `pid`."""
+    seconds = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+        except FileNotFoundError:  # the thread ended
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        ticks = int(fields[11]) + int(fields[12])  # utime, stime
+        seconds[name] = seconds.get(name, 0.0) + ticks / os.sysconf("SC_CLK_TCK")
+    return seconds
+
+
+def cores_used(server_pid, loadgen_pid, seconds):
+    """Cores used over the next `seconds`: the server's compute threads (named after the
+    binary: batch workers and pool), its gRPC threads (every other name), the load generator."""
+    before = cpu_seconds_by_thread_name(server_pid), cpu_seconds_by_thread_name(loadgen_pid)
+    time.sleep(seconds)
+    after = cpu_seconds_by_thread_name(server_pid), cpu_seconds_by_thread_name(loadgen_pid)
+    delta = [{k: (v - b.get(k, 0.0)) / seconds for k, v in a.items()} for a, b in zip(after, before)]
+    compute = delta[0].get("attention-serve", 0.0)  # /proc truncates names to 15 characters
+    return {"server compute": compute, "server gRPC": sum(delta[0].values()) - compute,
+            "loadgen": sum(delta[1].values())}
+
+
 def serve_and_load(args, server_flags, loadgen_flags):
     """Starts a server, drives it with the load generator, stops it; returns loadgen's JSON
-    plus the server's mean batch size and compute milliseconds per batch."""
+    plus the server's mean batch size and compute milliseconds per batch, and the cores
+    each side used during the measured seconds."""
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "server.log")
         with open(log, "w") as out:
@@ -65,11 +94,18 @@ def serve_and_load(args, server_flags, loadgen_flags):
             metrics_port = wait_for_line(log, r"metrics on port (\d+)", server)
             before = scrape(metrics_port)
             report = os.path.join(tmp, "load.json")
-            subprocess.run(
+            loadgen_log = open(os.path.join(tmp, "loadgen.log"), "w+")
+            loadgen = subprocess.Popen(
                 [f"{args.build}/client/attention-loadgen", f"--target=127.0.0.1:{port}",
                  f"--tokens={TOKENS}", "--batch=1", f"--duration={args.duration}",
                  f"--warmup={args.warmup}", f"--json={report}"] + loadgen_flags,
-                check=True, capture_output=True)
+                stdout=loadgen_log, stderr=subprocess.STDOUT)
+            # Inside the measured window, with a margin at each end.
+            time.sleep(args.warmup + 0.5)
+            cores = cores_used(server.pid, loadgen.pid, args.duration - 1.0)
+            if loadgen.wait() != 0:
+                loadgen_log.seek(0)
+                raise RuntimeError(f"attention-loadgen failed: {loadgen_log.read()}")
             after = scrape(metrics_port)
             with open(report) as f:
                 result = json.load(f)
@@ -79,6 +115,7 @@ def serve_and_load(args, server_flags, loadgen_flags):
     batches = after["attention_batch_size_requests_count"] - before["attention_batch_size_requests_count"]
     requests = after["attention_batch_size_requests_sum"] - before["attention_batch_size_requests_sum"]
     compute = after["attention_compute_duration_seconds_sum"] - before["attention_compute_duration_seconds_sum"]
+    result["cores"] = cores
     result["mean_batch_requests"] = requests / batches if batches else 0.0
     result["compute_ms_per_batch"] = 1e3 * compute / batches if batches else 0.0
     return result
@@ -109,6 +146,8 @@ def main():
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--server_flags", default="", help="added to both servers")
     args = parser.parse_args()
+    if args.duration < 2:
+        parser.error("--duration must be >= 2 (CPU use is sampled inside it)")
     common = args.server_flags.split()
     closed = [f"--concurrency={args.concurrency}"]
     rows = []
@@ -131,6 +170,15 @@ def main():
             "compute ms per batch": batching["compute_ms_per_batch"],
             # With two batch workers, two forward passes may overlap and each takes longer.
             "no batching: compute ms per forward": single["compute_ms_per_batch"],
+            # Where the two cores go at peak; the rest is idle.
+            "batching: server compute cores": batching["cores"]["server compute"],
+            "batching: server gRPC cores": batching["cores"]["server gRPC"],
+            "batching: loadgen cores": batching["cores"]["loadgen"],
+            # Tokens/s per core the compute threads got, against the in-process core's per
+            # core (S4 on 2 threads): how much of the gap to in-process is compute itself.
+            "batching: per compute core / in-process per core":
+                batching["tokens_per_second"] / batching["cores"]["server compute"]
+                / (core["S4"] / 2),
             "batching p50 ms": batching["latency_ms"]["p50"],
             "batching p99 ms": batching["latency_ms"]["p99"],
             "half-peak rate req/s": half_rate,
