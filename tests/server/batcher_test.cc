@@ -106,7 +106,7 @@ std::unique_ptr<WorkItem> LayerItem(std::shared_ptr<LayerSnapshot> layer, int ta
   return item;
 }
 
-TEST_F(BatcherTest, EachLayerHasItsOwnQueueLimit) {
+TEST_F(BatcherTest, EachLayerHasItsOwnQueueWithTheServersLimitOrItsOwn) {
   BatcherOptions options = OneWorker();
   options.limits.max_queue_requests = 2;
   Metrics metrics;
@@ -115,6 +115,7 @@ TEST_F(BatcherTest, EachLayerHasItsOwnQueueLimit) {
   ASSERT_TRUE(batcher.Submit(TaggedItem(0, &order_, &mu_, &started, &release)).ok());
   started.WaitForNotification();  // the worker is held; everything below stays queued
   const auto a = SmallLayer("a"), b = SmallLayer("b");
+  b->batching.max_queue_requests = 1;  // b's own limit; a has the server's
   ASSERT_TRUE(batcher.Submit(LayerItem(a, 1, &order_, &mu_)).ok());
   ASSERT_TRUE(batcher.Submit(LayerItem(a, 2, &order_, &mu_)).ok());
   const absl::Status a_full = batcher.Submit(LayerItem(a, 3, &order_, &mu_));
@@ -123,39 +124,21 @@ TEST_F(BatcherTest, EachLayerHasItsOwnQueueLimit) {
             std::string::npos)
       << a_full;
   ASSERT_TRUE(batcher.Submit(LayerItem(b, 4, &order_, &mu_)).ok());  // b is not held back by a
+  const absl::Status b_full = batcher.Submit(LayerItem(b, 5, &order_, &mu_));
+  EXPECT_EQ(b_full.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(b_full.message().find("queue of layer \"b\" is full (1 requests waiting, limit 1)"),
+            std::string::npos)
+      << b_full;
   EXPECT_EQ(batcher.QueueDepth(), 3);
   EXPECT_EQ(QueueDepthGauge(metrics, "a"), 2);
   EXPECT_EQ(QueueDepthGauge(metrics, "b"), 1);
+  EXPECT_EQ(LayerGauge(metrics, "attention_queue_capacity_requests", "a"), 2);
+  EXPECT_EQ(LayerGauge(metrics, "attention_queue_capacity_requests", "b"), 1);
   release.Notify();
   batcher.Shutdown();
   EXPECT_EQ(order_, (std::vector<int>{0, 1, 2, 4}));
   EXPECT_EQ(QueueDepthGauge(metrics, "a"), 0);
   EXPECT_EQ(QueueDepthGauge(metrics, "b"), 0);
-}
-
-TEST_F(BatcherTest, ALayersOwnQueueLimitIsEnforcedAndExported) {
-  BatcherOptions options = OneWorker();
-  options.limits.max_queue_requests = 2;
-  Metrics metrics;
-  Batcher batcher(options, pool_, &metrics);
-  absl::Notification started, release;
-  ASSERT_TRUE(batcher.Submit(TaggedItem(0, &order_, &mu_, &started, &release)).ok());
-  started.WaitForNotification();  // the worker is held; everything below stays queued
-  const auto a = SmallLayer("a"), b = SmallLayer("b");
-  b->batching.max_queue_requests = 1;
-  ASSERT_TRUE(batcher.Submit(LayerItem(b, 1, &order_, &mu_)).ok());
-  const absl::Status b_full = batcher.Submit(LayerItem(b, 2, &order_, &mu_));
-  EXPECT_EQ(b_full.code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_NE(b_full.message().find("queue of layer \"b\" is full (1 requests waiting, limit 1)"),
-            std::string::npos)
-      << b_full;
-  ASSERT_TRUE(batcher.Submit(LayerItem(a, 3, &order_, &mu_)).ok());
-  ASSERT_TRUE(batcher.Submit(LayerItem(a, 4, &order_, &mu_)).ok());  // a has the server's 2
-  EXPECT_EQ(LayerGauge(metrics, "attention_queue_capacity_requests", "a"), 2);
-  EXPECT_EQ(LayerGauge(metrics, "attention_queue_capacity_requests", "b"), 1);
-  release.Notify();
-  batcher.Shutdown();
-  EXPECT_EQ(order_, (std::vector<int>{0, 1, 3, 4}));
 }
 
 TEST_F(BatcherTest, ExpiredAndCancelledItemsAreNotComputed) {

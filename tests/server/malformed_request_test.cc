@@ -203,11 +203,7 @@ TEST_F(ServerTest, MalformedScaledDotProductAttentionRequestsAreRejected) {
 
 TEST_F(ServerTest, MalformedLayerManagementIsRejected) {
   using C = absl::StatusCode;
-  v1::LoadLayerRequest valid;
-  valid.set_name("ok");
-  valid.mutable_spec()->mutable_config()->set_embed_dim(8);
-  valid.mutable_spec()->mutable_config()->set_num_heads(2);
-  valid.mutable_spec()->mutable_random_init()->set_seed(1);
+  const v1::LoadLayerRequest valid = RandomLayerRequest("ok", 8, 1);
   struct Case {
     std::string name;
     std::function<void(v1::LoadLayerRequest&)> corrupt;

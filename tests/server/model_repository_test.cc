@@ -202,12 +202,8 @@ class RepositoryTest : public ::testing::Test {
 
   absl::StatusOr<v1::LayerInfo> LoadRandom(const std::string& name, int64_t embed_dim,
                                            uint64_t seed, bool persist = false) {
-    v1::LoadLayerRequest request;
-    request.set_name(name);
+    v1::LoadLayerRequest request = RandomLayerRequest(name, embed_dim, seed);
     request.set_persist(persist);
-    request.mutable_spec()->mutable_config()->set_embed_dim(embed_dim);
-    request.mutable_spec()->mutable_config()->set_num_heads(2);
-    request.mutable_spec()->mutable_random_init()->set_seed(seed);
     return client_->LoadLayer(request);
   }
 
@@ -564,12 +560,8 @@ TEST_F(RepositoryTest, PersistedLayersComeBackAfterARestart) {
 }
 
 TEST_F(RepositoryTest, ALayersBatchingPolicyIsPersistedAndTheRestFollowsTheFlags) {
-  v1::LoadLayerRequest request;
-  request.set_name("tuned");
+  v1::LoadLayerRequest request = RandomLayerRequest("tuned", 8, 4);
   request.set_persist(true);
-  request.mutable_spec()->mutable_config()->set_embed_dim(8);
-  request.mutable_spec()->mutable_config()->set_num_heads(2);
-  request.mutable_spec()->mutable_random_init()->set_seed(4);
   request.mutable_batching()->set_max_batch_requests(3);
   request.mutable_batching()->set_max_queue_delay_us(0);
   ASSERT_TRUE(client_->LoadLayer(request).ok());

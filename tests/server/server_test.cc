@@ -206,11 +206,7 @@ TEST_F(ServerTest, LoadInlineWeightsFusedAndSeparate) {
 }
 
 TEST_F(ServerTest, ReloadBumpsVersionAndUnloadRemoves) {
-  v1::LoadLayerRequest load;
-  load.set_name("scratch");
-  load.mutable_spec()->mutable_config()->set_embed_dim(8);
-  load.mutable_spec()->mutable_config()->set_num_heads(2);
-  load.mutable_spec()->mutable_random_init()->set_seed(5);
+  const v1::LoadLayerRequest load = RandomLayerRequest("scratch", 8, 5);
   auto first = client_->LoadLayer(load);
   auto second = client_->LoadLayer(load);
   ASSERT_TRUE(first.ok() && second.ok());
@@ -226,11 +222,7 @@ TEST_F(ServerTest, ReloadBumpsVersionAndUnloadRemoves) {
 }
 
 TEST_F(ServerTest, LayerInfoReportsTheBatchingPolicyResolved) {
-  v1::LoadLayerRequest load;
-  load.set_name("tuned");
-  load.mutable_spec()->mutable_config()->set_embed_dim(8);
-  load.mutable_spec()->mutable_config()->set_num_heads(2);
-  load.mutable_spec()->mutable_random_init()->set_seed(5);
+  v1::LoadLayerRequest load = RandomLayerRequest("tuned", 8, 5);
   load.mutable_batching()->set_max_batch_requests(4);
   load.mutable_batching()->set_max_queue_delay_us(2500);
   auto loaded = client_->LoadLayer(load);

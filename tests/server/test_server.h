@@ -4,6 +4,7 @@
 
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "client/attention_client.h"
@@ -45,6 +46,17 @@ inline std::vector<float> RandomValues(std::mt19937_64& rng, size_t count) {
   std::vector<float> values(count);
   for (float& v : values) v = uniform(rng);
   return values;
+}
+
+// Loads a layer of `embed_dim` with two heads, seeded random weights.
+inline v1::LoadLayerRequest RandomLayerRequest(const std::string& name, int64_t embed_dim,
+                                               uint64_t seed) {
+  v1::LoadLayerRequest request;
+  request.set_name(name);
+  request.mutable_spec()->mutable_config()->set_embed_dim(embed_dim);
+  request.mutable_spec()->mutable_config()->set_num_heads(2);
+  request.mutable_spec()->mutable_random_init()->set_seed(seed);
+  return request;
 }
 
 // A valid request for the demo layer: query [batch, tokens, 768] of random values.
