@@ -46,7 +46,8 @@ def scrape(port):
     for name in ("attention_batch_size_requests_sum", "attention_batch_size_requests_count",
                  "attention_compute_duration_seconds_sum"):
         # Summed over the layer label (one layer here).
-        values[name] = sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+        samples = re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+        values[name] = sum(float(v) for v in samples)
     return values
 
 
@@ -72,7 +73,8 @@ def cores_used(server_pid, loadgen_pid, seconds):
     before = cpu_seconds_by_thread_name(server_pid), cpu_seconds_by_thread_name(loadgen_pid)
     time.sleep(seconds)
     after = cpu_seconds_by_thread_name(server_pid), cpu_seconds_by_thread_name(loadgen_pid)
-    delta = [{k: (v - b.get(k, 0.0)) / seconds for k, v in a.items()} for a, b in zip(after, before)]
+    delta = [{name: (used - earlier.get(name, 0.0)) / seconds for name, used in later.items()}
+             for later, earlier in zip(after, before)]
     compute = delta[0].get("attention-serve", 0.0)  # /proc truncates names to 15 characters
     return {"server compute": compute, "server gRPC": sum(delta[0].values()) - compute,
             "loadgen": sum(delta[1].values())}

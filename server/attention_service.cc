@@ -340,7 +340,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ListLayers(
     v1::ListLayersResponse* response) {
   const absl::Time start = absl::Now();
   metrics_.CallStarted();
-  for (const auto& snapshot : registry_.List()) DescribeLayer(*snapshot, batcher_.server_limits(), response->add_layers());
+  for (const auto& snapshot : registry_.List()) {
+    DescribeLayer(*snapshot, batcher_.server_limits(), response->add_layers());
+  }
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   Finish(reactor, "ListLayers", start, absl::OkStatus());
   return reactor;
@@ -353,7 +355,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetLayer(grpc::CallbackServerCon
   metrics_.CallStarted();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   auto snapshot = registry_.Get(request->name());
-  if (snapshot.ok()) DescribeLayer(**snapshot, batcher_.server_limits(), response->mutable_layer());
+  if (snapshot.ok()) {
+    DescribeLayer(**snapshot, batcher_.server_limits(), response->mutable_layer());
+  }
   Finish(reactor, "GetLayer", start, snapshot.status());
   return reactor;
 }
