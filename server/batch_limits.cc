@@ -17,10 +17,13 @@ absl::Status BatchLimits::Validate(absl::string_view field_prefix) const {
           absl::StrCat(field_prefix, name, " = ", value, " must be >= 1"));
     }
   }
-  if (max_queue_delay < absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field_prefix, "max_queue_delay = ", absl::FormatDuration(max_queue_delay),
-                     " must be >= 0"));
+  for (auto [name, value] : {std::pair<const char*, absl::Duration>{"max_queue_delay",
+                                                                    max_queue_delay},
+                             {"queue_timeout", queue_timeout}}) {
+    if (value < absl::ZeroDuration()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field_prefix, name, " = ", absl::FormatDuration(value), " must be >= 0"));
+    }
   }
   return absl::OkStatus();
 }
@@ -31,6 +34,7 @@ BatchLimits BatchLimitOverrides::ApplyTo(BatchLimits defaults) const {
   defaults.max_queue_delay = max_queue_delay.value_or(defaults.max_queue_delay);
   defaults.max_queue_requests = max_queue_requests.value_or(defaults.max_queue_requests);
   defaults.max_queue_tokens = max_queue_tokens.value_or(defaults.max_queue_tokens);
+  defaults.queue_timeout = queue_timeout.value_or(defaults.queue_timeout);
   return defaults;
 }
 

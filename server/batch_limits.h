@@ -26,6 +26,11 @@ struct BatchLimits {
   // RESOURCE_EXHAUSTED at once for that layer. >= 1; defaults 1024 and 1 << 20.
   int64_t max_queue_requests = 1024;
   int64_t max_queue_tokens = int64_t{1} << 20;
+  // A request still queued this long after it arrived is answered DEADLINE_EXCEEDED
+  // without being computed, as when its own deadline passes (load shedding: under
+  // overload late answers are dropped instead of delaying every later request). Zero (the
+  // default) means no limit. >= 0.
+  absl::Duration queue_timeout = absl::ZeroDuration();
 
   // INVALID_ARGUMENT naming the first field out of range, prefixed with `field_prefix`.
   absl::Status Validate(absl::string_view field_prefix = "") const;
@@ -39,6 +44,7 @@ struct BatchLimitOverrides {
   std::optional<absl::Duration> max_queue_delay;
   std::optional<int64_t> max_queue_requests;
   std::optional<int64_t> max_queue_tokens;
+  std::optional<absl::Duration> queue_timeout;
 
   // `defaults` with the fields this layer sets replaced.
   BatchLimits ApplyTo(BatchLimits defaults) const;

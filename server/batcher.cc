@@ -61,6 +61,9 @@ absl::Status BatchQueue::Push(std::unique_ptr<WorkItem>& item, absl::Time now) {
   ++usage.requests;
   usage.tokens += item->tokens;
   item->enqueued = now;
+  if (limits.queue_timeout > absl::ZeroDuration()) {
+    item->deadline = std::min(item->deadline, now + limits.queue_timeout);
+  }
   tokens_ += item->tokens;
   items_.push_back(std::move(item));
   return absl::OkStatus();
@@ -206,8 +209,8 @@ void Batcher::Run(std::vector<std::unique_ptr<WorkItem>> batch) {
     if (metrics_ != nullptr) metrics_->Dequeued(now - item->enqueued);
     if (now > item->deadline) {
       item->done(absl::DeadlineExceededError(
-          "the deadline (the call's, or options.queue_timeout_us) passed while the request "
-          "was queued"));
+          "the deadline (the call's, options.queue_timeout_us, or the layer's queue_timeout) "
+          "passed while the request was queued"));
     } else if (item->is_cancelled && item->is_cancelled()) {
       item->done(absl::CancelledError("the request was cancelled before compute"));
     } else {

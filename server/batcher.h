@@ -82,8 +82,9 @@ class BatchQueue {
  public:
   explicit BatchQueue(const BatcherOptions& options) : options_(options) {}
 
-  // Queues `item` arriving at `now`, or returns RESOURCE_EXHAUSTED when its layer's queue
-  // is full (the item is then left untouched).
+  // Queues `item` arriving at `now` (its deadline shortened to the layer's queue_timeout),
+  // or returns RESOURCE_EXHAUSTED when its layer's queue is full (the item is then left
+  // untouched).
   absl::Status Push(std::unique_ptr<WorkItem>& item, absl::Time now);
 
   // The batch due at `now`, removed from the queue, or an empty vector with *due set to

@@ -23,7 +23,8 @@ ABSL_FLAG(int, compute_threads, 0, "compute threads; 0 = one per hardware thread
 ABSL_FLAG(int, batch_workers, 2,
           "threads taking batches off the queue; two overlap one batch's encoding with "
           "another's compute");
-// The five batch and queue limits below are defaults; a layer may set its own at LoadLayer.
+// The batch and queue limits below (to --queue_timeout) are defaults; a layer may set its
+// own at LoadLayer.
 ABSL_FLAG(int64_t, max_batch_requests, 64, "most requests packed into one forward pass");
 ABSL_FLAG(int64_t, max_batch_tokens, 16384, "most query tokens packed into one forward pass");
 ABSL_FLAG(absl::Duration, max_queue_delay, absl::ZeroDuration(),
@@ -34,6 +35,9 @@ ABSL_FLAG(int64_t, max_queue_requests, 1024,
 ABSL_FLAG(int64_t, max_queue_tokens, int64_t{1} << 20,
           "queued query tokens of one layer beyond which new requests for it get "
           "RESOURCE_EXHAUSTED");
+ABSL_FLAG(absl::Duration, queue_timeout, absl::ZeroDuration(),
+          "a request still queued this long is answered DEADLINE_EXCEEDED without being "
+          "computed, e.g. 500ms; 0 = no limit beyond the caller's deadline");
 ABSL_FLAG(absl::Duration, starvation_limit, absl::Milliseconds(100),
           "a request queued longer than this runs before younger ones of any priority");
 ABSL_FLAG(bool, demo_layer, true, "load the seeded BERT-base-shaped layer 'demo-bert-base'");
@@ -108,6 +112,7 @@ int main(int argc, char** argv) {
   options.batcher.limits.max_queue_requests = absl::GetFlag(FLAGS_max_queue_requests);
   options.batcher.limits.max_queue_delay = absl::GetFlag(FLAGS_max_queue_delay);
   options.batcher.limits.max_queue_tokens = absl::GetFlag(FLAGS_max_queue_tokens);
+  options.batcher.limits.queue_timeout = absl::GetFlag(FLAGS_queue_timeout);
   options.batcher.starvation_limit = absl::GetFlag(FLAGS_starvation_limit);
   options.demo_layer = absl::GetFlag(FLAGS_demo_layer);
   options.registry.model_repository = absl::GetFlag(FLAGS_model_repository);

@@ -76,12 +76,20 @@ absl::StatusOr<BatchLimitOverrides> ConvertBatchingPolicy(const v1::BatchingPoli
   BatchLimitOverrides overrides;
   if (policy.has_max_batch_requests()) overrides.max_batch_requests = policy.max_batch_requests();
   if (policy.has_max_batch_tokens()) overrides.max_batch_tokens = policy.max_batch_tokens();
+  // Durations are checked here, to name the wire field and its unit.
   if (policy.has_max_queue_delay_us()) {
-    if (policy.max_queue_delay_us() < 0) {  // checked here to name the wire field
+    if (policy.max_queue_delay_us() < 0) {
       return Invalid(field, ".max_queue_delay_us = ", policy.max_queue_delay_us(),
                      " must be >= 0 (microseconds)");
     }
     overrides.max_queue_delay = absl::Microseconds(policy.max_queue_delay_us());
+  }
+  if (policy.has_queue_timeout_us()) {
+    if (policy.queue_timeout_us() < 0) {
+      return Invalid(field, ".queue_timeout_us = ", policy.queue_timeout_us(),
+                     " must be >= 0 (microseconds; 0 = no limit)");
+    }
+    overrides.queue_timeout = absl::Microseconds(policy.queue_timeout_us());
   }
   if (policy.has_max_queue_requests()) overrides.max_queue_requests = policy.max_queue_requests();
   if (policy.has_max_queue_tokens()) overrides.max_queue_tokens = policy.max_queue_tokens();
@@ -100,14 +108,16 @@ v1::BatchingPolicy BatchingPolicyToProto(const BatchLimitOverrides& overrides) {
   }
   if (overrides.max_queue_requests) policy.set_max_queue_requests(*overrides.max_queue_requests);
   if (overrides.max_queue_tokens) policy.set_max_queue_tokens(*overrides.max_queue_tokens);
+  if (overrides.queue_timeout) {
+    policy.set_queue_timeout_us(absl::ToInt64Microseconds(*overrides.queue_timeout));
+  }
   return policy;
 }
 
 v1::BatchingPolicy BatchingPolicyToProto(const BatchLimits& limits) {
-  return BatchingPolicyToProto(BatchLimitOverrides{limits.max_batch_requests,
-                                                   limits.max_batch_tokens, limits.max_queue_delay,
-                                                   limits.max_queue_requests,
-                                                   limits.max_queue_tokens});
+  return BatchingPolicyToProto(BatchLimitOverrides{
+      limits.max_batch_requests, limits.max_batch_tokens, limits.max_queue_delay,
+      limits.max_queue_requests, limits.max_queue_tokens, limits.queue_timeout});
 }
 
 absl::StatusOr<core::AttentionOptions> ConvertOptions(const v1::AttentionOptions& in,

@@ -47,6 +47,9 @@ TEST_F(BatcherTest, RejectsInvalidOptions) {
   BatcherOptions options;
   options.limits.max_queue_requests = 0;
   EXPECT_EQ(options.Validate().message(), "max_queue_requests = 0 must be >= 1");
+  options = BatcherOptions{};
+  options.limits.queue_timeout = -absl::Seconds(1);
+  EXPECT_EQ(options.Validate().message(), "queue_timeout = -1s must be >= 0");
 }
 
 TEST_F(BatcherTest, FullQueueAnswersResourceExhaustedAtOnce) {
@@ -139,6 +142,19 @@ TEST_F(BatcherTest, EachLayerHasItsOwnQueueWithTheServersLimitOrItsOwn) {
   EXPECT_EQ(order_, (std::vector<int>{0, 1, 2, 4}));
   EXPECT_EQ(QueueDepthGauge(metrics, "a"), 0);
   EXPECT_EQ(QueueDepthGauge(metrics, "b"), 0);
+}
+
+TEST_F(BatcherTest, ItemsPastTheirLayersQueueTimeoutAreNotComputed) {
+  Batcher batcher(OneWorker(), pool_);  // the server's limits: no queue timeout
+  absl::Notification started, release;
+  ASSERT_TRUE(batcher.Submit(TaggedItem(1, &order_, &mu_, &started, &release)).ok());
+  started.WaitForNotification();
+  const auto layer = SmallLayer("strict");
+  layer->batching.queue_timeout = absl::Nanoseconds(1);  // expires behind the held item 1
+  ASSERT_TRUE(batcher.Submit(LayerItem(layer, 2, &order_, &mu_)).ok());
+  release.Notify();
+  batcher.Shutdown();
+  EXPECT_EQ(order_, (std::vector<int>{1, -static_cast<int>(absl::StatusCode::kDeadlineExceeded)}));
 }
 
 TEST_F(BatcherTest, ExpiredAndCancelledItemsAreNotComputed) {
@@ -395,6 +411,30 @@ TEST_F(BatchQueueTest, ALayersOwnLimitsApplyToThatLayerOnly) {
   for (int tag = 6; tag <= 10; ++tag) Push(queue, Item(tag, 1, 0, /*other_layer=*/true), t1);
   EXPECT_EQ(Tags(queue.PopDue(t1, false, &due)), (std::vector<int>{6, 7, 8, 9, 10}));
   EXPECT_EQ(Tags(queue.PopDue(t1 + absl::Milliseconds(10), false, &due)), (std::vector<int>{4}));
+}
+
+TEST_F(BatchQueueTest, QueueTimeoutShortensTheDeadlineOfItsLayerOnly) {
+  BatcherOptions options;
+  options.limits.queue_timeout = absl::Milliseconds(50);  // the server's
+  other_layer_->batching.queue_timeout = absl::ZeroDuration();  // b: no limit of its own
+  BatchQueue queue(options);
+  auto soon = Item(1, 1);
+  soon->deadline = t0_ + absl::Milliseconds(20);  // the call's deadline is earlier: kept
+  auto late = Item(2, 1);
+  late->deadline = t0_ + absl::Seconds(5);
+  WorkItem* soon_item = soon.get();
+  WorkItem* late_item = late.get();
+  WorkItem* unlimited = nullptr;
+  {
+    auto item = Item(3, 1, 0, /*other_layer=*/true);
+    unlimited = item.get();
+    Push(queue, std::move(item), t0_);
+  }
+  Push(queue, std::move(soon), t0_);
+  Push(queue, std::move(late), t0_ + absl::Milliseconds(10));
+  EXPECT_EQ(soon_item->deadline, t0_ + absl::Milliseconds(20));
+  EXPECT_EQ(late_item->deadline, t0_ + absl::Milliseconds(60));
+  EXPECT_EQ(unlimited->deadline, absl::InfiniteFuture());
 }
 
 TEST_F(BatchQueueTest, OfSeveralDueBatchesTheHighestRankedLeaderRunsFirst) {

@@ -257,6 +257,9 @@ TEST_F(ServerTest, MalformedLayerManagementIsRejected) {
        "batching.max_queue_delay_us = -2 must be >= 0 (microseconds)"},
       {"zero queue bound", [](auto& r) { r.mutable_batching()->set_max_queue_tokens(0); },
        C::kInvalidArgument, "batching.max_queue_tokens = 0 must be >= 1"},
+      {"negative queue timeout",
+       [](auto& r) { r.mutable_batching()->set_queue_timeout_us(-1); }, C::kInvalidArgument,
+       "batching.queue_timeout_us = -1 must be >= 0"},
   };
   for (const Case& test_case : cases) {
     v1::LoadLayerRequest request = valid;

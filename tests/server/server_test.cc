@@ -225,6 +225,7 @@ TEST_F(ServerTest, LayerInfoReportsTheBatchingPolicyResolved) {
   v1::LoadLayerRequest load = RandomLayerRequest("tuned", 8, 5);
   load.mutable_batching()->set_max_batch_requests(4);
   load.mutable_batching()->set_max_queue_delay_us(2500);
+  load.mutable_batching()->set_queue_timeout_us(300000);
   auto loaded = client_->LoadLayer(load);
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   const BatchLimits server = Options().batcher.limits;
@@ -234,11 +235,14 @@ TEST_F(ServerTest, LayerInfoReportsTheBatchingPolicyResolved) {
     EXPECT_EQ(info.batching().max_batch_tokens(), server.max_batch_tokens);
     EXPECT_EQ(info.batching().max_queue_requests(), server.max_queue_requests);
     EXPECT_EQ(info.batching().max_queue_tokens(), server.max_queue_tokens);
+    EXPECT_EQ(info.batching().queue_timeout_us(), 300000);
   }
   auto demo = client_->GetLayer(kDemoLayerName);  // loaded without a policy: the server's
   ASSERT_TRUE(demo.ok());
   EXPECT_EQ(demo->batching().max_batch_requests(), server.max_batch_requests);
   EXPECT_EQ(demo->batching().max_queue_delay_us(), absl::ToInt64Microseconds(server.max_queue_delay));
+  EXPECT_TRUE(demo->batching().has_queue_timeout_us());
+  EXPECT_EQ(demo->batching().queue_timeout_us(), 0);  // no limit
   // The layer answers through its own queue.
   std::mt19937_64 rng(11);
   v1::MultiHeadAttentionRequest request;

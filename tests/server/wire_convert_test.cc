@@ -34,6 +34,7 @@ TEST(BatchingPolicyTest, OnlyTheFieldsSetOverrideTheServer) {
   v1::BatchingPolicy policy;
   policy.set_max_batch_requests(4);
   policy.set_max_queue_delay_us(0);  // set to zero is not unset: no delay for this layer
+  policy.set_queue_timeout_us(250000);
   const absl::StatusOr<BatchLimitOverrides> overrides = ConvertBatchingPolicy(policy, "batching");
   ASSERT_TRUE(overrides.ok()) << overrides.status();
   BatchLimits server;
@@ -44,6 +45,7 @@ TEST(BatchingPolicyTest, OnlyTheFieldsSetOverrideTheServer) {
   EXPECT_EQ(limits.max_batch_tokens, 100);
   EXPECT_EQ(limits.max_queue_delay, absl::ZeroDuration());
   EXPECT_EQ(limits.max_queue_requests, server.max_queue_requests);
+  EXPECT_EQ(limits.queue_timeout, absl::Milliseconds(250));
   // Back to the wire: the overrides carry only what was set; the limits carry everything.
   const v1::BatchingPolicy round_trip = BatchingPolicyToProto(*overrides);
   EXPECT_EQ(round_trip.SerializeAsString(), policy.SerializeAsString());
@@ -66,6 +68,8 @@ TEST(BatchingPolicyTest, OutOfRangeValuesAreInvalidAndNamed) {
       {&v1::BatchingPolicy::set_max_queue_requests, 0,
        "batching.max_queue_requests = 0 must be >= 1"},
       {&v1::BatchingPolicy::set_max_queue_tokens, 0, "batching.max_queue_tokens = 0 must be >= 1"},
+      {&v1::BatchingPolicy::set_queue_timeout_us, -7,
+       "batching.queue_timeout_us = -7 must be >= 0 (microseconds; 0 = no limit)"},
   };
   for (const auto& c : cases) {
     v1::BatchingPolicy policy;
