@@ -843,6 +843,7 @@ void RunOpenLoop(const Config& config, Run& run, const RequestFactory& factory) 
 // ---------------------------------------------------------------------------------------
 // Output.
 
+using attention::core::JsonQuoted;
 
 std::string JsonNumber(double v) {
   if (!std::isfinite(v)) return "null";
@@ -861,15 +862,15 @@ std::string ToJson(const Config& c, const Report& r) {
   const LatencySummary& l = r.latency;
   auto latency = [&](double v) { return l.count > 0 ? JsonNumber(v) : std::string("null"); };
   o << "{\n";
-  o << "  \"config\": {\"target\": " << attention::core::JsonQuoted(c.target) << ", \"layer\": "
-    << attention::core::JsonQuoted(c.layer) << ", \"mode\": \"" << (c.stream ? "stream" : "unary")
+  o << "  \"config\": {\"target\": " << JsonQuoted(c.target) << ", \"layer\": "
+    << JsonQuoted(c.layer) << ", \"mode\": \"" << (c.stream ? "stream" : "unary")
     << "\", \"loop\": \"" << (c.open_loop ? "open" : "closed") << "\", \"concurrency\": "
     << (c.open_loop ? 0 : c.concurrency) << ", \"rate\": " << JsonNumber(c.rate)
     << ", \"streams\": " << (c.stream ? c.streams : 0) << ", \"connections\": "
     << c.connections << ", \"batch\": " << c.batch << ", \"tokens\": "
-    << attention::core::JsonQuoted(c.tokens_flag) << ", \"min_tokens\": " << c.min_tokens
+    << JsonQuoted(c.tokens_flag) << ", \"min_tokens\": " << c.min_tokens
     << ", \"max_tokens\": " << c.max_tokens << ", \"embed_dim\": " << c.embed_dim
-    << ", \"dtype\": " << attention::core::JsonQuoted(c.dtype_name) << ", \"causal\": "
+    << ", \"dtype\": " << JsonQuoted(c.dtype_name) << ", \"causal\": "
     << (c.causal ? "true" : "false") << ", \"duration_seconds\": " << JsonNumber(c.duration)
     << ", \"warmup_seconds\": " << JsonNumber(c.warmup) << ", \"seed\": " << c.seed << "},\n";
   o << "  \"window_seconds\": " << JsonNumber(r.window_seconds) << ",\n";
@@ -882,7 +883,7 @@ std::string ToJson(const Config& c, const Report& r) {
   o << "  \"errors_by_code\": {";
   bool first = true;
   for (const auto& [name, count] : r.errors_by_code) {
-    o << (first ? "" : ", ") << attention::core::JsonQuoted(name) << ": " << count;
+    o << (first ? "" : ", ") << JsonQuoted(name) << ": " << count;
     first = false;
   }
   o << "},\n";

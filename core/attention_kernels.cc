@@ -166,6 +166,38 @@ int64_t QueryBlocks(const AttentionDims& d) {
 // the scores of one query block never exceed rows x kKeyBlock floats.
 constexpr int64_t kKeyBlock = 1024;
 
+// Zeroes `rows` rows of `width` floats `stride` apart.
+void ZeroRows(float* out, int64_t rows, int64_t stride, int64_t width) {
+  for (int64_t r = 0; r < rows; ++r) std::fill(out + r * stride, out + r * stride + width, 0.0f);
+}
+
+// Query i's scaled scores against keys [first_key, first_key + keys) in `row`, as the
+// scores GEMM left them: adds the element masks and zeroes the entries past i's key limit.
+// Returns how many leading entries take part in the softmax.
+int64_t MaskScoreRow(const AttentionProblem& p, int64_t b, int64_t h, int64_t i,
+                     int64_t first_key, int64_t keys, float* row) {
+  const AttentionOptions& options = *p.options;
+  const int64_t valid = std::clamp<int64_t>(options.KeyLimit(p.dims, b, i) - first_key, 0, keys);
+  std::fill(row + valid, row + keys, 0.0f);
+  if (options.HasElementMasks()) {
+    for (int64_t j = 0; j < valid; ++j) row[j] += options.ScoreBias(p.dims, b, h, i, first_key + j);
+  }
+  return valid;
+}
+
+// Dropout of query i's probabilities for keys [first_key, first_key + count), in place:
+// kept ones are scaled by 1 / (1 - p).
+void DropOutRow(const AttentionOptions& options, int64_t b, int64_t h, int64_t i,
+                int64_t first_key, int64_t count, float* row) {
+  if (options.dropout_p <= 0.0f) return;
+  const float keep_scale = 1.0f / (1.0f - options.dropout_p);
+  for (int64_t j = 0; j < count; ++j) {
+    row[j] = DropoutKeeps(options.dropout_seed, options.dropout_p, b, h, i, first_key + j)
+                 ? row[j] * keep_scale
+                 : 0.0f;
+  }
+}
+
 // Flash-style pass for one query block over `key_count` keys in blocks of kKeyBlock: a
 // running row maximum and sum rescale what is already accumulated in `out`, so no row of
 // scores longer than kKeyBlock is ever held. Used when no attention weights are returned.
@@ -174,13 +206,12 @@ void AttendBlockOnline(const AttentionProblem& p, int64_t b, int64_t h, int64_t 
   const AttentionOptions& options = *p.options;
   const AttentionDims& d = p.dims;
   const int64_t hk = KvHead(d, h);
-  const float keep_scale = 1.0f / (1.0f - options.dropout_p);
   const int64_t out_stride = p.output_layout.row_stride;
   thread_local std::vector<float> scores, row_max, row_sum;
   scores.resize(rows * kKeyBlock);
   row_max.assign(rows, -std::numeric_limits<float>::infinity());
   row_sum.assign(rows, 0.0f);
-  for (int64_t r = 0; r < rows; ++r) std::fill(out + r * out_stride, out + r * out_stride + d.v_head_dim, 0.0f);
+  ZeroRows(out, rows, out_stride, d.v_head_dim);
   for (int64_t first_key = 0; first_key < key_count; first_key += kKeyBlock) {
     const int64_t keys = std::min(kKeyBlock, key_count - first_key);
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, d.head_dim,
@@ -190,11 +221,7 @@ void AttendBlockOnline(const AttentionProblem& p, int64_t b, int64_t h, int64_t 
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = first_row + r;
       float* row = scores.data() + r * keys;
-      const int64_t valid = std::clamp<int64_t>(options.KeyLimit(d, b, i) - first_key, 0, keys);
-      std::fill(row + valid, row + keys, 0.0f);
-      if (options.HasElementMasks()) {
-        for (int64_t j = 0; j < valid; ++j) row[j] += options.ScoreBias(d, b, h, i, first_key + j);
-      }
+      const int64_t valid = MaskScoreRow(p, b, h, i, first_key, keys, row);
       const float block_max = RowMax(row, valid);
       if (block_max == -std::numeric_limits<float>::infinity()) {
         std::fill(row, row + valid, 0.0f);  // nothing to attend in this block
@@ -209,13 +236,7 @@ void AttendBlockOnline(const AttentionProblem& p, int64_t b, int64_t h, int64_t 
       }
       row_max[r] = new_max;
       row_sum[r] += ExpAndSum(row, valid, new_max);  // the sum before dropout normalizes
-      if (options.dropout_p > 0.0f) {
-        for (int64_t j = 0; j < valid; ++j) {
-          row[j] = DropoutKeeps(options.dropout_seed, options.dropout_p, b, h, i, first_key + j)
-                       ? row[j] * keep_scale
-                       : 0.0f;
-        }
-      }
+      DropOutRow(options, b, h, i, first_key, valid, row);
     }
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, d.v_head_dim, keys, 1.0f,
                 scores.data(), keys, p.value + p.value_layout.Offset(b, hk, first_key),
@@ -232,8 +253,6 @@ void AttendBlock(const AttentionProblem& p, int64_t b, int64_t h, int64_t block)
   const AttentionOptions& options = *p.options;
   const AttentionDims& d = p.dims;
   const float scale = options.Scale(d);
-  const bool element_masks = options.HasElementMasks();
-  const float keep_scale = 1.0f / (1.0f - options.dropout_p);
   const int64_t hk = KvHead(d, h);
   const int64_t block_rows = QueryBlockRows(d.kv_len);
   const int64_t first_row = block * block_rows;
@@ -246,10 +265,7 @@ void AttendBlock(const AttentionProblem& p, int64_t b, int64_t h, int64_t block)
                            : p.weights + ((b * d.num_heads + h) * d.q_len + first_row) * d.kv_len;
   if (weights != nullptr) std::fill(weights, weights + rows * d.kv_len, 0.0f);
   if (key_count == 0) {
-    for (int64_t r = 0; r < rows; ++r) {
-      std::fill(out + r * p.output_layout.row_stride,
-                out + r * p.output_layout.row_stride + d.v_head_dim, 0.0f);
-    }
+    ZeroRows(out, rows, p.output_layout.row_stride, d.v_head_dim);
     return;
   }
   if (weights == nullptr && key_count > kKeyBlock) {
@@ -267,11 +283,7 @@ void AttendBlock(const AttentionProblem& p, int64_t b, int64_t h, int64_t block)
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = first_row + r;
     float* row = scores.data() + r * key_count;
-    const int64_t limit = options.KeyLimit(d, b, i);
-    std::fill(row + limit, row + key_count, 0.0f);
-    if (element_masks) {
-      for (int64_t j = 0; j < limit; ++j) row[j] += options.ScoreBias(d, b, h, i, j);
-    }
+    const int64_t limit = MaskScoreRow(p, b, h, i, 0, key_count, row);
     const float max_score = RowMax(row, limit);
     if (max_score == -std::numeric_limits<float>::infinity()) {
       std::fill(row, row + limit, 0.0f);  // fully masked row: zeros, never NaN
@@ -279,13 +291,7 @@ void AttendBlock(const AttentionProblem& p, int64_t b, int64_t h, int64_t block)
     }
     const float sum = ExpAndSum(row, limit, max_score);
     ScaleRow(row, limit, 1.0f / sum);
-    if (options.dropout_p > 0.0f) {
-      for (int64_t j = 0; j < limit; ++j) {
-        row[j] = DropoutKeeps(options.dropout_seed, options.dropout_p, b, h, i, j)
-                     ? row[j] * keep_scale
-                     : 0.0f;
-      }
-    }
+    DropOutRow(options, b, h, i, 0, limit, row);
     if (weights != nullptr) std::copy(row, row + key_count, weights + r * d.kv_len);
   }
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, d.v_head_dim, key_count, 1.0f,

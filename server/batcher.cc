@@ -31,8 +31,8 @@ bool BatchQueue::Rank::operator>(const Rank& other) const {
   return arrival < other.arrival;
 }
 
-BatchLimits BatchQueue::LimitsFor(const WorkItem& item) const {
-  return item.layer == nullptr ? options_.limits : item.layer->batching.ApplyTo(options_.limits);
+BatchLimits BatchQueue::LimitsFor(const LayerSnapshot* layer) const {
+  return layer == nullptr ? options_.limits : layer->batching.ApplyTo(options_.limits);
 }
 
 int64_t BatchQueue::size(const std::string& queue_name) const {
@@ -42,7 +42,7 @@ int64_t BatchQueue::size(const std::string& queue_name) const {
 
 absl::Status BatchQueue::Push(std::unique_ptr<WorkItem>& item, absl::Time now) {
   const std::string name = QueueName(*item);
-  const BatchLimits limits = LimitsFor(*item);
+  const BatchLimits limits = LimitsFor(item->layer.get());
   Usage& usage = usage_[name];
   absl::Status status;
   if (usage.requests >= limits.max_queue_requests) {
@@ -95,7 +95,7 @@ std::vector<std::unique_ptr<WorkItem>> BatchQueue::PopDue(absl::Time now, bool f
     std::vector<Iterator> members;
     int64_t tokens = 0;
     absl::Time oldest = absl::InfiniteFuture();
-    const BatchLimits limits = LimitsFor(**entries.front().item);  // one layer per group
+    const BatchLimits limits = LimitsFor((*entries.front().item)->layer.get());  // one layer
     bool full = (*entries.front().item)->layer == nullptr;  // runs alone
     for (const Entry& entry : entries) {
       const WorkItem& item = **entry.item;
@@ -147,12 +147,19 @@ absl::Status Batcher::Submit(std::unique_ptr<WorkItem> item) {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return absl::UnavailableError("the server is shutting down");
     const std::string name = QueueName(*item);
-    if (metrics_ != nullptr) {
-      metrics_->SetQueueCapacity(name, queue_.LimitsFor(*item).max_queue_requests);
-    }
+    // Push moves the item into the queue, which keeps its snapshot alive while mu_ is held.
+    const LayerSnapshot* layer = item->layer.get();
     const absl::Status status = queue_.Push(item, absl::Now());
     if (!status.ok()) return status;
-    if (metrics_ != nullptr) metrics_->SetQueueDepth(name, queue_.size(name));
+    if (metrics_ != nullptr) {
+      const int64_t depth = queue_.size(name);
+      metrics_->SetQueueDepth(name, depth);
+      // The bound can only change with a reload, so it is refreshed when a queue starts
+      // filling rather than on every arrival.
+      if (depth == 1) {
+        metrics_->SetQueueCapacity(name, queue_.LimitsFor(layer).max_queue_requests);
+      }
+    }
   }
   // One worker is enough to look at the queue; waking every idle worker for each arrival
   // takes CPU from the compute threads (a worker that takes a batch wakes the next one).

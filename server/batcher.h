@@ -99,8 +99,9 @@ class BatchQueue {
   int64_t tokens() const { return tokens_; }
   // Requests waiting in one layer's queue (see QueueName).
   int64_t size(const std::string& queue_name) const;
-  // The limits `item` is batched and queued under: its layer's own, else the server's.
-  BatchLimits LimitsFor(const WorkItem& item) const;
+  // The limits a layer's requests are batched and queued under: the layer's own, else the
+  // server's (also for work without a layer, `layer` null).
+  BatchLimits LimitsFor(const LayerSnapshot* layer) const;
 
  private:
   using Iterator = std::list<std::unique_ptr<WorkItem>>::iterator;

@@ -77,19 +77,19 @@ absl::StatusOr<BatchLimitOverrides> ConvertBatchingPolicy(const v1::BatchingPoli
   if (policy.has_max_batch_requests()) overrides.max_batch_requests = policy.max_batch_requests();
   if (policy.has_max_batch_tokens()) overrides.max_batch_tokens = policy.max_batch_tokens();
   // Durations are checked here, to name the wire field and its unit.
+  auto microseconds = [&](absl::string_view name, int64_t value, absl::string_view note,
+                          std::optional<absl::Duration>& out) {
+    if (value < 0) return Invalid(field, ".", name, " = ", value, " must be >= 0 (", note, ")");
+    out = absl::Microseconds(value);
+    return absl::OkStatus();
+  };
   if (policy.has_max_queue_delay_us()) {
-    if (policy.max_queue_delay_us() < 0) {
-      return Invalid(field, ".max_queue_delay_us = ", policy.max_queue_delay_us(),
-                     " must be >= 0 (microseconds)");
-    }
-    overrides.max_queue_delay = absl::Microseconds(policy.max_queue_delay_us());
+    RETURN_IF_ERROR(microseconds("max_queue_delay_us", policy.max_queue_delay_us(),
+                                 "microseconds", overrides.max_queue_delay));
   }
   if (policy.has_queue_timeout_us()) {
-    if (policy.queue_timeout_us() < 0) {
-      return Invalid(field, ".queue_timeout_us = ", policy.queue_timeout_us(),
-                     " must be >= 0 (microseconds; 0 = no limit)");
-    }
-    overrides.queue_timeout = absl::Microseconds(policy.queue_timeout_us());
+    RETURN_IF_ERROR(microseconds("queue_timeout_us", policy.queue_timeout_us(),
+                                 "microseconds; 0 = no limit", overrides.queue_timeout));
   }
   if (policy.has_max_queue_requests()) overrides.max_queue_requests = policy.max_queue_requests();
   if (policy.has_max_queue_tokens()) overrides.max_queue_tokens = policy.max_queue_tokens();
