@@ -42,24 +42,6 @@ absl::Status CheckRequestId(const std::string& request_id) {
   return absl::OkStatus();
 }
 
-// Refuses work whose answer could not be sent anyway, before it allocates or computes:
-// the output plus the attention weights asked for, at the reply's element size.
-absl::Status CheckResponseSize(int64_t output_elements, const core::AttentionDims& dims,
-                               core::NeedWeights need, core::DType dtype, int64_t limit) {
-  const int64_t weight_elements =
-      need == core::NeedWeights::kNone     ? 0
-      : need == core::NeedWeights::kAveraged ? dims.batch * dims.q_len * dims.kv_len
-                                           : dims.batch * dims.num_heads * dims.q_len * dims.kv_len;
-  const int64_t bytes = (output_elements + weight_elements) * core::ElementSize(dtype);
-  if (bytes > limit) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "the answer would be ", bytes, " bytes (output ", output_elements,
-        " values, attention weights ", weight_elements, " values), over the server's ", limit,
-        "-byte message limit; send fewer sequences per request or drop options.need_weights"));
-  }
-  return absl::OkStatus();
-}
-
 absl::Time Deadline(const grpc::CallbackServerContext* context) {
   return absl::FromChrono(context->deadline());
 }
@@ -139,8 +121,12 @@ absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
   if (request.has_inline_layer()) {
     auto inline_snapshot = std::make_shared<LayerSnapshot>();
     inline_snapshot->name = "(inline)";
-    ASSIGN_OR_RETURN(inline_snapshot->layer, BuildLayer(request.inline_layer(), "inline_layer",
-                                                          registry_.repository()));
+    // An inline layer's weights are this request's memory.
+    ASSIGN_OR_RETURN(inline_snapshot->layer,
+                     BuildLayer(request.inline_layer(), "inline_layer", registry_.repository(),
+                                [this](int64_t bytes) {
+                                  return CheckInlineLayerBytes(bytes, budget_);
+                                }));
     snapshot = std::move(inline_snapshot);
   } else if (request.layer().empty()) {
     return Invalid("layer is empty: name a loaded layer (see ListLayers) or give inline_layer");
@@ -186,9 +172,8 @@ absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
   ASSIGN_OR_RETURN(input.options, ConvertOptions(request.options(), dims));
   ASSIGN_OR_RETURN(const core::DType output_dtype,
                    OutputDType(request.output_dtype(), request.query().dtype()));
-  RETURN_IF_ERROR(CheckResponseSize(input.batch * input.q_len * config.output_dim, dims,
-                                    input.options.need_weights, output_dtype,
-                                    max_response_bytes_));
+  RETURN_IF_ERROR(CheckRequestBudget(
+      MultiHeadAttentionCost(config, dims, input.options.need_weights, output_dtype), budget_));
   item->storage.push_back(std::move(query.values));
   input.query = item->storage.back();
   if (has_key) {
@@ -263,9 +248,8 @@ absl::Status AttentionServiceImpl::StartScaledDotProductAttention(
                    OutputDType(request.output_dtype(), request.query().dtype()));
   RETURN_IF_ERROR(core::ValidateSdpaInput(input));
   const core::AttentionDims& d = input.dims;
-  RETURN_IF_ERROR(CheckResponseSize(d.batch * d.num_heads * d.q_len * d.v_head_dim, d,
-                                    input.options.need_weights, output_dtype,
-                                    max_response_bytes_));
+  RETURN_IF_ERROR(CheckRequestBudget(
+      ScaledDotProductAttentionCost(d, input.options.need_weights, output_dtype), budget_));
   item->tokens = input.dims.batch * input.dims.q_len;
   item->priority = request.options().priority();
   ASSIGN_OR_RETURN(item->deadline,
@@ -315,7 +299,10 @@ absl::Status AttentionServiceImpl::DoLoadLayer(const v1::LoadLayerRequest& reque
   ASSIGN_OR_RETURN(const BatchLimitOverrides batching,
                    ConvertBatchingPolicy(request.batching(), "batching"));
   ASSIGN_OR_RETURN(std::shared_ptr<const core::MhaLayer> layer,
-                   BuildLayer(request.spec(), "spec", registry_.repository()));
+                   BuildLayer(request.spec(), "spec", registry_.repository(),
+                              [&](int64_t bytes) {
+                                return registry_.CheckBudget(request.name(), bytes);
+                              }));
   ASSIGN_OR_RETURN(
       std::shared_ptr<const LayerSnapshot> snapshot,
       registry_.Publish(request.name(), std::move(layer), request.persist(), batching));

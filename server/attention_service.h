@@ -11,6 +11,7 @@
 #include "server/layer_registry.h"
 #include "server/metrics.h"
 #include "server/request_log.h"
+#include "server/request_validation.h"
 
 namespace attention::server {
 
@@ -19,14 +20,10 @@ class MultiHeadAttentionStreamReactor;
 
 class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
  public:
-  // `max_response_bytes`: answers larger than this are refused before compute.
+  // Requests past `budget` are refused before anything is allocated or queued.
   AttentionServiceImpl(LayerRegistry& registry, Batcher& batcher, Metrics& metrics,
-                       RequestLog& log, int64_t max_response_bytes)
-      : registry_(registry),
-        batcher_(batcher),
-        metrics_(metrics),
-        log_(log),
-        max_response_bytes_(max_response_bytes) {}
+                       RequestLog& log, const RequestBudget& budget)
+      : registry_(registry), batcher_(batcher), metrics_(metrics), log_(log), budget_(budget) {}
 
   // Sets the loaded-layer gauges from the registry.
   void RefreshLayerMetrics();
@@ -79,7 +76,7 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   Batcher& batcher_;
   Metrics& metrics_;
   RequestLog& log_;
-  const int64_t max_response_bytes_;
+  const RequestBudget budget_;
 };
 
 // Fills `info` from a snapshot.

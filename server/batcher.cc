@@ -49,7 +49,13 @@ absl::Status BatchQueue::Push(std::unique_ptr<WorkItem>& item, absl::Time now) {
     status = absl::ResourceExhaustedError(
         absl::StrCat("the compute queue of layer \"", name, "\" is full (", usage.requests,
                      " requests waiting, limit ", limits.max_queue_requests, "); retry later"));
-  } else if (usage.tokens + item->tokens > limits.max_queue_tokens && usage.requests > 0) {
+  } else if (item->tokens > limits.max_queue_tokens) {
+    // Admitting it even to an empty queue would let one call hold the pool unbounded.
+    status = absl::ResourceExhaustedError(absl::StrCat(
+        "the request has ", item->tokens, " query tokens, more than the ",
+        limits.max_queue_tokens, " that layer \"", name,
+        "\" may queue (max_queue_tokens); split it into smaller requests"));
+  } else if (usage.tokens + item->tokens > limits.max_queue_tokens) {
     status = absl::ResourceExhaustedError(
         absl::StrCat("the compute queue of layer \"", name, "\" is full (", usage.tokens,
                      " tokens waiting, limit ", limits.max_queue_tokens, "); retry later"));

@@ -70,6 +70,10 @@ class LayerRegistry {
   absl::Status Remove(const std::string& name);
   // Sorted by name.
   std::vector<std::shared_ptr<const LayerSnapshot>> List() const;
+  // RESOURCE_EXHAUSTED when `bytes` of weights under `name` (replacing its current version)
+  // would pass max_weight_bytes. LoadLayer asks before building the weights; Publish asks
+  // again, serialized with other updates.
+  absl::Status CheckBudget(const std::string& name, int64_t bytes) const;
   // Bytes of weights of all published layers.
   int64_t weight_bytes() const;
 
@@ -80,8 +84,6 @@ class LayerRegistry {
 
  private:
   absl::Status NotFoundLocked(const std::string& name) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  absl::Status CheckBudget(const std::string& name, int64_t bytes) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(update_mu_);
   std::shared_ptr<const LayerSnapshot> PublishLocked(const std::string& name,
                                                      std::shared_ptr<const core::MhaLayer> layer,
                                                      bool persisted,

@@ -48,6 +48,13 @@ ABSL_FLAG(int64_t, max_weight_bytes, 0,
           "budget for the weights of all loaded layers, bytes; loads past it get "
           "RESOURCE_EXHAUSTED; 0 = unlimited");
 ABSL_FLAG(int64_t, max_message_bytes, int64_t{64} << 20, "largest gRPC message, bytes");
+ABSL_FLAG(int64_t, max_request_flops, attention::server::RequestBudget{}.max_request_flops,
+          "most floating-point operations one request may ask for (projections plus "
+          "attention); larger ones get RESOURCE_EXHAUSTED before they are queued");
+ABSL_FLAG(int64_t, max_request_memory_bytes,
+          attention::server::RequestBudget{}.max_request_memory_bytes,
+          "most working memory one request's forward pass (or inline layer) may take, bytes; "
+          "larger ones get RESOURCE_EXHAUSTED before anything is allocated");
 ABSL_FLAG(double, shutdown_grace_seconds, 10.0,
           "on SIGTERM/SIGINT, how long calls in flight may take to finish");
 ABSL_FLAG(absl::Duration, drain_delay, absl::ZeroDuration(),
@@ -118,6 +125,9 @@ int main(int argc, char** argv) {
   options.registry.model_repository = absl::GetFlag(FLAGS_model_repository);
   options.registry.max_weight_bytes = absl::GetFlag(FLAGS_max_weight_bytes);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options.request_budget.max_request_flops = absl::GetFlag(FLAGS_max_request_flops);
+  options.request_budget.max_request_memory_bytes =
+      absl::GetFlag(FLAGS_max_request_memory_bytes);
   options.drain_delay = absl::GetFlag(FLAGS_drain_delay);
   options.request_log.errors = absl::GetFlag(FLAGS_log_errors);
   options.request_log.access_sample = absl::GetFlag(FLAGS_access_log_sample);

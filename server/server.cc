@@ -35,9 +35,16 @@ absl::Status ServerOptions::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("drain_delay = ", absl::FormatDuration(drain_delay), " must be >= 0"));
   }
+  RETURN_IF_ERROR(RequestBudgetWithMessageLimit().Validate());
   RETURN_IF_ERROR(registry.Validate());
   RETURN_IF_ERROR(request_log.Validate());
   return batcher.Validate();
+}
+
+RequestBudget ServerOptions::RequestBudgetWithMessageLimit() const {
+  RequestBudget budget = request_budget;
+  budget.max_response_bytes = max_message_bytes;
+  return budget;
 }
 
 AttentionServer::AttentionServer(const ServerOptions& options)
@@ -45,7 +52,7 @@ AttentionServer::AttentionServer(const ServerOptions& options)
       drain_delay_(options.drain_delay),
       pool_(ComputeThreads(options.compute_threads)),
       batcher_(options.batcher, pool_, &metrics_),
-      service_(registry_, batcher_, metrics_, request_log_, options.max_message_bytes) {}
+      service_(registry_, batcher_, metrics_, request_log_, options.RequestBudgetWithMessageLimit()) {}
 
 absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
     const ServerOptions& options) {

@@ -17,6 +17,7 @@
 #include "server/layer_registry.h"
 #include "server/metrics.h"
 #include "server/request_log.h"
+#include "server/request_validation.h"
 
 namespace attention::server {
 
@@ -45,8 +46,13 @@ struct ServerOptions {
   LayerRegistryOptions registry;
   // Largest request or response message, bytes. >= 1 MiB; default 64 MiB.
   int64_t max_message_bytes = int64_t{64} << 20;
+  // Per-request work and memory limits (--max_request_flops, --max_request_memory_bytes);
+  // its max_response_bytes is ignored: answers are bounded by max_message_bytes.
+  RequestBudget request_budget;
 
   absl::Status Validate() const;
+  // request_budget with max_response_bytes = max_message_bytes.
+  RequestBudget RequestBudgetWithMessageLimit() const;
 };
 
 // Thread-safe.

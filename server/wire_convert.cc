@@ -216,9 +216,12 @@ v1::LayerConfig ConfigToProto(const core::MhaConfig& in) {
 }
 
 absl::StatusOr<std::shared_ptr<const core::MhaLayer>> BuildLayer(
-    const v1::LayerSpec& spec, absl::string_view field, const ModelRepository* repository) {
+    const v1::LayerSpec& spec, absl::string_view field, const ModelRepository* repository,
+    const std::function<absl::Status(int64_t weight_bytes)>& admit_weight_bytes) {
   auto config = core::MhaConfig::Resolve(ConvertConfig(spec.config()));
   if (!config.ok()) return Invalid(field, ".", config.status().message());
+  // Resolve() caps every dimension at 2^16, so the parameter count cannot overflow.
+  if (admit_weight_bytes) RETURN_IF_ERROR(admit_weight_bytes(config->ParameterCount() * 4));
   core::MhaWeights weights;
   switch (spec.weights_case()) {
     case v1::LayerSpec::kInlineWeights: {

@@ -329,6 +329,22 @@ TEST_F(BatchQueueTest, ZeroDelayClosesAtOnceAndKeepsLayersApart) {
   EXPECT_EQ(due, absl::InfiniteFuture());
 }
 
+TEST_F(BatchQueueTest, RequestLargerThanTheTokenBoundIsRefusedEvenByAnEmptyQueue) {
+  BatcherOptions options;
+  options.limits.max_queue_tokens = 10;
+  BatchQueue queue(options);
+  auto too_large = Item(1, 11);
+  const absl::Status status = queue.Push(too_large, t0_);
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(status.message().find("the request has 11 query tokens, more than the 10 that layer "
+                                  "\"a\" may queue (max_queue_tokens)"),
+            std::string::npos)
+      << status;
+  EXPECT_EQ(queue.size(), 0);
+  Push(queue, Item(2, 10), t0_);  // exactly the bound is fine
+  EXPECT_EQ(queue.tokens(), 10);
+}
+
 TEST_F(BatchQueueTest, QueueLimitsAnswerResourceExhausted) {
   BatcherOptions options;
   options.limits.max_queue_requests = 2;

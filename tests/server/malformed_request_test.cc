@@ -304,5 +304,95 @@ TEST_F(ServerTest, AnswerLargerThanTheMessageLimitIsRefusedBeforeCompute) {
             absl::StatusCode::kResourceExhausted);
 }
 
+// The request that once killed the server with std::bad_alloc (issue 13): a 32 MiB call
+// through an inline layer with 65536 heads of width 1. Its sizes overflow int64 and its
+// buffers would need terabytes; it must be refused before anything is allocated.
+v1::MultiHeadAttentionRequest HugeHeadCountRequest() {
+  v1::MultiHeadAttentionRequest request;
+  v1::LayerConfig* config = request.mutable_inline_layer()->mutable_config();
+  config->set_embed_dim(1);
+  config->set_num_heads(65536);
+  config->set_head_dim(1);
+  request.mutable_inline_layer()->mutable_random_init()->set_seed(1);
+  const int64_t tokens = int64_t{1} << 24;
+  request.mutable_query()->set_dtype(v1::FLOAT16);
+  for (int64_t dim : {int64_t{1}, tokens, int64_t{1}}) request.mutable_query()->add_shape(dim);
+  request.mutable_query()->set_raw_data(std::string(tokens * 2, '\0'));
+  return request;
+}
+
+TEST_F(ServerTest, RequestWhoseSizesOverflowIsRefusedBeforeAllocating) {
+  v1::MultiHeadAttentionRequest request = HugeHeadCountRequest();
+  request.mutable_options()->set_need_weights(v1::NEED_WEIGHTS_PER_HEAD);
+  absl::Status status = client_->MultiHeadAttention(request).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
+  EXPECT_NE(status.message().find("the answer would be more than 2^63 bytes"), std::string::npos)
+      << status;
+  // Without weights the answer fits, but 2^24 tokens x 65536 heads of work do not.
+  request.mutable_options()->set_need_weights(v1::NEED_WEIGHTS_NONE);
+  status = client_->MultiHeadAttention(request).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
+  EXPECT_NE(status.message().find("(--max_request_flops)"), std::string::npos) << status;
+  std::mt19937_64 rng(10);
+  EXPECT_TRUE(client_->MultiHeadAttention(DemoRequest(rng, 1, 3)).ok()) << "server must live";
+}
+
+TEST_F(ServerTest, ScaledDotProductAttentionOverTheWorkBudgetIsRefused) {
+  // 2^20 queries and keys of width 1: 4 MiB of input, 2^40 scores.
+  v1::ScaledDotProductAttentionRequest request;
+  const int64_t length = int64_t{1} << 20;
+  for (v1::Tensor* tensor :
+       {request.mutable_query(), request.mutable_key(), request.mutable_value()}) {
+    tensor->set_dtype(v1::FLOAT16);
+    for (int64_t dim : {int64_t{1}, int64_t{1}, length, int64_t{1}}) tensor->add_shape(dim);
+    tensor->set_raw_data(std::string(length * 2, '\0'));
+  }
+  const absl::Status status = client_->ScaledDotProductAttention(request).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
+  EXPECT_NE(status.message().find("needs 13194139533312 FLOPs"), std::string::npos) << status;
+}
+
+class TightBudgetServerTest : public ServerTest {
+ protected:
+  ServerOptions Options() override {
+    ServerOptions options = ServerTest::Options();
+    options.demo_layer = false;
+    options.registry.max_weight_bytes = 1000;
+    options.request_budget.max_request_memory_bytes = 1 << 20;
+    return options;
+  }
+};
+
+TEST_F(TightBudgetServerTest, LoadOverTheWeightBudgetIsRefusedBeforeReadingWeights) {
+  // Inline weights are left empty: had the weights been read first, the answer would be
+  // INVALID_ARGUMENT for the missing tensors.
+  v1::LoadLayerRequest request;
+  request.set_name("big");
+  request.mutable_spec()->mutable_config()->set_embed_dim(64);
+  request.mutable_spec()->mutable_config()->set_num_heads(2);
+  request.mutable_spec()->mutable_inline_weights();
+  const absl::Status status = client_->LoadLayer(request).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
+  EXPECT_NE(status.message().find("layer \"big\" needs 66560 weight bytes but only 1000 of "
+                                  "max_weight_bytes = 1000 are free"),
+            std::string::npos)
+      << status;
+}
+
+TEST_F(TightBudgetServerTest, InlineLayerOverTheRequestMemoryBudgetIsRefused) {
+  std::mt19937_64 rng(11);
+  v1::MultiHeadAttentionRequest request = DemoRequest(rng, 1, 2);
+  request.clear_layer();
+  request.mutable_inline_layer()->mutable_config()->set_embed_dim(768);
+  request.mutable_inline_layer()->mutable_config()->set_num_heads(12);
+  request.mutable_inline_layer()->mutable_random_init();
+  const absl::Status status = client_->MultiHeadAttention(request).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
+  EXPECT_NE(status.message().find("inline_layer needs 9449472 bytes of weights, over the "
+                                  "server's per-request limit of 1048576"),
+            std::string::npos)
+      << status;
+}
+
 }  // namespace
 }  // namespace attention::server::testing

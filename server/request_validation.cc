@@ -1,0 +1,144 @@
+#include "server/request_validation.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace attention::server {
+namespace {
+
+int64_t WeightElements(const core::AttentionDims& d, core::NeedWeights need) {
+  switch (need) {
+    case core::NeedWeights::kNone:
+      return 0;
+    case core::NeedWeights::kAveraged:
+      return CheckedProduct({d.batch, d.q_len, d.kv_len});
+    case core::NeedWeights::kPerHead:
+      return CheckedProduct({d.batch, d.num_heads, d.q_len, d.kv_len});
+  }
+  return kSaturated;
+}
+
+// Per-head weights are computed before they are averaged, so both exist at once.
+int64_t WeightWorkingElements(const core::AttentionDims& d, core::NeedWeights need) {
+  if (need == core::NeedWeights::kNone) return 0;
+  return CheckedSum({CheckedProduct({d.batch, d.num_heads, d.q_len, d.kv_len}),
+                     WeightElements(d, need)});
+}
+
+// Masking, exp and sums per score, counted as this many FLOPs so that heads of width 1
+// with very long keys are not nearly free.
+constexpr int64_t kSoftmaxFlopsPerScore = 8;
+
+// Scores and weights times values (2 FLOPs per multiply-add, over dk and dv), plus softmax.
+int64_t AttentionFlops(const core::AttentionDims& d) {
+  return CheckedProduct(
+      {d.batch, d.num_heads, d.q_len, d.kv_len,
+       CheckedSum({CheckedProduct({2, CheckedSum({d.head_dim, d.v_head_dim})}),
+                   kSoftmaxFlopsPerScore})});
+}
+
+std::string Amount(int64_t value) {
+  return value == kSaturated ? std::string("more than 2^63") : absl::StrCat(value);
+}
+
+}  // namespace
+
+int64_t CheckedProduct(std::initializer_list<int64_t> factors) {
+  int64_t product = 1;
+  for (int64_t factor : factors) {
+    if (factor < 0 || __builtin_mul_overflow(product, factor, &product)) return kSaturated;
+  }
+  return product;
+}
+
+int64_t CheckedSum(std::initializer_list<int64_t> terms) {
+  int64_t sum = 0;
+  for (int64_t term : terms) {
+    if (term < 0 || __builtin_add_overflow(sum, term, &sum)) return kSaturated;
+  }
+  return sum;
+}
+
+absl::Status RequestBudget::Validate() const {
+  for (auto [name, value] : {std::pair<const char*, int64_t>{"max_response_bytes",
+                                                             max_response_bytes},
+                             {"max_request_flops", max_request_flops},
+                             {"max_request_memory_bytes", max_request_memory_bytes}}) {
+    if (value < 1) return absl::InvalidArgumentError(absl::StrCat(name, " = ", value, " must be >= 1"));
+  }
+  return absl::OkStatus();
+}
+
+RequestCost MultiHeadAttentionCost(const core::MhaConfig& c, const core::AttentionDims& d,
+                                   core::NeedWeights need, core::DType output_dtype) {
+  RequestCost cost;
+  const int64_t q_tokens = CheckedProduct({d.batch, d.q_len});
+  const int64_t kv_tokens = CheckedProduct({d.batch, d.kv_len});
+  cost.output_elements = CheckedProduct({q_tokens, c.output_dim});
+  cost.weight_elements = WeightElements(d, need);
+  cost.response_bytes =
+      CheckedProduct({CheckedSum({cost.output_elements, cost.weight_elements}),
+                      static_cast<int64_t>(core::ElementSize(output_dtype))});
+  const int64_t output_projection_flops =
+      c.output_projection ? CheckedProduct({2, q_tokens, c.AttentionWidth(), c.output_dim}) : 0;
+  cost.flops = CheckedSum({CheckedProduct({2, q_tokens, c.embed_dim, c.QWidth()}),
+                           CheckedProduct({2, kv_tokens, c.kdim, c.KWidth()}),
+                           CheckedProduct({2, kv_tokens, c.vdim, c.VWidth()}),
+                           AttentionFlops(d), output_projection_flops});
+  // The forward pass's float buffers: packed inputs, Q/K/V, attention output, projected
+  // output and its copy per request, attention weights.
+  const int64_t floats = CheckedSum(
+      {CheckedProduct({q_tokens, CheckedSum({c.embed_dim, c.QWidth(), c.AttentionWidth(),
+                                             CheckedProduct({2, c.output_dim})})}),
+       CheckedProduct({kv_tokens, CheckedSum({c.kdim, c.vdim, c.KWidth(), c.VWidth()})}),
+       WeightWorkingElements(d, need)});
+  cost.memory_bytes = CheckedSum({CheckedProduct({floats, 4}), cost.response_bytes});
+  return cost;
+}
+
+RequestCost ScaledDotProductAttentionCost(const core::AttentionDims& d, core::NeedWeights need,
+                                          core::DType output_dtype) {
+  RequestCost cost;
+  cost.output_elements = CheckedProduct({d.batch, d.num_heads, d.q_len, d.v_head_dim});
+  cost.weight_elements = WeightElements(d, need);
+  cost.response_bytes =
+      CheckedProduct({CheckedSum({cost.output_elements, cost.weight_elements}),
+                      static_cast<int64_t>(core::ElementSize(output_dtype))});
+  cost.flops = AttentionFlops(d);
+  const int64_t floats = CheckedSum({cost.output_elements, WeightWorkingElements(d, need)});
+  cost.memory_bytes = CheckedSum({CheckedProduct({floats, 4}), cost.response_bytes});
+  return cost;
+}
+
+absl::Status CheckRequestBudget(const RequestCost& cost, const RequestBudget& budget) {
+  if (cost.response_bytes > budget.max_response_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the answer would be ", Amount(cost.response_bytes), " bytes (output ",
+        Amount(cost.output_elements), " values, attention weights ",
+        Amount(cost.weight_elements), " values), over the server's ", budget.max_response_bytes,
+        "-byte message limit; send fewer sequences per request or drop options.need_weights"));
+  }
+  if (cost.flops > budget.max_request_flops) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the request needs ", Amount(cost.flops), " FLOPs, over the server's per-request limit "
+        "of ", budget.max_request_flops, " (--max_request_flops); split it into smaller requests"));
+  }
+  if (cost.memory_bytes > budget.max_request_memory_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the request needs ", Amount(cost.memory_bytes), " bytes of working memory, over the "
+        "server's per-request limit of ", budget.max_request_memory_bytes,
+        " (--max_request_memory_bytes); split it into smaller requests"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckInlineLayerBytes(int64_t weight_bytes, const RequestBudget& budget) {
+  if (weight_bytes > budget.max_request_memory_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "inline_layer needs ", weight_bytes, " bytes of weights, over the server's per-request "
+        "limit of ", budget.max_request_memory_bytes,
+        " (--max_request_memory_bytes); load it once with LoadLayer instead"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace attention::server
