@@ -10,7 +10,7 @@
 
 #include "benchmark/benchmark.h"
 #include "core/mha_layer.h"
-#include "core/thread_pool.h"
+#include "core/cpu/cpu_backend.h"
 
 namespace attention::core {
 namespace {
@@ -55,8 +55,8 @@ void RunMha(benchmark::State& state, const std::vector<int64_t>& lengths, int64_
   config.embed_dim = embed_dim;
   config.num_heads = heads;
   const MhaConfig resolved = *MhaConfig::Resolve(config);
-  auto layer = *MhaLayer::Create(resolved, MhaWeights::Random(resolved, 7));
-  ThreadPool pool(threads);
+  auto layer = *MhaLayer::Create(resolved, MhaWeights::Random(resolved, 7),
+                                 std::make_shared<CpuBackend>(threads));
   std::vector<std::vector<float>> queries;
   std::vector<MhaInput> inputs(lengths.size());
   double flops = 0;
@@ -70,7 +70,7 @@ void RunMha(benchmark::State& state, const std::vector<int64_t>& lengths, int64_
   }
   std::vector<const MhaInput*> pointers;
   for (const MhaInput& in : inputs) pointers.push_back(&in);
-  for (auto _ : state) benchmark::DoNotOptimize(layer->ForwardBatch(pointers, pool));
+  for (auto _ : state) benchmark::DoNotOptimize(layer->ForwardBatch(pointers));
   SetGflops(state, flops);
 }
 
@@ -117,8 +117,8 @@ void BM_MhaRaggedOneByOne(benchmark::State& state) {
   config.embed_dim = 768;
   config.num_heads = 12;
   const MhaConfig resolved = *MhaConfig::Resolve(config);
-  auto layer = *MhaLayer::Create(resolved, MhaWeights::Random(resolved, 7));
-  ThreadPool pool(2);
+  auto layer = *MhaLayer::Create(resolved, MhaWeights::Random(resolved, 7),
+                                 std::make_shared<CpuBackend>(2));
   const auto lengths = RaggedLengths();
   std::vector<std::vector<float>> queries;
   std::vector<MhaInput> inputs(lengths.size());
@@ -132,7 +132,7 @@ void BM_MhaRaggedOneByOne(benchmark::State& state) {
   for (auto _ : state) {
     for (const MhaInput& in : inputs) {
       const MhaInput* one = &in;
-      benchmark::DoNotOptimize(layer->ForwardBatch(absl::MakeConstSpan(&one, 1), pool));
+      benchmark::DoNotOptimize(layer->ForwardBatch(absl::MakeConstSpan(&one, 1)));
     }
   }
   SetGflops(state, flops);

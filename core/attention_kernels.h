@@ -1,14 +1,16 @@
-// Attention kernels over strided per-head views: the double-precision reference (the
-// oracle, never removed) and the blocked float32 CPU kernel used in production.
+// Attention over strided per-head views: the problem description every kernel takes, and
+// the double-precision reference (the oracle, never removed). Backends' kernels live in
+// core/cpu/ and core/cuda/.
 #ifndef ATTENTION_CORE_ATTENTION_KERNELS_H_
 #define ATTENTION_CORE_ATTENTION_KERNELS_H_
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "absl/types/span.h"
 #include "core/attention_options.h"
-#include "core/thread_pool.h"
+#include "core/mha_types.h"
 
 namespace attention::core {
 
@@ -54,23 +56,20 @@ struct AttentionProblem {
 // Naive, double accumulation.
 void AttentionReference(const AttentionProblem& problem);
 
-// Blocked float32 kernel: for each (sequence, head, block of QueryBlockRows(Nk) queries),
-// GEMMs for the scores against the keys up to the block's causal frontier, a vectorized
-// masked softmax, GEMMs with the values. Past 1024 keys (and when no weights are returned)
-// the keys are taken in blocks with an online softmax (running max and sum, flash-style),
-// so extra memory is at most rows x 1024 floats per thread: no Nq x Nk matrix unless
-// weights are requested. All problems share one ParallelFor, so a batch of many small
-// requests keeps every thread busy.
-void AttentionBlockedCpu(absl::Span<const AttentionProblem> problems, ThreadPool& pool);
-
-// Query rows per block: as many as keep the block's scores within 1 MiB (half of a
-// 2 MiB L2, the rest for the K and V tiles), between 64 and 256. Taller blocks make the
-// two GEMMs more efficient; short keys allow them.
-inline int64_t QueryBlockRows(int64_t kv_len) {
-  constexpr int64_t kScoreFloats = (1024 << 10) / sizeof(float);
-  const int64_t rows = kScoreFloats / std::max<int64_t>(kv_len, 1);
-  return std::clamp<int64_t>(rows, 64, 256);
+// The key/value head that query head h reads (GQA: H / Hkv query heads share one).
+inline int64_t KvHead(const AttentionDims& dims, int64_t h) {
+  return h / (dims.num_heads / dims.num_kv_heads);
 }
+
+// [B, H, Nq, Nk] -> [B, Nq, Nk], mean over heads.
+std::vector<float> AverageHeads(absl::Span<const float> per_head, const AttentionDims& dims);
+
+// Kernels write per-head weights; this averages them over heads when that was asked.
+void FinishWeights(AttentionResult& result, const AttentionDims& dims, NeedWeights need);
+
+// The problem of a scaled dot-product attention input ([B, heads, rows, width] tensors),
+// writing into `result`, whose output (and weights, when asked) are already sized.
+AttentionProblem SdpaProblem(const SdpaInput& input, AttentionResult& result);
 
 }  // namespace attention::core
 

@@ -3,8 +3,6 @@
 #include <algorithm>
 #include <cmath>
 
-#include <cblas.h>
-
 #include "core/hash.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -15,39 +13,6 @@ namespace {
 
 absl::Status Invalid(absl::string_view field, int64_t value, absl::string_view rule) {
   return absl::InvalidArgumentError(absl::StrCat(field, " = ", value, " ", rule));
-}
-
-// Y[M, N] = X[M, K] * W[N, K]^T (+ bias[N]), split across the pool. Every part's GEMM
-// packs all of the operand that is not split, so split the larger one: by output columns
-// when the weights outweigh the rows (few tokens), else by rows.
-void LinearForward(ThreadPool& pool, const float* x, int64_t rows, int64_t in_features,
-                   absl::Span<const float> weight, absl::Span<const float> bias,
-                   int64_t out_features, float* y) {
-  constexpr int64_t kMinPart = 16;
-  const int64_t threads = pool.size();
-  const bool split_rows = rows >= out_features ? rows >= threads * kMinPart
-                                               : out_features < threads * kMinPart;
-  const int64_t total = split_rows ? rows : out_features;
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, total));
-  pool.ParallelFor(parts, [&](int64_t part) {
-    const int64_t begin = total * part / parts;
-    const int64_t end = total * (part + 1) / parts;
-    if (begin == end) return;
-    const int64_t m = split_rows ? end - begin : rows;
-    const int64_t n = split_rows ? out_features : end - begin;
-    const float* a = split_rows ? x + begin * in_features : x;
-    const float* w = split_rows ? weight.data() : weight.data() + begin * in_features;
-    float* c = split_rows ? y + begin * out_features : y + begin;
-    // The bias goes in as the GEMM's C with beta = 1: no separate pass over Y.
-    float beta = 0.0f;
-    if (!bias.empty()) {
-      const float* b = split_rows ? bias.data() : bias.data() + begin;
-      for (int64_t r = 0; r < m; ++r) std::copy(b, b + n, c + r * out_features);
-      beta = 1.0f;
-    }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, in_features, 1.0f, a,
-                in_features, w, in_features, beta, c, out_features);
-  });
 }
 
 // Reference linear layer in double: y[r, o] = sum_i x[r, i] * w[o, i] + bias[o].
@@ -86,45 +51,6 @@ void RotaryReference(std::vector<double>& data, int64_t rows, int64_t seq_len, i
 
 std::vector<float> ToFloat(const std::vector<double>& values) {
   return std::vector<float>(values.begin(), values.end());
-}
-
-// [B, H, Nq, Nk] -> [B, Nq, Nk], mean over heads.
-std::vector<float> AverageHeads(const std::vector<float>& per_head, const AttentionDims& d) {
-  std::vector<float> averaged(d.batch * d.q_len * d.kv_len, 0.0f);
-  const int64_t plane = d.q_len * d.kv_len;
-  for (int64_t b = 0; b < d.batch; ++b) {
-    for (int64_t h = 0; h < d.num_heads; ++h) {
-      const float* src = per_head.data() + (b * d.num_heads + h) * plane;
-      float* dst = averaged.data() + b * plane;
-      for (int64_t e = 0; e < plane; ++e) dst[e] += src[e] / d.num_heads;
-    }
-  }
-  return averaged;
-}
-
-// Working memory of ForwardBatch, kept per calling thread and reused: allocating and
-// zero-filling tens of MB per batch (page faults on fresh memory) cost about a fifth of a
-// BERT-sized batch. It grows to the largest batch the thread has run and is freed with the
-// thread. Every buffer is fully written before it is read, so nothing is zeroed.
-class ForwardScratch {
- public:
-  enum Slot { kX, kKeyInput, kValueInput, kQ, kK, kV, kAttended, kProjected, kSlots };
-
-  float* Get(Slot slot, int64_t count) {
-    if (sizes_[slot] < count) {
-      buffers_[slot].reset(new float[count]);
-      sizes_[slot] = count;
-    }
-    return buffers_[slot].get();
-  }
-
- private:
-  std::unique_ptr<float[]> buffers_[kSlots];
-  int64_t sizes_[kSlots] = {};
-};
-
-void FinishWeights(AttentionResult& result, const AttentionDims& dims, NeedWeights need) {
-  if (need == NeedWeights::kAveraged) result.weights = AverageHeads(result.weights, dims);
 }
 
 }  // namespace
@@ -231,8 +157,8 @@ MhaWeights MhaWeights::Random(const MhaConfig& config, uint64_t seed) {
   return weights;
 }
 
-absl::StatusOr<std::shared_ptr<const MhaLayer>> MhaLayer::Create(const MhaConfig& config,
-                                                                 MhaWeights weights) {
+absl::StatusOr<std::shared_ptr<const MhaLayer>> MhaLayer::Create(
+    const MhaConfig& config, MhaWeights weights, std::shared_ptr<const Backend> backend) {
   for (const MhaWeights::Slot& slot : MhaWeights::Slots(config)) {
     int64_t expected = 1;
     for (int64_t dim : slot.shape) expected *= dim;
@@ -243,11 +169,14 @@ absl::StatusOr<std::shared_ptr<const MhaLayer>> MhaLayer::Create(const MhaConfig
                                                      absl::StrJoin(slot.shape, ", "), "]"));
     }
   }
-  return std::shared_ptr<const MhaLayer>(new MhaLayer(config, std::move(weights)));
+  std::shared_ptr<MhaLayer> layer(new MhaLayer(config, std::move(weights), std::move(backend)));
+  ASSIGN_OR_RETURN(layer->prepared_, layer->backend_->Prepare(config, layer->WeightsView()));
+  return std::shared_ptr<const MhaLayer>(std::move(layer));
 }
 
-MhaLayer::MhaLayer(const MhaConfig& config, MhaWeights weights)
-    : config_(config), weights_(std::move(weights)) {
+MhaLayer::MhaLayer(const MhaConfig& config, MhaWeights weights,
+                   std::shared_ptr<const Backend> backend)
+    : config_(config), weights_(std::move(weights)), backend_(std::move(backend)) {
   if (config_.kdim != config_.embed_dim || config_.vdim != config_.embed_dim) return;
   // Move Q, K and V into the fused matrix; peak memory is one extra projection briefly.
   for (std::vector<float>* part : {&weights_.q_weight, &weights_.k_weight, &weights_.v_weight}) {
@@ -260,45 +189,44 @@ MhaLayer::MhaLayer(const MhaConfig& config, MhaWeights weights)
   }
 }
 
-absl::Span<const float> MhaLayer::QWeight() const {
-  if (fused_qkv_weight_.empty()) return weights_.q_weight;
-  return absl::MakeConstSpan(fused_qkv_weight_).subspan(0, config_.QWidth() * config_.embed_dim);
-}
-absl::Span<const float> MhaLayer::KWeight() const {
-  if (fused_qkv_weight_.empty()) return weights_.k_weight;
-  return absl::MakeConstSpan(fused_qkv_weight_)
-      .subspan(config_.QWidth() * config_.embed_dim, config_.KWidth() * config_.embed_dim);
-}
-absl::Span<const float> MhaLayer::VWeight() const {
-  if (fused_qkv_weight_.empty()) return weights_.v_weight;
-  return absl::MakeConstSpan(fused_qkv_weight_)
-      .subspan((config_.QWidth() + config_.KWidth()) * config_.embed_dim);
-}
-absl::Span<const float> MhaLayer::QBias() const {
-  if (fused_qkv_weight_.empty()) return weights_.q_bias;
-  if (fused_qkv_bias_.empty()) return {};
-  return absl::MakeConstSpan(fused_qkv_bias_).subspan(0, config_.QWidth());
-}
-absl::Span<const float> MhaLayer::KBias() const {
-  if (fused_qkv_weight_.empty()) return weights_.k_bias;
-  if (fused_qkv_bias_.empty()) return {};
-  return absl::MakeConstSpan(fused_qkv_bias_).subspan(config_.QWidth(), config_.KWidth());
-}
-absl::Span<const float> MhaLayer::VBias() const {
-  if (fused_qkv_weight_.empty()) return weights_.v_bias;
-  if (fused_qkv_bias_.empty()) return {};
-  return absl::MakeConstSpan(fused_qkv_bias_).subspan(config_.QWidth() + config_.KWidth());
+MhaWeightsView MhaLayer::WeightsView() const {
+  MhaWeightsView view;
+  view.out_weight = weights_.out_weight;
+  view.out_bias = weights_.out_bias;
+  if (fused_qkv_weight_.empty()) {
+    view.q_weight = weights_.q_weight;
+    view.k_weight = weights_.k_weight;
+    view.v_weight = weights_.v_weight;
+    view.q_bias = weights_.q_bias;
+    view.k_bias = weights_.k_bias;
+    view.v_bias = weights_.v_bias;
+    return view;
+  }
+  const MhaConfig& c = config_;
+  const absl::Span<const float> weight = fused_qkv_weight_, bias = fused_qkv_bias_;
+  view.fused_qkv_weight = weight;
+  view.fused_qkv_bias = bias;
+  view.q_weight = weight.subspan(0, c.QWidth() * c.embed_dim);
+  view.k_weight = weight.subspan(c.QWidth() * c.embed_dim, c.KWidth() * c.embed_dim);
+  view.v_weight = weight.subspan((c.QWidth() + c.KWidth()) * c.embed_dim);
+  if (!bias.empty()) {
+    view.q_bias = bias.subspan(0, c.QWidth());
+    view.k_bias = bias.subspan(c.QWidth(), c.KWidth());
+    view.v_bias = bias.subspan(c.QWidth() + c.KWidth());
+  }
+  return view;
 }
 
 MhaWeights MhaLayer::weights() const {
   MhaWeights copy = weights_;
   if (!fused_qkv_weight_.empty()) {
-    copy.q_weight.assign(QWeight().begin(), QWeight().end());
-    copy.k_weight.assign(KWeight().begin(), KWeight().end());
-    copy.v_weight.assign(VWeight().begin(), VWeight().end());
-    copy.q_bias.assign(QBias().begin(), QBias().end());
-    copy.k_bias.assign(KBias().begin(), KBias().end());
-    copy.v_bias.assign(VBias().begin(), VBias().end());
+    const MhaWeightsView view = WeightsView();
+    copy.q_weight.assign(view.q_weight.begin(), view.q_weight.end());
+    copy.k_weight.assign(view.k_weight.begin(), view.k_weight.end());
+    copy.v_weight.assign(view.v_weight.begin(), view.v_weight.end());
+    copy.q_bias.assign(view.q_bias.begin(), view.q_bias.end());
+    copy.k_bias.assign(view.k_bias.begin(), view.k_bias.end());
+    copy.v_bias.assign(view.v_bias.begin(), view.v_bias.end());
   }
   return copy;
 }
@@ -338,7 +266,7 @@ absl::Status MhaLayer::ValidateInput(const MhaInput& in) const {
 
 AttentionResult MhaLayer::ForwardReference(const MhaInput& in) const {
   const MhaConfig& c = config_;
-  const MhaWeights& w = weights_;
+  const MhaWeightsView w = WeightsView();
   const bool self_attention = in.key.empty();
   const int64_t q_rows = in.batch * in.q_len;
   const int64_t kv_rows = in.batch * in.kv_len;
@@ -346,10 +274,10 @@ AttentionResult MhaLayer::ForwardReference(const MhaInput& in) const {
   const std::vector<double> xk = self_attention ? x : std::vector<double>(in.key.begin(), in.key.end());
   const std::vector<double> xv =
       self_attention ? x : std::vector<double>(in.value.begin(), in.value.end());
-  std::vector<double> q = LinearReference(x.data(), q_rows, c.embed_dim, QWeight(), QBias(), c.QWidth());
-  std::vector<double> k = LinearReference(xk.data(), kv_rows, c.kdim, KWeight(), KBias(), c.KWidth());
+  std::vector<double> q = LinearReference(x.data(), q_rows, c.embed_dim, w.q_weight, w.q_bias, c.QWidth());
+  std::vector<double> k = LinearReference(xk.data(), kv_rows, c.kdim, w.k_weight, w.k_bias, c.KWidth());
   const std::vector<double> v =
-      LinearReference(xv.data(), kv_rows, c.vdim, VWeight(), VBias(), c.VWidth());
+      LinearReference(xv.data(), kv_rows, c.vdim, w.v_weight, w.v_bias, c.VWidth());
   if (c.rope_theta > 0.0) {
     RotaryReference(q, q_rows, in.q_len, c.num_heads, c.head_dim, c.rope_theta);
     RotaryReference(k, kv_rows, in.kv_len, c.num_kv_heads, c.head_dim, c.rope_theta);
@@ -388,133 +316,6 @@ AttentionResult MhaLayer::ForwardReference(const MhaInput& in) const {
   return result;
 }
 
-std::vector<AttentionResult> MhaLayer::ForwardBatch(absl::Span<const MhaInput* const> inputs,
-                                                    ThreadPool& pool) const {
-  const MhaConfig& c = config_;
-  const MhaWeights& w = weights_;
-  // Row offsets of every input inside the packed token matrices.
-  std::vector<int64_t> q_row(inputs.size() + 1, 0), kv_row(inputs.size() + 1, 0);
-  bool all_self_attention = true;
-  for (size_t n = 0; n < inputs.size(); ++n) {
-    q_row[n + 1] = q_row[n] + inputs[n]->batch * inputs[n]->q_len;
-    kv_row[n + 1] = kv_row[n] + inputs[n]->batch * inputs[n]->kv_len;
-    all_self_attention = all_self_attention && inputs[n]->key.empty();
-  }
-  const int64_t q_rows = q_row.back(), kv_rows = kv_row.back();
-  thread_local ForwardScratch scratch;
-  // A single input is used in place; a batch is packed into one token matrix.
-  const float* x = inputs.size() == 1 ? inputs[0]->query.data() : nullptr;
-  if (x == nullptr) {
-    float* packed = scratch.Get(ForwardScratch::kX, q_rows * c.embed_dim);
-    for (size_t n = 0; n < inputs.size(); ++n) {
-      std::copy(inputs[n]->query.begin(), inputs[n]->query.end(), packed + q_row[n] * c.embed_dim);
-    }
-    x = packed;
-  }
-  // Key and value inputs: the query rows themselves for self-attention.
-  const float* key_input = x;
-  const float* value_input = x;
-  if (!all_self_attention) {
-    float* xk = scratch.Get(ForwardScratch::kKeyInput, kv_rows * c.kdim);
-    float* xv = scratch.Get(ForwardScratch::kValueInput, kv_rows * c.vdim);
-    for (size_t n = 0; n < inputs.size(); ++n) {
-      const MhaInput& in = *inputs[n];
-      absl::Span<const float> key = in.key.empty() ? in.query : in.key;
-      absl::Span<const float> value = in.value.empty() ? in.query : in.value;
-      std::copy(key.begin(), key.end(), xk + kv_row[n] * c.kdim);
-      std::copy(value.begin(), value.end(), xv + kv_row[n] * c.vdim);
-    }
-    key_input = xk;
-    value_input = xv;
-  }
-  // Projected Q, K and V rows and their strides (floats from one token's row to the next).
-  float *q, *k, *v;
-  int64_t q_stride = c.QWidth(), k_stride = c.KWidth(), v_stride = c.VWidth();
-  if (all_self_attention && !fused_qkv_weight_.empty()) {
-    // One GEMM for all three: [T, E] x [E, Q + K + V]; Q, K, V are column ranges of it.
-    const int64_t width = c.QWidth() + c.KWidth() + c.VWidth();
-    q = scratch.Get(ForwardScratch::kQ, q_rows * width);
-    LinearForward(pool, x, q_rows, c.embed_dim, fused_qkv_weight_, fused_qkv_bias_, width, q);
-    k = q + c.QWidth();
-    v = k + c.KWidth();
-    q_stride = k_stride = v_stride = width;
-  } else {
-    q = scratch.Get(ForwardScratch::kQ, q_rows * c.QWidth());
-    k = scratch.Get(ForwardScratch::kK, kv_rows * c.KWidth());
-    v = scratch.Get(ForwardScratch::kV, kv_rows * c.VWidth());
-    LinearForward(pool, x, q_rows, c.embed_dim, QWeight(), QBias(), c.QWidth(), q);
-    LinearForward(pool, key_input, kv_rows, c.kdim, KWeight(), KBias(), c.KWidth(), k);
-    LinearForward(pool, value_input, kv_rows, c.vdim, VWeight(), VBias(), c.VWidth(), v);
-  }
-  if (c.rope_theta > 0.0) {
-    for (size_t n = 0; n < inputs.size(); ++n) {
-      const MhaInput& in = *inputs[n];
-      ApplyRotary(q + q_row[n] * q_stride, in.batch * in.q_len, in.q_len, c.num_heads,
-                  c.head_dim, c.rope_theta, q_stride);
-      ApplyRotary(k + kv_row[n] * k_stride, in.batch * in.kv_len, in.kv_len, c.num_kv_heads,
-                  c.head_dim, c.rope_theta, k_stride);
-    }
-  }
-  float* attended = scratch.Get(ForwardScratch::kAttended, q_rows * c.AttentionWidth());
-  std::vector<AttentionResult> results(inputs.size());
-  std::vector<AttentionOptions> options(inputs.size());
-  std::vector<AttentionProblem> problems(inputs.size());
-  for (size_t n = 0; n < inputs.size(); ++n) {
-    const MhaInput& in = *inputs[n];
-    options[n] = in.options;
-    options[n].causal = options[n].causal || c.always_causal;
-    if (in.options.need_weights != NeedWeights::kNone) {
-      results[n].weights.resize(in.batch * c.num_heads * in.q_len * in.kv_len);
-    }
-    AttentionProblem& p = problems[n];
-    p.dims = Dims(in);
-    p.query = q + q_row[n] * q_stride;
-    p.query_layout = HeadLayout::StridedRows(in.q_len, c.head_dim, q_stride);
-    p.key = k + kv_row[n] * k_stride;
-    p.key_layout = HeadLayout::StridedRows(in.kv_len, c.head_dim, k_stride);
-    p.value = v + kv_row[n] * v_stride;
-    p.value_layout = HeadLayout::StridedRows(in.kv_len, c.v_head_dim, v_stride);
-    p.output = attended + q_row[n] * c.AttentionWidth();
-    p.output_layout = HeadLayout::BatchRowHead(c.num_heads, in.q_len, c.v_head_dim);
-    p.weights = results[n].weights.empty() ? nullptr : results[n].weights.data();
-    p.options = &options[n];
-  }
-  AttentionBlockedCpu(problems, pool);
-  const float* output = attended;
-  if (c.output_projection) {
-    float* projected = scratch.Get(ForwardScratch::kProjected, q_rows * c.output_dim);
-    LinearForward(pool, attended, q_rows, c.AttentionWidth(), w.out_weight, w.out_bias,
-                  c.output_dim, projected);
-    output = projected;
-  }
-  for (size_t n = 0; n < inputs.size(); ++n) {
-    results[n].output.assign(output + q_row[n] * c.output_dim,
-                             output + q_row[n + 1] * c.output_dim);
-    FinishWeights(results[n], problems[n].dims, inputs[n]->options.need_weights);
-  }
-  return results;
-}
-
-void ApplyRotary(float* data, int64_t rows, int64_t seq_len, int64_t heads, int64_t head_dim,
-                 double theta, int64_t row_stride) {
-  const int64_t half = head_dim / 2;
-  std::vector<double> inverse_frequency(half);
-  for (int64_t c = 0; c < half; ++c) inverse_frequency[c] = std::pow(theta, -2.0 * c / head_dim);
-  for (int64_t r = 0; r < rows; ++r) {
-    const double position = static_cast<double>(r % seq_len);
-    for (int64_t c = 0; c < half; ++c) {
-      const float cos_a = static_cast<float>(std::cos(position * inverse_frequency[c]));
-      const float sin_a = static_cast<float>(std::sin(position * inverse_frequency[c]));
-      for (int64_t h = 0; h < heads; ++h) {
-        float* x = data + r * row_stride + h * head_dim;
-        const float x1 = x[c], x2 = x[c + half];
-        x[c] = x1 * cos_a - x2 * sin_a;
-        x[c + half] = x2 * cos_a + x1 * sin_a;
-      }
-    }
-  }
-}
-
 absl::Status ValidateSdpaInput(const SdpaInput& in) {
   const AttentionDims& d = in.dims;
   for (auto [name, value] : {std::pair<const char*, int64_t>{"B", d.batch}, {"H", d.num_heads},
@@ -530,41 +331,16 @@ absl::Status ValidateSdpaInput(const SdpaInput& in) {
   return in.options.Validate(d);
 }
 
-namespace {
-
-AttentionResult RunSdpa(const SdpaInput& in, ThreadPool* pool) {
-  const AttentionDims& d = in.dims;
+AttentionResult SdpaReference(const SdpaInput& in) {
   AttentionResult result;
+  const AttentionDims& d = in.dims;
   result.output.resize(d.batch * d.num_heads * d.q_len * d.v_head_dim);
   if (in.options.need_weights != NeedWeights::kNone) {
     result.weights.resize(d.batch * d.num_heads * d.q_len * d.kv_len);
   }
-  AttentionProblem p;
-  p.dims = d;
-  p.query = in.query.data();
-  p.query_layout = HeadLayout::BatchHeadRow(d.num_heads, d.q_len, d.head_dim);
-  p.key = in.key.data();
-  p.key_layout = HeadLayout::BatchHeadRow(d.num_kv_heads, d.kv_len, d.head_dim);
-  p.value = in.value.data();
-  p.value_layout = HeadLayout::BatchHeadRow(d.num_kv_heads, d.kv_len, d.v_head_dim);
-  p.output = result.output.data();
-  p.output_layout = HeadLayout::BatchHeadRow(d.num_heads, d.q_len, d.v_head_dim);
-  p.weights = result.weights.empty() ? nullptr : result.weights.data();
-  p.options = &in.options;
-  if (pool == nullptr) {
-    AttentionReference(p);
-  } else {
-    AttentionBlockedCpu(absl::MakeConstSpan(&p, 1), *pool);
-  }
+  AttentionReference(SdpaProblem(in, result));
   FinishWeights(result, d, in.options.need_weights);
   return result;
-}
-
-}  // namespace
-
-AttentionResult SdpaReference(const SdpaInput& input) { return RunSdpa(input, nullptr); }
-AttentionResult SdpaForward(const SdpaInput& input, ThreadPool& pool) {
-  return RunSdpa(input, &pool);
 }
 
 }  // namespace attention::core

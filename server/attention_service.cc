@@ -67,7 +67,7 @@ void DescribeLayer(const LayerSnapshot& snapshot, const BatchLimits& server_limi
   info->set_parameter_count(layer.config().ParameterCount());
   info->set_weight_bytes(layer.WeightBytes());
   info->set_dtype(v1::FLOAT32);
-  info->set_device("cpu");
+  info->set_device(layer.device());
   info->set_version(snapshot.version);
   info->set_persisted(snapshot.persisted);
   *info->mutable_batching() = BatchingPolicyToProto(snapshot.batching.ApplyTo(server_limits));
@@ -123,7 +123,8 @@ absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
     inline_snapshot->name = "(inline)";
     // An inline layer's weights are this request's memory.
     ASSIGN_OR_RETURN(inline_snapshot->layer,
-                     BuildLayer(request.inline_layer(), "inline_layer", registry_.repository(),
+                     BuildLayer(request.inline_layer(), "inline_layer", default_backend_,
+                                registry_.repository(),
                                 [this](int64_t bytes) {
                                   return CheckInlineLayerBytes(bytes, budget_);
                                 }));
@@ -258,14 +259,15 @@ absl::Status AttentionServiceImpl::StartScaledDotProductAttention(
   const core::AttentionDims dims = input.dims;
   const core::NeedWeights need = input.options.need_weights;
   // The closure owns the decoded tensors; spans are set where they can no longer move.
-  item->run_alone = [input = std::move(input), q = std::move(query.values),
-                     k = std::move(key.values),
-                     v = std::move(value.values)](core::ThreadPool& pool) mutable {
+  item->run_alone = [backend = default_backend_, input = std::move(input),
+                     q = std::move(query.values), k = std::move(key.values),
+                     v = std::move(value.values)]() mutable {
     input.query = q;
     input.key = k;
     input.value = v;
-    return core::SdpaForward(input, pool);
+    return backend->ScaledDotProductAttention(input);
   };
+  item->run_alone_device = default_backend_->name();
   item->done = [this, start, response, reactor, dims, need, output_dtype,
                 request_id = request.request_id()](absl::StatusOr<core::AttentionResult> result) {
     if (!result.ok()) {
@@ -298,8 +300,13 @@ absl::Status AttentionServiceImpl::DoLoadLayer(const v1::LoadLayerRequest& reque
   RETURN_IF_ERROR(ValidateLayerName(request.name(), "name"));
   ASSIGN_OR_RETURN(const BatchLimitOverrides batching,
                    ConvertBatchingPolicy(request.batching(), "batching"));
+  absl::StatusOr<std::shared_ptr<const core::Backend>> backend =
+      request.device().empty() ? default_backend_ : devices_.Get(request.device());
+  if (!backend.ok()) {
+    return absl::Status(backend.status().code(), absl::StrCat("device: ", backend.status().message()));
+  }
   ASSIGN_OR_RETURN(std::shared_ptr<const core::MhaLayer> layer,
-                   BuildLayer(request.spec(), "spec", registry_.repository(),
+                   BuildLayer(request.spec(), "spec", *std::move(backend), registry_.repository(),
                               [&](int64_t bytes) {
                                 return registry_.CheckBudget(request.name(), bytes);
                               }));

@@ -7,6 +7,7 @@
 #include <functional>
 
 #include "attention/v1/attention.grpc.pb.h"
+#include "core/devices.h"
 #include "server/batcher.h"
 #include "server/layer_registry.h"
 #include "server/metrics.h"
@@ -20,10 +21,19 @@ class MultiHeadAttentionStreamReactor;
 
 class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
  public:
-  // Requests past `budget` are refused before anything is allocated or queued.
+  // Requests past `budget` are refused before anything is allocated or queued. Layers are
+  // placed on `devices` (`default_backend` unless LoadLayerRequest.device says otherwise);
+  // inline layers and scaled dot-product attention run on `default_backend`.
   AttentionServiceImpl(LayerRegistry& registry, Batcher& batcher, Metrics& metrics,
-                       RequestLog& log, const RequestBudget& budget)
-      : registry_(registry), batcher_(batcher), metrics_(metrics), log_(log), budget_(budget) {}
+                       RequestLog& log, const RequestBudget& budget, core::Devices& devices,
+                       std::shared_ptr<const core::Backend> default_backend)
+      : registry_(registry),
+        batcher_(batcher),
+        metrics_(metrics),
+        log_(log),
+        budget_(budget),
+        devices_(devices),
+        default_backend_(std::move(default_backend)) {}
 
   // Sets the loaded-layer gauges from the registry.
   void RefreshLayerMetrics();
@@ -77,6 +87,8 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   Metrics& metrics_;
   RequestLog& log_;
   const RequestBudget budget_;
+  core::Devices& devices_;
+  const std::shared_ptr<const core::Backend> default_backend_;
 };
 
 // Fills `info` from a snapshot.

@@ -141,8 +141,8 @@ std::vector<std::unique_ptr<WorkItem>> BatchQueue::PopDue(absl::Time now, bool f
   return batch;
 }
 
-Batcher::Batcher(const BatcherOptions& options, core::ThreadPool& pool, Metrics* metrics)
-    : server_limits_(options.limits), pool_(pool), metrics_(metrics), queue_(options) {
+Batcher::Batcher(const BatcherOptions& options, Metrics* metrics)
+    : server_limits_(options.limits), metrics_(metrics), queue_(options) {
   for (int i = 0; i < options.num_workers; ++i) workers_.emplace_back([this] { WorkerLoop(); });
 }
 
@@ -235,9 +235,10 @@ void Batcher::Run(std::vector<std::unique_ptr<WorkItem>> batch) {
   for (const auto& item : live) tokens += item->tokens;
   const absl::Time start = absl::Now();
   if (live.front()->layer == nullptr) {
-    core::AttentionResult result = live.front()->run_alone(pool_);
+    absl::StatusOr<core::AttentionResult> result = live.front()->run_alone();
     if (metrics_ != nullptr) {
-      metrics_->BatchComputed(QueueName(*live.front()), 1, tokens, absl::Now() - start);
+      metrics_->BatchComputed(QueueName(*live.front()), live.front()->run_alone_device, 1,
+                              tokens, absl::Now() - start);
     }
     live.front()->done(std::move(result));
     return;
@@ -245,13 +246,21 @@ void Batcher::Run(std::vector<std::unique_ptr<WorkItem>> batch) {
   std::vector<const core::MhaInput*> inputs;
   for (const auto& item : live) inputs.push_back(&item->input);
   const LayerSnapshot& snapshot = *live.front()->layer;
-  std::vector<core::AttentionResult> results = snapshot.layer->ForwardBatch(inputs, pool_);
+  absl::StatusOr<std::vector<core::AttentionResult>> results =
+      snapshot.layer->ForwardBatch(inputs);
   if (metrics_ != nullptr) {
-    metrics_->BatchComputed(snapshot.name, static_cast<int64_t>(live.size()), tokens,
-                            absl::Now() - start);
-    metrics_->TokensProcessed(snapshot.name, tokens);
+    metrics_->BatchComputed(snapshot.name, snapshot.layer->device(),
+                            static_cast<int64_t>(live.size()), tokens, absl::Now() - start);
+    if (results.ok()) metrics_->TokensProcessed(snapshot.name, tokens);
   }
-  for (size_t n = 0; n < live.size(); ++n) live[n]->done(std::move(results[n]));
+  for (size_t n = 0; n < live.size(); ++n) {
+    // A backend error (e.g. the device ran out of memory) fails the whole batch.
+    if (results.ok()) {
+      live[n]->done(std::move((*results)[n]));
+    } else {
+      live[n]->done(results.status());
+    }
+  }
 }
 
 }  // namespace attention::server

@@ -20,7 +20,6 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "core/mha_layer.h"
-#include "core/thread_pool.h"
 #include "server/batch_limits.h"
 #include "server/layer_registry.h"
 #include "server/metrics.h"
@@ -51,8 +50,10 @@ struct WorkItem {
   std::shared_ptr<const LayerSnapshot> layer;
   core::MhaInput input;
   std::vector<std::vector<float>> storage;
-  // For work that runs alone (layer is null), e.g. scaled dot-product attention.
-  std::function<core::AttentionResult(core::ThreadPool&)> run_alone;
+  // For work that runs alone (layer is null), e.g. scaled dot-product attention, and the
+  // device it runs on (for the compute metrics).
+  std::function<absl::StatusOr<core::AttentionResult>()> run_alone;
+  std::string run_alone_device;
   // Query tokens, for the batch and queue token limits.
   int64_t tokens = 0;
   // Higher runs first; equal priorities run in arrival order.
@@ -126,8 +127,9 @@ class BatchQueue {
 // Thread-safe.
 class Batcher {
  public:
-  // `options` must be valid; `pool` and `metrics` (may be null) must outlive the batcher.
-  Batcher(const BatcherOptions& options, core::ThreadPool& pool, Metrics* metrics = nullptr);
+  // `options` must be valid; `metrics` (may be null) must outlive the batcher. Batches
+  // compute on their layer's backend, work without a layer in its run_alone.
+  explicit Batcher(const BatcherOptions& options, Metrics* metrics = nullptr);
   ~Batcher();  // Shutdown()
 
   // Queues the item, or returns RESOURCE_EXHAUSTED when the queue is full and UNAVAILABLE
@@ -146,7 +148,6 @@ class Batcher {
   void Run(std::vector<std::unique_ptr<WorkItem>> batch);
 
   const BatchLimits server_limits_;
-  core::ThreadPool& pool_;
   Metrics* const metrics_;
   // std::mutex rather than absl::Mutex so ThreadSanitizer sees the locking: Debian's
   // prebuilt Abseil is not instrumented.

@@ -118,11 +118,12 @@ int64_t LayerRegistry::weight_bytes() const {
   return bytes;
 }
 
-std::vector<std::string> LayerRegistry::LoadPersisted() {
+std::vector<std::string> LayerRegistry::LoadPersisted(
+    const std::shared_ptr<const core::Backend>& backend) {
   std::vector<std::string> problems;
   if (repository_ == nullptr) return problems;
   std::lock_guard<std::mutex> update(update_mu_);
-  for (ModelRepository::PersistedLayer& persisted : repository_->LoadPersisted(&problems)) {
+  for (ModelRepository::PersistedLayer& persisted : repository_->LoadPersisted(backend, &problems)) {
     const absl::Status budget = CheckBudget(persisted.name, persisted.layer->WeightBytes());
     if (!budget.ok()) {
       problems.push_back(absl::StrCat(PersistedPath(persisted.name), ": ", budget.message(),

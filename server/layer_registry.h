@@ -79,8 +79,9 @@ class LayerRegistry {
 
   // Publishes every persisted layer of the repository (marked persisted, files untouched).
   // Returns a description of each file skipped (corrupt, truncated, over budget); never
-  // fails as a whole, so one bad file cannot keep the server from starting.
-  std::vector<std::string> LoadPersisted();
+  // fails as a whole, so one bad file cannot keep the server from starting. Layers are
+  // prepared on `backend` (the server's default device).
+  std::vector<std::string> LoadPersisted(const std::shared_ptr<const core::Backend>& backend);
 
  private:
   absl::Status NotFoundLocked(const std::string& name) const ABSL_SHARED_LOCKS_REQUIRED(mu_);

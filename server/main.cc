@@ -19,7 +19,10 @@
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "host:port to serve gRPC on; port 0 picks one");
 ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9464",
           "host:port for Prometheus /metrics; port 0 picks one; empty disables");
-ABSL_FLAG(int, compute_threads, 0, "compute threads; 0 = one per hardware thread");
+ABSL_FLAG(int, compute_threads, 0, "CPU compute threads; 0 = one per hardware thread");
+ABSL_FLAG(std::string, device, "auto",
+          "default device of layers and of scaled dot-product attention: auto (the first GPU "
+          "if one is visible, else the CPU), cpu, cuda or cuda:N");
 ABSL_FLAG(int, batch_workers, 2,
           "threads taking batches off the queue; two overlap one batch's encoding with "
           "another's compute");
@@ -113,6 +116,7 @@ int main(int argc, char** argv) {
   options.listen_address = absl::GetFlag(FLAGS_listen);
   options.metrics_address = absl::GetFlag(FLAGS_metrics_listen);
   options.compute_threads = absl::GetFlag(FLAGS_compute_threads);
+  options.device = absl::GetFlag(FLAGS_device);
   options.batcher.num_workers = absl::GetFlag(FLAGS_batch_workers);
   options.batcher.limits.max_batch_requests = absl::GetFlag(FLAGS_max_batch_requests);
   options.batcher.limits.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
@@ -138,6 +142,8 @@ int main(int argc, char** argv) {
     std::cerr << "attention-service: " << server.status() << std::endl;
     return 1;
   }
+  std::cerr << "attention-service: default device " << (*server)->default_backend().name()
+            << std::endl;
   // Scripts and tests read the port from this line.
   std::cout << "attention-service listening on port " << (*server)->port() << std::endl;
   if ((*server)->metrics_port() != 0) {

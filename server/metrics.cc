@@ -20,7 +20,7 @@ prometheus::Histogram::BucketBoundaries PowersOfTwo(double largest) {
 
 }  // namespace
 
-Metrics::Metrics()
+Metrics::Metrics(absl::string_view default_device)
     : registry_(std::make_shared<prometheus::Registry>()),
       requests_(prometheus::BuildCounter()
                     .Name("attention_requests_total")
@@ -37,7 +37,7 @@ Metrics::Metrics()
                           .Add({}, SecondsBuckets())),
       compute_duration_(prometheus::BuildHistogram()
                             .Name("attention_compute_duration_seconds")
-                            .Help("Time of one batched forward pass, by layer")
+                            .Help("Time of one batched forward pass, by layer and device")
                             .Register(*registry_)),
       batch_requests_(prometheus::BuildHistogram()
                           .Name("attention_batch_size_requests")
@@ -75,12 +75,20 @@ Metrics::Metrics()
                         .Name("attention_layer_weight_bytes")
                         .Help("Bytes of weights held by loaded layers")
                         .Register(*registry_)
-                        .Add({})) {
+                        .Add({})),
+      device_memory_used_(prometheus::BuildGauge()
+                              .Name("attention_device_memory_used_bytes")
+                              .Help("Memory in use on an accelerator (all processes), by device")
+                              .Register(*registry_)),
+      device_memory_total_(prometheus::BuildGauge()
+                               .Name("attention_device_memory_total_bytes")
+                               .Help("Memory of an accelerator, by device")
+                               .Register(*registry_)) {
   prometheus::BuildGauge()
       .Name("attention_build_info")
       .Help("Build information; the value is always 1")
       .Register(*registry_)
-      .Add({{"version", ATTENTION_VERSION}, {"backend", "cpu-openblas"}})
+      .Add({{"version", ATTENTION_VERSION}, {"backend", std::string(default_device)}})
       .Set(1);
 }
 
@@ -112,12 +120,14 @@ void Metrics::Dequeued(absl::Duration waited) {
   queue_duration_.Observe(absl::ToDoubleSeconds(waited));
 }
 
-void Metrics::BatchComputed(absl::string_view layer, int64_t requests, int64_t tokens,
-                            absl::Duration compute) {
+void Metrics::BatchComputed(absl::string_view layer, absl::string_view device,
+                            int64_t requests, int64_t tokens, absl::Duration compute) {
   const prometheus::Labels labels = {{"layer", std::string(layer)}};
   batch_requests_.Add(labels, PowersOfTwo(1024)).Observe(static_cast<double>(requests));
   batch_tokens_.Add(labels, PowersOfTwo(1 << 20)).Observe(static_cast<double>(tokens));
-  compute_duration_.Add(labels, SecondsBuckets()).Observe(absl::ToDoubleSeconds(compute));
+  compute_duration_.Add({{"layer", std::string(layer)}, {"device", std::string(device)}},
+                        SecondsBuckets())
+      .Observe(absl::ToDoubleSeconds(compute));
 }
 
 void Metrics::TokensProcessed(absl::string_view layer, int64_t tokens) {
@@ -135,6 +145,13 @@ void Metrics::SetQueueCapacity(absl::string_view layer, int64_t requests) {
 void Metrics::SetLayers(int64_t count, int64_t weight_bytes) {
   layers_loaded_.Set(static_cast<double>(count));
   weight_bytes_.Set(static_cast<double>(weight_bytes));
+}
+
+void Metrics::SetDeviceMemory(absl::string_view device, int64_t used_bytes,
+                              int64_t total_bytes) {
+  const prometheus::Labels labels = {{"device", std::string(device)}};
+  device_memory_used_.Add(labels).Set(static_cast<double>(used_bytes));
+  device_memory_total_.Add(labels).Set(static_cast<double>(total_bytes));
 }
 
 }  // namespace attention::server

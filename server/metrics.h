@@ -25,7 +25,8 @@ namespace attention::server {
 // Thread-safe (prometheus-cpp metrics are atomic; families are created under its lock).
 class Metrics {
  public:
-  Metrics();
+  // `default_device` names the server's default backend in attention_build_info.
+  explicit Metrics(absl::string_view default_device = "cpu");
 
   // Serves /metrics on `address` (host:port; port 0 picks one, see port()).
   absl::Status Expose(const std::string& address);
@@ -37,10 +38,11 @@ class Metrics {
   void CallFinished(absl::string_view method, absl::StatusCode code, absl::Duration elapsed);
   // A request left the queue after waiting `waited`.
   void Dequeued(absl::Duration waited);
-  // One forward pass of `layer`'s queue (see QueueName in batcher.h) over `requests`
-  // requests and `tokens` query tokens; by layer, so each layer's batching can be tuned.
-  void BatchComputed(absl::string_view layer, int64_t requests, int64_t tokens,
-                     absl::Duration compute);
+  // One forward pass of `layer`'s queue (see QueueName in batcher.h) on `device` over
+  // `requests` requests and `tokens` query tokens; by layer, so each layer's batching can
+  // be tuned, and compute time also by device.
+  void BatchComputed(absl::string_view layer, absl::string_view device, int64_t requests,
+                     int64_t tokens, absl::Duration compute);
   void TokensProcessed(absl::string_view layer, int64_t tokens);
   // Requests waiting in one layer's queue (see QueueName in batcher.h).
   void SetQueueDepth(absl::string_view layer, int64_t requests);
@@ -48,6 +50,8 @@ class Metrics {
   // depth with it.
   void SetQueueCapacity(absl::string_view layer, int64_t requests);
   void SetLayers(int64_t count, int64_t weight_bytes);
+  // Memory of an accelerator: bytes in use (by this process and others) and in total.
+  void SetDeviceMemory(absl::string_view device, int64_t used_bytes, int64_t total_bytes);
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
@@ -65,6 +69,8 @@ class Metrics {
   prometheus::Gauge& in_flight_;
   prometheus::Gauge& layers_loaded_;
   prometheus::Gauge& weight_bytes_;
+  prometheus::Family<prometheus::Gauge>& device_memory_used_;
+  prometheus::Family<prometheus::Gauge>& device_memory_total_;
 };
 
 }  // namespace attention::server

@@ -238,7 +238,7 @@ absl::Status ModelRepository::RemovePersisted(const std::string& name) const {
 }
 
 absl::StatusOr<ModelRepository::PersistedLayer> ModelRepository::ReadPersisted(
-    const std::string& name) const {
+    const std::string& name, const std::shared_ptr<const core::Backend>& backend) const {
   const std::string relative = PersistedPath(name);
   ASSIGN_OR_RETURN(std::unique_ptr<core::SafetensorsFile> file,
                    OpenSafetensors(relative, "persisted layer"));
@@ -274,12 +274,12 @@ absl::StatusOr<ModelRepository::PersistedLayer> ModelRepository::ReadPersisted(
   ASSIGN_OR_RETURN(core::MhaWeights weights,
                    ConvertWeights(v1::WEIGHT_NAMING_NATIVE, source, "", *config, "naming"));
   ASSIGN_OR_RETURN(std::shared_ptr<const core::MhaLayer> layer,
-                   core::MhaLayer::Create(*config, std::move(weights)));
+                   core::MhaLayer::Create(*config, std::move(weights), backend));
   return PersistedLayer{name, std::move(layer), *std::move(batching)};
 }
 
 std::vector<ModelRepository::PersistedLayer> ModelRepository::LoadPersisted(
-    std::vector<std::string>* problems) const {
+    const std::shared_ptr<const core::Backend>& backend, std::vector<std::string>* problems) const {
   std::vector<PersistedLayer> layers;
   const std::string dir = absl::StrCat(root_, "/", kPersistedDir);
   DIR* stream = ::opendir(dir.c_str());
@@ -316,7 +316,7 @@ std::vector<ModelRepository::PersistedLayer> ModelRepository::LoadPersisted(
       problems->push_back(absl::StrCat(relative, ": ", valid.message(), "; skipped"));
       continue;
     }
-    auto layer = ReadPersisted(name);
+    auto layer = ReadPersisted(name, backend);
     if (!layer.ok()) {
       // The message already names the file.
       problems->push_back(absl::StrCat(layer.status().message(), "; skipped"));

@@ -68,12 +68,15 @@ class ModelRepository {
   };
   // Every persisted layer that reads back cleanly, sorted by name. Each file that does not
   // (truncated, corrupt, not a layer) is skipped and described in `problems`; leftover
-  // temporary files of interrupted writes are removed and reported there too.
-  std::vector<PersistedLayer> LoadPersisted(std::vector<std::string>* problems) const;
+  // temporary files of interrupted writes are removed and reported there too. Layers are
+  // prepared on `backend`.
+  std::vector<PersistedLayer> LoadPersisted(const std::shared_ptr<const core::Backend>& backend,
+                                            std::vector<std::string>* problems) const;
 
-  // Reads one persisted layer back. A file without batching metadata (written before it
-  // existed) has no overrides.
-  absl::StatusOr<PersistedLayer> ReadPersisted(const std::string& name) const;
+  // Reads one persisted layer back onto `backend`. A file without batching metadata
+  // (written before it existed) has no overrides.
+  absl::StatusOr<PersistedLayer> ReadPersisted(
+      const std::string& name, const std::shared_ptr<const core::Backend>& backend) const;
 
  private:
   ModelRepository(std::string root, const core::SafetensorsOptions& options)

@@ -47,17 +47,30 @@ RequestBudget ServerOptions::RequestBudgetWithMessageLimit() const {
   return budget;
 }
 
-AttentionServer::AttentionServer(const ServerOptions& options)
-    : request_log_(options.request_log),
+AttentionServer::AttentionServer(const ServerOptions& options,
+                                 std::unique_ptr<core::Devices> devices,
+                                 std::shared_ptr<const core::Backend> default_backend)
+    : devices_(std::move(devices)),
+      default_backend_(std::move(default_backend)),
+      metrics_(default_backend_->name()),
+      request_log_(options.request_log),
       drain_delay_(options.drain_delay),
-      pool_(ComputeThreads(options.compute_threads)),
-      batcher_(options.batcher, pool_, &metrics_),
-      service_(registry_, batcher_, metrics_, request_log_, options.RequestBudgetWithMessageLimit()) {}
+      batcher_(options.batcher, &metrics_),
+      service_(registry_, batcher_, metrics_, request_log_, options.RequestBudgetWithMessageLimit(),
+               *devices_, default_backend_) {}
 
 absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
     const ServerOptions& options) {
   RETURN_IF_ERROR(options.Validate());
-  std::unique_ptr<AttentionServer> server(new AttentionServer(options));
+  auto devices = std::make_unique<core::Devices>(ComputeThreads(options.compute_threads));
+  absl::StatusOr<std::shared_ptr<const core::Backend>> default_backend =
+      devices->Get(options.device);
+  if (!default_backend.ok()) {
+    return absl::Status(default_backend.status().code(),
+                        absl::StrCat("--device: ", default_backend.status().message()));
+  }
+  std::unique_ptr<AttentionServer> server(
+      new AttentionServer(options, std::move(devices), *std::move(default_backend)));
   RETURN_IF_ERROR(server->registry_.Configure(options.registry));
   if (!options.metrics_address.empty()) {
     RETURN_IF_ERROR(server->metrics_.Expose(options.metrics_address));
@@ -81,14 +94,15 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
   health->SetServingStatus(false);
   health->SetServingStatus(kServiceName, false);
   // Persisted layers load before the demo layer, so one persisted under its name wins.
-  server->startup_problems_ = server->registry_.LoadPersisted();
+  server->startup_problems_ = server->registry_.LoadPersisted(server->default_backend_);
   if (options.demo_layer && !server->registry_.Get(kDemoLayerName).ok()) {
     core::MhaConfig config;
     config.embed_dim = kDemoEmbedDim;
     config.num_heads = kDemoNumHeads;
     ASSIGN_OR_RETURN(const core::MhaConfig resolved, core::MhaConfig::Resolve(config));
     ASSIGN_OR_RETURN(auto layer,
-                     core::MhaLayer::Create(resolved, core::MhaWeights::Random(resolved, kDemoSeed)));
+                     core::MhaLayer::Create(resolved, core::MhaWeights::Random(resolved, kDemoSeed),
+                                            server->default_backend_));
     auto published = server->registry_.Publish(kDemoLayerName, std::move(layer));
     if (!published.ok()) {
       server->startup_problems_.push_back(absl::StrCat(

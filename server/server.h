@@ -11,7 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "core/thread_pool.h"
+#include "core/devices.h"
 #include "server/attention_service.h"
 #include "server/batcher.h"
 #include "server/layer_registry.h"
@@ -32,8 +32,13 @@ struct ServerOptions {
   std::string listen_address = "0.0.0.0:50051";
   // host:port serving Prometheus /metrics; port 0 picks one; empty disables the endpoint.
   std::string metrics_address = "0.0.0.0:9464";
-  // Compute threads; 0 means one per hardware thread.
+  // Compute threads of the CPU backend; 0 means one per hardware thread.
   int compute_threads = 0;
+  // Where layers compute unless LoadLayerRequest.device says otherwise, and where scaled
+  // dot-product attention runs: "auto" (the first GPU if one is visible, else the CPU),
+  // "cpu", "cuda" or "cuda:N". A GPU that is not there fails Start with
+  // FAILED_PRECONDITION.
+  std::string device = "auto";
   BatcherOptions batcher;
   // Error lines and the sampled access log on stderr.
   RequestLogOptions request_log;
@@ -62,6 +67,8 @@ class AttentionServer {
   ~AttentionServer();  // Shutdown(absl::ZeroDuration())
 
   int port() const { return port_; }
+  // The default device's backend ("cpu", "cuda:0").
+  const core::Backend& default_backend() const { return *default_backend_; }
   // Port of /metrics, 0 when disabled.
   int metrics_port() const { return metrics_.port(); }
   LayerRegistry& registry() { return registry_; }
@@ -73,12 +80,14 @@ class AttentionServer {
   void Shutdown(absl::Duration grace);
 
  private:
-  explicit AttentionServer(const ServerOptions& options);
+  AttentionServer(const ServerOptions& options, std::unique_ptr<core::Devices> devices,
+                  std::shared_ptr<const core::Backend> default_backend);
 
+  const std::unique_ptr<core::Devices> devices_;
+  const std::shared_ptr<const core::Backend> default_backend_;
   Metrics metrics_;
   RequestLog request_log_;
   const absl::Duration drain_delay_;
-  core::ThreadPool pool_;
   Batcher batcher_;
   LayerRegistry registry_;
   AttentionServiceImpl service_;

@@ -216,7 +216,8 @@ v1::LayerConfig ConfigToProto(const core::MhaConfig& in) {
 }
 
 absl::StatusOr<std::shared_ptr<const core::MhaLayer>> BuildLayer(
-    const v1::LayerSpec& spec, absl::string_view field, const ModelRepository* repository,
+    const v1::LayerSpec& spec, absl::string_view field,
+    std::shared_ptr<const core::Backend> backend, const ModelRepository* repository,
     const std::function<absl::Status(int64_t weight_bytes)>& admit_weight_bytes) {
   auto config = core::MhaConfig::Resolve(ConvertConfig(spec.config()));
   if (!config.ok()) return Invalid(field, ".", config.status().message());
@@ -266,7 +267,7 @@ absl::StatusOr<std::shared_ptr<const core::MhaLayer>> BuildLayer(
     case v1::LayerSpec::WEIGHTS_NOT_SET:
       return Invalid(field, ".weights is not set: give inline_weights, safetensors or random_init");
   }
-  return core::MhaLayer::Create(*config, std::move(weights));
+  return core::MhaLayer::Create(*config, std::move(weights), std::move(backend));
 }
 
 absl::Status ValidateLayerName(absl::string_view name, absl::string_view field) {

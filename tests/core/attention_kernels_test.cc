@@ -3,9 +3,11 @@
 #include <cmath>
 #include <random>
 
+#include "core/cpu/attention_cpu.h"
 #include "core/mha_layer.h"
 #include "gtest/gtest.h"
 #include "tests/core/random_options.h"
+#include "tests/core/test_backends.h"
 
 namespace attention::core {
 namespace {
@@ -14,6 +16,7 @@ using testing::Describe;
 using testing::RandomFloats;
 using testing::RandomOptions;
 using testing::TestSeed;
+using testing::BackendTest;
 
 // float32 against the double oracle: scores sum <= 17 products of values in [-1, 1] and
 // softmax/PV sums <= 131 terms, so float rounding stays near 1e-6; 2e-4 leaves room for
@@ -29,11 +32,10 @@ void ExpectClose(const std::vector<float>& actual, const std::vector<float>& exp
   }
 }
 
-TEST(AttentionKernelsTest, BlockedMatchesReferenceOnRandomGrid) {
+TEST_P(BackendTest, SdpaMatchesReferenceOnRandomGrid) {
   const uint64_t seed = TestSeed(20261121);
   SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
   std::mt19937_64 rng(seed);
-  ThreadPool pool(2);
   // 1, primes, block-size neighbours, and 257 / 300 queries so that over short keys
   // (256-row blocks) several query blocks occur.
   const int64_t lengths[] = {1, 2, 7, 63, 64, 67, 131, 257, 300};
@@ -63,21 +65,21 @@ TEST(AttentionKernelsTest, BlockedMatchesReferenceOnRandomGrid) {
     ASSERT_TRUE(ValidateSdpaInput(input).ok()) << ValidateSdpaInput(input);
     const std::string what = "trial " + std::to_string(trial) + ": " + Describe(dims, input.options);
     const AttentionResult expected = SdpaReference(input);
-    const AttentionResult actual = SdpaForward(input, pool);
+    const absl::StatusOr<AttentionResult> forward = backend_->ScaledDotProductAttention(input);
+    ASSERT_TRUE(forward.ok()) << forward.status();
+    const AttentionResult& actual = *forward;
     ExpectClose(actual.output, expected.output, what + " output");
     ExpectClose(actual.weights, expected.weights, what + " weights");
   }
 }
 
-TEST(AttentionKernelsTest, BlockedMatchesReferenceWithLongKeys) {
+TEST_P(BackendTest, SdpaMatchesReferenceWithLongKeys) {
   // 4100 keys give 64-row query blocks, so 150 queries span three blocks, and four key
   // blocks of the online softmax when no weights are returned.
   const uint64_t seed = TestSeed(77);
   SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
   std::mt19937_64 rng(seed);
-  ThreadPool pool(2);
-  ASSERT_EQ(QueryBlockRows(4100), 64);
-  for (int trial = 0; trial < 10; ++trial) {
+    for (int trial = 0; trial < 10; ++trial) {
     SdpaInput input;
     input.dims = {1, 2, 1, 150, 4100, 8, 5};
     const auto q = RandomFloats(rng, 2 * 150 * 8), k = RandomFloats(rng, 4100 * 8),
@@ -90,13 +92,15 @@ TEST(AttentionKernelsTest, BlockedMatchesReferenceWithLongKeys) {
     if (trial % 2 == 0) input.options.need_weights = NeedWeights::kNone;
     const std::string what = "trial " + std::to_string(trial) + ": " + Describe(input.dims, input.options);
     const AttentionResult expected = SdpaReference(input);
-    const AttentionResult actual = SdpaForward(input, pool);
+    const absl::StatusOr<AttentionResult> forward = backend_->ScaledDotProductAttention(input);
+    ASSERT_TRUE(forward.ok()) << forward.status();
+    const AttentionResult& actual = *forward;
     ExpectClose(actual.output, expected.output, what + " output");
     ExpectClose(actual.weights, expected.weights, what + " weights");
   }
 }
 
-TEST(AttentionKernelsTest, CausalIsBottomRightAligned) {
+TEST_P(BackendTest, CausalIsBottomRightAligned) {
   // Nq = 2 queries over Nk = 4 keys: query 0 sees keys 0..2, query 1 sees all four.
   SdpaInput input;
   input.dims = {1, 1, 1, 2, 4, 1, 1};
@@ -106,15 +110,16 @@ TEST(AttentionKernelsTest, CausalIsBottomRightAligned) {
   input.value = v;
   input.options.causal = true;
   input.options.need_weights = NeedWeights::kPerHead;
-  ThreadPool pool(1);
-  for (const AttentionResult& result : {SdpaReference(input), SdpaForward(input, pool)}) {
+  const absl::StatusOr<AttentionResult> forward = backend_->ScaledDotProductAttention(input);
+  ASSERT_TRUE(forward.ok()) << forward.status();
+  for (const AttentionResult& result : {SdpaReference(input), *forward}) {
     EXPECT_NEAR(result.output[0], 2.0f, 1e-6);  // mean of 1, 2, 3
     EXPECT_NEAR(result.output[1], 2.5f, 1e-6);  // mean of 1..4
     EXPECT_EQ(result.weights[3], 0.0f);
   }
 }
 
-TEST(AttentionKernelsTest, FullyMaskedRowIsZeroNotNan) {
+TEST_P(BackendTest, FullyMaskedRowIsZeroNotNan) {
   SdpaInput input;
   input.dims = {2, 1, 1, 3, 5, 4, 4};
   std::mt19937_64 rng(7);
@@ -125,12 +130,19 @@ TEST(AttentionKernelsTest, FullyMaskedRowIsZeroNotNan) {
   input.value = v;
   input.options.key_lengths = {0, 5};  // sequence 0 has no valid key
   input.options.need_weights = NeedWeights::kPerHead;
-  ThreadPool pool(2);
-  for (const AttentionResult& result : {SdpaReference(input), SdpaForward(input, pool)}) {
+  const absl::StatusOr<AttentionResult> forward = backend_->ScaledDotProductAttention(input);
+  ASSERT_TRUE(forward.ok()) << forward.status();
+  for (const AttentionResult& result : {SdpaReference(input), *forward}) {
     for (int e = 0; e < 3 * 4; ++e) EXPECT_EQ(result.output[e], 0.0f) << e;
     for (int e = 0; e < 3 * 5; ++e) EXPECT_EQ(result.weights[e], 0.0f) << e;
     for (int e = 12; e < 24; ++e) EXPECT_NE(result.output[e], 0.0f) << e;
   }
+}
+
+TEST(AttentionCpuTest, LongKeysTakeShortQueryBlocks) {
+  // The long-keys test above relies on this: 150 queries span three blocks of 64.
+  EXPECT_EQ(QueryBlockRows(4100), 64);
+  EXPECT_EQ(QueryBlockRows(16), 256);
 }
 
 TEST(AttentionKernelsTest, DropoutDependsOnlyOnSeedAndPosition) {
@@ -159,6 +171,9 @@ TEST(AttentionOptionsTest, ValidateNamesFieldAndValues) {
             "options.attn_mask shape [1, 3, 3, 5] is not broadcastable to [B, H, Nq, Nk] = "
             "[2, 4, 3, 5]");
 }
+
+INSTANTIATE_TEST_SUITE_P(Devices, BackendTest, ::testing::ValuesIn(testing::CompiledDevices()),
+                         testing::DeviceTestName);
 
 }  // namespace
 }  // namespace attention::core

@@ -5,6 +5,7 @@
 
 #include "gtest/gtest.h"
 #include "tests/core/random_options.h"
+#include "tests/core/test_backends.h"
 
 namespace attention::core {
 namespace {
@@ -13,6 +14,8 @@ using testing::Describe;
 using testing::RandomFloats;
 using testing::RandomOptions;
 using testing::TestSeed;
+using testing::BackendTest;
+using testing::CpuForTests;
 
 // Projections add up to 67 float products before and after attention; 5e-4 absolute on
 // outputs of magnitude ~1 stays far above float rounding and far below any real bug.
@@ -60,7 +63,7 @@ TEST(MhaLayerTest, CreateRejectsMisShapedWeights) {
   const MhaConfig resolved = *MhaConfig::Resolve(config);
   MhaWeights weights = MhaWeights::Random(resolved, 1);
   weights.k_weight.pop_back();
-  EXPECT_EQ(MhaLayer::Create(resolved, weights).status().message(),
+  EXPECT_EQ(MhaLayer::Create(resolved, weights, CpuForTests()).status().message(),
             "weight k_proj.weight has 15 elements; expected shape [4, 4]");
 }
 
@@ -77,11 +80,10 @@ TEST(MhaLayerTest, RandomInitIsSeededAndBounded) {
   for (float w : a.out_weight) EXPECT_LE(std::abs(w), 0.25f);
 }
 
-TEST(MhaLayerTest, BatchedForwardMatchesReferenceOnRandomConfigs) {
+TEST_P(BackendTest, BatchedForwardMatchesReferenceOnRandomConfigs) {
   const uint64_t seed = TestSeed(1234);
   SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
   std::mt19937_64 rng(seed);
-  ThreadPool pool(2);
   auto uniform = [&rng](int64_t lo, int64_t hi) {
     return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
   };
@@ -103,7 +105,7 @@ TEST(MhaLayerTest, BatchedForwardMatchesReferenceOnRandomConfigs) {
     config.always_causal = coin(0.1);
     auto resolved = MhaConfig::Resolve(config);
     ASSERT_TRUE(resolved.ok()) << resolved.status();
-    auto layer = MhaLayer::Create(*resolved, MhaWeights::Random(*resolved, rng()));
+    auto layer = MhaLayer::Create(*resolved, MhaWeights::Random(*resolved, rng()), backend_);
     ASSERT_TRUE(layer.ok()) << layer.status();
     const MhaConfig& c = (*layer)->config();
     const bool can_self_attend = c.kdim == c.embed_dim && c.vdim == c.embed_dim;
@@ -130,7 +132,9 @@ TEST(MhaLayerTest, BatchedForwardMatchesReferenceOnRandomConfigs) {
     }
     std::vector<const MhaInput*> pointers;
     for (const MhaInput& in : inputs) pointers.push_back(&in);
-    const std::vector<AttentionResult> actual = (*layer)->ForwardBatch(pointers, pool);
+    const absl::StatusOr<std::vector<AttentionResult>> forward = (*layer)->ForwardBatch(pointers);
+    ASSERT_TRUE(forward.ok()) << forward.status();
+    const std::vector<AttentionResult>& actual = *forward;
     for (int n = 0; n < count; ++n) {
       const AttentionResult expected = (*layer)->ForwardReference(inputs[n]);
       const std::string what =
@@ -160,7 +164,7 @@ TEST(MhaLayerTest, ValidateInputNamesShapes) {
   config.kdim = 3;
   config.vdim = 3;
   const MhaConfig resolved = *MhaConfig::Resolve(config);
-  auto layer = *MhaLayer::Create(resolved, MhaWeights::Random(resolved, 1));
+  auto layer = *MhaLayer::Create(resolved, MhaWeights::Random(resolved, 1), CpuForTests());
   std::vector<float> query(2 * 4 * 8), key(2 * 5 * 4), value(2 * 5 * 3);
   MhaInput in;
   in.batch = 2;
@@ -172,6 +176,9 @@ TEST(MhaLayerTest, ValidateInputNamesShapes) {
   EXPECT_EQ(layer->ValidateInput(in).message(),
             "key has 40 values; expected [B, Nk, kdim] = [2, 5, 3]");
 }
+
+INSTANTIATE_TEST_SUITE_P(Devices, BackendTest, ::testing::ValuesIn(testing::CompiledDevices()),
+                         testing::DeviceTestName);
 
 }  // namespace
 }  // namespace attention::core

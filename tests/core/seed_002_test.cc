@@ -4,6 +4,7 @@
 
 #include "core/mha_layer.h"
 #include "gtest/gtest.h"
+#include "tests/core/test_backends.h"
 
 namespace attention::core {
 namespace {
@@ -49,9 +50,11 @@ TEST(Seed002Test, ReferenceReproducesPrintedNaiveAttention) {
   ExpectPrinted(SdpaReference(NaiveAttentionInput()));
 }
 
-TEST(Seed002Test, ProductionKernelReproducesPrintedNaiveAttention) {
-  ThreadPool pool(2);
-  ExpectPrinted(SdpaForward(NaiveAttentionInput(), pool));
+TEST(Seed002Test, CpuBackendReproducesPrintedNaiveAttention) {
+  const absl::StatusOr<AttentionResult> result =
+      testing::CpuForTests()->ScaledDotProductAttention(NaiveAttentionInput());
+  ASSERT_TRUE(result.ok()) << result.status();
+  ExpectPrinted(*result);
 }
 
 }  // namespace

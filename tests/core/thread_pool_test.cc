@@ -1,6 +1,6 @@
 // The compute pool: every item runs exactly once, for one caller and for several at once,
 // whatever the pool size (1 = the caller alone). Also run under ThreadSanitizer in CI.
-#include "core/thread_pool.h"
+#include "core/cpu/thread_pool.h"
 
 #include <atomic>
 #include <thread>

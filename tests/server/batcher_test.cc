@@ -6,6 +6,7 @@
 #include <random>
 
 #include "absl/synchronization/notification.h"
+#include "core/cpu/cpu_backend.h"
 #include "prometheus/metric_family.h"
 #include "gtest/gtest.h"
 
@@ -17,7 +18,7 @@ std::unique_ptr<WorkItem> TaggedItem(int tag, std::vector<int>* order, absl::Mut
                                      absl::Notification* started = nullptr,
                                      absl::Notification* release = nullptr) {
   auto item = std::make_unique<WorkItem>();
-  item->run_alone = [=](core::ThreadPool&) {
+  item->run_alone = [=]() -> absl::StatusOr<core::AttentionResult> {
     if (started != nullptr) started->Notify();
     if (release != nullptr) release->WaitForNotification();
     return core::AttentionResult{};
@@ -31,14 +32,13 @@ std::unique_ptr<WorkItem> TaggedItem(int tag, std::vector<int>* order, absl::Mut
 
 class BatcherTest : public ::testing::Test {
  protected:
-  BatcherTest() : pool_(1) {}
   // One worker, which the tests hold, so that everything submitted meanwhile queues up.
   static BatcherOptions OneWorker() {
     BatcherOptions options;
     options.num_workers = 1;
     return options;
   }
-  core::ThreadPool pool_;
+  std::shared_ptr<const core::Backend> cpu_ = std::make_shared<core::CpuBackend>(1);
   absl::Mutex mu_;
   std::vector<int> order_;
 };
@@ -55,7 +55,7 @@ TEST_F(BatcherTest, RejectsInvalidOptions) {
 TEST_F(BatcherTest, FullQueueAnswersResourceExhaustedAtOnce) {
   BatcherOptions options = OneWorker();
   options.limits.max_queue_requests = 1;
-  Batcher batcher(options, pool_);
+  Batcher batcher(options);
   absl::Notification started, release;
   ASSERT_TRUE(batcher.Submit(TaggedItem(1, &order_, &mu_, &started, &release)).ok());
   started.WaitForNotification();  // the worker holds item 1; the queue is empty
@@ -94,7 +94,8 @@ std::shared_ptr<LayerSnapshot> SmallLayer(const std::string& name) {
   const core::MhaConfig resolved = *core::MhaConfig::Resolve(config);
   auto snapshot = std::make_shared<LayerSnapshot>();
   snapshot->name = name;
-  snapshot->layer = *core::MhaLayer::Create(resolved, core::MhaWeights::Random(resolved, 1));
+  snapshot->layer = *core::MhaLayer::Create(resolved, core::MhaWeights::Random(resolved, 1),
+                                            std::make_shared<core::CpuBackend>(1));
   return snapshot;
 }
 
@@ -113,7 +114,7 @@ TEST_F(BatcherTest, EachLayerHasItsOwnQueueWithTheServersLimitOrItsOwn) {
   BatcherOptions options = OneWorker();
   options.limits.max_queue_requests = 2;
   Metrics metrics;
-  Batcher batcher(options, pool_, &metrics);
+  Batcher batcher(options, &metrics);
   absl::Notification started, release;
   ASSERT_TRUE(batcher.Submit(TaggedItem(0, &order_, &mu_, &started, &release)).ok());
   started.WaitForNotification();  // the worker is held; everything below stays queued
@@ -145,7 +146,7 @@ TEST_F(BatcherTest, EachLayerHasItsOwnQueueWithTheServersLimitOrItsOwn) {
 }
 
 TEST_F(BatcherTest, ItemsPastTheirLayersQueueTimeoutAreNotComputed) {
-  Batcher batcher(OneWorker(), pool_);  // the server's limits: no queue timeout
+  Batcher batcher(OneWorker());  // the server's limits: no queue timeout
   absl::Notification started, release;
   ASSERT_TRUE(batcher.Submit(TaggedItem(1, &order_, &mu_, &started, &release)).ok());
   started.WaitForNotification();
@@ -158,7 +159,7 @@ TEST_F(BatcherTest, ItemsPastTheirLayersQueueTimeoutAreNotComputed) {
 }
 
 TEST_F(BatcherTest, ExpiredAndCancelledItemsAreNotComputed) {
-  Batcher batcher(OneWorker(), pool_);
+  Batcher batcher(OneWorker());
   absl::Notification started, release;
   ASSERT_TRUE(batcher.Submit(TaggedItem(1, &order_, &mu_, &started, &release)).ok());
   started.WaitForNotification();
@@ -178,7 +179,7 @@ TEST_F(BatcherTest, ExpiredAndCancelledItemsAreNotComputed) {
 TEST_F(BatcherTest, HigherPriorityRunsFirstEqualPrioritiesInOrder) {
   BatcherOptions options = OneWorker();
   options.starvation_limit = absl::Hours(1);  // however slow this machine, nothing starves
-  Batcher batcher(options, pool_);
+  Batcher batcher(options);
   absl::Notification started, release;
   ASSERT_TRUE(batcher.Submit(TaggedItem(0, &order_, &mu_, &started, &release)).ok());
   started.WaitForNotification();
@@ -200,10 +201,10 @@ TEST_F(BatcherTest, PacksRequestsOfOneLayerAndMatchesEachAlone) {
   const core::MhaConfig resolved = *core::MhaConfig::Resolve(config);
   auto snapshot = std::make_shared<LayerSnapshot>();
   snapshot->name = "l";
-  snapshot->layer = *core::MhaLayer::Create(resolved, core::MhaWeights::Random(resolved, 3));
+  snapshot->layer = *core::MhaLayer::Create(resolved, core::MhaWeights::Random(resolved, 3), cpu_);
   BatcherOptions options = OneWorker();
   options.limits.max_batch_requests = 8;
-  Batcher batcher(options, pool_);
+  Batcher batcher(options);
   absl::Notification started, release;
   ASSERT_TRUE(batcher.Submit(TaggedItem(0, &order_, &mu_, &started, &release)).ok());
   started.WaitForNotification();  // everything below queues up and is packed together
@@ -224,7 +225,7 @@ TEST_F(BatcherTest, PacksRequestsOfOneLayerAndMatchesEachAlone) {
     item->tokens = item->input.batch * item->input.q_len;
     alone[n] = snapshot->layer->ForwardReference(item->input);
     const core::MhaInput* one[] = {&item->input};
-    alone_fast[n] = snapshot->layer->ForwardBatch(one, pool_).front();
+    alone_fast[n] = snapshot->layer->ForwardBatch(one)->front();
     item->done = [&outputs, n](absl::StatusOr<core::AttentionResult> result) {
       outputs[n] = result->output;
     };
@@ -242,6 +243,65 @@ TEST_F(BatcherTest, PacksRequestsOfOneLayerAndMatchesEachAlone) {
       ASSERT_NEAR(outputs[n][e], alone_fast[n].output[e], 1e-6) << "request " << n;
     }
   }
+}
+
+// A backend whose every forward pass fails, as a GPU out of memory does.
+class FailingBackend final : public core::Backend {
+ public:
+  const std::string& name() const override { return name_; }
+  absl::Status Supports(const core::MhaConfig&, const core::AttentionOptions&) const override {
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::unique_ptr<core::PreparedLayer>> Prepare(
+      const core::MhaConfig&, const core::MhaWeightsView&) const override {
+    return std::make_unique<Prepared>();
+  }
+  absl::StatusOr<core::AttentionResult> ScaledDotProductAttention(
+      const core::SdpaInput&) const override {
+    return absl::ResourceExhaustedError("out of device memory");
+  }
+
+ private:
+  struct Prepared final : core::PreparedLayer {
+    absl::StatusOr<std::vector<core::AttentionResult>> ForwardBatch(
+        absl::Span<const core::MhaInput* const>) const override {
+      return absl::ResourceExhaustedError("out of device memory");
+    }
+    int64_t DeviceWeightBytes() const override { return 0; }
+  };
+  const std::string name_ = "failing";
+};
+
+TEST_F(BatcherTest, BackendErrorFailsEveryRequestOfItsBatchAndTheWorkerGoesOn) {
+  core::MhaConfig config;
+  config.embed_dim = 4;
+  config.num_heads = 2;
+  const core::MhaConfig resolved = *core::MhaConfig::Resolve(config);
+  auto snapshot = std::make_shared<LayerSnapshot>();
+  snapshot->name = "on-failing-device";
+  snapshot->layer = *core::MhaLayer::Create(resolved, core::MhaWeights::Random(resolved, 1),
+                                            std::make_shared<FailingBackend>());
+  Batcher batcher(OneWorker());
+  absl::Notification started, release;
+  ASSERT_TRUE(batcher.Submit(TaggedItem(0, &order_, &mu_, &started, &release)).ok());
+  started.WaitForNotification();  // the next three are packed into one batch
+  const std::vector<float> query(4, 0.5f);
+  for (int tag = 1; tag <= 3; ++tag) {
+    auto item = std::make_unique<WorkItem>();
+    item->layer = snapshot;
+    item->input.query = query;
+    item->tokens = 1;
+    item->done = [this, tag](absl::StatusOr<core::AttentionResult> result) {
+      absl::MutexLock lock(&mu_);
+      order_.push_back(result.ok() ? tag : -static_cast<int>(result.status().code()));
+    };
+    ASSERT_TRUE(batcher.Submit(std::move(item)).ok());
+  }
+  ASSERT_TRUE(batcher.Submit(TaggedItem(4, &order_, &mu_)).ok());
+  release.Notify();
+  batcher.Shutdown();
+  const int exhausted = -static_cast<int>(absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(order_, (std::vector<int>{0, exhausted, exhausted, exhausted, 4}));
 }
 
 }  // namespace

@@ -80,7 +80,7 @@ TEST_F(MetricsTest, CountRequestsByMethodAndCode) {
   EXPECT_EQ(Sample(text, "attention_in_flight_requests"), 0);
   EXPECT_EQ(Sample(text, "attention_layers_loaded"), 1);
   EXPECT_EQ(Sample(text, "attention_layer_weight_bytes"), 4.0 * (4 * 768 * 768 + 4 * 768));
-  EXPECT_NE(text.find("attention_build_info{backend=\"cpu-openblas\",version=\""),
+  EXPECT_NE(text.find("attention_build_info{backend=\"cpu\",version=\""),
             std::string::npos);
   // An unknown layer name never becomes a label value.
   EXPECT_EQ(text.find("unknown-layer"), std::string::npos);

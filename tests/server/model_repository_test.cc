@@ -311,7 +311,7 @@ TEST_F(RepositoryTest, EveryNamingConventionMatchesANativeLoadOfTheSameWeights) 
     ASSERT_FALSE(native.empty());
     EXPECT_EQ(Run("file" + suffix, config), native);
     // And both agree with the double-precision reference on the same weights.
-    const auto layer = *core::MhaLayer::Create(config, weights);
+    const auto layer = *core::MhaLayer::Create(config, weights, std::make_shared<core::CpuBackend>(1));
     std::mt19937_64 rng(5);
     core::MhaInput input;
     input.batch = 2, input.q_len = 3, input.kv_len = 3;

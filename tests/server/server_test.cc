@@ -185,7 +185,7 @@ TEST_F(ServerTest, LoadInlineWeightsFusedAndSeparate) {
   config.num_heads = 2;
   const core::MhaConfig resolved = *core::MhaConfig::Resolve(config);
   const core::MhaWeights weights = core::MhaWeights::Random(resolved, 77);
-  const auto layer = *core::MhaLayer::Create(resolved, weights);
+  const auto layer = *core::MhaLayer::Create(resolved, weights, std::make_shared<core::CpuBackend>(1));
   std::mt19937_64 rng(13);
   const std::vector<float> query = RandomValues(rng, 3 * 4);
   for (bool fused : {false, true}) {

@@ -1,4 +1,4 @@
-#include "core/thread_pool.h"
+#include "core/cpu/thread_pool.h"
 
 #include <atomic>
 

@@ -1,6 +1,6 @@
 // A fixed set of compute threads shared by every kernel of the process.
-#ifndef ATTENTION_CORE_THREAD_POOL_H_
-#define ATTENTION_CORE_THREAD_POOL_H_
+#ifndef ATTENTION_CORE_CPU_THREAD_POOL_H_
+#define ATTENTION_CORE_CPU_THREAD_POOL_H_
 
 #include <condition_variable>
 #include <cstdint>
@@ -58,4 +58,4 @@ class ThreadPool {
 
 }  // namespace attention::core
 
-#endif  // ATTENTION_CORE_THREAD_POOL_H_
+#endif  // ATTENTION_CORE_CPU_THREAD_POOL_H_

@@ -1,0 +1,70 @@
+// The compute seam: where a layer's forward pass and scaled dot-product attention run. Like
+// ONNX Runtime's execution providers and ggml's backend interface, a backend names itself,
+// says what it cannot do, prepares a layer's weights once (packs them, or uploads them to
+// a device) and runs prepared layers. The CPU backend lives in core/cpu/, CUDA in core/cuda/.
+#ifndef ATTENTION_CORE_BACKEND_H_
+#define ATTENTION_CORE_BACKEND_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "core/attention_options.h"
+#include "core/mha_types.h"
+
+namespace attention::core {
+
+// A layer's weights as a backend receives them, in PyTorch layout (see MhaWeights), read
+// only. When `fused_qkv_weight` is set, Q, K and V are one [Q + K + V, E] matrix (rows in
+// that order, biases likewise) and the q/k/v spans are ranges of it.
+struct MhaWeightsView {
+  absl::Span<const float> q_weight, k_weight, v_weight, out_weight;
+  absl::Span<const float> q_bias, k_bias, v_bias, out_bias;
+  absl::Span<const float> fused_qkv_weight, fused_qkv_bias;
+};
+
+// A layer prepared by a backend: its weights packed or resident where the backend computes.
+// Thread-safe: several batches may run at once.
+class PreparedLayer {
+ public:
+  virtual ~PreparedLayer() = default;
+
+  // One forward pass over inputs that MhaLayer::ValidateInput accepted, packed into one
+  // batch without padding; one result per input. Errors are the backend's (a device out of
+  // memory is RESOURCE_EXHAUSTED) and apply to the whole batch.
+  virtual absl::StatusOr<std::vector<AttentionResult>> ForwardBatch(
+      absl::Span<const MhaInput* const> inputs) const = 0;
+
+  // Bytes of weights this copy holds in the backend's own memory: 0 when it computes from
+  // the host weights in place (the CPU).
+  virtual int64_t DeviceWeightBytes() const = 0;
+};
+
+// Thread-safe. Lives as long as any layer prepared by it (layers hold a shared_ptr).
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  // The device as LayerInfo.device and the metrics name it: "cpu", "cuda:0".
+  virtual const std::string& name() const = 0;
+
+  // OK, or UNIMPLEMENTED naming the config or options field this backend cannot compute,
+  // so that the caller can fall back to the CPU or refuse the request.
+  virtual absl::Status Supports(const MhaConfig& config, const AttentionOptions& options) const = 0;
+
+  // Packs or uploads the weights of a resolved `config` once. `weights` must outlive the
+  // prepared layer (MhaLayer owns both).
+  virtual absl::StatusOr<std::unique_ptr<PreparedLayer>> Prepare(
+      const MhaConfig& config, const MhaWeightsView& weights) const = 0;
+
+  // Scaled dot-product attention of an input that ValidateSdpaInput accepted.
+  virtual absl::StatusOr<AttentionResult> ScaledDotProductAttention(
+      const SdpaInput& input) const = 0;
+};
+
+}  // namespace attention::core
+
+#endif  // ATTENTION_CORE_BACKEND_H_

@@ -1,0 +1,258 @@
+#include "core/cpu/attention_cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include <cblas.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace attention::core {
+namespace {
+
+// Softmax row helpers. The AVX2+FMA versions are chosen at run time when the CPU has them;
+// the portable versions are the fallback (and what non-x86 builds compile).
+#if defined(__x86_64__)
+__attribute__((target("avx2,fma"))) float HorizontalSum(__m256 v) {
+  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+  sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
+  return _mm_cvtss_f32(sum);
+}
+
+// exp(x - shift) in place for x - shift <= 0 (|relative error| < 2e-7; below -87, and -inf,
+// give exactly 0): 2^n * P(f) with n = round(x / ln2) and a degree-6 polynomial. Returns the sum.
+__attribute__((target("avx2,fma"))) float ExpAndSumAvx2(float* values, int64_t count,
+                                                        float shift) {
+  const __m256 shift_v = _mm256_set1_ps(shift), lowest = _mm256_set1_ps(-87.0f);
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  const __m256 ln2 = _mm256_set1_ps(0.693147180559945309f);
+  const float coefficients[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+  __m256 sum = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= count; j += 8) {
+    const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(values + j), shift_v);
+    const __m256 in_range = _mm256_cmp_ps(x, lowest, _CMP_GE_OQ);
+    const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, lowest), log2e);
+    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), ln2);
+    __m256 p = _mm256_set1_ps(coefficients[0]);
+    for (int c = 1; c < 7; ++c) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(coefficients[c]));
+    const __m256i exponent =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256 e = _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(exponent)), in_range);
+    _mm256_storeu_ps(values + j, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  float total = HorizontalSum(sum);
+  for (; j < count; ++j) {
+    values[j] = std::exp(values[j] - shift);
+    total += values[j];
+  }
+  return total;
+}
+
+__attribute__((target("avx2,fma"))) float RowMaxAvx2(const float* values, int64_t count) {
+  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 8 <= count; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(values + j));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float result = *std::max_element(lanes, lanes + 8);
+  for (; j < count; ++j) result = std::max(result, values[j]);
+  return result;
+}
+
+const bool kHasAvx2Fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+constexpr bool kHasAvx2Fma = false;
+float ExpAndSumAvx2(float*, int64_t, float) { return 0.0f; }
+float RowMaxAvx2(const float*, int64_t) { return 0.0f; }
+#endif
+
+float ExpAndSum(float* values, int64_t count, float shift) {
+  if (kHasAvx2Fma) return ExpAndSumAvx2(values, count, shift);
+  float sum = 0.0f;
+  for (int64_t j = 0; j < count; ++j) {
+    values[j] = std::exp(values[j] - shift);
+    sum += values[j];
+  }
+  return sum;
+}
+
+float RowMax(const float* values, int64_t count) {
+  if (kHasAvx2Fma) return RowMaxAvx2(values, count);
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < count; ++j) m = std::max(m, values[j]);
+  return m;
+}
+
+void ScaleRow(float* values, int64_t count, float factor) {
+  for (int64_t j = 0; j < count; ++j) values[j] *= factor;
+}
+
+int64_t QueryBlocks(const AttentionDims& d) {
+  const int64_t rows = QueryBlockRows(d.kv_len);
+  return (d.q_len + rows - 1) / rows;
+}
+
+// Keys per step of the online softmax: long key ranges are processed in blocks this size, so
+// the scores of one query block never exceed rows x kKeyBlock floats.
+constexpr int64_t kKeyBlock = 1024;
+
+// Zeroes `rows` rows of `width` floats `stride` apart.
+void ZeroRows(float* out, int64_t rows, int64_t stride, int64_t width) {
+  for (int64_t r = 0; r < rows; ++r) std::fill(out + r * stride, out + r * stride + width, 0.0f);
+}
+
+// Query i's scaled scores against keys [first_key, first_key + keys) in `row`, as the
+// scores GEMM left them: adds the element masks and zeroes the entries past i's key limit.
+// Returns how many leading entries take part in the softmax.
+int64_t MaskScoreRow(const AttentionProblem& p, int64_t b, int64_t h, int64_t i,
+                     int64_t first_key, int64_t keys, float* row) {
+  const AttentionOptions& options = *p.options;
+  const int64_t valid = std::clamp<int64_t>(options.KeyLimit(p.dims, b, i) - first_key, 0, keys);
+  std::fill(row + valid, row + keys, 0.0f);
+  if (options.HasElementMasks()) {
+    for (int64_t j = 0; j < valid; ++j) row[j] += options.ScoreBias(p.dims, b, h, i, first_key + j);
+  }
+  return valid;
+}
+
+// Dropout of query i's probabilities for keys [first_key, first_key + count), in place:
+// kept ones are scaled by 1 / (1 - p).
+void DropOutRow(const AttentionOptions& options, int64_t b, int64_t h, int64_t i,
+                int64_t first_key, int64_t count, float* row) {
+  if (options.dropout_p <= 0.0f) return;
+  const float keep_scale = 1.0f / (1.0f - options.dropout_p);
+  for (int64_t j = 0; j < count; ++j) {
+    row[j] = DropoutKeeps(options.dropout_seed, options.dropout_p, b, h, i, first_key + j)
+                 ? row[j] * keep_scale
+                 : 0.0f;
+  }
+}
+
+// Flash-style pass for one query block over `key_count` keys in blocks of kKeyBlock: a
+// running row maximum and sum rescale what is already accumulated in `out`, so no row of
+// scores longer than kKeyBlock is ever held. Used when no attention weights are returned.
+void AttendBlockOnline(const AttentionProblem& p, int64_t b, int64_t h, int64_t first_row,
+                       int64_t rows, int64_t key_count, float* out) {
+  const AttentionOptions& options = *p.options;
+  const AttentionDims& d = p.dims;
+  const int64_t hk = KvHead(d, h);
+  const int64_t out_stride = p.output_layout.row_stride;
+  thread_local std::vector<float> scores, row_max, row_sum;
+  scores.resize(rows * kKeyBlock);
+  row_max.assign(rows, -std::numeric_limits<float>::infinity());
+  row_sum.assign(rows, 0.0f);
+  ZeroRows(out, rows, out_stride, d.v_head_dim);
+  for (int64_t first_key = 0; first_key < key_count; first_key += kKeyBlock) {
+    const int64_t keys = std::min(kKeyBlock, key_count - first_key);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, d.head_dim,
+                options.Scale(d), p.query + p.query_layout.Offset(b, h, first_row),
+                p.query_layout.row_stride, p.key + p.key_layout.Offset(b, hk, first_key),
+                p.key_layout.row_stride, 0.0f, scores.data(), keys);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = first_row + r;
+      float* row = scores.data() + r * keys;
+      const int64_t valid = MaskScoreRow(p, b, h, i, first_key, keys, row);
+      const float block_max = RowMax(row, valid);
+      if (block_max == -std::numeric_limits<float>::infinity()) {
+        std::fill(row, row + valid, 0.0f);  // nothing to attend in this block
+        continue;
+      }
+      const float new_max = std::max(row_max[r], block_max);
+      // Earlier blocks were exponentiated against the old maximum: rescale them.
+      const float correction = std::exp(row_max[r] - new_max);
+      if (correction != 1.0f) {
+        ScaleRow(out + r * out_stride, d.v_head_dim, correction);
+        row_sum[r] *= correction;
+      }
+      row_max[r] = new_max;
+      row_sum[r] += ExpAndSum(row, valid, new_max);  // the sum before dropout normalizes
+      DropOutRow(options, b, h, i, first_key, valid, row);
+    }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, d.v_head_dim, keys, 1.0f,
+                scores.data(), keys, p.value + p.value_layout.Offset(b, hk, first_key),
+                p.value_layout.row_stride, 1.0f, out, out_stride);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    // A fully masked row has sum 0 and an all-zero accumulator: it stays zeros.
+    if (row_sum[r] > 0.0f) ScaleRow(out + r * out_stride, d.v_head_dim, 1.0f / row_sum[r]);
+  }
+}
+
+// One (sequence b, head h, query block) of a problem.
+void AttendBlock(const AttentionProblem& p, int64_t b, int64_t h, int64_t block) {
+  const AttentionOptions& options = *p.options;
+  const AttentionDims& d = p.dims;
+  const float scale = options.Scale(d);
+  const int64_t hk = KvHead(d, h);
+  const int64_t block_rows = QueryBlockRows(d.kv_len);
+  const int64_t first_row = block * block_rows;
+  const int64_t rows = std::min(block_rows, d.q_len - first_row);
+  // Keys past the last row's causal frontier are never attended: skip them entirely.
+  const int64_t key_count = options.KeyLimit(d, b, first_row + rows - 1);
+  float* out = p.output + p.output_layout.Offset(b, h, first_row);
+  float* weights =
+      p.weights == nullptr ? nullptr
+                           : p.weights + ((b * d.num_heads + h) * d.q_len + first_row) * d.kv_len;
+  if (weights != nullptr) std::fill(weights, weights + rows * d.kv_len, 0.0f);
+  if (key_count == 0) {
+    ZeroRows(out, rows, p.output_layout.row_stride, d.v_head_dim);
+    return;
+  }
+  if (weights == nullptr && key_count > kKeyBlock) {
+    AttendBlockOnline(p, b, h, first_row, rows, key_count, out);
+    return;
+  }
+  // One pass over all keys: the whole row of scores is needed when weights are returned,
+  // and short rows need no second pass anyway.
+  thread_local std::vector<float> scores;
+  scores.resize(rows * key_count);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, key_count, d.head_dim, scale,
+              p.query + p.query_layout.Offset(b, h, first_row), p.query_layout.row_stride,
+              p.key + p.key_layout.Offset(b, hk, 0), p.key_layout.row_stride, 0.0f,
+              scores.data(), key_count);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = first_row + r;
+    float* row = scores.data() + r * key_count;
+    const int64_t limit = MaskScoreRow(p, b, h, i, 0, key_count, row);
+    const float max_score = RowMax(row, limit);
+    if (max_score == -std::numeric_limits<float>::infinity()) {
+      std::fill(row, row + limit, 0.0f);  // fully masked row: zeros, never NaN
+      continue;
+    }
+    const float sum = ExpAndSum(row, limit, max_score);
+    ScaleRow(row, limit, 1.0f / sum);
+    DropOutRow(options, b, h, i, 0, limit, row);
+    if (weights != nullptr) std::copy(row, row + key_count, weights + r * d.kv_len);
+  }
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, d.v_head_dim, key_count, 1.0f,
+              scores.data(), key_count, p.value + p.value_layout.Offset(b, hk, 0),
+              p.value_layout.row_stride, 0.0f, out, p.output_layout.row_stride);
+}
+
+}  // namespace
+
+void AttentionBlockedCpu(absl::Span<const AttentionProblem> problems, ThreadPool& pool) {
+  std::vector<int64_t> first_task(problems.size() + 1, 0);
+  for (size_t k = 0; k < problems.size(); ++k) {
+    const AttentionDims& d = problems[k].dims;
+    first_task[k + 1] = first_task[k] + d.batch * d.num_heads * QueryBlocks(d);
+  }
+  pool.ParallelFor(first_task.back(), [&](int64_t task) {
+    const size_t k =
+        std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
+    const AttentionProblem& p = problems[k];
+    const int64_t blocks = QueryBlocks(p.dims);
+    const int64_t local = task - first_task[k];
+    AttendBlock(p, local / (blocks * p.dims.num_heads), (local / blocks) % p.dims.num_heads,
+                local % blocks);
+  });
+}
+
+}  // namespace attention::core

@@ -1,0 +1,34 @@
+// The blocked float32 attention kernel of the CPU backend.
+#ifndef ATTENTION_CORE_CPU_ATTENTION_CPU_H_
+#define ATTENTION_CORE_CPU_ATTENTION_CPU_H_
+
+#include <algorithm>
+#include <cstdint>
+
+#include "absl/types/span.h"
+#include "core/attention_kernels.h"
+#include "core/cpu/thread_pool.h"
+
+namespace attention::core {
+
+// Blocked float32 kernel: for each (sequence, head, block of QueryBlockRows(Nk) queries),
+// GEMMs for the scores against the keys up to the block's causal frontier, a vectorized
+// masked softmax, GEMMs with the values. Past 1024 keys (and when no weights are returned)
+// the keys are taken in blocks with an online softmax (running max and sum, flash-style),
+// so extra memory is at most rows x 1024 floats per thread: no Nq x Nk matrix unless
+// weights are requested. All problems share one ParallelFor, so a batch of many small
+// requests keeps every thread busy.
+void AttentionBlockedCpu(absl::Span<const AttentionProblem> problems, ThreadPool& pool);
+
+// Query rows per block: as many as keep the block's scores within 1 MiB (half of a
+// 2 MiB L2, the rest for the K and V tiles), between 64 and 256. Taller blocks make the
+// two GEMMs more efficient; short keys allow them.
+inline int64_t QueryBlockRows(int64_t kv_len) {
+  constexpr int64_t kScoreFloats = (1024 << 10) / sizeof(float);
+  const int64_t rows = kScoreFloats / std::max<int64_t>(kv_len, 1);
+  return std::clamp<int64_t>(rows, 64, 256);
+}
+
+}  // namespace attention::core
+
+#endif  // ATTENTION_CORE_CPU_ATTENTION_CPU_H_

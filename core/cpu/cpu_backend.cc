@@ -1,0 +1,237 @@
+#include "core/cpu/cpu_backend.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include <cblas.h>
+
+#include "core/attention_kernels.h"
+#include "core/cpu/attention_cpu.h"
+
+namespace attention::core {
+namespace {
+
+// Y[M, N] = X[M, K] * W[N, K]^T (+ bias[N]), split across the pool. Every part's GEMM
+// packs all of the operand that is not split, so split the larger one: by output columns
+// when the weights outweigh the rows (few tokens), else by rows.
+void LinearForward(ThreadPool& pool, const float* x, int64_t rows, int64_t in_features,
+                   absl::Span<const float> weight, absl::Span<const float> bias,
+                   int64_t out_features, float* y) {
+  constexpr int64_t kMinPart = 16;
+  const int64_t threads = pool.size();
+  const bool split_rows = rows >= out_features ? rows >= threads * kMinPart
+                                               : out_features < threads * kMinPart;
+  const int64_t total = split_rows ? rows : out_features;
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, total));
+  pool.ParallelFor(parts, [&](int64_t part) {
+    const int64_t begin = total * part / parts;
+    const int64_t end = total * (part + 1) / parts;
+    if (begin == end) return;
+    const int64_t m = split_rows ? end - begin : rows;
+    const int64_t n = split_rows ? out_features : end - begin;
+    const float* a = split_rows ? x + begin * in_features : x;
+    const float* w = split_rows ? weight.data() : weight.data() + begin * in_features;
+    float* c = split_rows ? y + begin * out_features : y + begin;
+    // The bias goes in as the GEMM's C with beta = 1: no separate pass over Y.
+    float beta = 0.0f;
+    if (!bias.empty()) {
+      const float* b = split_rows ? bias.data() : bias.data() + begin;
+      for (int64_t r = 0; r < m; ++r) std::copy(b, b + n, c + r * out_features);
+      beta = 1.0f;
+    }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, in_features, 1.0f, a,
+                in_features, w, in_features, beta, c, out_features);
+  });
+}
+
+// Working memory of ForwardBatch, kept per calling thread and reused: allocating and
+// zero-filling tens of MB per batch (page faults on fresh memory) cost about a fifth of a
+// BERT-sized batch. It grows to the largest batch the thread has run and is freed with the
+// thread. Every buffer is fully written before it is read, so nothing is zeroed.
+class ForwardScratch {
+ public:
+  enum Slot { kX, kKeyInput, kValueInput, kQ, kK, kV, kAttended, kProjected, kSlots };
+
+  float* Get(Slot slot, int64_t count) {
+    if (sizes_[slot] < count) {
+      buffers_[slot].reset(new float[count]);
+      sizes_[slot] = count;
+    }
+    return buffers_[slot].get();
+  }
+
+ private:
+  std::unique_ptr<float[]> buffers_[kSlots];
+  int64_t sizes_[kSlots] = {};
+};
+
+// Reads the host weights in place; the pool is the backend's.
+class CpuPreparedLayer final : public PreparedLayer {
+ public:
+  CpuPreparedLayer(const MhaConfig& config, const MhaWeightsView& weights, ThreadPool& pool)
+      : config_(config), weights_(weights), pool_(pool) {}
+
+  // The projections of all inputs run over every token of the batch at once (Q, K and V as
+  // one GEMM for self-attention when they are fused), attention per sequence, head and
+  // query block, one GEMM for the output.
+  absl::StatusOr<std::vector<AttentionResult>> ForwardBatch(
+      absl::Span<const MhaInput* const> inputs) const override;
+  int64_t DeviceWeightBytes() const override { return 0; }
+
+ private:
+  const MhaConfig config_;
+  const MhaWeightsView weights_;
+  ThreadPool& pool_;
+};
+
+absl::StatusOr<std::vector<AttentionResult>> CpuPreparedLayer::ForwardBatch(
+    absl::Span<const MhaInput* const> inputs) const {
+  const MhaConfig& c = config_;
+  const MhaWeightsView& w = weights_;
+  // Row offsets of every input inside the packed token matrices.
+  std::vector<int64_t> q_row(inputs.size() + 1, 0), kv_row(inputs.size() + 1, 0);
+  bool all_self_attention = true;
+  for (size_t n = 0; n < inputs.size(); ++n) {
+    q_row[n + 1] = q_row[n] + inputs[n]->batch * inputs[n]->q_len;
+    kv_row[n + 1] = kv_row[n] + inputs[n]->batch * inputs[n]->kv_len;
+    all_self_attention = all_self_attention && inputs[n]->key.empty();
+  }
+  const int64_t q_rows = q_row.back(), kv_rows = kv_row.back();
+  thread_local ForwardScratch scratch;
+  // A single input is used in place; a batch is packed into one token matrix.
+  const float* x = inputs.size() == 1 ? inputs[0]->query.data() : nullptr;
+  if (x == nullptr) {
+    float* packed = scratch.Get(ForwardScratch::kX, q_rows * c.embed_dim);
+    for (size_t n = 0; n < inputs.size(); ++n) {
+      std::copy(inputs[n]->query.begin(), inputs[n]->query.end(), packed + q_row[n] * c.embed_dim);
+    }
+    x = packed;
+  }
+  // Key and value inputs: the query rows themselves for self-attention.
+  const float* key_input = x;
+  const float* value_input = x;
+  if (!all_self_attention) {
+    float* xk = scratch.Get(ForwardScratch::kKeyInput, kv_rows * c.kdim);
+    float* xv = scratch.Get(ForwardScratch::kValueInput, kv_rows * c.vdim);
+    for (size_t n = 0; n < inputs.size(); ++n) {
+      const MhaInput& in = *inputs[n];
+      absl::Span<const float> key = in.key.empty() ? in.query : in.key;
+      absl::Span<const float> value = in.value.empty() ? in.query : in.value;
+      std::copy(key.begin(), key.end(), xk + kv_row[n] * c.kdim);
+      std::copy(value.begin(), value.end(), xv + kv_row[n] * c.vdim);
+    }
+    key_input = xk;
+    value_input = xv;
+  }
+  // Projected Q, K and V rows and their strides (floats from one token's row to the next).
+  float *q, *k, *v;
+  int64_t q_stride = c.QWidth(), k_stride = c.KWidth(), v_stride = c.VWidth();
+  if (all_self_attention && !w.fused_qkv_weight.empty()) {
+    // One GEMM for all three: [T, E] x [E, Q + K + V]; Q, K, V are column ranges of it.
+    const int64_t width = c.QWidth() + c.KWidth() + c.VWidth();
+    q = scratch.Get(ForwardScratch::kQ, q_rows * width);
+    LinearForward(pool_, x, q_rows, c.embed_dim, w.fused_qkv_weight, w.fused_qkv_bias, width, q);
+    k = q + c.QWidth();
+    v = k + c.KWidth();
+    q_stride = k_stride = v_stride = width;
+  } else {
+    q = scratch.Get(ForwardScratch::kQ, q_rows * c.QWidth());
+    k = scratch.Get(ForwardScratch::kK, kv_rows * c.KWidth());
+    v = scratch.Get(ForwardScratch::kV, kv_rows * c.VWidth());
+    LinearForward(pool_, x, q_rows, c.embed_dim, w.q_weight, w.q_bias, c.QWidth(), q);
+    LinearForward(pool_, key_input, kv_rows, c.kdim, w.k_weight, w.k_bias, c.KWidth(), k);
+    LinearForward(pool_, value_input, kv_rows, c.vdim, w.v_weight, w.v_bias, c.VWidth(), v);
+  }
+  if (c.rope_theta > 0.0) {
+    for (size_t n = 0; n < inputs.size(); ++n) {
+      const MhaInput& in = *inputs[n];
+      ApplyRotary(q + q_row[n] * q_stride, in.batch * in.q_len, in.q_len, c.num_heads,
+                  c.head_dim, c.rope_theta, q_stride);
+      ApplyRotary(k + kv_row[n] * k_stride, in.batch * in.kv_len, in.kv_len, c.num_kv_heads,
+                  c.head_dim, c.rope_theta, k_stride);
+    }
+  }
+  float* attended = scratch.Get(ForwardScratch::kAttended, q_rows * c.AttentionWidth());
+  std::vector<AttentionResult> results(inputs.size());
+  std::vector<AttentionOptions> options(inputs.size());
+  std::vector<AttentionProblem> problems(inputs.size());
+  for (size_t n = 0; n < inputs.size(); ++n) {
+    const MhaInput& in = *inputs[n];
+    options[n] = in.options;
+    options[n].causal = options[n].causal || c.always_causal;
+    if (in.options.need_weights != NeedWeights::kNone) {
+      results[n].weights.resize(in.batch * c.num_heads * in.q_len * in.kv_len);
+    }
+    AttentionProblem& p = problems[n];
+    p.dims = {in.batch, c.num_heads, c.num_kv_heads, in.q_len, in.kv_len, c.head_dim,
+              c.v_head_dim};
+    p.query = q + q_row[n] * q_stride;
+    p.query_layout = HeadLayout::StridedRows(in.q_len, c.head_dim, q_stride);
+    p.key = k + kv_row[n] * k_stride;
+    p.key_layout = HeadLayout::StridedRows(in.kv_len, c.head_dim, k_stride);
+    p.value = v + kv_row[n] * v_stride;
+    p.value_layout = HeadLayout::StridedRows(in.kv_len, c.v_head_dim, v_stride);
+    p.output = attended + q_row[n] * c.AttentionWidth();
+    p.output_layout = HeadLayout::BatchRowHead(c.num_heads, in.q_len, c.v_head_dim);
+    p.weights = results[n].weights.empty() ? nullptr : results[n].weights.data();
+    p.options = &options[n];
+  }
+  AttentionBlockedCpu(problems, pool_);
+  const float* output = attended;
+  if (c.output_projection) {
+    float* projected = scratch.Get(ForwardScratch::kProjected, q_rows * c.output_dim);
+    LinearForward(pool_, attended, q_rows, c.AttentionWidth(), w.out_weight, w.out_bias,
+                  c.output_dim, projected);
+    output = projected;
+  }
+  for (size_t n = 0; n < inputs.size(); ++n) {
+    results[n].output.assign(output + q_row[n] * c.output_dim,
+                             output + q_row[n + 1] * c.output_dim);
+    FinishWeights(results[n], problems[n].dims, inputs[n]->options.need_weights);
+  }
+  return results;
+}
+
+}  // namespace
+
+void ApplyRotary(float* data, int64_t rows, int64_t seq_len, int64_t heads, int64_t head_dim,
+                 double theta, int64_t row_stride) {
+  const int64_t half = head_dim / 2;
+  std::vector<double> inverse_frequency(half);
+  for (int64_t c = 0; c < half; ++c) inverse_frequency[c] = std::pow(theta, -2.0 * c / head_dim);
+  for (int64_t r = 0; r < rows; ++r) {
+    const double position = static_cast<double>(r % seq_len);
+    for (int64_t c = 0; c < half; ++c) {
+      const float cos_a = static_cast<float>(std::cos(position * inverse_frequency[c]));
+      const float sin_a = static_cast<float>(std::sin(position * inverse_frequency[c]));
+      for (int64_t h = 0; h < heads; ++h) {
+        float* x = data + r * row_stride + h * head_dim;
+        const float x1 = x[c], x2 = x[c + half];
+        x[c] = x1 * cos_a - x2 * sin_a;
+        x[c + half] = x2 * cos_a + x1 * sin_a;
+      }
+    }
+  }
+}
+
+absl::StatusOr<std::unique_ptr<PreparedLayer>> CpuBackend::Prepare(
+    const MhaConfig& config, const MhaWeightsView& weights) const {
+  return std::make_unique<CpuPreparedLayer>(config, weights, pool_);
+}
+
+absl::StatusOr<AttentionResult> CpuBackend::ScaledDotProductAttention(
+    const SdpaInput& in) const {
+  const AttentionDims& d = in.dims;
+  AttentionResult result;
+  result.output.resize(d.batch * d.num_heads * d.q_len * d.v_head_dim);
+  if (in.options.need_weights != NeedWeights::kNone) {
+    result.weights.resize(d.batch * d.num_heads * d.q_len * d.kv_len);
+  }
+  const AttentionProblem problem = SdpaProblem(in, result);
+  AttentionBlockedCpu(absl::MakeConstSpan(&problem, 1), pool_);
+  FinishWeights(result, d, in.options.need_weights);
+  return result;
+}
+
+}  // namespace attention::core

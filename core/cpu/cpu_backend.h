@@ -1,0 +1,49 @@
+// The CPU backend: OpenBLAS GEMMs for the projections and the blocked attention kernel,
+// on a thread pool it owns.
+#ifndef ATTENTION_CORE_CPU_CPU_BACKEND_H_
+#define ATTENTION_CORE_CPU_CPU_BACKEND_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "core/backend.h"
+#include "core/cpu/thread_pool.h"
+
+namespace attention::core {
+
+// Thread-safe. Every layer and SDPA call of the backend shares its pool: `num_threads`
+// compute threads per forward pass, OpenBLAS single-threaded inside them (see ThreadPool).
+class CpuBackend final : public Backend {
+ public:
+  // num_threads >= 1.
+  explicit CpuBackend(int num_threads) : pool_(num_threads) {}
+
+  const std::string& name() const override { return name_; }
+  // Every config and option.
+  absl::Status Supports(const MhaConfig& config, const AttentionOptions& options) const override {
+    return absl::OkStatus();
+  }
+  // Computes from the host weights in place: nothing is copied.
+  absl::StatusOr<std::unique_ptr<PreparedLayer>> Prepare(
+      const MhaConfig& config, const MhaWeightsView& weights) const override;
+  absl::StatusOr<AttentionResult> ScaledDotProductAttention(
+      const SdpaInput& input) const override;
+
+  int num_threads() const { return pool_.size(); }
+
+ private:
+  const std::string name_ = "cpu";
+  // ParallelFor is thread-safe; mutable because computing does not change the backend.
+  mutable ThreadPool pool_;
+};
+
+// Rotary position embedding, rotate-half layout (Hugging Face Llama), in place on `rows`
+// rows (`row_stride` floats apart) of `heads` heads of width dk; row r is at sequence
+// position r % seq_len.
+void ApplyRotary(float* data, int64_t rows, int64_t seq_len, int64_t heads, int64_t head_dim,
+                 double theta, int64_t row_stride);
+
+}  // namespace attention::core
+
+#endif  // ATTENTION_CORE_CPU_CPU_BACKEND_H_

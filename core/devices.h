@@ -1,0 +1,48 @@
+// The compute devices of this process and their backends: the CPU always, and each GPU
+// when the build has CUDA and a device is visible. One backend per device, opened on first
+// use and shared by every layer placed there.
+#ifndef ATTENTION_CORE_DEVICES_H_
+#define ATTENTION_CORE_DEVICES_H_
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "core/backend.h"
+#include "core/cpu/cpu_backend.h"
+
+namespace attention::core {
+
+// True when this binary was built with the CUDA backend.
+bool CudaBuilt();
+
+// Thread-safe.
+class Devices {
+ public:
+  // `cpu_threads` >= 1: the CPU backend's compute threads.
+  explicit Devices(int cpu_threads) : cpu_(std::make_shared<CpuBackend>(cpu_threads)) {}
+
+  const std::shared_ptr<const CpuBackend>& cpu() const { return cpu_; }
+
+  // GPUs this process can use: 0 without CUDA in the build, without a driver or without a
+  // device; `why_none` (may be null) then says which.
+  int GpuCount(std::string* why_none = nullptr) const;
+
+  // The backend of `device`: "cpu", "cuda" (= "cuda:0"), "cuda:N", or "auto" (the first GPU
+  // when there is one, else the CPU). INVALID_ARGUMENT for another name; FAILED_PRECONDITION
+  // naming the device and why when it is a GPU this process cannot use.
+  absl::StatusOr<std::shared_ptr<const Backend>> Get(absl::string_view device);
+
+ private:
+  const std::shared_ptr<const CpuBackend> cpu_;
+  std::mutex mu_;
+  std::map<int, std::shared_ptr<const Backend>> gpus_ ABSL_GUARDED_BY(mu_);  // by index
+};
+
+}  // namespace attention::core
+
+#endif  // ATTENTION_CORE_DEVICES_H_

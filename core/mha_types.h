@@ -1,0 +1,86 @@
+// The value types of multi-head attention shared by the layer and every backend: config,
+// weights, one request's input, results.
+#ifndef ATTENTION_CORE_MHA_TYPES_H_
+#define ATTENTION_CORE_MHA_TYPES_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "core/attention_options.h"
+
+namespace attention::core {
+
+// E = embed_dim, H = num_heads, Hkv = num_kv_heads, dk = head_dim, dv = v_head_dim.
+// Zero in a dimension means "use the default" until Resolve() fills it in.
+struct MhaConfig {
+  int64_t embed_dim = 0;     // E, query input features; required
+  int64_t num_heads = 0;     // H; required
+  int64_t num_kv_heads = 0;  // Hkv, divides H; default H
+  int64_t head_dim = 0;      // dk; default E / H
+  int64_t v_head_dim = 0;    // dv; default dk
+  int64_t kdim = 0;          // key input features; default E
+  int64_t vdim = 0;          // value input features; default E
+  int64_t output_dim = 0;    // default E with an output projection, else H * dv
+  bool qkv_bias = true;
+  bool output_bias = true;
+  bool output_projection = true;
+  double rope_theta = 0.0;  // 0 = no rotary embedding
+  bool always_causal = false;
+
+  // Fills defaults and checks consistency; errors name the config.* field and values.
+  static absl::StatusOr<MhaConfig> Resolve(MhaConfig config);
+
+  int64_t QWidth() const { return num_heads * head_dim; }
+  int64_t KWidth() const { return num_kv_heads * head_dim; }
+  int64_t VWidth() const { return num_kv_heads * v_head_dim; }
+  int64_t AttentionWidth() const { return num_heads * v_head_dim; }
+  int64_t ParameterCount() const;
+};
+
+// Linear layers in PyTorch layout: weight [out_features, in_features], bias [out_features].
+// Biases are empty when the config has none; out_* are empty without an output projection.
+struct MhaWeights {
+  std::vector<float> q_weight, k_weight, v_weight, out_weight;
+  std::vector<float> q_bias, k_bias, v_bias, out_bias;
+
+  // The tensors a config needs, by this project's names, with their expected sizes.
+  struct Slot {
+    std::string name;
+    std::vector<int64_t> shape;
+    std::vector<float> MhaWeights::*member;
+  };
+  static std::vector<Slot> Slots(const MhaConfig& config);
+
+  // Seeded, machine-independent init: every element uniform in
+  // [-1/sqrt(fan_in), 1/sqrt(fan_in)], as nn.Linear's default distribution.
+  static MhaWeights Random(const MhaConfig& config, uint64_t seed);
+};
+
+// One request to a layer: B sequences of Nq query rows (and Nk key rows), row-major.
+struct MhaInput {
+  int64_t batch = 1;
+  int64_t q_len = 1;
+  int64_t kv_len = 1;                // equals q_len for self-attention
+  absl::Span<const float> query;     // [B * Nq, E]
+  absl::Span<const float> key;       // [B * Nk, kdim], empty for self-attention
+  absl::Span<const float> value;     // [B * Nk, vdim], empty for self-attention
+  AttentionOptions options;
+};
+
+struct AttentionResult {
+  std::vector<float> output;   // MHA: [B, Nq, output_dim]; SDPA: [B, H, Nq, dv]
+  std::vector<float> weights;  // empty, [B, Nq, Nk] averaged or [B, H, Nq, Nk]
+};
+
+// Scaled dot-product attention on caller-given Q [B,H,Nq,dk], K [B,Hkv,Nk,dk], V [B,Hkv,Nk,dv].
+struct SdpaInput {
+  AttentionDims dims;
+  absl::Span<const float> query, key, value;
+  AttentionOptions options;
+};
+}  // namespace attention::core
+
+#endif  // ATTENTION_CORE_MHA_TYPES_H_
