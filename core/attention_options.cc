@@ -4,7 +4,6 @@
 #include <cmath>
 #include <limits>
 
-#include "core/hash.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
@@ -66,37 +65,19 @@ float AttentionOptions::Scale(const AttentionDims& dims) const {
   return scale.has_value() ? *scale : 1.0f / std::sqrt(static_cast<float>(dims.head_dim));
 }
 
-int64_t AttentionOptions::KeyLimit(const AttentionDims& dims, int64_t b, int64_t i) const {
-  int64_t limit = dims.kv_len;
-  if (causal) limit = std::clamp<int64_t>(i + (dims.kv_len - dims.q_len) + 1, 0, limit);
-  if (!key_lengths.empty()) limit = std::min(limit, key_lengths[b]);
-  return limit;
-}
-
-float AttentionOptions::ScoreBias(const AttentionDims& dims, int64_t b, int64_t h, int64_t i,
-                                  int64_t j) const {
-  constexpr float kMasked = -std::numeric_limits<float>::infinity();
-  if (j >= KeyLimit(dims, b, i)) return kMasked;
-  if (!key_padding_keep.empty() && !key_padding_keep[b * dims.kv_len + j]) return kMasked;
-  if (attn_mask_keep.empty() && attn_mask_bias.empty()) return 0.0f;
-  const std::array<int64_t, 4> index = {b, h, i, j};
-  int64_t offset = 0;
-  for (int d = 0; d < 4; ++d) {
-    offset = offset * attn_mask_dims[d] + (attn_mask_dims[d] == 1 ? 0 : index[d]);
-  }
-  if (!attn_mask_keep.empty()) return attn_mask_keep[offset] ? 0.0f : kMasked;
-  return attn_mask_bias[offset];
-}
-
-bool DropoutKeeps(uint64_t seed, float p, int64_t b, int64_t h, int64_t i, int64_t j) {
-  if (p <= 0.0f) return true;
-  uint64_t x = Mix64(seed ^ 0x9e3779b97f4a7c15ULL);
-  x = Mix64(x + static_cast<uint64_t>(b));
-  x = Mix64(x + static_cast<uint64_t>(h));
-  x = Mix64(x + static_cast<uint64_t>(i));
-  x = Mix64(x + static_cast<uint64_t>(j));
-  const double uniform = UnitInterval(x);
-  return uniform >= p;
+MaskView AttentionOptions::View(const AttentionDims& dims) const {
+  MaskView view;
+  view.batch = dims.batch;
+  view.num_heads = dims.num_heads;
+  view.q_len = dims.q_len;
+  view.kv_len = dims.kv_len;
+  view.causal = causal;
+  view.key_lengths = key_lengths.empty() ? nullptr : key_lengths.data();
+  view.key_padding_keep = key_padding_keep.empty() ? nullptr : key_padding_keep.data();
+  for (int d = 0; d < 4; ++d) view.attn_mask_dims[d] = attn_mask_dims[d];
+  view.attn_mask_keep = attn_mask_keep.empty() ? nullptr : attn_mask_keep.data();
+  view.attn_mask_bias = attn_mask_bias.empty() ? nullptr : attn_mask_bias.data();
+  return view;
 }
 
 }  // namespace attention::core

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "core/attention_math.h"
 
 namespace attention::core {
 
@@ -57,16 +58,20 @@ struct AttentionOptions {
            !attn_mask_bias.empty();
   }
 
+  // The masks as every kernel reads them (see core/attention_math.h), pointing into this
+  // object: valid while it lives unchanged.
+  MaskView View(const AttentionDims& dims) const;
+
   // What is added to the scaled score of (b, h, i, j): 0, -inf (masked) or the float mask.
-  float ScoreBias(const AttentionDims& dims, int64_t b, int64_t h, int64_t i, int64_t j) const;
+  float ScoreBias(const AttentionDims& dims, int64_t b, int64_t h, int64_t i, int64_t j) const {
+    return View(dims).ScoreBias(b, h, i, j);
+  }
 
   // Number of keys row i may attend before any element mask (the causal frontier).
-  int64_t KeyLimit(const AttentionDims& dims, int64_t b, int64_t i) const;
+  int64_t KeyLimit(const AttentionDims& dims, int64_t b, int64_t i) const {
+    return View(dims).KeyLimit(b, i);
+  }
 };
-
-// Deterministic dropout: whether the weight at (b, h, i, j) survives, from a counter-based
-// hash of the seed and the position, so results never depend on threads or batching.
-bool DropoutKeeps(uint64_t seed, float p, int64_t b, int64_t h, int64_t i, int64_t j);
 
 }  // namespace attention::core
 

@@ -6,6 +6,7 @@
 #define ATTENTION_CORE_BACKEND_H_
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,12 @@ class PreparedLayer {
   virtual int64_t DeviceWeightBytes() const = 0;
 };
 
+// Memory of an accelerator, for the metrics.
+struct DeviceMemory {
+  int64_t used_bytes = 0;   // by every process
+  int64_t total_bytes = 0;
+};
+
 // Thread-safe. Lives as long as any layer prepared by it (layers hold a shared_ptr).
 class Backend {
  public:
@@ -60,10 +67,25 @@ class Backend {
   virtual absl::StatusOr<std::unique_ptr<PreparedLayer>> Prepare(
       const MhaConfig& config, const MhaWeightsView& weights) const = 0;
 
-  // Scaled dot-product attention of an input that ValidateSdpaInput accepted.
+  // Scaled dot-product attention of an input that ValidateSdpaInput accepted and that
+  // Supports(SdpaConfig(input.dims), input.options) allows.
   virtual absl::StatusOr<AttentionResult> ScaledDotProductAttention(
       const SdpaInput& input) const = 0;
+
+  // The device's memory; nullopt for the host.
+  virtual std::optional<DeviceMemory> Memory() const { return std::nullopt; }
 };
+
+// The head sizes of a scaled dot-product attention call as a layer config, for Supports.
+inline MhaConfig SdpaConfig(const AttentionDims& dims) {
+  MhaConfig config;
+  config.embed_dim = dims.num_heads * dims.head_dim;
+  config.num_heads = dims.num_heads;
+  config.num_kv_heads = dims.num_kv_heads;
+  config.head_dim = dims.head_dim;
+  config.v_head_dim = dims.v_head_dim;
+  return config;
+}
 
 }  // namespace attention::core
 

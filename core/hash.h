@@ -6,10 +6,12 @@
 
 #include <cstdint>
 
+#include "core/host_device.h"
+
 namespace attention::core {
 
 // The splitmix64 finaliser: a bijective mix of 64 bits.
-inline uint64_t Mix64(uint64_t x) {
+ATTENTION_HOST_DEVICE inline uint64_t Mix64(uint64_t x) {
   x ^= x >> 30;
   x *= 0xbf58476d1ce4e5b9ULL;
   x ^= x >> 27;
@@ -19,7 +21,7 @@ inline uint64_t Mix64(uint64_t x) {
 }
 
 // Uniform in [0, 1) from the top 53 bits of a mixed value.
-inline double UnitInterval(uint64_t mixed) { return static_cast<double>(mixed >> 11) * 0x1.0p-53; }
+ATTENTION_HOST_DEVICE inline double UnitInterval(uint64_t mixed) { return static_cast<double>(mixed >> 11) * 0x1.0p-53; }
 
 }  // namespace attention::core
 

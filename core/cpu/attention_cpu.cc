@@ -113,11 +113,11 @@ void ZeroRows(float* out, int64_t rows, int64_t stride, int64_t width) {
 // Returns how many leading entries take part in the softmax.
 int64_t MaskScoreRow(const AttentionProblem& p, int64_t b, int64_t h, int64_t i,
                      int64_t first_key, int64_t keys, float* row) {
-  const AttentionOptions& options = *p.options;
-  const int64_t valid = std::clamp<int64_t>(options.KeyLimit(p.dims, b, i) - first_key, 0, keys);
+  const MaskView mask = p.options->View(p.dims);
+  const int64_t valid = std::clamp<int64_t>(mask.KeyLimit(b, i) - first_key, 0, keys);
   std::fill(row + valid, row + keys, 0.0f);
-  if (options.HasElementMasks()) {
-    for (int64_t j = 0; j < valid; ++j) row[j] += options.ScoreBias(p.dims, b, h, i, first_key + j);
+  if (mask.HasElementMasks()) {
+    for (int64_t j = 0; j < valid; ++j) row[j] += mask.ScoreBias(b, h, i, first_key + j);
   }
   return valid;
 }
@@ -144,10 +144,10 @@ void AttendBlockOnline(const AttentionProblem& p, int64_t b, int64_t h, int64_t 
   const AttentionDims& d = p.dims;
   const int64_t hk = KvHead(d, h);
   const int64_t out_stride = p.output_layout.row_stride;
-  thread_local std::vector<float> scores, row_max, row_sum;
+  thread_local std::vector<float> scores;
+  thread_local std::vector<OnlineSoftmaxRow> softmax;
   scores.resize(rows * kKeyBlock);
-  row_max.assign(rows, -std::numeric_limits<float>::infinity());
-  row_sum.assign(rows, 0.0f);
+  softmax.assign(rows, OnlineSoftmaxRow{});
   ZeroRows(out, rows, out_stride, d.v_head_dim);
   for (int64_t first_key = 0; first_key < key_count; first_key += kKeyBlock) {
     const int64_t keys = std::min(kKeyBlock, key_count - first_key);
@@ -164,15 +164,11 @@ void AttendBlockOnline(const AttentionProblem& p, int64_t b, int64_t h, int64_t 
         std::fill(row, row + valid, 0.0f);  // nothing to attend in this block
         continue;
       }
-      const float new_max = std::max(row_max[r], block_max);
       // Earlier blocks were exponentiated against the old maximum: rescale them.
-      const float correction = std::exp(row_max[r] - new_max);
-      if (correction != 1.0f) {
-        ScaleRow(out + r * out_stride, d.v_head_dim, correction);
-        row_sum[r] *= correction;
-      }
-      row_max[r] = new_max;
-      row_sum[r] += ExpAndSum(row, valid, new_max);  // the sum before dropout normalizes
+      const float correction = softmax[r].Rescale(block_max);
+      if (correction != 1.0f) ScaleRow(out + r * out_stride, d.v_head_dim, correction);
+      // The sum before dropout normalizes.
+      softmax[r].sum += ExpAndSum(row, valid, softmax[r].max);
       DropOutRow(options, b, h, i, first_key, valid, row);
     }
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, d.v_head_dim, keys, 1.0f,
@@ -181,7 +177,7 @@ void AttendBlockOnline(const AttentionProblem& p, int64_t b, int64_t h, int64_t 
   }
   for (int64_t r = 0; r < rows; ++r) {
     // A fully masked row has sum 0 and an all-zero accumulator: it stays zeros.
-    if (row_sum[r] > 0.0f) ScaleRow(out + r * out_stride, d.v_head_dim, 1.0f / row_sum[r]);
+    ScaleRow(out + r * out_stride, d.v_head_dim, softmax[r].InverseSum());
   }
 }
 

@@ -16,7 +16,6 @@ using testing::Describe;
 using testing::RandomFloats;
 using testing::RandomOptions;
 using testing::TestSeed;
-using testing::BackendTest;
 
 // float32 against the double oracle: scores sum <= 17 products of values in [-1, 1] and
 // softmax/PV sums <= 131 terms, so float rounding stays near 1e-6; 2e-4 leaves room for
@@ -32,7 +31,10 @@ void ExpectClose(const std::vector<float>& actual, const std::vector<float>& exp
   }
 }
 
-TEST_P(BackendTest, SdpaMatchesReferenceOnRandomGrid) {
+// Runs on every backend compiled in (see test_backends.h).
+class SdpaBackendTest : public testing::BackendTest {};
+
+TEST_P(SdpaBackendTest, SdpaMatchesReferenceOnRandomGrid) {
   const uint64_t seed = TestSeed(20261121);
   SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
   std::mt19937_64 rng(seed);
@@ -73,7 +75,7 @@ TEST_P(BackendTest, SdpaMatchesReferenceOnRandomGrid) {
   }
 }
 
-TEST_P(BackendTest, SdpaMatchesReferenceWithLongKeys) {
+TEST_P(SdpaBackendTest, SdpaMatchesReferenceWithLongKeys) {
   // 4100 keys give 64-row query blocks, so 150 queries span three blocks, and four key
   // blocks of the online softmax when no weights are returned.
   const uint64_t seed = TestSeed(77);
@@ -100,7 +102,7 @@ TEST_P(BackendTest, SdpaMatchesReferenceWithLongKeys) {
   }
 }
 
-TEST_P(BackendTest, CausalIsBottomRightAligned) {
+TEST_P(SdpaBackendTest, CausalIsBottomRightAligned) {
   // Nq = 2 queries over Nk = 4 keys: query 0 sees keys 0..2, query 1 sees all four.
   SdpaInput input;
   input.dims = {1, 1, 1, 2, 4, 1, 1};
@@ -119,7 +121,7 @@ TEST_P(BackendTest, CausalIsBottomRightAligned) {
   }
 }
 
-TEST_P(BackendTest, FullyMaskedRowIsZeroNotNan) {
+TEST_P(SdpaBackendTest, FullyMaskedRowIsZeroNotNan) {
   SdpaInput input;
   input.dims = {2, 1, 1, 3, 5, 4, 4};
   std::mt19937_64 rng(7);
@@ -172,7 +174,7 @@ TEST(AttentionOptionsTest, ValidateNamesFieldAndValues) {
             "[2, 4, 3, 5]");
 }
 
-INSTANTIATE_TEST_SUITE_P(Devices, BackendTest, ::testing::ValuesIn(testing::CompiledDevices()),
+INSTANTIATE_TEST_SUITE_P(Devices, SdpaBackendTest, ::testing::ValuesIn(testing::CompiledDevices()),
                          testing::DeviceTestName);
 
 }  // namespace

@@ -14,12 +14,14 @@ using testing::Describe;
 using testing::RandomFloats;
 using testing::RandomOptions;
 using testing::TestSeed;
-using testing::BackendTest;
 using testing::CpuForTests;
 
 // Projections add up to 67 float products before and after attention; 5e-4 absolute on
 // outputs of magnitude ~1 stays far above float rounding and far below any real bug.
 constexpr float kTolerance = 5e-4f;
+
+// Runs on every backend compiled in (see test_backends.h).
+class MhaBackendTest : public testing::BackendTest {};
 
 TEST(MhaConfigTest, ResolvesDefaults) {
   MhaConfig config;
@@ -80,7 +82,7 @@ TEST(MhaLayerTest, RandomInitIsSeededAndBounded) {
   for (float w : a.out_weight) EXPECT_LE(std::abs(w), 0.25f);
 }
 
-TEST_P(BackendTest, BatchedForwardMatchesReferenceOnRandomConfigs) {
+TEST_P(MhaBackendTest, BatchedForwardMatchesReferenceOnRandomConfigs) {
   const uint64_t seed = TestSeed(1234);
   SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
   std::mt19937_64 rng(seed);
@@ -177,7 +179,7 @@ TEST(MhaLayerTest, ValidateInputNamesShapes) {
             "key has 40 values; expected [B, Nk, kdim] = [2, 5, 3]");
 }
 
-INSTANTIATE_TEST_SUITE_P(Devices, BackendTest, ::testing::ValuesIn(testing::CompiledDevices()),
+INSTANTIATE_TEST_SUITE_P(Devices, MhaBackendTest, ::testing::ValuesIn(testing::CompiledDevices()),
                          testing::DeviceTestName);
 
 }  // namespace

@@ -35,6 +35,7 @@ On failure the seed and configuration are printed; the exit code is 1.
 
 import argparse
 import math
+import sys
 
 import numpy as np
 import torch
@@ -552,11 +553,19 @@ def main():
     parser.add_argument("server")
     parser.add_argument("--configs", type=int, default=120)
     parser.add_argument("--seed", type=int, default=20240601)
+    parser.add_argument("--device", default="cpu",
+                        help="the server's --device; a GPU that is not there skips the test")
     args = parser.parse_args()
-    t = harness.Checker("test_torch_parity")
+    t = harness.Checker("test_torch_parity[%s]" % args.device)
     p = Parity(t)
-    server = harness.ServerProcess(args.server, "--demo_layer=false",
-                                   "--compute_threads=2").start()
+    try:
+        server = harness.ServerProcess(args.server, "--demo_layer=false", "--compute_threads=2",
+                                       "--device=" + args.device).start()
+    except RuntimeError as error:
+        if args.device != "cpu" and "is not available" in str(error):
+            print("SKIPPED: device %s is not available here:\n%s" % (args.device, error))
+            sys.exit(77)  # ctest SKIP_RETURN_CODE
+        raise
     try:
         with AttentionClient(server.target) as client:
             groups = [("mha", args.configs, lambda s: run_mha_config(p, client,

@@ -1,0 +1,36 @@
+// The CUDA backend: weights resident on the GPU from Prepare on, cuBLAS fp32 GEMMs (TF32
+// off, so results match the CPU within float rounding) over every token of a packed batch,
+// and the fused flash-style attention kernel of kernels.cu. Each calling thread (batch
+// worker) gets its own stream, cuBLAS handle, pinned staging buffers and device scratch,
+// so one worker's copies overlap another's compute.
+//
+// It is built as a plugin (libattention_cuda_backend.so) that core/devices.cc loads with
+// dlopen on first use, never linked into the binaries: cuBLAS carries about 100 KB of
+// static thread-local storage, which would be carved from every thread's stack and makes
+// threads with small stacks (the metrics HTTP server's) fail to start; and a machine
+// without a GPU needs no CUDA libraries at all.
+#ifndef ATTENTION_CORE_CUDA_CUDA_BACKEND_H_
+#define ATTENTION_CORE_CUDA_CUDA_BACKEND_H_
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "core/backend.h"
+
+namespace attention::core {
+
+// What the plugin offers; returned by its one exported C symbol, kCudaPluginEntry.
+struct CudaPlugin {
+  // GPUs the CUDA runtime sees. FAILED_PRECONDITION naming why when there is no usable
+  // driver (a machine without a GPU); 0 when the driver sees none.
+  absl::StatusOr<int> (*device_count)();
+  // The backend of GPU `device` ("cuda:<device>"); FAILED_PRECONDITION when it cannot be
+  // opened.
+  absl::StatusOr<std::shared_ptr<const Backend>> (*open_backend)(int device);
+};
+inline constexpr char kCudaPluginEntry[] = "AttentionCudaPlugin";
+using CudaPluginEntry = const CudaPlugin* (*)();
+
+}  // namespace attention::core
+
+#endif  // ATTENTION_CORE_CUDA_CUDA_BACKEND_H_

@@ -1,0 +1,249 @@
+#include "core/cuda/kernels.h"
+
+namespace attention::core::cuda {
+namespace {
+
+constexpr unsigned kFullWarp = 0xffffffffu;
+
+__device__ float WarpMax(float value) {
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    value = fmaxf(value, __shfl_xor_sync(kFullWarp, value, offset));
+  }
+  return value;
+}
+
+__device__ float WarpSum(float value) {
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    value += __shfl_xor_sync(kFullWarp, value, offset);
+  }
+  return value;
+}
+
+__device__ int64_t Offset(const DeviceLayout& layout, int64_t b, int64_t h, int64_t i) {
+  return b * layout.batch_stride + h * layout.head_stride + i * layout.row_stride;
+}
+
+// Scaled score of one query row against one key, plus its element masks; the dot product in
+// channel order, so the weights kernel recomputes exactly the value the flash kernel used.
+__device__ float MaskedScore(const DeviceAttentionProblem& p, const float* query_row,
+                             const float* key_row, int64_t b, int64_t h, int64_t i, int64_t j) {
+  float dot = 0.0f;
+  for (int64_t c = 0; c < p.shape.head_dim; ++c) dot = fmaf(query_row[c], key_row[c], dot);
+  float score = dot * p.scale;
+  if (p.mask.HasElementMasks()) score += p.mask.ScoreBias(b, h, i, j);
+  return score;
+}
+
+// Dropout of one probability, as the CPU backend: kept ones scaled by 1 / (1 - p).
+__device__ float DropOut(const DeviceAttentionProblem& p, float probability, int64_t b,
+                         int64_t h, int64_t i, int64_t j) {
+  if (p.dropout_p <= 0.0f || probability == 0.0f) return probability;
+  return DropoutKeeps(p.dropout_seed, p.dropout_p, b, h, i, j)
+             ? probability / (1.0f - p.dropout_p)
+             : 0.0f;
+}
+
+// See launch_plan.h for the tiling. kValueChunks = output columns per lane per row / 32.
+template <int kValueChunks>
+__global__ void __launch_bounds__(kFlashWarps * 32)
+    FlashAttentionKernel(DeviceAttentionProblem p, int64_t query_blocks) {
+  extern __shared__ float shared[];
+  const AttentionShape& s = p.shape;
+  const int64_t dk = s.head_dim, dv = s.v_head_dim;
+  float* q_tile = shared;                                 // [rows][dk]
+  float* k_tile = q_tile + kFlashRowsPerBlock * dk;       // [keys][dk + 1]
+  float* v_tile = k_tile + kFlashKeysPerTile * (dk + 1);  // [keys][dv]
+  const FlashBlock block = DecodeFlashBlock(blockIdx.x, query_blocks, s.num_heads);
+  const int64_t b = block.batch_index, h = block.head, first_row = block.first_row;
+  const int64_t hk = h / (s.num_heads / s.num_kv_heads);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t rows = min(static_cast<int64_t>(kFlashRowsPerBlock), s.q_len - first_row);
+
+  for (int64_t e = threadIdx.x; e < kFlashRowsPerBlock * dk; e += blockDim.x) {
+    const int64_t r = e / dk, c = e % dk;
+    q_tile[e] = r < rows ? p.query[Offset(p.query_layout, b, h, first_row + r) + c] : 0.0f;
+  }
+  // Keys past the last row's frontier are never attended: causal tiles are skipped.
+  const int64_t key_count = p.mask.KeyLimit(b, first_row + rows - 1);
+
+  float accumulator[kFlashRowsPerWarp][kValueChunks];
+  OnlineSoftmaxRow softmax[kFlashRowsPerWarp];
+#pragma unroll
+  for (int r = 0; r < kFlashRowsPerWarp; ++r) {
+#pragma unroll
+    for (int t = 0; t < kValueChunks; ++t) accumulator[r][t] = 0.0f;
+  }
+
+  for (int64_t first_key = 0; first_key < key_count; first_key += kFlashKeysPerTile) {
+    __syncthreads();  // the Q rows are in, and every warp is done with the previous tile
+    const int64_t keys = min(static_cast<int64_t>(kFlashKeysPerTile), key_count - first_key);
+    for (int64_t e = threadIdx.x; e < kFlashKeysPerTile * dk; e += blockDim.x) {
+      const int64_t j = e / dk, c = e % dk;
+      k_tile[j * (dk + 1) + c] =
+          j < keys ? p.key[Offset(p.key_layout, b, hk, first_key + j) + c] : 0.0f;
+    }
+    for (int64_t e = threadIdx.x; e < kFlashKeysPerTile * dv; e += blockDim.x) {
+      const int64_t j = e / dv, c = e % dv;
+      v_tile[e] = j < keys ? p.value[Offset(p.value_layout, b, hk, first_key + j) + c] : 0.0f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < kFlashRowsPerWarp; ++r) {
+      const int64_t row = warp * kFlashRowsPerWarp + r;
+      const int64_t i = first_row + row;
+      const int64_t j = first_key + lane;
+      float score = -INFINITY;
+      if (row < rows && lane < keys && j < p.mask.KeyLimit(b, i)) {
+        score = MaskedScore(p, q_tile + row * dk, k_tile + lane * (dk + 1), b, h, i, j);
+      }
+      const float correction = softmax[r].Rescale(WarpMax(score));
+      float probability = score == -INFINITY ? 0.0f : expf(score - softmax[r].max);
+      softmax[r].sum += WarpSum(probability);  // the sum before dropout normalizes
+      probability = DropOut(p, probability, b, h, i, j);
+#pragma unroll
+      for (int t = 0; t < kValueChunks; ++t) accumulator[r][t] *= correction;
+      for (int64_t jj = 0; jj < keys; ++jj) {
+        const float p_j = __shfl_sync(kFullWarp, probability, static_cast<int>(jj));
+#pragma unroll
+        for (int t = 0; t < kValueChunks; ++t) {
+          const int64_t c = lane + 32 * t;
+          if (c < dv) accumulator[r][t] = fmaf(p_j, v_tile[jj * dv + c], accumulator[r][t]);
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < kFlashRowsPerWarp; ++r) {
+    const int64_t row = warp * kFlashRowsPerWarp + r;
+    if (row >= rows) continue;
+    const int64_t i = first_row + row;
+    // A fully masked row has sum 0 and an all-zero accumulator: it stays zeros.
+    const float inverse_sum = softmax[r].InverseSum();
+    float* out = p.output + Offset(p.output_layout, b, h, i);
+#pragma unroll
+    for (int t = 0; t < kValueChunks; ++t) {
+      const int64_t c = lane + 32 * t;
+      if (c < dv) out[c] = accumulator[r][t] * inverse_sum;
+    }
+    if (p.row_max != nullptr && lane == 0) {
+      const int64_t stat = (b * s.num_heads + h) * s.q_len + i;
+      p.row_max[stat] = softmax[r].max;
+      p.row_sum[stat] = softmax[r].sum;
+    }
+  }
+}
+
+// One weight per thread (grid-stride) from the flash kernel's row statistics: the same
+// score, normalised by the row's final maximum and sum, then dropped out.
+__global__ void AttentionWeightsKernel(DeviceAttentionProblem p) {
+  const AttentionShape& s = p.shape;
+  const int64_t total = s.batch * s.num_heads * s.q_len * s.kv_len;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t index = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       index < total; index += stride) {
+    const int64_t j = index % s.kv_len;
+    const int64_t row = index / s.kv_len;  // (b * H + h) * Nq + i
+    const int64_t i = row % s.q_len;
+    const int64_t h = (row / s.q_len) % s.num_heads;
+    const int64_t b = row / (s.q_len * s.num_heads);
+    const int64_t hk = h / (s.num_heads / s.num_kv_heads);
+    float weight = 0.0f;
+    if (p.row_sum[row] > 0.0f && j < p.mask.KeyLimit(b, i)) {
+      const float score = MaskedScore(p, p.query + Offset(p.query_layout, b, h, i),
+                                      p.key + Offset(p.key_layout, b, hk, j), b, h, i, j);
+      if (score != -INFINITY) {
+        weight = DropOut(p, expf(score - p.row_max[row]) / p.row_sum[row], b, h, i, j);
+      }
+    }
+    p.weights[index] = weight;
+  }
+}
+
+template <int kValueChunks>
+cudaError_t LaunchFlash(const DeviceAttentionProblem& p, const FlashLaunchPlan& plan,
+                        cudaStream_t stream) {
+  constexpr int64_t kDefaultSharedLimit = 48 << 10;
+  if (plan.shared_bytes > kDefaultSharedLimit) {
+    const cudaError_t raised =
+        cudaFuncSetAttribute(FlashAttentionKernel<kValueChunks>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(plan.shared_bytes));
+    if (raised != cudaSuccess) return raised;
+  }
+  FlashAttentionKernel<kValueChunks>
+      <<<static_cast<unsigned>(plan.blocks), plan.threads, plan.shared_bytes, stream>>>(
+          p, plan.query_blocks);
+  return cudaGetLastError();
+}
+
+__global__ void AddBiasKernel(float* y, int64_t rows, int64_t width, int64_t row_stride,
+                              const float* bias) {
+  const int64_t total = rows * width;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
+       e += stride) {
+    y[(e / width) * row_stride + e % width] += bias[e % width];
+  }
+}
+
+__global__ void RotaryKernel(float* data, int64_t rows, int64_t seq_len, int64_t heads,
+                             int64_t head_dim, double theta, int64_t row_stride) {
+  const int64_t half = head_dim / 2;
+  const int64_t total = rows * heads * half;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
+       e += stride) {
+    const int64_t c = e % half;
+    const int64_t h = (e / half) % heads;
+    const int64_t r = e / (half * heads);
+    float cos_a, sin_a;
+    RotaryAngle(r % seq_len, c, head_dim, theta, &cos_a, &sin_a);
+    float* x = data + r * row_stride + h * head_dim;
+    const float x1 = x[c], x2 = x[c + half];
+    x[c] = x1 * cos_a - x2 * sin_a;
+    x[c + half] = x2 * cos_a + x1 * sin_a;
+  }
+}
+
+// Blocks for a grid-stride loop over `total` elements of 256 threads each.
+unsigned GridFor(int64_t total) {
+  const int64_t blocks = (total + 255) / 256;
+  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > 65536 ? 65536 : blocks));
+}
+
+}  // namespace
+
+cudaError_t LaunchAttention(const DeviceAttentionProblem& p, const FlashLaunchPlan& plan,
+                            cudaStream_t stream) {
+  cudaError_t error = cudaSuccess;
+  switch (plan.value_chunks) {
+    case 2:
+      error = LaunchFlash<2>(p, plan, stream);
+      break;
+    case 4:
+      error = LaunchFlash<4>(p, plan, stream);
+      break;
+    default:
+      error = LaunchFlash<8>(p, plan, stream);
+  }
+  if (error != cudaSuccess || p.weights == nullptr) return error;
+  AttentionWeightsKernel<<<static_cast<unsigned>(plan.weight_blocks), kWeightThreads, 0,
+                           stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchAddBias(float* y, int64_t rows, int64_t width, int64_t row_stride,
+                          const float* bias, cudaStream_t stream) {
+  AddBiasKernel<<<GridFor(rows * width), 256, 0, stream>>>(y, rows, width, row_stride, bias);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchRotary(float* data, int64_t rows, int64_t seq_len, int64_t heads,
+                         int64_t head_dim, double theta, int64_t row_stride, cudaStream_t stream) {
+  RotaryKernel<<<GridFor(rows * heads * (head_dim / 2)), 256, 0, stream>>>(
+      data, rows, seq_len, heads, head_dim, theta, row_stride);
+  return cudaGetLastError();
+}
+
+}  // namespace attention::core::cuda

@@ -1,0 +1,62 @@
+// The CUDA backend's kernels, callable from host C++ (defined in kernels.cu). Plain structs
+// only: this header is read by g++ and nvcc alike.
+#ifndef ATTENTION_CORE_CUDA_KERNELS_H_
+#define ATTENTION_CORE_CUDA_KERNELS_H_
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "core/attention_math.h"
+#include "core/cuda/launch_plan.h"
+
+namespace attention::core::cuda {
+
+// Where row i of head h of sequence b lives: base + b*batch + h*head + i*row (in floats), as
+// core::HeadLayout.
+struct DeviceLayout {
+  int64_t batch_stride = 0;
+  int64_t head_stride = 0;
+  int64_t row_stride = 0;
+};
+
+// One attention call on device memory. `mask` points to device memory.
+struct DeviceAttentionProblem {
+  AttentionShape shape;
+  const float* query = nullptr;  // rows of dk
+  DeviceLayout query_layout;
+  const float* key = nullptr;  // rows of dk, Hkv heads
+  DeviceLayout key_layout;
+  const float* value = nullptr;  // rows of dv, Hkv heads
+  DeviceLayout value_layout;
+  float* output = nullptr;  // rows of dv, H heads
+  DeviceLayout output_layout;
+  MaskView mask;
+  float scale = 1.0f;
+  float dropout_p = 0.0f;
+  uint64_t dropout_seed = 0;
+  // Null, or [B, H, Nq, Nk]: the attention weights after masking and dropout (a second
+  // kernel, from the row statistics below).
+  float* weights = nullptr;
+  // [B * H * Nq] each when weights are asked for: each row's softmax maximum and sum.
+  float* row_max = nullptr;
+  float* row_sum = nullptr;
+};
+
+// Fused flash-style attention per `plan` (see PlanFlashAttention), then the weights when
+// asked. Launches on `stream` and returns the launch error, if any.
+cudaError_t LaunchAttention(const DeviceAttentionProblem& problem, const FlashLaunchPlan& plan,
+                            cudaStream_t stream);
+
+// rows x width: y[r, c] += bias[c].
+cudaError_t LaunchAddBias(float* y, int64_t rows, int64_t width, int64_t row_stride,
+                          const float* bias, cudaStream_t stream);
+
+// Rotary embedding in place on `rows` rows of `heads` heads of width dk (`row_stride` floats
+// apart); row r is at position r % seq_len (see core::ApplyRotary).
+cudaError_t LaunchRotary(float* data, int64_t rows, int64_t seq_len, int64_t heads,
+                         int64_t head_dim, double theta, int64_t row_stride, cudaStream_t stream);
+
+}  // namespace attention::core::cuda
+
+#endif  // ATTENTION_CORE_CUDA_KERNELS_H_

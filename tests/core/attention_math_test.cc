@@ -1,0 +1,156 @@
+// The per-element maths every backend shares (core/attention_math.h), checked on the host:
+// the CUDA kernels compile the same functions for the device.
+#include "core/attention_math.h"
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "core/attention_options.h"
+#include "core/cpu/cpu_backend.h"
+#include "gtest/gtest.h"
+#include "tests/core/random_options.h"
+
+namespace attention::core {
+namespace {
+
+TEST(MaskViewTest, CausalIsBottomRightAlignedAndKeyLengthsCap) {
+  MaskView mask;
+  mask.batch = 2;
+  mask.q_len = 2;
+  mask.kv_len = 4;
+  mask.causal = true;
+  EXPECT_EQ(mask.KeyLimit(0, 0), 3);  // query 0 sees keys 0..2
+  EXPECT_EQ(mask.KeyLimit(0, 1), 4);
+  const int64_t lengths[] = {2, 4};
+  mask.key_lengths = lengths;
+  EXPECT_EQ(mask.KeyLimit(0, 1), 2);
+  EXPECT_EQ(mask.KeyLimit(1, 0), 3);
+  EXPECT_EQ(mask.ScoreBias(0, 0, 1, 2), -INFINITY);
+  EXPECT_EQ(mask.ScoreBias(0, 0, 1, 1), 0.0f);
+  // More queries than keys: the first rows see nothing.
+  MaskView tall;
+  tall.q_len = 5;
+  tall.kv_len = 2;
+  tall.causal = true;
+  EXPECT_EQ(tall.KeyLimit(0, 0), 0);
+  EXPECT_EQ(tall.KeyLimit(0, 3), 1);
+  EXPECT_EQ(tall.KeyLimit(0, 4), 2);
+}
+
+TEST(MaskViewTest, BroadcastMaskIndexing) {
+  // A [Nq, Nk] = [2, 3] additive mask broadcast over B = 2 and H = 2.
+  const float bias[] = {0.5f, 1.5f, 2.5f, 3.5f, 4.5f, 5.5f};
+  MaskView mask;
+  mask.batch = 2;
+  mask.num_heads = 2;
+  mask.q_len = 2;
+  mask.kv_len = 3;
+  mask.attn_mask_dims[2] = 2;
+  mask.attn_mask_dims[3] = 3;
+  mask.attn_mask_bias = bias;
+  EXPECT_TRUE(mask.HasElementMasks());
+  EXPECT_EQ(mask.ScoreBias(1, 1, 1, 2), 5.5f);
+  EXPECT_EQ(mask.ScoreBias(0, 1, 0, 1), 1.5f);
+  const uint8_t padding[] = {1, 0, 1, 1, 1, 1};
+  mask.key_padding_keep = padding;
+  EXPECT_EQ(mask.ScoreBias(0, 1, 0, 1), -INFINITY);
+  EXPECT_EQ(mask.ScoreBias(1, 1, 0, 1), 1.5f);
+}
+
+TEST(MaskViewTest, MatchesTheOptionsItIsMadeFrom) {
+  const uint64_t seed = testing::TestSeed(5);
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
+  std::mt19937_64 rng(seed);
+  for (int trial = 0; trial < 50; ++trial) {
+    const AttentionDims dims{2, 3, 1, 4, 5, 2, 2};
+    const AttentionOptions options = testing::RandomOptions(rng, dims);
+    const MaskView view = options.View(dims);
+    for (int64_t b = 0; b < 2; ++b) {
+      for (int64_t i = 0; i < 4; ++i) {
+        int64_t attended = 0;
+        for (int64_t j = 0; j < 5; ++j) attended += view.ScoreBias(b, 0, i, j) != -INFINITY;
+        // No key past the limit is ever attended.
+        EXPECT_LE(attended, view.KeyLimit(b, i)) << testing::Describe(dims, options);
+      }
+    }
+  }
+}
+
+TEST(OnlineSoftmaxRowTest, BlockwiseEqualsOnePass) {
+  std::mt19937_64 rng(11);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  std::vector<float> scores(100);
+  for (float& s : scores) s = normal(rng);
+  scores[7] = -INFINITY;  // a masked key
+  float max = -INFINITY;
+  for (float s : scores) max = std::max(max, s);
+  double sum = 0.0;
+  for (float s : scores) sum += std::exp(static_cast<double>(s) - max);
+  // Blocks of 32 with a running accumulator of sum_j exp(s_j - m) * j.
+  OnlineSoftmaxRow row;
+  float weighted = 0.0f;
+  for (size_t first = 0; first < scores.size(); first += 32) {
+    float block_max = -INFINITY;
+    for (size_t j = first; j < std::min(first + 32, scores.size()); ++j) {
+      block_max = std::max(block_max, scores[j]);
+    }
+    weighted *= row.Rescale(block_max);
+    for (size_t j = first; j < std::min(first + 32, scores.size()); ++j) {
+      const float p = std::exp(scores[j] - row.max);
+      row.sum += p;
+      weighted += p * static_cast<float>(j);
+    }
+  }
+  EXPECT_EQ(row.max, max);
+  EXPECT_NEAR(row.sum, sum, 1e-4 * sum);
+  double expected = 0.0;
+  for (size_t j = 0; j < scores.size(); ++j) expected += std::exp(scores[j] - max) * j / sum;
+  EXPECT_NEAR(weighted * row.InverseSum(), expected, 1e-3);
+}
+
+TEST(OnlineSoftmaxRowTest, FullyMaskedRowNormalisesToZero) {
+  OnlineSoftmaxRow row;
+  EXPECT_EQ(row.Rescale(-INFINITY), 1.0f);
+  EXPECT_EQ(row.sum, 0.0f);
+  EXPECT_EQ(row.InverseSum(), 0.0f);
+  EXPECT_EQ(row.Rescale(2.0f), 0.0f);  // nothing accumulated yet: scaled away
+  EXPECT_EQ(row.Rescale(1.0f), 1.0f);  // a smaller block maximum changes nothing
+}
+
+TEST(RotaryAngleTest, MatchesTheCpuRotation) {
+  // One head of dk = 8 at positions 0..4: rotating through ApplyRotary and by hand with
+  // RotaryAngle agree exactly.
+  std::vector<float> data(5 * 8);
+  for (size_t e = 0; e < data.size(); ++e) data[e] = 0.1f * static_cast<float>(e) - 1.0f;
+  std::vector<float> rotated = data;
+  ApplyRotary(rotated.data(), 5, 5, 1, 8, 10000.0, 8);
+  for (int64_t r = 0; r < 5; ++r) {
+    for (int64_t c = 0; c < 4; ++c) {
+      float cos_a, sin_a;
+      RotaryAngle(r, c, 8, 10000.0, &cos_a, &sin_a);
+      const float x1 = data[r * 8 + c], x2 = data[r * 8 + c + 4];
+      EXPECT_EQ(rotated[r * 8 + c], x1 * cos_a - x2 * sin_a) << r << " " << c;
+      EXPECT_EQ(rotated[r * 8 + c + 4], x2 * cos_a + x1 * sin_a) << r << " " << c;
+    }
+  }
+}
+
+TEST(DropoutKeysTest, DependOnEveryCoordinateAndTheSeed) {
+  // Flipping any one coordinate or the seed changes which weights survive.
+  int differs[6] = {};
+  for (int j = 0; j < 2000; ++j) {
+    const bool base = DropoutKeeps(3, 0.5f, 1, 2, 3, j);
+    differs[0] += base != DropoutKeeps(4, 0.5f, 1, 2, 3, j);
+    differs[1] += base != DropoutKeeps(3, 0.5f, 0, 2, 3, j);
+    differs[2] += base != DropoutKeeps(3, 0.5f, 1, 1, 3, j);
+    differs[3] += base != DropoutKeeps(3, 0.5f, 1, 2, 2, j);
+    differs[4] += base != DropoutKeeps(3, 0.5f, 1, 2, 3, j + 2000);
+    differs[5] += base != DropoutKeeps(3, 0.5f, 1, 2, 3, j);
+  }
+  for (int k = 0; k < 5; ++k) EXPECT_NEAR(differs[k], 1000, 150) << "coordinate " << k;
+  EXPECT_EQ(differs[5], 0);
+}
+
+}  // namespace
+}  // namespace attention::core
