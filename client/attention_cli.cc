@@ -87,8 +87,9 @@ int Run() {
     return 1;
   }
   const int show = absl::GetFlag(FLAGS_show);
-  std::printf("layer %s v%llu: embed_dim %lld, %lld heads, %lld parameters\n",
+  std::printf("layer %s v%llu on %s: embed_dim %lld, %lld heads, %lld parameters\n",
               layer->name().c_str(), static_cast<unsigned long long>(response->layer_version()),
+              layer->device().c_str(),
               static_cast<long long>(embed_dim), static_cast<long long>(layer->config().num_heads()),
               static_cast<long long>(layer->parameter_count()));
   std::printf("input \"%s\": %lld tokens, %s, round trip %.2f ms\n",

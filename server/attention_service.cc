@@ -1,6 +1,7 @@
 #include "server/attention_service.h"
 
 #include <deque>
+#include <map>
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
@@ -92,6 +93,17 @@ void AttentionServiceImpl::RefreshLayerMetrics() {
   const auto layers = registry_.List();
   for (const auto& snapshot : layers) weight_bytes += snapshot->layer->WeightBytes();
   metrics_.SetLayers(static_cast<int64_t>(layers.size()), weight_bytes);
+  // Accelerators: the default one and every one holding a layer.
+  std::map<std::string, const core::Backend*> backends = {
+      {default_backend_->name(), default_backend_.get()}};
+  for (const auto& snapshot : layers) {
+    backends.emplace(snapshot->layer->device(), &snapshot->layer->backend());
+  }
+  for (const auto& [device, backend] : backends) {
+    if (const std::optional<core::DeviceMemory> memory = backend->Memory()) {
+      metrics_.SetDeviceMemory(device, memory->used_bytes, memory->total_bytes);
+    }
+  }
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::MultiHeadAttention(
@@ -122,12 +134,16 @@ absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
     auto inline_snapshot = std::make_shared<LayerSnapshot>();
     inline_snapshot->name = "(inline)";
     // An inline layer's weights are this request's memory.
-    ASSIGN_OR_RETURN(inline_snapshot->layer,
-                     BuildLayer(request.inline_layer(), "inline_layer", default_backend_,
-                                registry_.repository(),
-                                [this](int64_t bytes) {
-                                  return CheckInlineLayerBytes(bytes, budget_);
-                                }));
+    auto admit = [this](int64_t bytes) { return CheckInlineLayerBytes(bytes, budget_); };
+    auto built = BuildLayer(request.inline_layer(), "inline_layer", default_backend_,
+                            registry_.repository(), admit);
+    // A shape the default device cannot compute falls back to the CPU.
+    if (built.status().code() == absl::StatusCode::kUnimplemented &&
+        default_backend_ != devices_.cpu()) {
+      built = BuildLayer(request.inline_layer(), "inline_layer", devices_.cpu(),
+                         registry_.repository(), admit);
+    }
+    ASSIGN_OR_RETURN(inline_snapshot->layer, std::move(built));
     snapshot = std::move(inline_snapshot);
   } else if (request.layer().empty()) {
     return Invalid("layer is empty: name a loaded layer (see ListLayers) or give inline_layer");
@@ -258,8 +274,14 @@ absl::Status AttentionServiceImpl::StartScaledDotProductAttention(
   item->is_cancelled = [context] { return context->IsCancelled(); };
   const core::AttentionDims dims = input.dims;
   const core::NeedWeights need = input.options.need_weights;
+  // On the default device, or the CPU when that device cannot compute this shape.
+  std::shared_ptr<const core::Backend> backend = default_backend_;
+  if (!backend->Supports(core::SdpaConfig(input.dims), input.options).ok()) {
+    backend = devices_.cpu();
+  }
+  item->run_alone_device = backend->name();
   // The closure owns the decoded tensors; spans are set where they can no longer move.
-  item->run_alone = [backend = default_backend_, input = std::move(input),
+  item->run_alone = [backend = std::move(backend), input = std::move(input),
                      q = std::move(query.values), k = std::move(key.values),
                      v = std::move(value.values)]() mutable {
     input.query = q;
@@ -267,7 +289,6 @@ absl::Status AttentionServiceImpl::StartScaledDotProductAttention(
     input.value = v;
     return backend->ScaledDotProductAttention(input);
   };
-  item->run_alone_device = default_backend_->name();
   item->done = [this, start, response, reactor, dims, need, output_dtype,
                 request_id = request.request_id()](absl::StatusOr<core::AttentionResult> result) {
     if (!result.ok()) {
@@ -305,10 +326,11 @@ absl::Status AttentionServiceImpl::DoLoadLayer(const v1::LoadLayerRequest& reque
   if (!backend.ok()) {
     return absl::Status(backend.status().code(), absl::StrCat("device: ", backend.status().message()));
   }
+  const std::string device = (*backend)->name();
   ASSIGN_OR_RETURN(std::shared_ptr<const core::MhaLayer> layer,
                    BuildLayer(request.spec(), "spec", *std::move(backend), registry_.repository(),
                               [&](int64_t bytes) {
-                                return registry_.CheckBudget(request.name(), bytes);
+                                return registry_.CheckBudget(request.name(), bytes, device);
                               }));
   ASSIGN_OR_RETURN(
       std::shared_ptr<const LayerSnapshot> snapshot,

@@ -10,36 +10,55 @@ absl::Status LayerRegistryOptions::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("max_weight_bytes = ", max_weight_bytes, " must be >= 0 (0 = unlimited)"));
   }
+  if (max_device_weight_bytes < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_device_weight_bytes = ", max_device_weight_bytes, " must be >= 0 (0 = unlimited)"));
+  }
   return absl::OkStatus();
 }
 
 absl::Status LayerRegistry::Configure(const LayerRegistryOptions& options) {
   RETURN_IF_ERROR(options.Validate());
   max_weight_bytes_ = options.max_weight_bytes;
+  max_device_weight_bytes_ = options.max_device_weight_bytes;
   if (!options.model_repository.empty()) {
     ASSIGN_OR_RETURN(repository_, ModelRepository::Open(options.model_repository));
   }
   return absl::OkStatus();
 }
 
-absl::Status LayerRegistry::CheckBudget(const std::string& name, int64_t bytes) const {
-  if (max_weight_bytes_ == 0) return absl::OkStatus();
-  int64_t in_use = 0;
-  int others = 0;
+absl::Status LayerRegistry::CheckBudget(const std::string& name, int64_t bytes,
+                                        const std::string& device) const {
+  // The host budget counts every layer; a device's budget counts the layers placed on it.
+  int64_t in_use = 0, on_device = 0;
+  int others = 0, others_on_device = 0;
   {
     std::shared_lock<std::shared_mutex> lock(mu_);
     for (const auto& [loaded_name, snapshot] : layers_) {
       if (loaded_name == name) continue;  // replaced by this load
       in_use += snapshot->layer->WeightBytes();
       ++others;
+      if (snapshot->layer->device() == device) {
+        on_device += snapshot->layer->WeightBytes();
+        ++others_on_device;
+      }
     }
   }
-  if (in_use + bytes > max_weight_bytes_) {
+  if (max_weight_bytes_ > 0 && in_use + bytes > max_weight_bytes_) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "layer \"", name, "\" needs ", bytes, " weight bytes but only ",
         std::max<int64_t>(0, max_weight_bytes_ - in_use), " of max_weight_bytes = ",
         max_weight_bytes_, " are free (", in_use, " in use by ", others,
         " other layer(s)); unload a layer or raise --max_weight_bytes"));
+  }
+  if (device != "cpu" && max_device_weight_bytes_ > 0 &&
+      on_device + bytes > max_device_weight_bytes_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "layer \"", name, "\" needs ", bytes, " weight bytes on ", device, " but only ",
+        std::max<int64_t>(0, max_device_weight_bytes_ - on_device),
+        " of max_device_weight_bytes = ", max_device_weight_bytes_, " are free there (",
+        on_device, " in use by ", others_on_device,
+        " other layer(s)); unload a layer or raise --max_device_weight_bytes"));
   }
   return absl::OkStatus();
 }
@@ -66,7 +85,7 @@ absl::StatusOr<std::shared_ptr<const LayerSnapshot>> LayerRegistry::Publish(
     return absl::FailedPreconditionError(
         "persist = true needs a model repository; start the server with --model_repository");
   }
-  RETURN_IF_ERROR(CheckBudget(name, layer->WeightBytes()));
+  RETURN_IF_ERROR(CheckBudget(name, layer->WeightBytes(), layer->device()));
   bool replaces_persisted = false;
   {
     std::shared_lock<std::shared_mutex> lock(mu_);
@@ -124,7 +143,8 @@ std::vector<std::string> LayerRegistry::LoadPersisted(
   if (repository_ == nullptr) return problems;
   std::lock_guard<std::mutex> update(update_mu_);
   for (ModelRepository::PersistedLayer& persisted : repository_->LoadPersisted(backend, &problems)) {
-    const absl::Status budget = CheckBudget(persisted.name, persisted.layer->WeightBytes());
+    const absl::Status budget = CheckBudget(persisted.name, persisted.layer->WeightBytes(),
+                                            persisted.layer->device());
     if (!budget.ok()) {
       problems.push_back(absl::StrCat(PersistedPath(persisted.name), ": ", budget.message(),
                                       "; skipped (the file is kept)"));

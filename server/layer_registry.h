@@ -36,6 +36,10 @@ struct LayerRegistryOptions {
   // LayerInfo.weight_bytes). A load that would exceed it is RESOURCE_EXHAUSTED. 0 (default)
   // means unlimited; >= 0. A layer being replaced does not count against its successor.
   int64_t max_weight_bytes = 0;
+  // Budget for the weights held on each GPU, bytes, counted per device (every layer also
+  // keeps its host copy, which counts against max_weight_bytes). 0 (default): only the
+  // device's memory limits it, and a load it cannot hold is RESOURCE_EXHAUSTED. >= 0.
+  int64_t max_device_weight_bytes = 0;
   // Directory of the model repository; empty (default) means none: safetensors sources and
   // persist = true are then FAILED_PRECONDITION.
   std::string model_repository;
@@ -71,9 +75,11 @@ class LayerRegistry {
   // Sorted by name.
   std::vector<std::shared_ptr<const LayerSnapshot>> List() const;
   // RESOURCE_EXHAUSTED when `bytes` of weights under `name` (replacing its current version)
-  // would pass max_weight_bytes. LoadLayer asks before building the weights; Publish asks
-  // again, serialized with other updates.
-  absl::Status CheckBudget(const std::string& name, int64_t bytes) const;
+  // placed on `device` would pass max_weight_bytes, or max_device_weight_bytes of that
+  // device (not "cpu"). LoadLayer asks before building the weights; Publish asks again,
+  // serialized with other updates.
+  absl::Status CheckBudget(const std::string& name, int64_t bytes,
+                           const std::string& device = "cpu") const;
   // Bytes of weights of all published layers.
   int64_t weight_bytes() const;
 
@@ -100,6 +106,7 @@ class LayerRegistry {
   uint64_t next_version_ ABSL_GUARDED_BY(mu_) = 1;
   // Set by Configure before the registry is shared; read-only afterwards.
   int64_t max_weight_bytes_ = 0;
+  int64_t max_device_weight_bytes_ = 0;
   std::unique_ptr<ModelRepository> repository_;
 };
 

@@ -50,6 +50,9 @@ ABSL_FLAG(std::string, model_repository, "",
 ABSL_FLAG(int64_t, max_weight_bytes, 0,
           "budget for the weights of all loaded layers, bytes; loads past it get "
           "RESOURCE_EXHAUSTED; 0 = unlimited");
+ABSL_FLAG(int64_t, max_device_weight_bytes, 0,
+          "budget for the weights held on each GPU, bytes; loads past it get "
+          "RESOURCE_EXHAUSTED; 0 = the device's memory");
 ABSL_FLAG(int64_t, max_message_bytes, int64_t{64} << 20, "largest gRPC message, bytes");
 ABSL_FLAG(int64_t, max_request_flops, attention::server::RequestBudget{}.max_request_flops,
           "most floating-point operations one request may ask for (projections plus "
@@ -128,6 +131,7 @@ int main(int argc, char** argv) {
   options.demo_layer = absl::GetFlag(FLAGS_demo_layer);
   options.registry.model_repository = absl::GetFlag(FLAGS_model_repository);
   options.registry.max_weight_bytes = absl::GetFlag(FLAGS_max_weight_bytes);
+  options.registry.max_device_weight_bytes = absl::GetFlag(FLAGS_max_device_weight_bytes);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.request_budget.max_request_flops = absl::GetFlag(FLAGS_max_request_flops);
   options.request_budget.max_request_memory_bytes =

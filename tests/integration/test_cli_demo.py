@@ -41,6 +41,8 @@ def run_cli(t, cli, target, *flags, sum_tolerance=5 * 0.5e-4 + 1e-4):
     if not t.check(result.returncode == 0, "%s exited %d: %s" % (label, result.returncode,
                                                                  result.stderr)):
         return None
+    t.check(re.search(r"^layer demo-bert-base v\d+ on (cpu|cuda:\d+): ", result.stdout, re.M),
+            "%s: the device that answered is not named:\n%s" % (label, result.stdout))
     t.check("attention output shape [1, 5, 768]" in result.stdout,
             "%s: no 'attention output shape [1, 5, 768]' line" % label)
     rows = weight_rows(result.stdout)

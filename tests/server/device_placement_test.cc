@@ -75,5 +75,64 @@ TEST_F(ServerTest, LayerOnTheGpuAnswersAsOnTheCpu) {
   }
 }
 
+// A device that only holds weights: enough for the registry's per-device budget.
+class NamedDevice final : public core::Backend {
+ public:
+  explicit NamedDevice(std::string name) : name_(std::move(name)) {}
+  const std::string& name() const override { return name_; }
+  absl::Status Supports(const core::MhaConfig&, const core::AttentionOptions&) const override {
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::unique_ptr<core::PreparedLayer>> Prepare(
+      const core::MhaConfig& config, const core::MhaWeightsView&) const override {
+    return std::make_unique<Prepared>(config.ParameterCount() * 4);
+  }
+  absl::StatusOr<core::AttentionResult> ScaledDotProductAttention(
+      const core::SdpaInput&) const override {
+    return absl::UnimplementedError("weights only");
+  }
+
+ private:
+  struct Prepared final : core::PreparedLayer {
+    explicit Prepared(int64_t bytes) : bytes(bytes) {}
+    absl::StatusOr<std::vector<core::AttentionResult>> ForwardBatch(
+        absl::Span<const core::MhaInput* const>) const override {
+      return absl::UnimplementedError("weights only");
+    }
+    int64_t DeviceWeightBytes() const override { return bytes; }
+    const int64_t bytes;
+  };
+  const std::string name_;
+};
+
+TEST(DeviceBudgetTest, EachDeviceCountsOnlyItsOwnLayers) {
+  core::MhaConfig config;
+  config.embed_dim = 8;
+  config.num_heads = 2;
+  const core::MhaConfig resolved = *core::MhaConfig::Resolve(config);
+  const int64_t layer_bytes = resolved.ParameterCount() * 4;  // 1152
+  auto on = [&](const std::string& device) {
+    return *core::MhaLayer::Create(resolved, core::MhaWeights::Random(resolved, 1),
+                                   std::make_shared<NamedDevice>(device));
+  };
+  LayerRegistry registry;
+  LayerRegistryOptions options;
+  options.max_device_weight_bytes = layer_bytes;  // one layer per GPU
+  ASSERT_TRUE(registry.Configure(options).ok());
+  ASSERT_TRUE(registry.Publish("a", on("cuda:0")).ok());
+  ASSERT_TRUE(registry.Publish("b", on("cuda:1")).ok());  // another device: its own budget
+  ASSERT_TRUE(registry.Publish("c", on("cpu")).ok());     // the host has no device budget
+  ASSERT_TRUE(registry.Publish("a", on("cuda:0")).ok());  // replacing does not count twice
+  const absl::Status status = registry.Publish("d", on("cuda:0")).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(status.message(),
+            "layer \"d\" needs 1152 weight bytes on cuda:0 but only 0 of "
+            "max_device_weight_bytes = 1152 are free there (1152 in use by 1 other layer(s)); "
+            "unload a layer or raise --max_device_weight_bytes");
+  EXPECT_EQ(registry.CheckBudget("d", layer_bytes, "cuda:2"), absl::OkStatus());
+  options.max_device_weight_bytes = -1;
+  EXPECT_EQ(options.Validate().message(), "max_device_weight_bytes = -1 must be >= 0 (0 = unlimited)");
+}
+
 }  // namespace
 }  // namespace attention::server::testing
