@@ -6,33 +6,51 @@
 # Two stages: a full Debian bookworm with the build dependencies compiles the server and the
 # CLI; a bookworm-slim stage gets only the shared libraries they link against (the same
 # scripts/install-deps the README and CI use decides both lists) and runs as a non-root user.
+#
+# CUDA variant: --build-arg CUDA=1 also builds the CUDA backend plugin, with the CUDA
+# toolkit from NVIDIA's Debian 12 repository in the build stage and cuBLAS in the runtime
+# stage (scripts/install-cuda); the base stays Debian. Run it with a GPU (NVIDIA container
+# toolkit) and --device=cuda; without one it serves on the CPU.
+#   docker build --build-arg CUDA=1 -t attention-service:dev-cuda .
+
+# 0: CPU only; 1: with the CUDA backend.
+ARG CUDA=0
 
 # ---- build stage -------------------------------------------------------------------------
 FROM debian:bookworm AS build
 
 # Parallel compile jobs; empty = one per CPU the build sees.
 ARG BUILD_JOBS=
+ARG CUDA
 
 WORKDIR /src
 # Dependencies first, from the script alone, so editing sources keeps this layer cached.
 COPY scripts/install-deps scripts/install-deps
 RUN scripts/install-deps --build && rm -rf /var/lib/apt/lists/*
+COPY scripts/install-cuda scripts/install-cuda
+RUN if [ "$CUDA" = 1 ]; then scripts/install-cuda --build && rm -rf /var/lib/apt/lists/*; fi
 
 COPY . .
 RUN cmake -S . -B /tmp/build -DCMAKE_BUILD_TYPE=Release -DATTENTION_BUILD_TESTS=OFF \
+      -DATTENTION_CUDA="$([ "$CUDA" = 1 ] && echo ON || echo OFF)" \
+      -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc \
  && cmake --build /tmp/build -j"${BUILD_JOBS:-$(nproc)}" \
  && cmake --install /tmp/build --prefix /opt/attention --strip \
+ && mkdir -p /opt/attention/lib/attention-service \
  && rm -rf /tmp/build
 
 # ---- runtime stage -----------------------------------------------------------------------
 FROM debian:bookworm-slim
+ARG CUDA
 
 LABEL org.opencontainers.image.title="attention-service" \
       org.opencontainers.image.description="Multi-head attention over gRPC (attention.v1)"
 
 COPY scripts/install-deps /tmp/install-deps
+COPY scripts/install-cuda /tmp/install-cuda
 RUN /tmp/install-deps --runtime \
- && rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb /tmp/install-deps
+ && if [ "$CUDA" = 1 ]; then /tmp/install-cuda --runtime; fi \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb /tmp/install-deps /tmp/install-cuda
 
 # Fixed numeric ids so Kubernetes' runAsNonRoot can verify the user without /etc/passwd.
 RUN groupadd --system --gid 10001 attention \
@@ -41,6 +59,9 @@ RUN groupadd --system --gid 10001 attention \
 
 COPY --from=build /opt/attention/bin/attention-server /opt/attention/bin/attention-cli \
      /usr/local/bin/
+# The CUDA backend plugin (empty in the CPU variant); the server finds it in
+# ../lib/attention-service/ of its own directory.
+COPY --from=build /opt/attention/lib/attention-service/ /usr/local/lib/attention-service/
 
 USER 10001:10001
 # 50051: gRPC (attention.v1, grpc.health.v1, reflection). 9464: Prometheus /metrics.
