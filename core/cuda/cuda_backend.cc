@@ -272,8 +272,10 @@ class CudaBackend final : public Backend {
         return CublasStatus(status, "cublasCreate");
       }
       cublasSetStream(created->cublas, created->stream);
-      // Full fp32: no TF32 tensor-core rounding, so results match the CPU backend.
-      cublasSetMathMode(created->cublas, CUBLAS_PEDANTIC_MATH);
+      // Full fp32 SGEMM: the default math mode never rounds to TF32 (only
+      // CUBLAS_TF32_TENSOR_OP_MATH or NVIDIA_TF32_OVERRIDE=1 would), as PyTorch with
+      // allow_tf32 = False; results match the CPU backend within float rounding.
+      cublasSetMathMode(created->cublas, CUBLAS_DEFAULT_MATH);
       context = std::move(created);
     }
     return context.get();
