@@ -25,9 +25,11 @@ void SetDeadline(grpc::ClientContext& context, absl::Duration timeout) {
 
 // Calls a unary stub method and returns its response or status.
 template <typename Response, typename Request, typename Method>
-absl::StatusOr<Response> Call(Method method, const Request& request, absl::Duration timeout) {
+absl::StatusOr<Response> Call(Method method, const Request& request, absl::Duration timeout,
+                              const std::string& bearer_token = "") {
   grpc::ClientContext context;
   SetDeadline(context, timeout);
+  if (!bearer_token.empty()) context.AddMetadata("authorization", "Bearer " + bearer_token);
   Response response;
   const grpc::Status status = method(&context, request, &response);
   if (!status.ok()) return FromGrpc(status);
@@ -36,10 +38,14 @@ absl::StatusOr<Response> Call(Method method, const Request& request, absl::Durat
 
 }  // namespace
 
-AttentionClient::AttentionClient(const std::string& target, int64_t max_message_bytes) {
+AttentionClient::AttentionClient(const std::string& target, int64_t max_message_bytes)
+    : AttentionClient(target, ClientOptions{max_message_bytes, ""}) {}
+
+AttentionClient::AttentionClient(const std::string& target, const ClientOptions& options)
+    : admin_token_(options.admin_token) {
   grpc::ChannelArguments arguments;
-  arguments.SetMaxReceiveMessageSize(static_cast<int>(max_message_bytes));
-  arguments.SetMaxSendMessageSize(static_cast<int>(max_message_bytes));
+  arguments.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  arguments.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   channel_ = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), arguments);
   stub_ = v1::AttentionService::NewStub(channel_);
 }
@@ -64,7 +70,7 @@ absl::StatusOr<v1::LayerInfo> AttentionClient::LoadLayer(const v1::LoadLayerRequ
                                                          absl::Duration timeout) {
   auto response = Call<v1::LoadLayerResponse>(
       [this](auto* c, const auto& q, auto* r) { return stub_->LoadLayer(c, q, r); }, request,
-      timeout);
+      timeout, admin_token_);
   if (!response.ok()) return response.status();
   return response->layer();
 }
@@ -74,7 +80,7 @@ absl::Status AttentionClient::UnloadLayer(const std::string& name, absl::Duratio
   request.set_name(name);
   return Call<v1::UnloadLayerResponse>(
              [this](auto* c, const auto& q, auto* r) { return stub_->UnloadLayer(c, q, r); },
-             request, timeout)
+             request, timeout, admin_token_)
       .status();
 }
 

@@ -14,12 +14,21 @@
 
 namespace attention::client {
 
+struct ClientOptions {
+  // Largest message sent or received, bytes; default 64 MiB as the server's.
+  int64_t max_message_bytes = int64_t{64} << 20;
+  // When non-empty, sent as "authorization: Bearer <admin_token>" with LoadLayer and
+  // UnloadLayer (for a server started with --admin_token_file).
+  std::string admin_token;
+};
+
 // Thread-safe: one client may serve many threads.
 class AttentionClient {
  public:
   // `target` is a gRPC target such as "localhost:50051".
   explicit AttentionClient(const std::string& target,
                            int64_t max_message_bytes = int64_t{64} << 20);
+  AttentionClient(const std::string& target, const ClientOptions& options);
 
   absl::StatusOr<v1::MultiHeadAttentionResponse> MultiHeadAttention(
       const v1::MultiHeadAttentionRequest& request, absl::Duration timeout = absl::Seconds(30));
@@ -39,6 +48,7 @@ class AttentionClient {
   const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
 
  private:
+  const std::string admin_token_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::AttentionService::Stub> stub_;
 };

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "core/status_macros.h"
 #include "server/status_util.h"
@@ -43,19 +44,43 @@ absl::Status CheckRequestId(const std::string& request_id) {
   return absl::OkStatus();
 }
 
+// A float tensor of the request, refused when it holds NaN or infinities and the budget
+// asks for checking.
+absl::StatusOr<FloatTensor> DecodeInput(const v1::Tensor& tensor, absl::string_view field,
+                                        const RequestBudget& budget) {
+  ASSIGN_OR_RETURN(FloatTensor decoded, DecodeFloatTensor(tensor, field));
+  if (budget.reject_non_finite) RETURN_IF_ERROR(CheckFinite(decoded.values, decoded.shape, field));
+  return decoded;
+}
+
+// The converted options, with an additive mask refused when it holds NaN or +inf (and the
+// budget asks for checking; -inf masks).
+absl::StatusOr<core::AttentionOptions> ConvertCheckedOptions(const v1::AttentionOptions& options,
+                                                             const core::AttentionDims& dims,
+                                                             const RequestBudget& budget) {
+  ASSIGN_OR_RETURN(core::AttentionOptions converted, ConvertOptions(options, dims));
+  if (budget.reject_non_finite && !converted.attn_mask_bias.empty()) {
+    RETURN_IF_ERROR(CheckFinite(converted.attn_mask_bias, converted.attn_mask_dims,
+                                "options.attn_mask", /*allow_negative_infinity=*/true));
+  }
+  return converted;
+}
+
 absl::Time Deadline(const grpc::CallbackServerContext* context) {
   return absl::FromChrono(context->deadline());
 }
 
-// Writes attention weights in the layout the request asked for.
+// Writes attention weights in the layout the request asked for; without them the field
+// stays absent (HasField false), as the proto promises.
+template <typename Response>
 void EncodeWeights(const core::AttentionResult& result, const core::AttentionDims& dims,
-                   core::NeedWeights need, core::DType dtype, v1::Tensor* tensor) {
+                   core::NeedWeights need, core::DType dtype, Response* response) {
   if (need == core::NeedWeights::kNone) return;
   const std::vector<int64_t> shape =
       need == core::NeedWeights::kAveraged
           ? std::vector<int64_t>{dims.batch, dims.q_len, dims.kv_len}
           : std::vector<int64_t>{dims.batch, dims.num_heads, dims.q_len, dims.kv_len};
-  EncodeTensor(result.weights, shape, dtype, tensor);
+  EncodeTensor(result.weights, shape, dtype, response->mutable_attention_weights());
 }
 
 }  // namespace
@@ -125,12 +150,18 @@ absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
     const v1::MultiHeadAttentionRequest& request, absl::Time deadline,
     std::function<bool()> is_cancelled, v1::MultiHeadAttentionResponse* response,
     std::function<void(const absl::Status&)> finish) {
+  RETURN_IF_ERROR(CheckKnownFields(request));
   RETURN_IF_ERROR(CheckRequestId(request.request_id()));
   std::shared_ptr<const LayerSnapshot> snapshot;
   if (!request.layer().empty() && request.has_inline_layer()) {
-    return Invalid("layer = \"", request.layer(), "\" and inline_layer are both set; give one");
+    return Invalid("layer = ", Quoted(request.layer()), " and inline_layer are both set; give one");
   }
   if (request.has_inline_layer()) {
+    if (!access_.allow_inline_layers) {
+      return absl::PermissionDeniedError(
+          "inline_layer is disabled on this server (--allow_inline_layers=false): name a "
+          "loaded layer (see ListLayers)");
+    }
     auto inline_snapshot = std::make_shared<LayerSnapshot>();
     inline_snapshot->name = "(inline)";
     // An inline layer's weights are this request's memory.
@@ -152,7 +183,7 @@ absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
   }
   const core::MhaConfig& config = snapshot->layer->config();
 
-  ASSIGN_OR_RETURN(FloatTensor query, DecodeFloatTensor(request.query(), "query"));
+  ASSIGN_OR_RETURN(FloatTensor query, DecodeInput(request.query(), "query", budget_));
   RETURN_IF_ERROR(CheckRank(query, 3, "query", "[B, Nq, embed_dim]"));
   RETURN_IF_ERROR(CheckDim(query, 2, config.embed_dim, "query", "the layer's embed_dim"));
   auto item = std::make_unique<WorkItem>();
@@ -170,8 +201,8 @@ absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
                    config.embed_dim);
   }
   if (has_key) {
-    ASSIGN_OR_RETURN(FloatTensor key, DecodeFloatTensor(request.key(), "key"));
-    ASSIGN_OR_RETURN(FloatTensor value, DecodeFloatTensor(request.value(), "value"));
+    ASSIGN_OR_RETURN(FloatTensor key, DecodeInput(request.key(), "key", budget_));
+    ASSIGN_OR_RETURN(FloatTensor value, DecodeInput(request.value(), "value", budget_));
     RETURN_IF_ERROR(CheckRank(key, 3, "key", "[B, Nk, kdim]"));
     RETURN_IF_ERROR(CheckRank(value, 3, "value", "[B, Nk, vdim]"));
     RETURN_IF_ERROR(CheckDim(key, 0, input.batch, "key", "query batch size B"));
@@ -186,7 +217,7 @@ absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
   const core::AttentionDims dims{input.batch,  config.num_heads, config.num_kv_heads,
                                  input.q_len,  input.kv_len,     config.head_dim,
                                  config.v_head_dim};
-  ASSIGN_OR_RETURN(input.options, ConvertOptions(request.options(), dims));
+  ASSIGN_OR_RETURN(input.options, ConvertCheckedOptions(request.options(), dims, budget_));
   ASSIGN_OR_RETURN(const core::DType output_dtype,
                    OutputDType(request.output_dtype(), request.query().dtype()));
   RETURN_IF_ERROR(CheckRequestBudget(
@@ -213,7 +244,7 @@ absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
     }
     EncodeTensor(result->output, {dims.batch, dims.q_len, output_dim}, output_dtype,
                  response->mutable_output());
-    EncodeWeights(*result, dims, need, output_dtype, response->mutable_attention_weights());
+    EncodeWeights(*result, dims, need, output_dtype, response);
     response->set_request_id(request_id);
     response->set_layer_version(snapshot->version);
     finish(absl::OkStatus());
@@ -240,10 +271,11 @@ absl::Status AttentionServiceImpl::StartScaledDotProductAttention(
     grpc::CallbackServerContext* context, const v1::ScaledDotProductAttentionRequest& request,
     v1::ScaledDotProductAttentionResponse* response, grpc::ServerUnaryReactor* reactor,
     absl::Time start) {
+  RETURN_IF_ERROR(CheckKnownFields(request));
   RETURN_IF_ERROR(CheckRequestId(request.request_id()));
-  ASSIGN_OR_RETURN(FloatTensor query, DecodeFloatTensor(request.query(), "query"));
-  ASSIGN_OR_RETURN(FloatTensor key, DecodeFloatTensor(request.key(), "key"));
-  ASSIGN_OR_RETURN(FloatTensor value, DecodeFloatTensor(request.value(), "value"));
+  ASSIGN_OR_RETURN(FloatTensor query, DecodeInput(request.query(), "query", budget_));
+  ASSIGN_OR_RETURN(FloatTensor key, DecodeInput(request.key(), "key", budget_));
+  ASSIGN_OR_RETURN(FloatTensor value, DecodeInput(request.value(), "value", budget_));
   RETURN_IF_ERROR(CheckRank(query, 4, "query", "[B, H, Nq, dk]"));
   RETURN_IF_ERROR(CheckRank(key, 4, "key", "[B, Hkv, Nk, dk]"));
   RETURN_IF_ERROR(CheckRank(value, 4, "value", "[B, Hkv, Nk, dv]"));
@@ -260,7 +292,8 @@ absl::Status AttentionServiceImpl::StartScaledDotProductAttention(
   core::SdpaInput input;
   input.dims = {query.shape[0], query.shape[1], key.shape[1], query.shape[2],
                 key.shape[2],   query.shape[3], value.shape[3]};
-  ASSIGN_OR_RETURN(input.options, ConvertOptions(request.options(), input.dims));
+  ASSIGN_OR_RETURN(input.options,
+                   ConvertCheckedOptions(request.options(), input.dims, budget_));
   ASSIGN_OR_RETURN(const core::DType output_dtype,
                    OutputDType(request.output_dtype(), request.query().dtype()));
   RETURN_IF_ERROR(core::ValidateSdpaInput(input));
@@ -297,7 +330,7 @@ absl::Status AttentionServiceImpl::StartScaledDotProductAttention(
     }
     EncodeTensor(result->output, {dims.batch, dims.num_heads, dims.q_len, dims.v_head_dim},
                  output_dtype, response->mutable_output());
-    EncodeWeights(*result, dims, need, output_dtype, response->mutable_attention_weights());
+    EncodeWeights(*result, dims, need, output_dtype, response);
     response->set_request_id(request_id);
     Finish(reactor, "ScaledDotProductAttention", start, absl::OkStatus(), request_id);
   };
@@ -310,14 +343,38 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::LoadLayer(grpc::CallbackServerCo
   const absl::Time start = absl::Now();
   metrics_.CallStarted();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  const absl::Status status = DoLoadLayer(*request, response);
+  absl::Status status = CheckAdmin(*context, "LoadLayer");
+  if (status.ok()) status = DoLoadLayer(*request, response);
   RefreshLayerMetrics();
   Finish(reactor, "LoadLayer", start, status);
   return reactor;
 }
 
+absl::Status AttentionServiceImpl::CheckAdmin(const grpc::CallbackServerContext& context,
+                                              absl::string_view method) const {
+  if (access_.admin_token.empty()) return absl::OkStatus();
+  const auto& metadata = context.client_metadata();
+  const auto found = metadata.find("authorization");
+  if (found == metadata.end()) {
+    return absl::UnauthenticatedError(absl::StrCat(
+        method, " needs \"authorization: Bearer <token>\" metadata: this server restricts "
+        "layer management (--admin_token_file)"));
+  }
+  absl::string_view token(found->second.data(), found->second.size());
+  if (!absl::ConsumePrefix(&token, "Bearer ")) {
+    return absl::UnauthenticatedError(
+        "the authorization metadata must be \"Bearer <token>\"");
+  }
+  if (!ConstantTimeEquals(token, access_.admin_token)) {
+    return absl::PermissionDeniedError(
+        absl::StrCat(method, ": the bearer token is not this server's admin token"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status AttentionServiceImpl::DoLoadLayer(const v1::LoadLayerRequest& request,
                                                v1::LoadLayerResponse* response) {
+  RETURN_IF_ERROR(CheckKnownFields(request));
   RETURN_IF_ERROR(ValidateLayerName(request.name(), "name"));
   ASSIGN_OR_RETURN(const BatchLimitOverrides batching,
                    ConvertBatchingPolicy(request.batching(), "batching"));
@@ -345,22 +402,27 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::UnloadLayer(
   const absl::Time start = absl::Now();
   metrics_.CallStarted();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  const absl::Status status = registry_.Remove(request->name());
+  absl::Status status = CheckAdmin(*context, "UnloadLayer");
+  if (status.ok()) status = CheckKnownFields(*request);
+  if (status.ok()) status = registry_.Remove(request->name());
   RefreshLayerMetrics();
   Finish(reactor, "UnloadLayer", start, status);
   return reactor;
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::ListLayers(
-    grpc::CallbackServerContext* context, const v1::ListLayersRequest* /*request*/,
+    grpc::CallbackServerContext* context, const v1::ListLayersRequest* request,
     v1::ListLayersResponse* response) {
   const absl::Time start = absl::Now();
   metrics_.CallStarted();
-  for (const auto& snapshot : registry_.List()) {
-    DescribeLayer(*snapshot, batcher_.server_limits(), response->add_layers());
+  const absl::Status status = CheckKnownFields(*request);
+  if (status.ok()) {
+    for (const auto& snapshot : registry_.List()) {
+      DescribeLayer(*snapshot, batcher_.server_limits(), response->add_layers());
+    }
   }
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  Finish(reactor, "ListLayers", start, absl::OkStatus());
+  Finish(reactor, "ListLayers", start, status);
   return reactor;
 }
 
@@ -370,7 +432,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetLayer(grpc::CallbackServerCon
   const absl::Time start = absl::Now();
   metrics_.CallStarted();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  auto snapshot = registry_.Get(request->name());
+  const absl::Status known = CheckKnownFields(*request);
+  auto snapshot = known.ok() ? registry_.Get(request->name())
+                             : absl::StatusOr<std::shared_ptr<const LayerSnapshot>>(known);
   if (snapshot.ok()) {
     DescribeLayer(**snapshot, batcher_.server_limits(), response->mutable_layer());
   }

@@ -19,6 +19,16 @@ namespace attention::server {
 // Thread-safe.
 class MultiHeadAttentionStreamReactor;
 
+// Who may do what (issue 13's restricted management, as Triton's restricted protocols).
+struct AccessPolicy {
+  // When non-empty, LoadLayer and UnloadLayer need "authorization: Bearer <admin_token>"
+  // metadata: UNAUTHENTICATED without it, PERMISSION_DENIED for another token.
+  std::string admin_token;
+  // Whether MultiHeadAttention may carry an inline_layer (built per request); when not,
+  // such requests are PERMISSION_DENIED.
+  bool allow_inline_layers = true;
+};
+
 class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
  public:
   // Requests past `budget` are refused before anything is allocated or queued. Layers are
@@ -26,14 +36,16 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   // inline layers and scaled dot-product attention run on `default_backend`.
   AttentionServiceImpl(LayerRegistry& registry, Batcher& batcher, Metrics& metrics,
                        RequestLog& log, const RequestBudget& budget, core::Devices& devices,
-                       std::shared_ptr<const core::Backend> default_backend)
+                       std::shared_ptr<const core::Backend> default_backend,
+                       const AccessPolicy& access)
       : registry_(registry),
         batcher_(batcher),
         metrics_(metrics),
         log_(log),
         budget_(budget),
         devices_(devices),
-        default_backend_(std::move(default_backend)) {}
+        default_backend_(std::move(default_backend)),
+        access_(access) {}
 
   // Sets the loaded-layer gauges from the registry.
   void RefreshLayerMetrics();
@@ -75,6 +87,9 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
                                               grpc::ServerUnaryReactor* reactor,
                                               absl::Time start);
   absl::Status DoLoadLayer(const v1::LoadLayerRequest& request, v1::LoadLayerResponse* response);
+  // OK, or why the caller may not call the management RPC `method`.
+  absl::Status CheckAdmin(const grpc::CallbackServerContext& context,
+                          absl::string_view method) const;
   // Counts the call in the metrics and the request log.
   void RecordCall(absl::string_view method, absl::Time start, const absl::Status& status,
                   absl::string_view request_id);
@@ -89,6 +104,7 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   const RequestBudget budget_;
   core::Devices& devices_;
   const std::shared_ptr<const core::Backend> default_backend_;
+  const AccessPolicy access_;
 };
 
 // Fills `info` from a snapshot.

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
+#include "server/status_util.h"
 
 namespace attention::server {
 
@@ -157,12 +158,10 @@ std::vector<std::string> LayerRegistry::LoadPersisted(
 }
 
 absl::Status LayerRegistry::NotFoundLocked(const std::string& name) const {
-  std::string loaded;
-  for (const auto& [loaded_name, snapshot] : layers_) {
-    absl::StrAppend(&loaded, loaded.empty() ? "" : ", ", loaded_name);
-  }
-  return absl::NotFoundError(absl::StrCat("layer \"", name, "\" is not loaded (loaded: ",
-                                          loaded.empty() ? "none" : loaded, ")"));
+  std::vector<std::string> loaded;
+  for (const auto& [loaded_name, snapshot] : layers_) loaded.push_back(loaded_name);
+  return absl::NotFoundError(absl::StrCat("layer ", Quoted(name), " is not loaded (loaded: ",
+                                          ListForMessage(loaded), ")"));
 }
 
 }  // namespace attention::server

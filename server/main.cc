@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <csignal>
 #include <cstdio>
+#include <fstream>
+#include <sstream>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -14,6 +16,8 @@
 #include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "server/server.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "host:port to serve gRPC on; port 0 picks one");
@@ -43,6 +47,16 @@ ABSL_FLAG(absl::Duration, queue_timeout, absl::ZeroDuration(),
           "computed, e.g. 500ms; 0 = no limit beyond the caller's deadline");
 ABSL_FLAG(absl::Duration, starvation_limit, absl::Milliseconds(100),
           "a request queued longer than this runs before younger ones of any priority");
+ABSL_FLAG(bool, reject_non_finite, true,
+          "refuse query, key, value and attn_mask tensors holding NaN or infinities (an "
+          "additive mask may hold -inf) with INVALID_ARGUMENT naming the index");
+ABSL_FLAG(std::string, admin_token_file, "",
+          "file holding a bearer token that LoadLayer and UnloadLayer callers must send as "
+          "'authorization: Bearer <token>' metadata; empty = layer management is open to "
+          "every caller");
+ABSL_FLAG(bool, allow_inline_layers, true,
+          "accept MultiHeadAttention requests carrying an inline_layer (built per request)");
+ABSL_FLAG(bool, reflection, true, "offer the gRPC server reflection service");
 ABSL_FLAG(bool, demo_layer, true, "load the seeded BERT-base-shaped layer 'demo-bert-base'");
 ABSL_FLAG(std::string, model_repository, "",
           "directory of safetensors checkpoints for LoadLayer and of persisted layers "
@@ -61,6 +75,15 @@ ABSL_FLAG(int64_t, max_request_memory_bytes,
           attention::server::RequestBudget{}.max_request_memory_bytes,
           "most working memory one request's forward pass (or inline layer) may take, bytes; "
           "larger ones get RESOURCE_EXHAUSTED before anything is allocated");
+ABSL_FLAG(int, max_concurrent_streams, 100, "concurrent calls (HTTP/2 streams) per connection");
+ABSL_FLAG(absl::Duration, keepalive_min_ping_interval, absl::Seconds(10),
+          "clients sending keepalive pings more often than this get GOAWAY");
+ABSL_FLAG(absl::Duration, max_connection_age, absl::Minutes(10),
+          "connections older than this are asked to reconnect (GOAWAY), so clients "
+          "rebalance across replicas; 0 = never");
+ABSL_FLAG(absl::Duration, max_connection_age_grace, absl::Seconds(30),
+          "after max_connection_age, how long calls in flight may take");
+ABSL_FLAG(int64_t, max_metadata_bytes, 16 << 10, "largest request metadata (headers), bytes");
 ABSL_FLAG(double, shutdown_grace_seconds, 10.0,
           "on SIGTERM/SIGINT, how long calls in flight may take to finish");
 ABSL_FLAG(absl::Duration, drain_delay, absl::ZeroDuration(),
@@ -82,6 +105,22 @@ pthread_t main_thread;
 // one passes the signal on to the main thread, where it waits for sigwait() (or is ignored
 // once the drain has begun). pthread_kill is async-signal-safe.
 void ForwardToMainThread(int signal_number) { pthread_kill(main_thread, signal_number); }
+
+// The admin token: the file's contents without surrounding whitespace (a Kubernetes Secret
+// or `echo` adds a newline). At least 16 bytes, so that it cannot be guessed.
+absl::StatusOr<std::string> ReadAdminToken(const std::string& path) {
+  std::ifstream file(path);
+  if (!file) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  std::stringstream contents;
+  contents << file.rdbuf();
+  const std::string token(absl::StripAsciiWhitespace(contents.str()));
+  constexpr size_t kMinTokenBytes = 16;
+  if (token.size() < kMinTokenBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(path, " holds a token of ", token.size(),
+                                                   " bytes; use at least ", kMinTokenBytes));
+  }
+  return token;
+}
 
 }  // namespace
 
@@ -136,11 +175,27 @@ int main(int argc, char** argv) {
   options.request_budget.max_request_flops = absl::GetFlag(FLAGS_max_request_flops);
   options.request_budget.max_request_memory_bytes =
       absl::GetFlag(FLAGS_max_request_memory_bytes);
+  options.request_budget.reject_non_finite = absl::GetFlag(FLAGS_reject_non_finite);
   options.drain_delay = absl::GetFlag(FLAGS_drain_delay);
+  options.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
+  options.keepalive_min_ping_interval = absl::GetFlag(FLAGS_keepalive_min_ping_interval);
+  options.max_connection_age = absl::GetFlag(FLAGS_max_connection_age);
+  options.max_connection_age_grace = absl::GetFlag(FLAGS_max_connection_age_grace);
+  options.max_metadata_bytes = absl::GetFlag(FLAGS_max_metadata_bytes);
   options.request_log.errors = absl::GetFlag(FLAGS_log_errors);
   options.request_log.access_sample = absl::GetFlag(FLAGS_access_log_sample);
   options.request_log.json = absl::GetFlag(FLAGS_log_json);
 
+  options.access.allow_inline_layers = absl::GetFlag(FLAGS_allow_inline_layers);
+  options.reflection = absl::GetFlag(FLAGS_reflection);
+  if (const std::string path = absl::GetFlag(FLAGS_admin_token_file); !path.empty()) {
+    auto token = ReadAdminToken(path);
+    if (!token.ok()) {
+      std::cerr << "attention-service: --admin_token_file: " << token.status() << std::endl;
+      return 1;
+    }
+    options.access.admin_token = *std::move(token);
+  }
   auto server = attention::server::AttentionServer::Start(options);
   if (!server.ok()) {
     std::cerr << "attention-service: " << server.status() << std::endl;

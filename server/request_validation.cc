@@ -1,6 +1,16 @@
 #include "server/request_validation.h"
 
+#include <cmath>
+#include <cstring>
+#include <set>
+#include <string>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "google/protobuf/descriptor.h"
+#include "google/protobuf/unknown_field_set.h"
+#include "server/status_util.h"
 
 namespace attention::server {
 namespace {
@@ -40,7 +50,81 @@ std::string Amount(int64_t value) {
   return value == kSaturated ? std::string("more than 2^63") : absl::StrCat(value);
 }
 
+// Appends one line per message under `message` (at `path`) that holds unknown fields.
+void CollectUnknownFields(const google::protobuf::Message& message, const std::string& path,
+                          std::vector<std::string>* problems) {
+  const google::protobuf::Reflection* reflection = message.GetReflection();
+  const google::protobuf::UnknownFieldSet& unknown = reflection->GetUnknownFields(message);
+  if (!unknown.empty()) {
+    std::set<int> numbers;
+    for (int i = 0; i < unknown.field_count(); ++i) numbers.insert(unknown.field(i).number());
+    problems->push_back(absl::StrCat(path.empty() ? "the request" : path, " (",
+                                     message.GetDescriptor()->full_name(), ") field",
+                                     numbers.size() > 1 ? "s " : " ", absl::StrJoin(numbers, ", ")));
+  }
+  std::vector<const google::protobuf::FieldDescriptor*> fields;
+  reflection->ListFields(message, &fields);
+  for (const google::protobuf::FieldDescriptor* field : fields) {
+    if (field->cpp_type() != google::protobuf::FieldDescriptor::CPPTYPE_MESSAGE) continue;
+    const std::string name = path.empty() ? field->name() : absl::StrCat(path, ".", field->name());
+    if (!field->is_repeated()) {
+      CollectUnknownFields(reflection->GetMessage(message, field), name, problems);
+      continue;
+    }
+    for (int i = 0; i < reflection->FieldSize(message, field); ++i) {
+      CollectUnknownFields(reflection->GetRepeatedMessage(message, field, i),
+                           absl::StrCat(name, "[", i, "]"), problems);
+    }
+  }
+}
+
 }  // namespace
+
+absl::Status CheckFinite(absl::Span<const float> values, absl::Span<const int64_t> shape,
+                         absl::string_view field, bool allow_negative_infinity) {
+  // A float is NaN or infinite when its exponent bits are all ones; an integer OR over the
+  // whole tensor vectorizes, and only a tensor that fails is searched for the index.
+  constexpr uint32_t kExponent = 0x7f800000u;
+  uint32_t any = 0;
+  for (float value : values) {
+    uint32_t bits;
+    std::memcpy(&bits, &value, sizeof(bits));
+    any |= static_cast<uint32_t>((bits & kExponent) == kExponent);
+  }
+  if (any == 0) return absl::OkStatus();
+  for (size_t flat = 0; flat < values.size(); ++flat) {
+    const float value = values[flat];
+    if (std::isfinite(value) || (allow_negative_infinity && value == -INFINITY)) continue;
+    std::vector<int64_t> index(shape.size());
+    size_t rest = flat;
+    for (size_t d = shape.size(); d-- > 0;) {
+      index[d] = static_cast<int64_t>(rest % shape[d]);
+      rest /= shape[d];
+    }
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, " holds ", std::isnan(value) ? "NaN" : (value > 0 ? "+inf" : "-inf"), " at [",
+        absl::StrJoin(index, ", "), "]; non-finite inputs are refused (--reject_non_finite)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckKnownFields(const google::protobuf::Message& request) {
+  std::vector<std::string> problems;
+  CollectUnknownFields(request, "", &problems);
+  if (problems.empty()) return absl::OkStatus();
+  return absl::UnimplementedError(absl::StrCat(
+      "this server does not know ", ListForMessage(problems),
+      "; a newer client sent them, and they are refused rather than ignored (upgrade the "
+      "server or leave them unset)"));
+}
+
+bool ConstantTimeEquals(absl::string_view given, absl::string_view expected) {
+  unsigned char difference = given.size() == expected.size() ? 0 : 1;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    difference |= static_cast<unsigned char>(expected[i] ^ (i < given.size() ? given[i] : 0));
+  }
+  return difference == 0;
+}
 
 int64_t CheckedProduct(std::initializer_list<int64_t> factors) {
   int64_t product = 1;

@@ -12,6 +12,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "google/protobuf/message.h"
 #include "core/attention_options.h"
 #include "core/dtype.h"
 #include "core/mha_layer.h"
@@ -36,6 +38,11 @@ struct RequestBudget {
   // Most bytes of buffers one request's forward pass may hold at once (projections,
   // attention output, weights asked for, the encoded answer). >= 1; default 4 GiB.
   int64_t max_request_memory_bytes = int64_t{4} << 30;
+  // Refuse inputs holding NaN or infinities (additive masks may hold -inf: it masks) with
+  // INVALID_ARGUMENT naming the tensor and the index, so that every backend answers alike.
+  // Off, non-finite values go through the arithmetic unchecked (results then depend on the
+  // backend's kernels). Default on.
+  bool reject_non_finite = true;
 
   // INVALID_ARGUMENT naming the first field out of range.
   absl::Status Validate() const;
@@ -64,6 +71,20 @@ absl::Status CheckRequestBudget(const RequestCost& cost, const RequestBudget& bu
 // An inline layer's weights are memory of the request that carries it: RESOURCE_EXHAUSTED
 // when `weight_bytes` passes max_request_memory_bytes.
 absl::Status CheckInlineLayerBytes(int64_t weight_bytes, const RequestBudget& budget);
+
+// INVALID_ARGUMENT naming `field` and the index (in `shape`) of its first NaN or infinity;
+// -inf passes when `allow_negative_infinity` (additive masks).
+absl::Status CheckFinite(absl::Span<const float> values, absl::Span<const int64_t> shape,
+                         absl::string_view field, bool allow_negative_infinity = false);
+
+// UNIMPLEMENTED naming the field numbers `request` (or any message inside it) carries that
+// this server does not know, e.g. a mask added by a newer client, and the message they sit
+// in: nothing a caller sends is silently ignored.
+absl::Status CheckKnownFields(const google::protobuf::Message& request);
+
+// Whether `given` equals `expected`, in time that depends only on expected's length (for
+// secrets such as the admin token).
+bool ConstantTimeEquals(absl::string_view given, absl::string_view expected);
 
 }  // namespace attention::server
 

@@ -1,10 +1,13 @@
 #include "server/server.h"
 
+#include <algorithm>
+#include <climits>
 #include <iostream>
 #include <thread>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/impl/server_builder_option.h>
 #include <grpcpp/server_builder.h>
 
 #include "absl/strings/str_cat.h"
@@ -14,6 +17,34 @@ namespace attention::server {
 namespace {
 
 constexpr char kServiceName[] = "attention.v1.AttentionService";
+
+// Turns the reflection service on or off for one server. Linking gRPC's reflection library
+// registers its plugin for every server of the process at static initialization, so "off"
+// removes it and "on" adds it where it is missing.
+class ReflectionOption final : public grpc::ServerBuilderOption {
+ public:
+  explicit ReflectionOption(bool enabled) : enabled_(enabled) {}
+  void UpdateArguments(grpc::ChannelArguments* /*arguments*/) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    const std::string name = grpc::reflection::ProtoServerReflectionPlugin().name();
+    const auto is_reflection = [&name](const auto& plugin) { return plugin->name() == name; };
+    const bool present = std::any_of(plugins->begin(), plugins->end(), is_reflection);
+    if (!enabled_) {
+      plugins->erase(std::remove_if(plugins->begin(), plugins->end(), is_reflection),
+                     plugins->end());
+    } else if (!present) {
+      plugins->push_back(std::make_unique<grpc::reflection::ProtoServerReflectionPlugin>());
+    }
+  }
+
+ private:
+  const bool enabled_;
+};
+
+// gRPC duration arguments are int milliseconds; longer durations are capped there.
+int MillisecondsArgument(absl::Duration duration) {
+  return static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(duration), INT_MAX));
+}
 
 int ComputeThreads(int requested) {
   if (requested > 0) return requested;
@@ -30,6 +61,27 @@ absl::Status ServerOptions::Validate() const {
   if (max_message_bytes < (1 << 20) || max_message_bytes > (int64_t{1} << 31) - 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "max_message_bytes = ", max_message_bytes, " must be in [1 MiB, 2 GiB)"));
+  }
+  if (max_concurrent_streams < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_concurrent_streams = ", max_concurrent_streams, " must be >= 1"));
+  }
+  if (keepalive_min_ping_interval <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "keepalive_min_ping_interval = ", absl::FormatDuration(keepalive_min_ping_interval),
+        " must be > 0"));
+  }
+  for (auto [name, value] : {std::pair<const char*, absl::Duration>{"max_connection_age",
+                                                                    max_connection_age},
+                             {"max_connection_age_grace", max_connection_age_grace}}) {
+    if (value < absl::ZeroDuration()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, " = ", absl::FormatDuration(value), " must be >= 0"));
+    }
+  }
+  if (max_metadata_bytes < 1024 || max_metadata_bytes > (int64_t{1} << 31) - 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_metadata_bytes = ", max_metadata_bytes, " must be in [1 KiB, 2 GiB)"));
   }
   if (drain_delay < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
@@ -57,7 +109,7 @@ AttentionServer::AttentionServer(const ServerOptions& options,
       drain_delay_(options.drain_delay),
       batcher_(options.batcher, &metrics_),
       service_(registry_, batcher_, metrics_, request_log_, options.RequestBudgetWithMessageLimit(),
-               *devices_, default_backend_) {}
+               *devices_, default_backend_, options.access) {}
 
 absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
     const ServerOptions& options) {
@@ -76,10 +128,22 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
     RETURN_IF_ERROR(server->metrics_.Expose(options.metrics_address));
   }
   grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  builder.SetOption(std::make_unique<ReflectionOption>(options.reflection));
   builder.AddListeningPort(options.listen_address, grpc::InsecureServerCredentials(),
                            &server->port_);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, options.max_concurrent_streams);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+                             MillisecondsArgument(options.keepalive_min_ping_interval));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  if (options.max_connection_age > absl::ZeroDuration()) {
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS,
+                               MillisecondsArgument(options.max_connection_age));
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS,
+                               MillisecondsArgument(options.max_connection_age_grace));
+  }
+  builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE,
+                             static_cast<int>(options.max_metadata_bytes));
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   builder.RegisterService(&server->service_);

@@ -45,12 +45,29 @@ struct ServerOptions {
   // On Shutdown, how long health reports NOT_SERVING while calls are still accepted, so
   // load balancers and probes see the drain before the listener closes. >= 0; default 0.
   absl::Duration drain_delay = absl::ZeroDuration();
+  // Per-connection limits (gRPC channel arguments):
+  // Concurrent calls (HTTP/2 streams) on one connection. >= 1; default 100.
+  int max_concurrent_streams = 100;
+  // Clients pinging more often than this (keepalive) are sent GOAWAY. > 0; default 10 s.
+  absl::Duration keepalive_min_ping_interval = absl::Seconds(10);
+  // A connection older than this is asked to go away (GOAWAY), so clients reconnect and
+  // rebalance across replicas behind a Kubernetes Service; calls in flight then get
+  // max_connection_age_grace to finish. Zero = no limit. >= 0; defaults 10 min and 30 s.
+  absl::Duration max_connection_age = absl::Minutes(10);
+  absl::Duration max_connection_age_grace = absl::Seconds(30);
+  // Largest request metadata (headers) accepted, bytes. >= 1 KiB; default 16 KiB.
+  int64_t max_metadata_bytes = 16 << 10;
   // Load kDemoLayerName with seeded weights at start-up (unless a persisted layer has its name).
   bool demo_layer = true;
   // Weight budget (--max_weight_bytes) and model repository (--model_repository).
   LayerRegistryOptions registry;
   // Largest request or response message, bytes. >= 1 MiB; default 64 MiB.
   int64_t max_message_bytes = int64_t{64} << 20;
+  // Restricted layer management and inline layers (--admin_token_file,
+  // --allow_inline_layers).
+  AccessPolicy access;
+  // Offer the gRPC reflection service (--reflection); default on.
+  bool reflection = true;
   // Per-request work and memory limits (--max_request_flops, --max_request_memory_bytes);
   // its max_response_bytes is ignored: answers are bounded by max_message_bytes.
   RequestBudget request_budget;

@@ -9,6 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "core/status_macros.h"
 #include "server/model_repository.h"
+#include "server/status_util.h"
 #include "server/weight_naming.h"
 
 namespace attention::server {
@@ -278,7 +279,7 @@ absl::Status ValidateLayerName(absl::string_view name, absl::string_view field) 
     const bool allowed = std::isalnum(static_cast<unsigned char>(ch)) || ch == '.' || ch == '_' ||
                          ch == '-';
     if (!allowed) {
-      return Invalid(field, " \"", name, "\" has a character outside [A-Za-z0-9._-]");
+      return Invalid(field, " ", Quoted(name), " has a character outside [A-Za-z0-9._-]");
     }
   }
   return absl::OkStatus();

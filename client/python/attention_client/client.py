@@ -58,9 +58,12 @@ def make_layer_spec(config, weights=None, random_seed=None, weight_dtype="float3
 class AttentionClient:
     """Thread-safe (gRPC channels are); one channel per instance."""
 
-    def __init__(self, target, timeout=60.0, max_message_bytes=64 << 20):
+    def __init__(self, target, timeout=60.0, max_message_bytes=64 << 20, admin_token=None):
+        """admin_token: sent as "authorization: Bearer <token>" with load_layer and
+        unload_layer, for a server started with --admin_token_file."""
         self._pb2, pb2_grpc, self._health_pb2 = stubs.load()
         self.timeout = timeout
+        self._admin_metadata = (("authorization", "Bearer " + admin_token),) if admin_token else None
         options = [("grpc.max_send_message_length", max_message_bytes),
                    ("grpc.max_receive_message_length", max_message_bytes)]
         self._channel = grpc.insecure_channel(target, options=options)
@@ -177,7 +180,8 @@ class AttentionClient:
         request = self._pb2.LoadLayerRequest(
             name=name, spec=make_layer_spec(config, weights, random_seed, weight_dtype),
             persist=persist, batching=self._pb2.BatchingPolicy(**(batching or {})))
-        return self._stub.LoadLayer(request, timeout=self.timeout).layer
+        return self._stub.LoadLayer(request, timeout=self.timeout,
+                                    metadata=self._admin_metadata).layer
 
     def get_layer(self, name):
         return self._stub.GetLayer(self._pb2.GetLayerRequest(name=name), timeout=self.timeout).layer
@@ -187,4 +191,5 @@ class AttentionClient:
                                           timeout=self.timeout).layers)
 
     def unload_layer(self, name):
-        self._stub.UnloadLayer(self._pb2.UnloadLayerRequest(name=name), timeout=self.timeout)
+        self._stub.UnloadLayer(self._pb2.UnloadLayerRequest(name=name), timeout=self.timeout,
+                               metadata=self._admin_metadata)
