@@ -9,6 +9,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_join.h"
 #include "client/attention_client.h"
+#include "client/connection_flags.h"
 #include "tensor_codec.h"
 
 ABSL_FLAG(std::string, target, "localhost:50051", "server address");
@@ -37,7 +38,12 @@ void PrintRows(const std::string& title, const std::vector<float>& values, int64
 }
 
 int Run() {
-  AttentionClient client(absl::GetFlag(FLAGS_target));
+  auto options = attention::client::ClientOptionsFromFlags();
+  if (!options.ok()) {
+    std::cerr << options.status() << std::endl;
+    return 2;
+  }
+  AttentionClient client(absl::GetFlag(FLAGS_target), *options);
   auto layer = client.GetLayer(absl::GetFlag(FLAGS_layer));
   if (!layer.ok()) {
     std::cerr << "GetLayer: " << layer.status() << std::endl;

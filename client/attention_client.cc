@@ -1,6 +1,7 @@
 #include "client/attention_client.h"
 
 #include <cmath>
+#include <fstream>
 #include <sstream>
 
 #include <grpcpp/client_context.h>
@@ -23,10 +24,13 @@ void SetDeadline(grpc::ClientContext& context, absl::Duration timeout) {
   context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
 }
 
-// Calls a unary stub method and returns its response or status.
+// Calls a unary stub method and returns its response or status; `channel_status` is why the
+// channel could not be set up, if it could not.
 template <typename Response, typename Request, typename Method>
 absl::StatusOr<Response> Call(Method method, const Request& request, absl::Duration timeout,
+                              const absl::Status& channel_status,
                               const std::string& bearer_token = "") {
+  if (!channel_status.ok()) return channel_status;
   grpc::ClientContext context;
   SetDeadline(context, timeout);
   if (!bearer_token.empty()) context.AddMetadata("authorization", "Bearer " + bearer_token);
@@ -36,7 +40,33 @@ absl::StatusOr<Response> Call(Method method, const Request& request, absl::Durat
   return response;
 }
 
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream file(path);
+  if (!file) return absl::NotFoundError("cannot read " + path);
+  std::stringstream contents;
+  contents << file.rdbuf();
+  return contents.str();
+}
+
 }  // namespace
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(
+    const ClientOptions& options) {
+  if (options.tls_ca_file.empty()) return grpc::InsecureChannelCredentials();
+  grpc::SslCredentialsOptions ssl;
+  auto ca = ReadFile(options.tls_ca_file);
+  if (!ca.ok()) return ca.status();
+  ssl.pem_root_certs = *std::move(ca);
+  if (!options.tls_cert_file.empty()) {
+    auto cert = ReadFile(options.tls_cert_file);
+    if (!cert.ok()) return cert.status();
+    auto key = ReadFile(options.tls_key_file);
+    if (!key.ok()) return key.status();
+    ssl.pem_cert_chain = *std::move(cert);
+    ssl.pem_private_key = *std::move(key);
+  }
+  return grpc::SslCredentials(ssl);
+}
 
 AttentionClient::AttentionClient(const std::string& target, int64_t max_message_bytes)
     : AttentionClient(target, ClientOptions{max_message_bytes, ""}) {}
@@ -46,7 +76,14 @@ AttentionClient::AttentionClient(const std::string& target, const ClientOptions&
   grpc::ChannelArguments arguments;
   arguments.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   arguments.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
-  channel_ = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), arguments);
+  if (!options.tls_server_name.empty()) {
+    arguments.SetSslTargetNameOverride(options.tls_server_name);
+  }
+  auto credentials = ChannelCredentials(options);
+  channel_status_ = credentials.status();
+  // Unreadable TLS files: every call answers channel_status_, never plaintext.
+  channel_ = grpc::CreateCustomChannel(
+      target, credentials.ok() ? *credentials : grpc::InsecureChannelCredentials(), arguments);
   stub_ = v1::AttentionService::NewStub(channel_);
 }
 
@@ -54,7 +91,7 @@ absl::StatusOr<v1::MultiHeadAttentionResponse> AttentionClient::MultiHeadAttenti
     const v1::MultiHeadAttentionRequest& request, absl::Duration timeout) {
   return Call<v1::MultiHeadAttentionResponse>(
       [this](auto* c, const auto& q, auto* r) { return stub_->MultiHeadAttention(c, q, r); },
-      request, timeout);
+      request, timeout, channel_status_);
 }
 
 absl::StatusOr<v1::ScaledDotProductAttentionResponse> AttentionClient::ScaledDotProductAttention(
@@ -63,14 +100,14 @@ absl::StatusOr<v1::ScaledDotProductAttentionResponse> AttentionClient::ScaledDot
       [this](auto* c, const auto& q, auto* r) {
         return stub_->ScaledDotProductAttention(c, q, r);
       },
-      request, timeout);
+      request, timeout, channel_status_);
 }
 
 absl::StatusOr<v1::LayerInfo> AttentionClient::LoadLayer(const v1::LoadLayerRequest& request,
                                                          absl::Duration timeout) {
   auto response = Call<v1::LoadLayerResponse>(
       [this](auto* c, const auto& q, auto* r) { return stub_->LoadLayer(c, q, r); }, request,
-      timeout, admin_token_);
+      timeout, channel_status_, admin_token_);
   if (!response.ok()) return response.status();
   return response->layer();
 }
@@ -80,14 +117,14 @@ absl::Status AttentionClient::UnloadLayer(const std::string& name, absl::Duratio
   request.set_name(name);
   return Call<v1::UnloadLayerResponse>(
              [this](auto* c, const auto& q, auto* r) { return stub_->UnloadLayer(c, q, r); },
-             request, timeout, admin_token_)
+             request, timeout, channel_status_, admin_token_)
       .status();
 }
 
 absl::StatusOr<std::vector<v1::LayerInfo>> AttentionClient::ListLayers(absl::Duration timeout) {
   auto response = Call<v1::ListLayersResponse>(
       [this](auto* c, const auto& q, auto* r) { return stub_->ListLayers(c, q, r); },
-      v1::ListLayersRequest(), timeout);
+      v1::ListLayersRequest(), timeout, channel_status_);
   if (!response.ok()) return response.status();
   return std::vector<v1::LayerInfo>(response->layers().begin(), response->layers().end());
 }
@@ -98,7 +135,7 @@ absl::StatusOr<v1::LayerInfo> AttentionClient::GetLayer(const std::string& name,
   request.set_name(name);
   auto response = Call<v1::GetLayerResponse>(
       [this](auto* c, const auto& q, auto* r) { return stub_->GetLayer(c, q, r); }, request,
-      timeout);
+      timeout, channel_status_);
   if (!response.ok()) return response.status();
   return response->layer();
 }
@@ -110,7 +147,7 @@ absl::StatusOr<bool> AttentionClient::IsServing(const std::string& service,
   request.set_service(service);
   auto response = Call<grpc::health::v1::HealthCheckResponse>(
       [&health](auto* c, const auto& q, auto* r) { return health->Check(c, q, r); }, request,
-      timeout);
+      timeout, channel_status_);
   if (!response.ok()) return response.status();
   return response->status() == grpc::health::v1::HealthCheckResponse::SERVING;
 }

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include <grpcpp/channel.h>
+#include <grpcpp/security/credentials.h>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -20,12 +21,26 @@ struct ClientOptions {
   // When non-empty, sent as "authorization: Bearer <admin_token>" with LoadLayer and
   // UnloadLayer (for a server started with --admin_token_file).
   std::string admin_token;
+  // TLS: the PEM CA bundle that signed the server's certificate; empty = plaintext. With
+  // mutual TLS also this client's PEM certificate chain and key.
+  std::string tls_ca_file;
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  // The name checked against the server's certificate, when it differs from the target's
+  // host (e.g. connecting by IP to a certificate for "localhost").
+  std::string tls_server_name;
 };
+
+// The channel credentials `options` ask for: plaintext, TLS or mutual TLS. NOT_FOUND naming
+// a file that cannot be read.
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(
+    const ClientOptions& options);
 
 // Thread-safe: one client may serve many threads.
 class AttentionClient {
  public:
-  // `target` is a gRPC target such as "localhost:50051".
+  // `target` is a gRPC target such as "localhost:50051". Unreadable TLS files make every
+  // call fail with the reason (see ChannelCredentials).
   explicit AttentionClient(const std::string& target,
                            int64_t max_message_bytes = int64_t{64} << 20);
   AttentionClient(const std::string& target, const ClientOptions& options);
@@ -49,6 +64,7 @@ class AttentionClient {
 
  private:
   const std::string admin_token_;
+  absl::Status channel_status_;  // why the channel could not be set up
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::AttentionService::Stub> stub_;
 };

@@ -77,6 +77,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "client/attention_client.h"
+#include "client/connection_flags.h"
 #include "core/dtype.h"
 #include "core/json_text.h"
 
@@ -145,6 +146,8 @@ std::chrono::system_clock::time_point SystemDeadline(double seconds_from_now) {
 
 struct Config {
   std::string target;
+  attention::client::ClientOptions connection;  // TLS, from the shared connection flags
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
   std::string layer;
   bool stream = false;
   bool open_loop = false;
@@ -189,6 +192,13 @@ bool ReadConfig(Config* c) {
     return false;
   };
   c->target = absl::GetFlag(FLAGS_target);
+  auto connection = attention::client::ClientOptionsFromFlags();
+  if (!connection.ok()) return fail(std::string(connection.status().message()));
+  c->connection = *std::move(connection);
+  c->connection.max_message_bytes = kMaxMessageBytes;
+  auto credentials = attention::client::ChannelCredentials(c->connection);
+  if (!credentials.ok()) return fail(std::string(credentials.status().message()));
+  c->credentials = *std::move(credentials);
   c->layer = absl::GetFlag(FLAGS_layer);
   const std::string mode = absl::GetFlag(FLAGS_mode);
   if (mode != "unary" && mode != "stream") return fail("--mode must be unary or stream, not " + mode);
@@ -464,8 +474,10 @@ std::vector<std::shared_ptr<grpc::Channel>> MakeChannels(const Config& config) {
     // A private subchannel pool per channel, so that each one is its own TCP connection.
     arguments.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
     arguments.SetInt("attention_loadgen.connection", i);
-    channels.push_back(
-        grpc::CreateCustomChannel(config.target, grpc::InsecureChannelCredentials(), arguments));
+    if (!config.connection.tls_server_name.empty()) {
+      arguments.SetSslTargetNameOverride(config.connection.tls_server_name);
+    }
+    channels.push_back(grpc::CreateCustomChannel(config.target, config.credentials, arguments));
   }
   return channels;
 }
@@ -936,7 +948,7 @@ int Main() {
   if (!ReadConfig(&config)) return 2;
 
   // Connect (and look up the layer's embed_dim) before the clock starts.
-  attention::client::AttentionClient control(config.target, kMaxMessageBytes);
+  attention::client::AttentionClient control(config.target, config.connection);
   if (config.embed_dim == 0) {
     auto layer = control.GetLayer(config.layer);
     if (!layer.ok()) {

@@ -50,6 +50,14 @@ ABSL_FLAG(absl::Duration, starvation_limit, absl::Milliseconds(100),
 ABSL_FLAG(bool, reject_non_finite, true,
           "refuse query, key, value and attn_mask tensors holding NaN or infinities (an "
           "additive mask may hold -inf) with INVALID_ARGUMENT naming the index");
+ABSL_FLAG(std::string, tls_cert_file, "",
+          "PEM certificate chain for TLS on the gRPC port (with --tls_key_file); empty = "
+          "plaintext; re-read when it changes");
+ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file");
+ABSL_FLAG(std::string, tls_client_ca_file, "",
+          "PEM CA bundle: clients must present a certificate it signed (mutual TLS)");
+ABSL_FLAG(absl::Duration, tls_reload_interval, absl::Seconds(10),
+          "how often the TLS files are checked for a rotated certificate");
 ABSL_FLAG(std::string, admin_token_file, "",
           "file holding a bearer token that LoadLayer and UnloadLayer callers must send as "
           "'authorization: Bearer <token>' metadata; empty = layer management is open to "
@@ -186,6 +194,10 @@ int main(int argc, char** argv) {
   options.request_log.access_sample = absl::GetFlag(FLAGS_access_log_sample);
   options.request_log.json = absl::GetFlag(FLAGS_log_json);
 
+  options.tls.cert_file = absl::GetFlag(FLAGS_tls_cert_file);
+  options.tls.key_file = absl::GetFlag(FLAGS_tls_key_file);
+  options.tls.client_ca_file = absl::GetFlag(FLAGS_tls_client_ca_file);
+  options.tls.reload_interval = absl::GetFlag(FLAGS_tls_reload_interval);
   options.access.allow_inline_layers = absl::GetFlag(FLAGS_allow_inline_layers);
   options.reflection = absl::GetFlag(FLAGS_reflection);
   if (const std::string path = absl::GetFlag(FLAGS_admin_token_file); !path.empty()) {

@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/unknown_field_set.h"
+#include "attention/v1/attention.pb.h"
 #include "server/status_util.h"
 
 namespace attention::server {
@@ -67,6 +68,17 @@ void CollectUnknownFields(const google::protobuf::Message& message, const std::s
   for (const google::protobuf::FieldDescriptor* field : fields) {
     if (field->cpp_type() != google::protobuf::FieldDescriptor::CPPTYPE_MESSAGE) continue;
     const std::string name = path.empty() ? field->name() : absl::StrCat(path, ".", field->name());
+    if (field->is_map()) {
+      // Reflection over a map syncs a mutable internal copy of a const message; the one map
+      // of the API is walked through its generated accessors instead.
+      if (const auto* weights = dynamic_cast<const v1::LayerWeights*>(&message)) {
+        for (const auto& [tensor_name, tensor] : weights->tensors()) {
+          CollectUnknownFields(tensor, absl::StrCat(name, "[", Quoted(tensor_name), "]"),
+                               problems);
+        }
+      }
+      continue;
+    }
     if (!field->is_repeated()) {
       CollectUnknownFields(reflection->GetMessage(message, field), name, problems);
       continue;

@@ -88,6 +88,7 @@ absl::Status ServerOptions::Validate() const {
         absl::StrCat("drain_delay = ", absl::FormatDuration(drain_delay), " must be >= 0"));
   }
   RETURN_IF_ERROR(RequestBudgetWithMessageLimit().Validate());
+  RETURN_IF_ERROR(tls.Validate());
   RETURN_IF_ERROR(registry.Validate());
   RETURN_IF_ERROR(request_log.Validate());
   return batcher.Validate();
@@ -130,7 +131,7 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.SetOption(std::make_unique<ReflectionOption>(options.reflection));
-  builder.AddListeningPort(options.listen_address, grpc::InsecureServerCredentials(),
+  builder.AddListeningPort(options.listen_address, ServerCredentials(options.tls),
                            &server->port_);
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, options.max_concurrent_streams);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,

@@ -18,6 +18,7 @@
 #include "server/metrics.h"
 #include "server/request_log.h"
 #include "server/request_validation.h"
+#include "server/tls.h"
 
 namespace attention::server {
 
@@ -63,6 +64,9 @@ struct ServerOptions {
   LayerRegistryOptions registry;
   // Largest request or response message, bytes. >= 1 MiB; default 64 MiB.
   int64_t max_message_bytes = int64_t{64} << 20;
+  // TLS or mutual TLS on the gRPC port (--tls_cert_file, --tls_key_file,
+  // --tls_client_ca_file); plaintext by default.
+  TlsOptions tls;
   // Restricted layer management and inline layers (--admin_token_file,
   // --allow_inline_layers).
   AccessPolicy access;

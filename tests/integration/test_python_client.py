@@ -9,6 +9,10 @@ ListLayers / UnloadLayer with inline and random weights; malformed requests answ
 INVALID_ARGUMENT / NOT_FOUND; the server exits 0 on SIGTERM.
 """
 
+import os
+import subprocess
+import tempfile
+
 import grpc
 import numpy as np
 
@@ -195,9 +199,58 @@ def check_errors(t, client):
     t.check(client.health() == "SERVING", "still SERVING after malformed requests")
 
 
+def make_certificates(directory):
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, by openssl."""
+    def run(command):
+        subprocess.run(command, shell=True, check=True, cwd=directory,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ec = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes"
+    run("printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\\n' > san.ext")
+    run("openssl req -x509 %s -days 2 -subj /CN=ca -keyout ca.key -out ca.pem" % ec)
+    for name in ("server", "client"):
+        run("openssl req %s -subj /CN=%s -keyout %s.key -out %s.csr" % (ec, name, name, name))
+        run("openssl x509 -req -in %s.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 "
+            "-extfile san.ext -out %s.pem" % (name, name))
+    return lambda name: os.path.join(directory, name)
+
+
+def check_tls_and_admin_token(t, binary):
+    """Mutual TLS and a restricted LoadLayer through the Python client's options."""
+    with tempfile.TemporaryDirectory() as directory:
+        path = make_certificates(directory)
+        token = "python-client-admin-token-0123"
+        with open(path("token"), "w") as f:
+            f.write(token + "\n")
+        server = harness.ServerProcess(
+            binary, "--compute_threads=1", "--tls_cert_file=" + path("server.pem"),
+            "--tls_key_file=" + path("server.key"), "--tls_client_ca_file=" + path("ca.pem"),
+            "--admin_token_file=" + path("token")).start()
+        try:
+            tls = dict(tls_ca_file=path("ca.pem"), tls_cert_file=path("client.pem"),
+                       tls_key_file=path("client.key"))
+            with AttentionClient(server.target, **tls) as client:
+                t.check(client.health() == "SERVING", "health over mutual TLS")
+                expect_error(t, "load without the admin token",
+                             grpc.StatusCode.UNAUTHENTICATED,
+                             lambda: client.load_layer("x", {"embed_dim": 8, "num_heads": 2},
+                                                       random_seed=1))
+            with AttentionClient(server.target, admin_token=token, **tls) as admin:
+                info = admin.load_layer("x", {"embed_dim": 8, "num_heads": 2}, random_seed=1)
+                t.check(info.name == "x", "load with the admin token: %s" % info)
+                admin.unload_layer("x")
+            with AttentionClient(server.target, tls_ca_file=path("ca.pem")) as no_cert:
+                expect_error(t, "mutual TLS without a client certificate",
+                             grpc.StatusCode.UNAVAILABLE, lambda: no_cert.list_layers())
+        except BaseException:
+            server.kill()
+            raise
+        t.check(server.stop() == 0, "TLS server exits 0 on SIGTERM")
+
+
 def main():
     t = harness.Checker("test_python_client")
     check_codec(t)
+    t.run("tls and admin token", check_tls_and_admin_token, t, harness.server_binary())
     server = harness.ServerProcess(harness.server_binary(), "--compute_threads=2").start()
     try:
         with AttentionClient(server.target) as client:

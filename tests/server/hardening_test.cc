@@ -354,3 +354,31 @@ TEST(ServerOptionsTest, ConnectionLimitsAreValidated) {
 
 }  // namespace
 }  // namespace attention::server::testing
+
+namespace attention::server::testing {
+namespace {
+
+TEST_F(ServerTest, UnknownFieldsInsideInlineWeightsAreRefused) {
+  v1::LoadLayerRequest load;
+  load.set_name("inline-unknown");
+  load.mutable_spec()->mutable_config()->set_embed_dim(2);
+  load.mutable_spec()->mutable_config()->set_num_heads(1);
+  load.mutable_spec()->mutable_config()->set_no_qkv_bias(true);
+  load.mutable_spec()->mutable_config()->set_no_output_bias(true);
+  auto& tensors = *load.mutable_spec()->mutable_inline_weights()->mutable_tensors();
+  for (const char* name : {"q_proj.weight", "k_proj.weight", "v_proj.weight", "out_proj.weight"}) {
+    wire::EncodeTensor(std::vector<float>(4, 0.5f), std::vector<int64_t>{2, 2},
+                       core::DType::kFloat32, &tensors[name]);
+  }
+  ASSERT_TRUE(client_->LoadLayer(load).ok());
+  AddUnknownField(tensors["k_proj.weight"], 33);
+  const absl::Status status = client_->LoadLayer(load).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnimplemented) << status;
+  EXPECT_NE(status.message().find(
+                "spec.inline_weights.tensors[\"k_proj.weight\"] (attention.v1.Tensor) field 33"),
+            std::string::npos)
+      << status;
+}
+
+}  // namespace
+}  // namespace attention::server::testing

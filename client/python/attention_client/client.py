@@ -58,15 +58,33 @@ def make_layer_spec(config, weights=None, random_seed=None, weight_dtype="float3
 class AttentionClient:
     """Thread-safe (gRPC channels are); one channel per instance."""
 
-    def __init__(self, target, timeout=60.0, max_message_bytes=64 << 20, admin_token=None):
+    def __init__(self, target, timeout=60.0, max_message_bytes=64 << 20, admin_token=None,
+                 tls_ca_file=None, tls_cert_file=None, tls_key_file=None,
+                 tls_server_name=None):
         """admin_token: sent as "authorization: Bearer <token>" with load_layer and
-        unload_layer, for a server started with --admin_token_file."""
+        unload_layer, for a server started with --admin_token_file.
+        tls_ca_file: PEM CA bundle of the server's certificate; connects with TLS (plaintext
+        without it). tls_cert_file / tls_key_file: this client's certificate, for mutual TLS.
+        tls_server_name: the name checked against the server's certificate, when not the
+        target's host."""
         self._pb2, pb2_grpc, self._health_pb2 = stubs.load()
         self.timeout = timeout
         self._admin_metadata = (("authorization", "Bearer " + admin_token),) if admin_token else None
         options = [("grpc.max_send_message_length", max_message_bytes),
                    ("grpc.max_receive_message_length", max_message_bytes)]
-        self._channel = grpc.insecure_channel(target, options=options)
+        if tls_ca_file:
+            def read(path):
+                with open(path, "rb") as f:
+                    return f.read()
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=read(tls_ca_file),
+                private_key=read(tls_key_file) if tls_cert_file else None,
+                certificate_chain=read(tls_cert_file) if tls_cert_file else None)
+            if tls_server_name:
+                options.append(("grpc.ssl_target_name_override", tls_server_name))
+            self._channel = grpc.secure_channel(target, credentials, options=options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=options)
         self._stub = pb2_grpc.AttentionServiceStub(self._channel)
         self._health_check = self._channel.unary_unary(
             "/grpc.health.v1.Health/Check",

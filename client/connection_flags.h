@@ -1,0 +1,16 @@
+// The connection flags attention-cli and attention-loadgen share: TLS and the admin token.
+#ifndef ATTENTION_CLIENT_CONNECTION_FLAGS_H_
+#define ATTENTION_CLIENT_CONNECTION_FLAGS_H_
+
+#include "absl/status/statusor.h"
+#include "client/attention_client.h"
+
+namespace attention::client {
+
+// ClientOptions from --tls_ca_file, --tls_cert_file, --tls_key_file, --tls_server_name and
+// --admin_token_file (its contents, whitespace stripped). NOT_FOUND for an unreadable file.
+absl::StatusOr<ClientOptions> ClientOptionsFromFlags();
+
+}  // namespace attention::client
+
+#endif  // ATTENTION_CLIENT_CONNECTION_FLAGS_H_
