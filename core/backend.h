@@ -72,6 +72,10 @@ class Backend {
   virtual absl::StatusOr<AttentionResult> ScaledDotProductAttention(
       const SdpaInput& input) const = 0;
 
+  // Whether prepared layers take 16-bit inputs as sent (MhaInput::half_dtype) and convert
+  // them on the device; otherwise the caller decodes them to float32 first.
+  virtual bool ConvertsHalfInputs() const { return false; }
+
   // The device's memory; nullopt for the host.
   virtual std::optional<DeviceMemory> Memory() const { return std::nullopt; }
 };

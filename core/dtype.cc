@@ -4,6 +4,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "core/half_bits.h"
 
 namespace attention::core {
 
@@ -37,29 +38,7 @@ absl::string_view DTypeName(DType dtype) {
   return "?";
 }
 
-float HalfToFloat(uint16_t bits) {
-  const uint32_t sign = static_cast<uint32_t>(bits & 0x8000) << 16;
-  uint32_t exponent = (bits >> 10) & 0x1f;
-  uint32_t mantissa = bits & 0x3ff;
-  uint32_t out;
-  if (exponent == 0x1f) {  // inf or NaN
-    out = sign | 0x7f800000 | (mantissa << 13);
-  } else if (exponent != 0) {  // normal
-    out = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  } else if (mantissa == 0) {  // signed zero
-    out = sign;
-  } else {  // subnormal: normalise
-    exponent = 113;
-    while ((mantissa & 0x400) == 0) {
-      mantissa <<= 1;
-      --exponent;
-    }
-    out = sign | (exponent << 23) | ((mantissa & 0x3ff) << 13);
-  }
-  float value;
-  std::memcpy(&value, &out, sizeof(value));
-  return value;
-}
+float HalfToFloat(uint16_t bits) { return HalfBitsToFloat(bits); }
 
 uint16_t FloatToHalf(float value) {
   uint32_t bits;
@@ -85,12 +64,7 @@ uint16_t FloatToHalf(float value) {
   return sign | static_cast<uint16_t>(half);
 }
 
-float BFloat16ToFloat(uint16_t bits) {
-  const uint32_t out = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &out, sizeof(value));
-  return value;
-}
+float BFloat16ToFloat(uint16_t bits) { return BFloat16BitsToFloat(bits); }
 
 uint16_t FloatToBFloat16(float value) {
   uint32_t bits;

@@ -236,26 +236,45 @@ AttentionDims MhaLayer::Dims(const MhaInput& input) const {
           config_.head_dim, config_.v_head_dim};
 }
 
+MhaInput WithFloatInputs(const MhaInput& in, std::deque<std::vector<float>>* storage) {
+  if (!in.is_half()) return in;
+  MhaInput decoded = in;
+  decoded.half_dtype = DType::kFloat32;
+  decoded.query_half = decoded.key_half = decoded.value_half = {};
+  auto decode = [&](absl::Span<const uint16_t> bits) -> absl::Span<const float> {
+    if (bits.empty()) return {};
+    std::vector<float>& values = storage->emplace_back(bits.size());
+    for (size_t e = 0; e < bits.size(); ++e) {
+      values[e] = in.half_dtype == DType::kBFloat16 ? BFloat16ToFloat(bits[e]) : HalfToFloat(bits[e]);
+    }
+    return values;
+  };
+  decoded.query = decode(in.query_half);
+  decoded.key = decode(in.key_half);
+  decoded.value = decode(in.value_half);
+  return decoded;
+}
+
 absl::Status MhaLayer::ValidateInput(const MhaInput& in) const {
-  const bool self_attention = in.key.empty() && in.value.empty();
+  const bool self_attention = in.self_attention() && in.value_elements() == 0;
   if (self_attention && in.kv_len != in.q_len) {
     return absl::InvalidArgumentError(absl::StrCat("self-attention needs kv_len (", in.kv_len,
                                                    ") == q_len (", in.q_len, ")"));
   }
-  if (static_cast<int64_t>(in.query.size()) != in.batch * in.q_len * config_.embed_dim) {
-    return absl::InvalidArgumentError(absl::StrCat("query has ", in.query.size(),
+  if (in.query_elements() != in.batch * in.q_len * config_.embed_dim) {
+    return absl::InvalidArgumentError(absl::StrCat("query has ", in.query_elements(),
                                                    " values; expected [B, Nq, E] = [", in.batch,
                                                    ", ", in.q_len, ", ", config_.embed_dim, "]"));
   }
   if (!self_attention) {
-    if (static_cast<int64_t>(in.key.size()) != in.batch * in.kv_len * config_.kdim) {
-      return absl::InvalidArgumentError(absl::StrCat("key has ", in.key.size(),
+    if (in.key_elements() != in.batch * in.kv_len * config_.kdim) {
+      return absl::InvalidArgumentError(absl::StrCat("key has ", in.key_elements(),
                                                      " values; expected [B, Nk, kdim] = [",
                                                      in.batch, ", ", in.kv_len, ", ",
                                                      config_.kdim, "]"));
     }
-    if (static_cast<int64_t>(in.value.size()) != in.batch * in.kv_len * config_.vdim) {
-      return absl::InvalidArgumentError(absl::StrCat("value has ", in.value.size(),
+    if (in.value_elements() != in.batch * in.kv_len * config_.vdim) {
+      return absl::InvalidArgumentError(absl::StrCat("value has ", in.value_elements(),
                                                      " values; expected [B, Nk, vdim] = [",
                                                      in.batch, ", ", in.kv_len, ", ",
                                                      config_.vdim, "]"));
@@ -264,7 +283,9 @@ absl::Status MhaLayer::ValidateInput(const MhaInput& in) const {
   return in.options.Validate(Dims(in));
 }
 
-AttentionResult MhaLayer::ForwardReference(const MhaInput& in) const {
+AttentionResult MhaLayer::ForwardReference(const MhaInput& input) const {
+  std::deque<std::vector<float>> decoded;
+  const MhaInput in = WithFloatInputs(input, &decoded);
   const MhaConfig& c = config_;
   const MhaWeightsView w = WeightsView();
   const bool self_attention = in.key.empty();

@@ -4,12 +4,14 @@
 #define ATTENTION_CORE_MHA_TYPES_H_
 
 #include <cstdint>
+#include <deque>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "core/attention_options.h"
+#include "core/dtype.h"
 
 namespace attention::core {
 
@@ -68,7 +70,22 @@ struct MhaInput {
   absl::Span<const float> key;       // [B * Nk, kdim], empty for self-attention
   absl::Span<const float> value;     // [B * Nk, vdim], empty for self-attention
   AttentionOptions options;
+  // 16-bit inputs as the wire sent them, for a backend that converts them on its device
+  // (Backend::ConvertsHalfInputs): then query, key and value above are empty and these
+  // hold as many elements of `half_dtype` (kFloat16 or kBFloat16).
+  DType half_dtype = DType::kFloat32;
+  absl::Span<const uint16_t> query_half, key_half, value_half;
+
+  bool is_half() const { return half_dtype != DType::kFloat32; }
+  bool self_attention() const { return key.empty() && key_half.empty(); }
+  int64_t query_elements() const { return is_half() ? query_half.size() : query.size(); }
+  int64_t key_elements() const { return is_half() ? key_half.size() : key.size(); }
+  int64_t value_elements() const { return is_half() ? value_half.size() : value.size(); }
 };
+
+// `input` with float32 query, key and value: itself, or its 16-bit inputs decoded into
+// `storage` (which must outlive the result; a deque, so earlier results stay valid).
+MhaInput WithFloatInputs(const MhaInput& input, std::deque<std::vector<float>>* storage);
 
 struct AttentionResult {
   std::vector<float> output;   // MHA: [B, Nq, output_dim]; SDPA: [B, H, Nq, dv]

@@ -1,6 +1,7 @@
 #include "server/attention_service.h"
 
 #include <deque>
+#include <cstring>
 #include <map>
 #include <mutex>
 
@@ -8,6 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "core/half_bits.h"
 #include "core/status_macros.h"
 #include "server/status_util.h"
 #include "server/wire_convert.h"
@@ -19,7 +21,16 @@ constexpr size_t kMaxRequestIdBytes = 256;
 
 using wire::ShapeString;
 
-absl::Status CheckRank(const FloatTensor& tensor, size_t rank, absl::string_view field,
+// A query, key or value: float32 values, or, for a layer whose backend converts 16-bit
+// inputs on its device, the FLOAT16 / BFLOAT16 bits as sent (half the bytes to copy).
+struct InputTensor {
+  std::vector<int64_t> shape;
+  std::vector<float> values;
+  std::vector<uint16_t> half;
+};
+
+template <typename Tensor>
+absl::Status CheckRank(const Tensor& tensor, size_t rank, absl::string_view field,
                        absl::string_view layout) {
   if (tensor.shape.size() != rank) {
     return Invalid(field, ".shape ", ShapeString(tensor.shape), " has rank ", tensor.shape.size(),
@@ -28,7 +39,8 @@ absl::Status CheckRank(const FloatTensor& tensor, size_t rank, absl::string_view
   return absl::OkStatus();
 }
 
-absl::Status CheckDim(const FloatTensor& tensor, size_t dim, int64_t expected,
+template <typename Tensor>
+absl::Status CheckDim(const Tensor& tensor, size_t dim, int64_t expected,
                       absl::string_view field, absl::string_view meaning) {
   if (tensor.shape[dim] != expected) {
     return Invalid(field, ".shape[", dim, "] = ", tensor.shape[dim], " must equal ", meaning,
@@ -64,6 +76,43 @@ absl::StatusOr<core::AttentionOptions> ConvertCheckedOptions(const v1::Attention
                                 "options.attn_mask", /*allow_negative_infinity=*/true));
   }
   return converted;
+}
+
+// The 16-bit dtype `tensor` is sent in, or kFloat32 when it is not sent as 16-bit raw data.
+core::DType HalfDType(const v1::Tensor& tensor) {
+  if (tensor.float_data_size() > 0) return core::DType::kFloat32;
+  if (tensor.dtype() == v1::FLOAT16) return core::DType::kFloat16;
+  if (tensor.dtype() == v1::BFLOAT16) return core::DType::kBFloat16;
+  return core::DType::kFloat32;
+}
+
+// `tensor` kept as its 16-bit bits when `keep_half` (it is then FLOAT16 or BFLOAT16 raw
+// data), else decoded to float32; refused when non-finite and the budget asks for checking.
+absl::StatusOr<InputTensor> DecodeMhaInput(const v1::Tensor& tensor, absl::string_view field,
+                                           const RequestBudget& budget, bool keep_half) {
+  InputTensor input;
+  if (!keep_half) {
+    ASSIGN_OR_RETURN(FloatTensor decoded, DecodeInput(tensor, field, budget));
+    input.shape = std::move(decoded.shape);
+    input.values = std::move(decoded.values);
+    return input;
+  }
+  const core::DType dtype = HalfDType(tensor);
+  ASSIGN_OR_RETURN(const int64_t count, wire::CheckShape(tensor, field));
+  RETURN_IF_ERROR(wire::CheckByteCount(tensor, dtype, count, field));
+  input.shape.assign(tensor.shape().begin(), tensor.shape().end());
+  input.half.resize(count);
+  std::memcpy(input.half.data(), tensor.raw_data().data(), count * sizeof(uint16_t));
+  if (budget.reject_non_finite) {
+    const bool bfloat16 = dtype == core::DType::kBFloat16;
+    for (int64_t e = 0; e < count; ++e) {
+      if (core::HalfBitsNonFinite(input.half[e], bfloat16)) {
+        // Decoded, the same check names the index and the value.
+        return DecodeInput(tensor, field, budget).status();
+      }
+    }
+  }
+  return input;
 }
 
 absl::Time Deadline(const grpc::CallbackServerContext* context) {
@@ -137,13 +186,27 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::MultiHeadAttention(
   const absl::Time start = absl::Now();
   metrics_.CallStarted();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  const absl::Status status = SubmitMultiHeadAttention(
-      *request, Deadline(context), [context] { return context->IsCancelled(); }, response,
-      [this, reactor, start, request](const absl::Status& result) {
-        Finish(reactor, "MultiHeadAttention", start, result, request->request_id());
-      });
-  if (!status.ok()) Finish(reactor, "MultiHeadAttention", start, status, request->request_id());
+  auto submit = [this, context, request, response, reactor, start] {
+    const absl::Status status = SubmitMultiHeadAttention(
+        *request, Deadline(context), [context] { return context->IsCancelled(); }, response,
+        [this, reactor, start, request](const absl::Status& result) {
+          Finish(reactor, "MultiHeadAttention", start, result, request->request_id());
+        });
+    if (!status.ok()) Finish(reactor, "MultiHeadAttention", start, status, request->request_id());
+  };
+  // An inline layer is built on the loader pool, never on a gRPC thread.
+  if (!request->has_inline_layer()) {
+    submit();
+  } else if (!loader_.TrySubmit(std::move(submit))) {
+    Finish(reactor, "MultiHeadAttention", start, LoaderBusy(), request->request_id());
+  }
   return reactor;
+}
+
+absl::Status AttentionServiceImpl::LoaderBusy() const {
+  return absl::ResourceExhaustedError(absl::StrCat(
+      loader_.max_jobs(), " layer builds (LoadLayer and inline layers) are already running, "
+      "the server's limit (--max_concurrent_loads); retry later"));
 }
 
 absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
@@ -183,14 +246,22 @@ absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
   }
   const core::MhaConfig& config = snapshot->layer->config();
 
-  ASSIGN_OR_RETURN(FloatTensor query, DecodeInput(request.query(), "query", budget_));
+  const bool has_key = request.has_key(), has_value = request.has_value();
+  // 16-bit inputs go to the device as sent when its backend converts them there and every
+  // input tensor has the same 16-bit dtype; otherwise they are decoded here.
+  const core::DType half_dtype = HalfDType(request.query());
+  const bool keep_half = snapshot->layer->backend().ConvertsHalfInputs() &&
+                         half_dtype != core::DType::kFloat32 &&
+                         (!has_key || (HalfDType(request.key()) == half_dtype &&
+                                       HalfDType(request.value()) == half_dtype));
+  ASSIGN_OR_RETURN(InputTensor query,
+                   DecodeMhaInput(request.query(), "query", budget_, keep_half));
   RETURN_IF_ERROR(CheckRank(query, 3, "query", "[B, Nq, embed_dim]"));
   RETURN_IF_ERROR(CheckDim(query, 2, config.embed_dim, "query", "the layer's embed_dim"));
   auto item = std::make_unique<WorkItem>();
   core::MhaInput& input = item->input;
   input.batch = query.shape[0];
   input.q_len = input.kv_len = query.shape[1];
-  const bool has_key = request.has_key(), has_value = request.has_value();
   if (has_key != has_value) {
     return Invalid(has_key ? "key" : "value", " is set but ", has_key ? "value" : "key",
                    " is not; cross-attention needs both");
@@ -201,8 +272,9 @@ absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
                    config.embed_dim);
   }
   if (has_key) {
-    ASSIGN_OR_RETURN(FloatTensor key, DecodeInput(request.key(), "key", budget_));
-    ASSIGN_OR_RETURN(FloatTensor value, DecodeInput(request.value(), "value", budget_));
+    ASSIGN_OR_RETURN(InputTensor key, DecodeMhaInput(request.key(), "key", budget_, keep_half));
+    ASSIGN_OR_RETURN(InputTensor value,
+                     DecodeMhaInput(request.value(), "value", budget_, keep_half));
     RETURN_IF_ERROR(CheckRank(key, 3, "key", "[B, Nk, kdim]"));
     RETURN_IF_ERROR(CheckRank(value, 3, "value", "[B, Nk, vdim]"));
     RETURN_IF_ERROR(CheckDim(key, 0, input.batch, "key", "query batch size B"));
@@ -213,6 +285,8 @@ absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
     input.kv_len = key.shape[1];
     item->storage.push_back(std::move(key.values));
     item->storage.push_back(std::move(value.values));
+    item->half_storage.push_back(std::move(key.half));
+    item->half_storage.push_back(std::move(value.half));
   }
   const core::AttentionDims dims{input.batch,  config.num_heads, config.num_kv_heads,
                                  input.q_len,  input.kv_len,     config.head_dim,
@@ -223,10 +297,20 @@ absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
   RETURN_IF_ERROR(CheckRequestBudget(
       MultiHeadAttentionCost(config, dims, input.options.need_weights, output_dtype), budget_));
   item->storage.push_back(std::move(query.values));
-  input.query = item->storage.back();
-  if (has_key) {
-    input.key = item->storage[0];
-    input.value = item->storage[1];
+  item->half_storage.push_back(std::move(query.half));
+  if (keep_half) {
+    input.half_dtype = half_dtype;
+    input.query_half = item->half_storage.back();
+    if (has_key) {
+      input.key_half = item->half_storage[0];
+      input.value_half = item->half_storage[1];
+    }
+  } else {
+    input.query = item->storage.back();
+    if (has_key) {
+      input.key = item->storage[0];
+      input.value = item->storage[1];
+    }
   }
   RETURN_IF_ERROR(snapshot->layer->ValidateInput(input));
 
@@ -344,9 +428,15 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::LoadLayer(grpc::CallbackServerCo
   metrics_.CallStarted();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   absl::Status status = CheckAdmin(*context, "LoadLayer");
-  if (status.ok()) status = DoLoadLayer(*request, response);
-  RefreshLayerMetrics();
-  Finish(reactor, "LoadLayer", start, status);
+  // Reading files and building weights run on the loader pool, never on a gRPC thread.
+  if (status.ok() && !loader_.TrySubmit([this, request, response, reactor, start] {
+        const absl::Status loaded = DoLoadLayer(*request, response);
+        RefreshLayerMetrics();
+        Finish(reactor, "LoadLayer", start, loaded);
+      })) {
+    status = LoaderBusy();
+  }
+  if (!status.ok()) Finish(reactor, "LoadLayer", start, status);
   return reactor;
 }
 
@@ -474,11 +564,16 @@ class MultiHeadAttentionStreamReactor final
       std::lock_guard<std::mutex> lock(mu_);
       ++pending_;
     }
-    const absl::Status status = service_.SubmitMultiHeadAttention(
-        request_, Deadline(context_), [this] { return context_->IsCancelled(); },
-        answer->mutable_response(),
-        [this, answer, start](const absl::Status& result) { Answer(answer, start, result); });
-    if (!status.ok()) Answer(answer, start, status);
+    if (!request_.has_inline_layer()) {
+      Submit(request_, answer, start);
+    } else {
+      // Built on the loader pool, from a copy: request_ is reused by the next read.
+      auto request = std::make_shared<v1::MultiHeadAttentionRequest>(request_);
+      if (!service_.loader_.TrySubmit(
+              [this, request, answer, start] { Submit(*request, answer, start); })) {
+        Answer(answer, start, service_.LoaderBusy());
+      }
+    }
     std::lock_guard<std::mutex> lock(mu_);
     if (pending_ < kMaxPendingPerStream) {
       StartRead(&request_);
@@ -507,6 +602,16 @@ class MultiHeadAttentionStreamReactor final
   void OnDone() override { delete this; }
 
  private:
+  // Validates and queues one request; its answer comes back through Answer.
+  void Submit(const v1::MultiHeadAttentionRequest& request,
+              v1::MultiHeadAttentionStreamResponse* answer, absl::Time start) {
+    const absl::Status status = service_.SubmitMultiHeadAttention(
+        request, Deadline(context_), [this] { return context_->IsCancelled(); },
+        answer->mutable_response(),
+        [this, answer, start](const absl::Status& result) { Answer(answer, start, result); });
+    if (!status.ok()) Answer(answer, start, status);
+  }
+
   // Records the answer for one request (on a batch worker, or the reader on rejection).
   void Answer(v1::MultiHeadAttentionStreamResponse* answer, absl::Time start,
               const absl::Status& result) {

@@ -10,6 +10,7 @@
 #include "core/devices.h"
 #include "server/batcher.h"
 #include "server/layer_registry.h"
+#include "server/loader_pool.h"
 #include "server/metrics.h"
 #include "server/request_log.h"
 #include "server/request_validation.h"
@@ -37,7 +38,7 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   AttentionServiceImpl(LayerRegistry& registry, Batcher& batcher, Metrics& metrics,
                        RequestLog& log, const RequestBudget& budget, core::Devices& devices,
                        std::shared_ptr<const core::Backend> default_backend,
-                       const AccessPolicy& access)
+                       const AccessPolicy& access, LoaderPool& loader)
       : registry_(registry),
         batcher_(batcher),
         metrics_(metrics),
@@ -45,7 +46,8 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
         budget_(budget),
         devices_(devices),
         default_backend_(std::move(default_backend)),
-        access_(access) {}
+        access_(access),
+        loader_(loader) {}
 
   // Sets the loaded-layer gauges from the registry.
   void RefreshLayerMetrics();
@@ -87,6 +89,8 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
                                               grpc::ServerUnaryReactor* reactor,
                                               absl::Time start);
   absl::Status DoLoadLayer(const v1::LoadLayerRequest& request, v1::LoadLayerResponse* response);
+  // RESOURCE_EXHAUSTED: the loader pool is full.
+  absl::Status LoaderBusy() const;
   // OK, or why the caller may not call the management RPC `method`.
   absl::Status CheckAdmin(const grpc::CallbackServerContext& context,
                           absl::string_view method) const;
@@ -105,6 +109,7 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   core::Devices& devices_;
   const std::shared_ptr<const core::Backend> default_backend_;
   const AccessPolicy access_;
+  LoaderPool& loader_;
 };
 
 // Fills `info` from a snapshot.

@@ -50,6 +50,7 @@ struct WorkItem {
   std::shared_ptr<const LayerSnapshot> layer;
   core::MhaInput input;
   std::vector<std::vector<float>> storage;
+  std::vector<std::vector<uint16_t>> half_storage;  // 16-bit inputs kept for the device
   // For work that runs alone (layer is null), e.g. scaled dot-product attention, and the
   // device it runs on (for the compute metrics).
   std::function<absl::StatusOr<core::AttentionResult>()> run_alone;

@@ -83,6 +83,9 @@ ABSL_FLAG(int64_t, max_request_memory_bytes,
           attention::server::RequestBudget{}.max_request_memory_bytes,
           "most working memory one request's forward pass (or inline layer) may take, bytes; "
           "larger ones get RESOURCE_EXHAUSTED before anything is allocated");
+ABSL_FLAG(int, max_concurrent_loads, 2,
+          "layer builds (LoadLayer, inline layers) running at once on the loader threads; "
+          "more get RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, max_concurrent_streams, 100, "concurrent calls (HTTP/2 streams) per connection");
 ABSL_FLAG(absl::Duration, keepalive_min_ping_interval, absl::Seconds(10),
           "clients sending keepalive pings more often than this get GOAWAY");
@@ -186,6 +189,7 @@ int main(int argc, char** argv) {
   options.request_budget.reject_non_finite = absl::GetFlag(FLAGS_reject_non_finite);
   options.drain_delay = absl::GetFlag(FLAGS_drain_delay);
   options.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
+  options.max_concurrent_loads = absl::GetFlag(FLAGS_max_concurrent_loads);
   options.keepalive_min_ping_interval = absl::GetFlag(FLAGS_keepalive_min_ping_interval);
   options.max_connection_age = absl::GetFlag(FLAGS_max_connection_age);
   options.max_connection_age_grace = absl::GetFlag(FLAGS_max_connection_age_grace);

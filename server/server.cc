@@ -62,6 +62,10 @@ absl::Status ServerOptions::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat(
         "max_message_bytes = ", max_message_bytes, " must be in [1 MiB, 2 GiB)"));
   }
+  if (max_concurrent_loads < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_concurrent_loads = ", max_concurrent_loads, " must be >= 1"));
+  }
   if (max_concurrent_streams < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_concurrent_streams = ", max_concurrent_streams, " must be >= 1"));
@@ -109,8 +113,9 @@ AttentionServer::AttentionServer(const ServerOptions& options,
       request_log_(options.request_log),
       drain_delay_(options.drain_delay),
       batcher_(options.batcher, &metrics_),
+      loader_(options.max_concurrent_loads),
       service_(registry_, batcher_, metrics_, request_log_, options.RequestBudgetWithMessageLimit(),
-               *devices_, default_backend_, options.access) {}
+               *devices_, default_backend_, options.access, loader_) {}
 
 absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
     const ServerOptions& options) {
@@ -196,6 +201,7 @@ void AttentionServer::Shutdown(absl::Duration grace) {
     server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
     server_->Wait();
   }
+  loader_.Shutdown();  // builds taken before the drain finish; their calls are answered
   batcher_.Shutdown();
 }
 

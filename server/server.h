@@ -62,6 +62,9 @@ struct ServerOptions {
   bool demo_layer = true;
   // Weight budget (--max_weight_bytes) and model repository (--model_repository).
   LayerRegistryOptions registry;
+  // Layer builds (LoadLayer, inline layers) running at once on the loader pool; more are
+  // RESOURCE_EXHAUSTED. >= 1; default 2.
+  int max_concurrent_loads = 2;
   // Largest request or response message, bytes. >= 1 MiB; default 64 MiB.
   int64_t max_message_bytes = int64_t{64} << 20;
   // TLS or mutual TLS on the gRPC port (--tls_cert_file, --tls_key_file,
@@ -111,6 +114,7 @@ class AttentionServer {
   const absl::Duration drain_delay_;
   Batcher batcher_;
   LayerRegistry registry_;
+  LoaderPool loader_;
   AttentionServiceImpl service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;

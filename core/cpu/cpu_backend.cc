@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <deque>
 #include <vector>
 
 #include <cblas.h>
@@ -86,7 +87,17 @@ class CpuPreparedLayer final : public PreparedLayer {
 };
 
 absl::StatusOr<std::vector<AttentionResult>> CpuPreparedLayer::ForwardBatch(
-    absl::Span<const MhaInput* const> inputs) const {
+    absl::Span<const MhaInput* const> given) const {
+  // 16-bit inputs are decoded on the host (the server only sends them to backends that
+  // convert on a device, so this is the fallback).
+  std::deque<std::vector<float>> decoded;
+  std::vector<MhaInput> float_inputs;
+  std::vector<const MhaInput*> pointers(given.begin(), given.end());
+  if (std::any_of(given.begin(), given.end(), [](const MhaInput* in) { return in->is_half(); })) {
+    for (const MhaInput* in : given) float_inputs.push_back(WithFloatInputs(*in, &decoded));
+    for (size_t n = 0; n < given.size(); ++n) pointers[n] = &float_inputs[n];
+  }
+  const absl::Span<const MhaInput* const> inputs = pointers;
   const MhaConfig& c = config_;
   const MhaWeightsView& w = weights_;
   // Row offsets of every input inside the packed token matrices.

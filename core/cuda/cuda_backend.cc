@@ -1,5 +1,7 @@
 #include "core/cuda/cuda_backend.h"
 
+#include <algorithm>
+#include <array>
 #include <climits>
 #include <cstring>
 #include <map>
@@ -247,6 +249,9 @@ class CudaBackend final : public Backend {
 
   absl::StatusOr<AttentionResult> ScaledDotProductAttention(const SdpaInput& input) const override;
 
+  // 16-bit inputs travel to the GPU as sent (half the bytes) and are converted there.
+  bool ConvertsHalfInputs() const override { return true; }
+
   std::optional<DeviceMemory> Memory() const override {
     size_t free_bytes = 0, total_bytes = 0;
     if (cudaSetDevice(device_) != cudaSuccess ||
@@ -381,21 +386,43 @@ absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::ForwardBatch(
   for (size_t n = 0; n < count; ++n) {
     q_row[n + 1] = q_row[n] + inputs[n]->batch * inputs[n]->q_len;
     kv_row[n + 1] = kv_row[n] + inputs[n]->batch * inputs[n]->kv_len;
-    all_self_attention = all_self_attention && inputs[n]->key.empty();
+    all_self_attention = all_self_attention && inputs[n]->self_attention();
   }
   const int64_t q_rows = q_row.back(), kv_rows = kv_row.back();
   const bool fused = all_self_attention && weights_.fused_qkv_weight != nullptr;
   const int64_t qkv_width = c.QWidth() + c.KWidth() + c.VWidth();
 
-  // Plan: inputs (copied in at once), scratch, outputs (copied out at once).
+  // Plan: inputs (copied in at once), scratch, outputs (copied out at once). 16-bit inputs
+  // are copied as sent and converted into the float32 token matrices on the device; when
+  // every input is 16-bit, those matrices are scratch and are not copied at all.
+  const bool all_half = std::all_of(inputs.begin(), inputs.end(),
+                                    [](const MhaInput* in) { return in->is_half(); });
   Arena arena;
-  const int64_t x_at = arena.Add(q_rows * c.embed_dim * sizeof(float));
-  const int64_t xk_at = all_self_attention ? -1 : arena.Add(kv_rows * c.kdim * sizeof(float));
-  const int64_t xv_at = all_self_attention ? -1 : arena.Add(kv_rows * c.vdim * sizeof(float));
+  auto plan_tokens = [&] {
+    return std::array<int64_t, 3>{
+        arena.Add(q_rows * c.embed_dim * sizeof(float)),
+        all_self_attention ? -1 : arena.Add(kv_rows * c.kdim * sizeof(float)),
+        all_self_attention ? -1 : arena.Add(kv_rows * c.vdim * sizeof(float))};
+  };
+  std::array<int64_t, 3> tokens_at = {-1, -1, -1};
+  if (!all_half) tokens_at = plan_tokens();
+  // Per input: where its 16-bit query, key and value are staged (-1: none).
+  std::vector<std::array<int64_t, 3>> half_at(count, {-1, -1, -1});
+  for (size_t n = 0; n < count; ++n) {
+    const MhaInput& in = *inputs[n];
+    if (!in.is_half()) continue;
+    half_at[n][0] = arena.Add(in.query_half.size() * sizeof(uint16_t));
+    if (!in.key_half.empty()) {
+      half_at[n][1] = arena.Add(in.key_half.size() * sizeof(uint16_t));
+      half_at[n][2] = arena.Add(in.value_half.size() * sizeof(uint16_t));
+    }
+  }
   std::vector<StagedMask> masks(count);
   for (size_t n = 0; n < count; ++n) masks[n].Plan(inputs[n]->options, arena);
   Staged staged;
   staged.input_bytes = arena.size();
+  if (all_half) tokens_at = plan_tokens();
+  const int64_t x_at = tokens_at[0], xk_at = tokens_at[1], xv_at = tokens_at[2];
   const int64_t q_at = arena.Add((fused ? q_rows * qkv_width : q_rows * c.QWidth()) * sizeof(float));
   const int64_t k_at = fused ? -1 : arena.Add(kv_rows * c.KWidth() * sizeof(float));
   const int64_t v_at = fused ? -1 : arena.Add(kv_rows * c.VWidth() * sizeof(float));
@@ -421,18 +448,48 @@ absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::ForwardBatch(
 
   for (size_t n = 0; n < count; ++n) {
     const MhaInput& in = *inputs[n];
-    std::memcpy(host(x_at) + q_row[n] * c.embed_dim, in.query.data(), in.query.size() * sizeof(float));
-    if (!all_self_attention) {
-      const absl::Span<const float> key = in.key.empty() ? in.query : in.key;
-      const absl::Span<const float> value = in.value.empty() ? in.query : in.value;
-      std::memcpy(host(xk_at) + kv_row[n] * c.kdim, key.data(), key.size() * sizeof(float));
-      std::memcpy(host(xv_at) + kv_row[n] * c.vdim, value.data(), value.size() * sizeof(float));
+    if (in.is_half()) {
+      for (auto [at, bits] : {std::pair{half_at[n][0], in.query_half}, {half_at[n][1], in.key_half},
+                              {half_at[n][2], in.value_half}}) {
+        if (at >= 0) std::memcpy(staging + at, bits.data(), bits.size() * sizeof(uint16_t));
+      }
+    } else {
+      std::memcpy(host(x_at) + q_row[n] * c.embed_dim, in.query.data(),
+                  in.query.size() * sizeof(float));
+      if (!all_self_attention) {
+        const absl::Span<const float> key = in.key.empty() ? in.query : in.key;
+        const absl::Span<const float> value = in.value.empty() ? in.query : in.value;
+        std::memcpy(host(xk_at) + kv_row[n] * c.kdim, key.data(), key.size() * sizeof(float));
+        std::memcpy(host(xv_at) + kv_row[n] * c.vdim, value.data(), value.size() * sizeof(float));
+      }
     }
     masks[n].Stage(in.options, staging);
   }
   RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(device, staging, staged.input_bytes,
                                              cudaMemcpyHostToDevice, context->stream),
                              "cudaMemcpyAsync(inputs)"));
+  for (size_t n = 0; n < count; ++n) {
+    const MhaInput& in = *inputs[n];
+    if (!in.is_half()) continue;
+    const bool bfloat16 = in.half_dtype == DType::kBFloat16;
+    auto convert = [&](int64_t at, size_t elements, float* out) {
+      return CudaStatus(cuda::LaunchHalfToFloat(reinterpret_cast<const uint16_t*>(device + at),
+                                                out, elements, bfloat16, context->stream),
+                        "16-bit conversion kernel");
+    };
+    RETURN_IF_ERROR(convert(half_at[n][0], in.query_half.size(),
+                            on_device(x_at) + q_row[n] * c.embed_dim));
+    if (!all_self_attention) {
+      // A self-attention input of a mixed batch: its key and value rows are its query rows.
+      const bool self = in.key_half.empty();
+      RETURN_IF_ERROR(convert(self ? half_at[n][0] : half_at[n][1],
+                              self ? in.query_half.size() : in.key_half.size(),
+                              on_device(xk_at) + kv_row[n] * c.kdim));
+      RETURN_IF_ERROR(convert(self ? half_at[n][0] : half_at[n][2],
+                              self ? in.query_half.size() : in.value_half.size(),
+                              on_device(xv_at) + kv_row[n] * c.vdim));
+    }
+  }
 
   // Projections over every token of the batch.
   float *q = on_device(q_at), *k, *v;

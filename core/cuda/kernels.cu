@@ -1,5 +1,7 @@
 #include "core/cuda/kernels.h"
 
+#include "core/half_bits.h"
+
 namespace attention::core::cuda {
 namespace {
 
@@ -177,6 +179,15 @@ cudaError_t LaunchFlash(const DeviceAttentionProblem& p, const FlashLaunchPlan& 
   return cudaGetLastError();
 }
 
+__global__ void HalfToFloatKernel(const uint16_t* in, float* out, int64_t count,
+                                  bool bfloat16) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < count;
+       e += stride) {
+    out[e] = bfloat16 ? BFloat16BitsToFloat(in[e]) : HalfBitsToFloat(in[e]);
+  }
+}
+
 __global__ void AddBiasKernel(float* y, int64_t rows, int64_t width, int64_t row_stride,
                               const float* bias) {
   const int64_t total = rows * width;
@@ -230,6 +241,12 @@ cudaError_t LaunchAttention(const DeviceAttentionProblem& p, const FlashLaunchPl
   if (error != cudaSuccess || p.weights == nullptr) return error;
   AttentionWeightsKernel<<<static_cast<unsigned>(plan.weight_blocks), kWeightThreads, 0,
                            stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchHalfToFloat(const uint16_t* in, float* out, int64_t count, bool bfloat16,
+                              cudaStream_t stream) {
+  HalfToFloatKernel<<<GridFor(count), 256, 0, stream>>>(in, out, count, bfloat16);
   return cudaGetLastError();
 }
 

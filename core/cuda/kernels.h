@@ -48,6 +48,10 @@ struct DeviceAttentionProblem {
 cudaError_t LaunchAttention(const DeviceAttentionProblem& problem, const FlashLaunchPlan& plan,
                             cudaStream_t stream);
 
+// out[e] = the float32 value of 16-bit `in[e]` (IEEE half, or bfloat16 when `bfloat16`).
+cudaError_t LaunchHalfToFloat(const uint16_t* in, float* out, int64_t count, bool bfloat16,
+                              cudaStream_t stream);
+
 // rows x width: y[r, c] += bias[c].
 cudaError_t LaunchAddBias(float* y, int64_t rows, int64_t width, int64_t row_stride,
                           const float* bias, cudaStream_t stream);

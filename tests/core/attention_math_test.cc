@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/attention_options.h"
+#include "core/half_bits.h"
 #include "core/cpu/cpu_backend.h"
 #include "gtest/gtest.h"
 #include "tests/core/random_options.h"
@@ -134,6 +135,17 @@ TEST(RotaryAngleTest, MatchesTheCpuRotation) {
       EXPECT_EQ(rotated[r * 8 + c + 4], x2 * cos_a + x1 * sin_a) << r << " " << c;
     }
   }
+}
+
+TEST(HalfBitsTest, NonFiniteFromTheExponentBits) {
+  EXPECT_TRUE(HalfBitsNonFinite(0x7c00, false));   // +inf
+  EXPECT_TRUE(HalfBitsNonFinite(0xfe00, false));   // NaN
+  EXPECT_FALSE(HalfBitsNonFinite(0x7bff, false));  // 65504
+  EXPECT_TRUE(HalfBitsNonFinite(0xff80, true));    // bfloat16 -inf
+  EXPECT_FALSE(HalfBitsNonFinite(0x7f7f, true));   // bfloat16 max
+  EXPECT_EQ(HalfBitsToFloat(0x3c00), 1.0f);
+  EXPECT_EQ(HalfBitsToFloat(0x0001), std::ldexp(1.0f, -24));  // smallest subnormal
+  EXPECT_EQ(BFloat16BitsToFloat(0xc040), -3.0f);
 }
 
 TEST(DropoutKeysTest, DependOnEveryCoordinateAndTheSeed) {

@@ -159,6 +159,53 @@ TEST_P(MhaBackendTest, BatchedForwardMatchesReferenceOnRandomConfigs) {
   }
 }
 
+TEST_P(MhaBackendTest, HalfInputsMatchTheirFloatDecoding) {
+  // 16-bit inputs as the wire sends them (converted on the device by backends that can,
+  // decoded on the host otherwise) give exactly what their float32 values give.
+  const uint64_t seed = TestSeed(99);
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
+  std::mt19937_64 rng(seed);
+  MhaConfig config;
+  config.embed_dim = 24;
+  config.num_heads = 3;
+  config.kdim = 10;
+  config.vdim = 6;
+  const MhaConfig resolved = *MhaConfig::Resolve(config);
+  auto layer = *MhaLayer::Create(resolved, MhaWeights::Random(resolved, rng()), backend_);
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
+    auto bits_of = [&](int64_t count) {
+      std::vector<uint16_t> bits(count);
+      for (uint16_t& b : bits) {
+        const float v = std::uniform_real_distribution<float>(-2.0f, 2.0f)(rng);
+        b = dtype == DType::kFloat16 ? FloatToHalf(v) : FloatToBFloat16(v);
+      }
+      return bits;
+    };
+    const std::vector<uint16_t> q = bits_of(2 * 5 * 24), k = bits_of(2 * 7 * 10),
+                                v = bits_of(2 * 7 * 6);
+    MhaInput half;
+    half.batch = 2;
+    half.q_len = 5;
+    half.kv_len = 7;
+    half.half_dtype = dtype;
+    half.query_half = q;
+    half.key_half = k;
+    half.value_half = v;
+    half.options.causal = true;
+    ASSERT_TRUE(layer->ValidateInput(half).ok()) << layer->ValidateInput(half);
+    std::deque<std::vector<float>> storage;
+    const MhaInput decoded = WithFloatInputs(half, &storage);
+    ASSERT_EQ(decoded.query.size(), q.size());
+    EXPECT_EQ(decoded.query[3], dtype == DType::kFloat16 ? HalfToFloat(q[3]) : BFloat16ToFloat(q[3]));
+    const MhaInput* one_half[] = {&half};
+    const MhaInput* one_float[] = {&decoded};
+    auto from_half = layer->ForwardBatch(one_half);
+    auto from_float = layer->ForwardBatch(one_float);
+    ASSERT_TRUE(from_half.ok() && from_float.ok());
+    EXPECT_EQ((*from_half)[0].output, (*from_float)[0].output) << DTypeName(dtype);
+  }
+}
+
 TEST(MhaLayerTest, ValidateInputNamesShapes) {
   MhaConfig config;
   config.embed_dim = 8;

@@ -199,6 +199,19 @@ TEST_F(ServerTest, NonFiniteInputsAreRefusedNamingTheIndex) {
       << status;
 }
 
+TEST_F(ServerTest, NonFinite16BitInputsAreRefusedToo) {
+  std::mt19937_64 rng(27);
+  v1::MultiHeadAttentionRequest mha;
+  mha.set_layer(kDemoLayerName);
+  wire::EncodeTensor(RandomValues(rng, 2 * 768), std::vector<int64_t>{1, 2, 768},
+                     core::DType::kFloat16, mha.mutable_query());
+  const uint16_t nan_bits = 0x7e00;
+  std::memcpy(mha.mutable_query()->mutable_raw_data()->data() + 2 * (768 + 4), &nan_bits, 2);
+  const absl::Status status = client_->MultiHeadAttention(mha).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_NE(status.message().find("query holds NaN at [0, 1, 4]"), std::string::npos) << status;
+}
+
 class UncheckedInputsServerTest : public ServerTest {
  protected:
   ServerOptions Options() override {

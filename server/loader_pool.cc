@@ -1,0 +1,49 @@
+#include "server/loader_pool.h"
+
+namespace attention::server {
+
+LoaderPool::LoaderPool(int max_jobs) : max_jobs_(max_jobs < 1 ? 1 : max_jobs) {
+  for (int i = 0; i < max_jobs_; ++i) threads_.emplace_back([this] { WorkerLoop(); });
+}
+
+LoaderPool::~LoaderPool() { Shutdown(); }
+
+bool LoaderPool::TrySubmit(std::function<void()> job) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_ || running_ + static_cast<int>(jobs_.size()) >= max_jobs_) return false;
+    jobs_.push_back(std::move(job));
+  }
+  job_added_.notify_one();
+  return true;
+}
+
+void LoaderPool::Shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  job_added_.notify_all();
+  for (std::thread& thread : threads_) {
+    if (thread.joinable()) thread.join();
+  }
+}
+
+void LoaderPool::WorkerLoop() {
+  while (true) {
+    std::function<void()> job;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      job_added_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
+      if (jobs_.empty()) return;  // stopping, and every job taken has run
+      job = std::move(jobs_.front());
+      jobs_.pop_front();
+      ++running_;
+    }
+    job();
+    std::lock_guard<std::mutex> lock(mu_);
+    --running_;
+  }
+}
+
+}  // namespace attention::server

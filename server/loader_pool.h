@@ -1,0 +1,49 @@
+// A few threads for work too slow for gRPC's callback threads: building layers (file I/O,
+// up to gigabytes of initialisation). A bounded number of jobs run at once; past that,
+// TrySubmit refuses at once, so a burst of loads is answered RESOURCE_EXHAUSTED instead
+// of queueing memory.
+#ifndef ATTENTION_SERVER_LOADER_POOL_H_
+#define ATTENTION_SERVER_LOADER_POOL_H_
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+
+namespace attention::server {
+
+// Thread-safe.
+class LoaderPool {
+ public:
+  // `max_jobs` >= 1 threads; each runs one job at a time.
+  explicit LoaderPool(int max_jobs);
+  ~LoaderPool();  // Shutdown()
+
+  // Runs `job` on a pool thread, or returns false (without running it) when `max_jobs`
+  // jobs are already running or waiting, or after Shutdown.
+  bool TrySubmit(std::function<void()> job);
+
+  // Finishes the jobs taken, then joins the threads. Idempotent.
+  void Shutdown();
+
+  int max_jobs() const { return max_jobs_; }
+
+ private:
+  void WorkerLoop();
+
+  const int max_jobs_;
+  std::mutex mu_;  // std::mutex so ThreadSanitizer sees it (see thread_pool.h)
+  std::condition_variable job_added_;
+  std::deque<std::function<void()>> jobs_ ABSL_GUARDED_BY(mu_);
+  int running_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace attention::server
+
+#endif  // ATTENTION_SERVER_LOADER_POOL_H_
