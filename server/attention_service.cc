@@ -187,18 +187,21 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::MultiHeadAttention(
   metrics_.CallStarted();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   auto submit = [this, context, request, response, reactor, start] {
-    const absl::Status status = SubmitMultiHeadAttention(
+    return SubmitMultiHeadAttention(
         *request, Deadline(context), [context] { return context->IsCancelled(); }, response,
         [this, reactor, start, request](const absl::Status& result) {
           Finish(reactor, "MultiHeadAttention", start, result, request->request_id());
         });
+  };
+  // A refused request is answered here; a queued one by its batch worker.
+  auto answer_refusal = [this, reactor, start, request](const absl::Status& status) {
     if (!status.ok()) Finish(reactor, "MultiHeadAttention", start, status, request->request_id());
   };
   // An inline layer is built on the loader pool, never on a gRPC thread.
   if (!request->has_inline_layer()) {
-    submit();
-  } else if (!loader_.TrySubmit(std::move(submit))) {
-    Finish(reactor, "MultiHeadAttention", start, LoaderBusy(), request->request_id());
+    answer_refusal(submit());
+  } else if (!loader_.TrySubmit(std::move(submit), answer_refusal)) {
+    answer_refusal(LoaderBusy());
   }
   return reactor;
 }
@@ -343,18 +346,21 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ScaledDotProductAttention(
   const absl::Time start = absl::Now();
   metrics_.CallStarted();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  const absl::Status status =
-      StartScaledDotProductAttention(context, *request, response, reactor, start);
+  const absl::Status status = SubmitScaledDotProductAttention(
+      *request, Deadline(context), [context] { return context->IsCancelled(); }, response,
+      [this, reactor, start, request](const absl::Status& result) {
+        Finish(reactor, "ScaledDotProductAttention", start, result, request->request_id());
+      });
   if (!status.ok()) {
     Finish(reactor, "ScaledDotProductAttention", start, status, request->request_id());
   }
   return reactor;
 }
 
-absl::Status AttentionServiceImpl::StartScaledDotProductAttention(
-    grpc::CallbackServerContext* context, const v1::ScaledDotProductAttentionRequest& request,
-    v1::ScaledDotProductAttentionResponse* response, grpc::ServerUnaryReactor* reactor,
-    absl::Time start) {
+absl::Status AttentionServiceImpl::SubmitScaledDotProductAttention(
+    const v1::ScaledDotProductAttentionRequest& request, absl::Time deadline,
+    std::function<bool()> is_cancelled, v1::ScaledDotProductAttentionResponse* response,
+    std::function<void(const absl::Status&)> finish) {
   RETURN_IF_ERROR(CheckKnownFields(request));
   RETURN_IF_ERROR(CheckRequestId(request.request_id()));
   ASSIGN_OR_RETURN(FloatTensor query, DecodeInput(request.query(), "query", budget_));
@@ -386,9 +392,8 @@ absl::Status AttentionServiceImpl::StartScaledDotProductAttention(
       ScaledDotProductAttentionCost(d, input.options.need_weights, output_dtype), budget_));
   item->tokens = input.dims.batch * input.dims.q_len;
   item->priority = request.options().priority();
-  ASSIGN_OR_RETURN(item->deadline,
-                   QueueDeadline(request.options(), Deadline(context), absl::Now()));
-  item->is_cancelled = [context] { return context->IsCancelled(); };
+  ASSIGN_OR_RETURN(item->deadline, QueueDeadline(request.options(), deadline, absl::Now()));
+  item->is_cancelled = std::move(is_cancelled);
   const core::AttentionDims dims = input.dims;
   const core::NeedWeights need = input.options.need_weights;
   // On the default device, or the CPU when that device cannot compute this shape.
@@ -406,17 +411,17 @@ absl::Status AttentionServiceImpl::StartScaledDotProductAttention(
     input.value = v;
     return backend->ScaledDotProductAttention(input);
   };
-  item->done = [this, start, response, reactor, dims, need, output_dtype,
+  item->done = [finish = std::move(finish), response, dims, need, output_dtype,
                 request_id = request.request_id()](absl::StatusOr<core::AttentionResult> result) {
     if (!result.ok()) {
-      Finish(reactor, "ScaledDotProductAttention", start, result.status(), request_id);
+      finish(result.status());
       return;
     }
     EncodeTensor(result->output, {dims.batch, dims.num_heads, dims.q_len, dims.v_head_dim},
                  output_dtype, response->mutable_output());
     EncodeWeights(*result, dims, need, output_dtype, response);
     response->set_request_id(request_id);
-    Finish(reactor, "ScaledDotProductAttention", start, absl::OkStatus(), request_id);
+    finish(absl::OkStatus());
   };
   return batcher_.Submit(std::move(item));
 }
@@ -429,11 +434,15 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::LoadLayer(grpc::CallbackServerCo
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   absl::Status status = CheckAdmin(*context, "LoadLayer");
   // Reading files and building weights run on the loader pool, never on a gRPC thread.
-  if (status.ok() && !loader_.TrySubmit([this, request, response, reactor, start] {
-        const absl::Status loaded = DoLoadLayer(*request, response);
-        RefreshLayerMetrics();
-        Finish(reactor, "LoadLayer", start, loaded);
-      })) {
+  if (status.ok() && !loader_.TrySubmit(
+                         [this, request, response] {
+                           const absl::Status loaded = DoLoadLayer(*request, response);
+                           RefreshLayerMetrics();
+                           return loaded;
+                         },
+                         [this, reactor, start](const absl::Status& loaded) {
+                           Finish(reactor, "LoadLayer", start, loaded);
+                         })) {
     status = LoaderBusy();
   }
   if (!status.ok()) Finish(reactor, "LoadLayer", start, status);
@@ -565,12 +574,16 @@ class MultiHeadAttentionStreamReactor final
       ++pending_;
     }
     if (!request_.has_inline_layer()) {
-      Submit(request_, answer, start);
+      const absl::Status status = Submit(request_, answer, start);
+      if (!status.ok()) Answer(answer, start, status);
     } else {
       // Built on the loader pool, from a copy: request_ is reused by the next read.
       auto request = std::make_shared<v1::MultiHeadAttentionRequest>(request_);
       if (!service_.loader_.TrySubmit(
-              [this, request, answer, start] { Submit(*request, answer, start); })) {
+              [this, request, answer, start] { return Submit(*request, answer, start); },
+              [this, answer, start](const absl::Status& status) {
+                if (!status.ok()) Answer(answer, start, status);
+              })) {
         Answer(answer, start, service_.LoaderBusy());
       }
     }
@@ -602,14 +615,14 @@ class MultiHeadAttentionStreamReactor final
   void OnDone() override { delete this; }
 
  private:
-  // Validates and queues one request; its answer comes back through Answer.
-  void Submit(const v1::MultiHeadAttentionRequest& request,
-              v1::MultiHeadAttentionStreamResponse* answer, absl::Time start) {
-    const absl::Status status = service_.SubmitMultiHeadAttention(
+  // Validates and queues one request; once queued, its answer comes back through Answer.
+  // A refusal is returned for the caller to answer.
+  absl::Status Submit(const v1::MultiHeadAttentionRequest& request,
+                      v1::MultiHeadAttentionStreamResponse* answer, absl::Time start) {
+    return service_.SubmitMultiHeadAttention(
         request, Deadline(context_), [this] { return context_->IsCancelled(); },
         answer->mutable_response(),
         [this, answer, start](const absl::Status& result) { Answer(answer, start, result); });
-    if (!status.ok()) Answer(answer, start, status);
   }
 
   // Records the answer for one request (on a batch worker, or the reader on rejection).

@@ -73,9 +73,9 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
                                      const v1::GetLayerRequest* request,
                                      v1::GetLayerResponse* response) override;
 
- private:
-  friend class MultiHeadAttentionStreamReactor;
-
+  // In-process entry points: the gRPC handlers (unary and stream) and the request fuzzer
+  // share them, so every path validates and completes alike.
+  //
   // Validates `request` and queues it. When queued, `finish` is called exactly once, on a
   // batch worker, after `response` is filled (OK) or with the error; when this returns an
   // error, `finish` is never called.
@@ -83,12 +83,18 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
                                         absl::Time deadline, std::function<bool()> is_cancelled,
                                         v1::MultiHeadAttentionResponse* response,
                                         std::function<void(const absl::Status&)> finish);
-  absl::Status StartScaledDotProductAttention(grpc::CallbackServerContext* context,
-                                              const v1::ScaledDotProductAttentionRequest& request,
-                                              v1::ScaledDotProductAttentionResponse* response,
-                                              grpc::ServerUnaryReactor* reactor,
-                                              absl::Time start);
+  // The same for scaled dot-product attention.
+  absl::Status SubmitScaledDotProductAttention(
+      const v1::ScaledDotProductAttentionRequest& request, absl::Time deadline,
+      std::function<bool()> is_cancelled, v1::ScaledDotProductAttentionResponse* response,
+      std::function<void(const absl::Status&)> finish);
+  // Builds and publishes a layer, on the calling thread (the handler runs it on the loader
+  // pool, after the admin check).
   absl::Status DoLoadLayer(const v1::LoadLayerRequest& request, v1::LoadLayerResponse* response);
+
+ private:
+  friend class MultiHeadAttentionStreamReactor;
+
   // RESOURCE_EXHAUSTED: the loader pool is full.
   absl::Status LoaderBusy() const;
   // OK, or why the caller may not call the management RPC `method`.

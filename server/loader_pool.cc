@@ -8,11 +8,12 @@ LoaderPool::LoaderPool(int max_jobs) : max_jobs_(max_jobs < 1 ? 1 : max_jobs) {
 
 LoaderPool::~LoaderPool() { Shutdown(); }
 
-bool LoaderPool::TrySubmit(std::function<void()> job) {
+bool LoaderPool::TrySubmit(std::function<absl::Status()> work,
+                           std::function<void(const absl::Status&)> done) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_ || running_ + static_cast<int>(jobs_.size()) >= max_jobs_) return false;
-    jobs_.push_back(std::move(job));
+    jobs_.push_back({std::move(work), std::move(done)});
   }
   job_added_.notify_one();
   return true;
@@ -31,7 +32,7 @@ void LoaderPool::Shutdown() {
 
 void LoaderPool::WorkerLoop() {
   while (true) {
-    std::function<void()> job;
+    Job job;
     {
       std::unique_lock<std::mutex> lock(mu_);
       job_added_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
@@ -40,9 +41,12 @@ void LoaderPool::WorkerLoop() {
       jobs_.pop_front();
       ++running_;
     }
-    job();
-    std::lock_guard<std::mutex> lock(mu_);
-    --running_;
+    const absl::Status status = job.work();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      --running_;
+    }
+    job.done(status);
   }
 }
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
 
 namespace attention::server {
 
@@ -23,9 +24,11 @@ class LoaderPool {
   explicit LoaderPool(int max_jobs);
   ~LoaderPool();  // Shutdown()
 
-  // Runs `job` on a pool thread, or returns false (without running it) when `max_jobs`
-  // jobs are already running or waiting, or after Shutdown.
-  bool TrySubmit(std::function<void()> job);
+  // Runs `work` on a pool thread, frees its slot, then calls `done` with work's result, so
+  // that a caller told the result can submit again at once. Returns false (running
+  // neither) when `max_jobs` jobs are already running or waiting, or after Shutdown.
+  bool TrySubmit(std::function<absl::Status()> work,
+                 std::function<void(const absl::Status&)> done);
 
   // Finishes the jobs taken, then joins the threads. Idempotent.
   void Shutdown();
@@ -38,7 +41,11 @@ class LoaderPool {
   const int max_jobs_;
   std::mutex mu_;  // std::mutex so ThreadSanitizer sees it (see thread_pool.h)
   std::condition_variable job_added_;
-  std::deque<std::function<void()>> jobs_ ABSL_GUARDED_BY(mu_);
+  struct Job {
+    std::function<absl::Status()> work;
+    std::function<void(const absl::Status&)> done;
+  };
+  std::deque<Job> jobs_ ABSL_GUARDED_BY(mu_);
   int running_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;

@@ -14,35 +14,43 @@ TEST(LoaderPoolTest, RefusesJobsPastTheBoundAndAcceptsAgainWhenOneFinishes) {
   absl::Notification release, first_done;
   std::atomic<int> started{0};
   absl::Notification both_started;
-  auto blocking = [&](absl::Notification* done) {
-    return [&, done] {
+  auto blocking = [&] {
+    return [&]() -> absl::Status {
       if (++started == 2) both_started.Notify();
       release.WaitForNotification();
-      if (done != nullptr) done->Notify();
+      return absl::OkStatus();
     };
   };
-  ASSERT_TRUE(pool.TrySubmit(blocking(&first_done)));
-  ASSERT_TRUE(pool.TrySubmit(blocking(nullptr)));
+  auto ignore = [](const absl::Status&) {};
+  ASSERT_TRUE(pool.TrySubmit(blocking(), [&](const absl::Status&) {
+    // The slot is free before `done` runs: a caller told the result may submit at once.
+    EXPECT_TRUE(pool.TrySubmit([] { return absl::CancelledError("third"); },
+                               [&](const absl::Status& s) {
+                                 EXPECT_EQ(s.code(), absl::StatusCode::kCancelled);
+                                 first_done.Notify();
+                               }));
+  }));
+  ASSERT_TRUE(pool.TrySubmit(blocking(), ignore));
   both_started.WaitForNotification();
   bool ran = false;
-  EXPECT_FALSE(pool.TrySubmit([&ran] { ran = true; })) << "a third job must be refused";
+  EXPECT_FALSE(pool.TrySubmit([&ran] { ran = true; return absl::OkStatus(); }, ignore))
+      << "a third job must be refused";
   release.Notify();
   first_done.WaitForNotification();
-  // A finished job frees its slot (the counter drops right after the job returns).
-  absl::Notification third_done;
-  while (!pool.TrySubmit([&third_done] { third_done.Notify(); })) {
-  }
-  third_done.WaitForNotification();
   pool.Shutdown();
   EXPECT_FALSE(ran);
-  EXPECT_FALSE(pool.TrySubmit([] {})) << "no jobs after Shutdown";
+  EXPECT_FALSE(pool.TrySubmit([] { return absl::OkStatus(); }, ignore))
+      << "no jobs after Shutdown";
 }
 
 TEST(LoaderPoolTest, ShutdownRunsEveryJobTaken) {
   std::atomic<int> runs{0};
   {
     LoaderPool pool(3);
-    for (int i = 0; i < 3; ++i) pool.TrySubmit([&runs] { ++runs; });
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_TRUE(pool.TrySubmit([] { return absl::OkStatus(); },
+                                 [&runs](const absl::Status&) { ++runs; }));
+    }
     pool.Shutdown();
     EXPECT_EQ(runs.load(), 3);
   }
