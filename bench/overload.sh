@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Overload and drain check (issue 13): the server with its default limits, offered RATE
-# requests/s (default 4000, about 3x what this 2-core machine serves with 16-token requests)
-# open loop for SECONDS; prints the status codes seen, the server's peak RSS, and the round
+# requests/s of TOKENS-token sequences (defaults 600 and 128: about 3x what this 2-core
+# machine serves, 12.5k tokens/s) open loop for SECONDS; prints the status codes seen, the server's peak RSS, and the round
 # trip of one valid request right after. Then the same load again, with SIGTERM sent halfway:
 # every request the server accepted must be answered (loadgen's errors are then only
 # UNAVAILABLE for calls refused once draining began).
-#   bench/overload.sh [RATE] [SECONDS]
+#   bench/overload.sh [RATE] [SECONDS] [TOKENS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rate="${1:-4000}"
+rate="${1:-600}"
 seconds="${2:-10}"
+tokens="${3:-128}"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 start_server() {
@@ -27,16 +28,16 @@ start_server() {
 codes() { /usr/bin/python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print("sent", r["sent"], "answered OK", r["requests"], "errors by code", r["errors_by_code"])' "$1"; }
 
 start_server
-build/client/attention-loadgen --target=127.0.0.1:$port --rate="$rate" --tokens=16 \
+build/client/attention-loadgen --target=127.0.0.1:$port --rate="$rate" --tokens="$tokens" \
   --duration="$seconds" --json="$work/overload.json" >/dev/null
-echo "overload at $rate req/s for ${seconds}s: $(codes "$work/overload.json")"
+echo "overload at $rate req/s of $tokens tokens for ${seconds}s: $(codes "$work/overload.json")"
 echo "server peak RSS: $(awk '/VmHWM/ {print $2, $3}' /proc/$server/status)"
 build/client/attention-cli --target=127.0.0.1:$port | grep "round trip"
 kill -TERM "$server"
 wait "$server" && echo "server exit 0"
 
 start_server
-build/client/attention-loadgen --target=127.0.0.1:$port --rate=$((rate / 4)) --tokens=16 \
+build/client/attention-loadgen --target=127.0.0.1:$port --rate=$((rate / 4)) --tokens="$tokens" \
   --duration="$seconds" --json="$work/drain.json" >/dev/null &
 loadgen=$!
 sleep "$((seconds / 2))"

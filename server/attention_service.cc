@@ -297,8 +297,9 @@ absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
   ASSIGN_OR_RETURN(input.options, ConvertCheckedOptions(request.options(), dims, budget_));
   ASSIGN_OR_RETURN(const core::DType output_dtype,
                    OutputDType(request.output_dtype(), request.query().dtype()));
-  RETURN_IF_ERROR(CheckRequestBudget(
-      MultiHeadAttentionCost(config, dims, input.options.need_weights, output_dtype), budget_));
+  const RequestCost cost =
+      MultiHeadAttentionCost(config, dims, input.options.need_weights, output_dtype);
+  RETURN_IF_ERROR(CheckRequestBudget(cost, budget_));
   item->storage.push_back(std::move(query.values));
   item->half_storage.push_back(std::move(query.half));
   if (keep_half) {
@@ -318,6 +319,8 @@ absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
   RETURN_IF_ERROR(snapshot->layer->ValidateInput(input));
 
   item->tokens = input.batch * input.q_len;
+  // Its buffers and answer, and the request message gRPC holds until the call ends.
+  item->bytes = CheckedSum({cost.memory_bytes, static_cast<int64_t>(request.ByteSizeLong())});
   item->priority = request.options().priority();
   ASSIGN_OR_RETURN(item->deadline, QueueDeadline(request.options(), deadline, absl::Now()));
   item->is_cancelled = std::move(is_cancelled);
@@ -388,9 +391,11 @@ absl::Status AttentionServiceImpl::SubmitScaledDotProductAttention(
                    OutputDType(request.output_dtype(), request.query().dtype()));
   RETURN_IF_ERROR(core::ValidateSdpaInput(input));
   const core::AttentionDims& d = input.dims;
-  RETURN_IF_ERROR(CheckRequestBudget(
-      ScaledDotProductAttentionCost(d, input.options.need_weights, output_dtype), budget_));
+  const RequestCost cost =
+      ScaledDotProductAttentionCost(d, input.options.need_weights, output_dtype);
+  RETURN_IF_ERROR(CheckRequestBudget(cost, budget_));
   item->tokens = input.dims.batch * input.dims.q_len;
+  item->bytes = CheckedSum({cost.memory_bytes, static_cast<int64_t>(request.ByteSizeLong())});
   item->priority = request.options().priority();
   ASSIGN_OR_RETURN(item->deadline, QueueDeadline(request.options(), deadline, absl::Now()));
   item->is_cancelled = std::move(is_cancelled);

@@ -13,6 +13,10 @@ absl::Status BatcherOptions::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat("num_workers = ", num_workers,
                                                    " must be >= 1"));
   }
+  if (max_queued_bytes < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_queued_bytes = ", max_queued_bytes, " must be >= 1"));
+  }
   if (starvation_limit <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
         absl::StrCat("starvation_limit = ", absl::FormatDuration(starvation_limit),
@@ -45,7 +49,12 @@ absl::Status BatchQueue::Push(std::unique_ptr<WorkItem>& item, absl::Time now) {
   const BatchLimits limits = LimitsFor(item->layer.get());
   Usage& usage = usage_[name];
   absl::Status status;
-  if (usage.requests >= limits.max_queue_requests) {
+  if (bytes_ + item->bytes > options_.max_queued_bytes && !items_.empty()) {
+    status = absl::ResourceExhaustedError(absl::StrCat(
+        "the server's queued requests hold ", bytes_, " bytes and this one needs ",
+        item->bytes, ", over the limit of ", options_.max_queued_bytes,
+        " (--max_queued_bytes); retry later"));
+  } else if (usage.requests >= limits.max_queue_requests) {
     status = absl::ResourceExhaustedError(
         absl::StrCat("the compute queue of layer \"", name, "\" is full (", usage.requests,
                      " requests waiting, limit ", limits.max_queue_requests, "); retry later"));
@@ -71,6 +80,7 @@ absl::Status BatchQueue::Push(std::unique_ptr<WorkItem>& item, absl::Time now) {
     item->deadline = std::min(item->deadline, now + limits.queue_timeout);
   }
   tokens_ += item->tokens;
+  bytes_ += item->bytes;
   items_.push_back(std::move(item));
   return absl::OkStatus();
 }
@@ -134,6 +144,7 @@ std::vector<std::unique_ptr<WorkItem>> BatchQueue::PopDue(absl::Time now, bool f
     --usage.requests;
     usage.tokens -= (*it)->tokens;
     tokens_ -= (*it)->tokens;
+    bytes_ -= (*it)->bytes;
     batch.push_back(std::move(*it));
     items_.erase(it);
   }

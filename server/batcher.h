@@ -39,6 +39,12 @@ struct BatcherOptions {
   // (measured back to back: +4-13% tokens/s with batching, +4-12% without; idle latency
   // unchanged), at the cost of up to two batches' scratch memory at once. >= 1; default 2.
   int num_workers = 2;
+  // Bytes all queued requests of the server may hold together (their inputs and answers,
+  // WorkItem::bytes); past it Submit answers RESOURCE_EXHAUSTED, whatever layer. The bound
+  // that keeps a burst inside the pod's memory: the per-layer request and token bounds
+  // alone would let 1024 long requests hold gigabytes. A request into an empty queue is
+  // admitted whatever its size (RequestBudget bounds each one). >= 1; default 256 MiB.
+  int64_t max_queued_bytes = int64_t{256} << 20;
 
   absl::Status Validate() const;
 };
@@ -57,6 +63,9 @@ struct WorkItem {
   std::string run_alone_device;
   // Query tokens, for the batch and queue token limits.
   int64_t tokens = 0;
+  // Memory the item holds while queued and computing (inputs, the answer), for
+  // BatcherOptions::max_queued_bytes.
+  int64_t bytes = 0;
   // Higher runs first; equal priorities run in arrival order.
   int priority = 0;
   // Past this time the item is answered DEADLINE_EXCEEDED instead of computed.
@@ -99,6 +108,7 @@ class BatchQueue {
   // Requests and query tokens waiting, in all queues.
   int64_t size() const { return static_cast<int64_t>(items_.size()); }
   int64_t tokens() const { return tokens_; }
+  int64_t bytes() const { return bytes_; }
   // Requests waiting in one layer's queue (see QueueName).
   int64_t size(const std::string& queue_name) const;
   // The limits a layer's requests are batched and queued under: the layer's own, else the
@@ -122,6 +132,7 @@ class BatchQueue {
   const BatcherOptions options_;
   std::list<std::unique_ptr<WorkItem>> items_;  // arrival order
   int64_t tokens_ = 0;
+  int64_t bytes_ = 0;  // of all queues
   absl::flat_hash_map<std::string, Usage> usage_;  // by queue name; no zero entries
 };
 

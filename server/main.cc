@@ -42,6 +42,9 @@ ABSL_FLAG(int64_t, max_queue_requests, 1024,
 ABSL_FLAG(int64_t, max_queue_tokens, int64_t{1} << 20,
           "queued query tokens of one layer beyond which new requests for it get "
           "RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_queued_bytes, int64_t{256} << 20,
+          "bytes all queued requests may hold together (inputs, buffers, answers); past it "
+          "new requests get RESOURCE_EXHAUSTED, so a burst stays inside the memory limit");
 ABSL_FLAG(absl::Duration, queue_timeout, absl::ZeroDuration(),
           "a request still queued this long is answered DEADLINE_EXCEEDED without being "
           "computed, e.g. 500ms; 0 = no limit beyond the caller's deadline");
@@ -86,7 +89,7 @@ ABSL_FLAG(int64_t, max_request_memory_bytes,
 ABSL_FLAG(int, max_concurrent_loads, 2,
           "layer builds (LoadLayer, inline layers) running at once on the loader threads; "
           "more get RESOURCE_EXHAUSTED");
-ABSL_FLAG(int, max_concurrent_streams, 100, "concurrent calls (HTTP/2 streams) per connection");
+ABSL_FLAG(int, max_concurrent_streams, 1024, "concurrent calls (HTTP/2 streams) per connection");
 ABSL_FLAG(absl::Duration, keepalive_min_ping_interval, absl::Seconds(10),
           "clients sending keepalive pings more often than this get GOAWAY");
 ABSL_FLAG(absl::Duration, max_connection_age, absl::Minutes(10),
@@ -177,6 +180,7 @@ int main(int argc, char** argv) {
   options.batcher.limits.max_queue_delay = absl::GetFlag(FLAGS_max_queue_delay);
   options.batcher.limits.max_queue_tokens = absl::GetFlag(FLAGS_max_queue_tokens);
   options.batcher.limits.queue_timeout = absl::GetFlag(FLAGS_queue_timeout);
+  options.batcher.max_queued_bytes = absl::GetFlag(FLAGS_max_queued_bytes);
   options.batcher.starvation_limit = absl::GetFlag(FLAGS_starvation_limit);
   options.demo_layer = absl::GetFlag(FLAGS_demo_layer);
   options.registry.model_repository = absl::GetFlag(FLAGS_model_repository);

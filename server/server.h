@@ -47,8 +47,10 @@ struct ServerOptions {
   // load balancers and probes see the drain before the listener closes. >= 0; default 0.
   absl::Duration drain_delay = absl::ZeroDuration();
   // Per-connection limits (gRPC channel arguments):
-  // Concurrent calls (HTTP/2 streams) on one connection. >= 1; default 100.
-  int max_concurrent_streams = 100;
+  // Concurrent calls (HTTP/2 streams) on one connection. >= 1; default 1024, a layer's
+  // default queue bound, so that one connection can still fill a queue and see it shed
+  // (RESOURCE_EXHAUSTED) rather than wait in HTTP/2 flow control.
+  int max_concurrent_streams = 1024;
   // Clients pinging more often than this (keepalive) are sent GOAWAY. > 0; default 10 s.
   absl::Duration keepalive_min_ping_interval = absl::Seconds(10);
   // A connection older than this is asked to go away (GOAWAY), so clients reconnect and

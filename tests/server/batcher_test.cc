@@ -389,6 +389,37 @@ TEST_F(BatchQueueTest, ZeroDelayClosesAtOnceAndKeepsLayersApart) {
   EXPECT_EQ(due, absl::InfiniteFuture());
 }
 
+TEST_F(BatchQueueTest, QueuedBytesAreBoundedAcrossLayers) {
+  BatcherOptions options;
+  options.max_queued_bytes = 1000;
+  BatchQueue queue(options);
+  auto sized = [&](int tag, int64_t bytes, bool other_layer) {
+    auto item = Item(tag, 1, 0, other_layer);
+    item->bytes = bytes;
+    return item;
+  };
+  Push(queue, sized(1, 600, false), t0_);
+  Push(queue, sized(2, 400, true), t0_);  // another layer counts against the same bound
+  EXPECT_EQ(queue.bytes(), 1000);
+  auto over = sized(3, 1, false);
+  const absl::Status status = queue.Push(over, t0_);
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(status.message().find("the server's queued requests hold 1000 bytes and this one "
+                                  "needs 1, over the limit of 1000 (--max_queued_bytes)"),
+            std::string::npos)
+      << status;
+  absl::Time due;
+  EXPECT_EQ(queue.PopDue(t0_, false, &due).size(), 1u);  // popping frees its bytes
+  EXPECT_LT(queue.bytes(), 1000);
+  Push(queue, std::move(over), t0_);
+  // Alone, an item larger than the bound is admitted (RequestBudget bounds it).
+  BatchQueue empty(options);
+  Push(empty, sized(4, 5000, false), t0_);
+  EXPECT_EQ(empty.bytes(), 5000);
+  options.max_queued_bytes = 0;
+  EXPECT_EQ(options.Validate().message(), "max_queued_bytes = 0 must be >= 1");
+}
+
 TEST_F(BatchQueueTest, RequestLargerThanTheTokenBoundIsRefusedEvenByAnEmptyQueue) {
   BatcherOptions options;
   options.limits.max_queue_tokens = 10;
