@@ -105,13 +105,12 @@ struct StreamContext {
   PinnedBuffer staging;
 };
 
-// Which layout, of `count` requests, each part of a call takes, so that every input goes to
-// the device in one copy and every output comes back in one.
+// The two copies of one call: its inputs sit at the start of the staging and device buffers
+// and go over in one copy; its outputs sit together at the end and come back in one.
 struct Staged {
-  int64_t input_bytes = 0;   // [0, input_bytes) of both buffers is copied host -> device
-  int64_t output_offset = 0; // [output_offset, output_offset + output_bytes) comes back
+  int64_t input_bytes = 0;    // [0, input_bytes) is copied host -> device
+  int64_t output_offset = 0;  // [output_offset, output_offset + output_bytes) comes back
   int64_t output_bytes = 0;
-  int64_t device_bytes = 0;
 };
 
 bool FitsInt(int64_t value) { return value <= INT_MAX; }
