@@ -222,7 +222,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::cerr << "attention-service: default device " << (*server)->default_backend().name()
-            << std::endl;
+            << ", OpenBLAS core " << attention::core::CpuBackend::BlasCore() << std::endl;
   // Scripts and tests read the port from this line.
   std::cout << "attention-service listening on port " << (*server)->port() << std::endl;
   if ((*server)->metrics_port() != 0) {

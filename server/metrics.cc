@@ -20,7 +20,7 @@ prometheus::Histogram::BucketBoundaries PowersOfTwo(double largest) {
 
 }  // namespace
 
-Metrics::Metrics(absl::string_view default_device)
+Metrics::Metrics(absl::string_view default_device, absl::string_view blas_core)
     : registry_(std::make_shared<prometheus::Registry>()),
       requests_(prometheus::BuildCounter()
                     .Name("attention_requests_total")
@@ -88,7 +88,9 @@ Metrics::Metrics(absl::string_view default_device)
       .Name("attention_build_info")
       .Help("Build information; the value is always 1")
       .Register(*registry_)
-      .Add({{"version", ATTENTION_VERSION}, {"backend", std::string(default_device)}})
+      .Add({{"version", ATTENTION_VERSION},
+            {"backend", std::string(default_device)},
+            {"blas_core", std::string(blas_core)}})
       .Set(1);
 }
 

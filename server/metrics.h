@@ -25,8 +25,9 @@ namespace attention::server {
 // Thread-safe (prometheus-cpp metrics are atomic; families are created under its lock).
 class Metrics {
  public:
-  // `default_device` names the server's default backend in attention_build_info.
-  explicit Metrics(absl::string_view default_device = "cpu");
+  // attention_build_info names the server's default backend (`default_device`) and the
+  // OpenBLAS kernel set (`blas_core`) its CPU backend runs.
+  explicit Metrics(absl::string_view default_device = "cpu", absl::string_view blas_core = "");
 
   // Serves /metrics on `address` (host:port; port 0 picks one, see port()).
   absl::Status Expose(const std::string& address);

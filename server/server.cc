@@ -109,7 +109,7 @@ AttentionServer::AttentionServer(const ServerOptions& options,
                                  std::shared_ptr<const core::Backend> default_backend)
     : devices_(std::move(devices)),
       default_backend_(std::move(default_backend)),
-      metrics_(default_backend_->name()),
+      metrics_(default_backend_->name(), core::CpuBackend::BlasCore()),
       request_log_(options.request_log),
       drain_delay_(options.drain_delay),
       batcher_(options.batcher, &metrics_),

@@ -226,6 +226,8 @@ void ApplyRotary(float* data, int64_t rows, int64_t seq_len, int64_t heads, int6
   }
 }
 
+std::string CpuBackend::BlasCore() { return openblas_get_corename(); }
+
 absl::StatusOr<std::unique_ptr<PreparedLayer>> CpuBackend::Prepare(
     const MhaConfig& config, const MhaWeightsView& weights) const {
   return std::make_unique<CpuPreparedLayer>(config, weights, pool_);

@@ -31,6 +31,9 @@ class CpuBackend final : public Backend {
       const SdpaInput& input) const override;
 
   int num_threads() const { return pool_.size(); }
+  // The kernel set OpenBLAS chose for this CPU (or OPENBLAS_CORETYPE forced), e.g.
+  // "Haswell", "SkylakeX", "Cooperlake".
+  static std::string BlasCore();
 
  private:
   const std::string name_ = "cpu";

@@ -80,8 +80,12 @@ TEST_F(MetricsTest, CountRequestsByMethodAndCode) {
   EXPECT_EQ(Sample(text, "attention_in_flight_requests"), 0);
   EXPECT_EQ(Sample(text, "attention_layers_loaded"), 1);
   EXPECT_EQ(Sample(text, "attention_layer_weight_bytes"), 4.0 * (4 * 768 * 768 + 4 * 768));
-  EXPECT_NE(text.find("attention_build_info{backend=\"cpu\",version=\""),
-            std::string::npos);
+  // The default device on a machine without a GPU, and OpenBLAS's kernel set (issue 15).
+  const std::string build_info = "attention_build_info{backend=\"" +
+                                 server_->default_backend().name() + "\",blas_core=\"" +
+                                 core::CpuBackend::BlasCore() + "\",version=\"";
+  EXPECT_NE(text.find(build_info), std::string::npos) << build_info;
+  EXPECT_FALSE(core::CpuBackend::BlasCore().empty());
   // An unknown layer name never becomes a label value.
   EXPECT_EQ(text.find("unknown-layer"), std::string::npos);
 }
