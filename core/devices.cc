@@ -101,7 +101,7 @@ absl::StatusOr<std::shared_ptr<const Backend>> Devices::Get(absl::string_view de
                   : absl::StrCat("device cuda:", index, " is not available: ", gpus,
                                  " GPU(s) visible (cuda:0 to cuda:", gpus - 1, ")"));
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   std::shared_ptr<const Backend>& backend = gpus_[index];
   if (backend == nullptr) {
     absl::StatusOr<std::shared_ptr<const Backend>> opened = (*CudaPluginOnce())->open_backend(index);

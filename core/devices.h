@@ -6,7 +6,6 @@
 
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
@@ -14,6 +13,7 @@
 #include "absl/strings/string_view.h"
 #include "core/backend.h"
 #include "core/cpu/cpu_backend.h"
+#include "core/mutex.h"
 
 namespace attention::core {
 
@@ -39,7 +39,7 @@ class Devices {
 
  private:
   const std::shared_ptr<const CpuBackend> cpu_;
-  std::mutex mu_;
+  Mutex mu_;
   std::map<int, std::shared_ptr<const Backend>> gpus_ ABSL_GUARDED_BY(mu_);  // by index
 };
 

@@ -565,7 +565,7 @@ class MultiHeadAttentionStreamReactor final
 
   void OnReadDone(bool ok) override {
     if (!ok) {  // the caller closed its side, or the stream broke
-      std::lock_guard<std::mutex> lock(mu_);
+      core::MutexLock lock(mu_);
       reads_done_ = true;
       MaybeFinishLocked();
       return;
@@ -575,7 +575,7 @@ class MultiHeadAttentionStreamReactor final
     auto* answer = new v1::MultiHeadAttentionStreamResponse();  // owned by write_queue_ later
     answer->set_request_id(request_.request_id());
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      core::MutexLock lock(mu_);
       ++pending_;
     }
     if (!request_.has_inline_layer()) {
@@ -592,7 +592,7 @@ class MultiHeadAttentionStreamReactor final
         Answer(answer, start, service_.LoaderBusy());
       }
     }
-    std::lock_guard<std::mutex> lock(mu_);
+    core::MutexLock lock(mu_);
     if (pending_ < kMaxPendingPerStream) {
       StartRead(&request_);
     } else {
@@ -602,7 +602,7 @@ class MultiHeadAttentionStreamReactor final
 
   void OnWriteDone(bool /*ok*/) override {
     // A failed write means the caller is gone; the remaining answers fail the same way.
-    std::lock_guard<std::mutex> lock(mu_);
+    core::MutexLock lock(mu_);
     write_queue_.pop_front();
     --pending_;
     if (reading_paused_ && pending_ < kMaxPendingPerStream) {
@@ -639,7 +639,7 @@ class MultiHeadAttentionStreamReactor final
       answer->set_error_code(static_cast<int>(result.code()));
       answer->set_error_message(std::string(result.message()));
     }
-    std::lock_guard<std::mutex> lock(mu_);
+    core::MutexLock lock(mu_);
     write_queue_.emplace_back(answer);
     if (!writing_) {
       writing_ = true;
@@ -657,7 +657,7 @@ class MultiHeadAttentionStreamReactor final
   AttentionServiceImpl& service_;
   grpc::CallbackServerContext* const context_;
   v1::MultiHeadAttentionRequest request_;  // only touched by the read path
-  std::mutex mu_;  // std::mutex so ThreadSanitizer sees it (see layer_registry.h)
+  core::Mutex mu_;  // see core/mutex.h
   std::deque<std::unique_ptr<v1::MultiHeadAttentionStreamResponse>> write_queue_
       ABSL_GUARDED_BY(mu_);
   int pending_ ABSL_GUARDED_BY(mu_) = 0;  // read, not yet written

@@ -161,7 +161,7 @@ Batcher::~Batcher() { Shutdown(); }
 
 absl::Status Batcher::Submit(std::unique_ptr<WorkItem> item) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    core::MutexLock lock(mu_);
     if (stopping_) return absl::UnavailableError("the server is shutting down");
     const std::string name = QueueName(*item);
     // Push moves the item into the queue, which keeps its snapshot alive while mu_ is held.
@@ -186,7 +186,7 @@ absl::Status Batcher::Submit(std::unique_ptr<WorkItem> item) {
 
 void Batcher::Shutdown() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    core::MutexLock lock(mu_);
     stopping_ = true;
   }
   changed_.notify_all();
@@ -196,7 +196,7 @@ void Batcher::Shutdown() {
 }
 
 int64_t Batcher::QueueDepth() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  core::MutexLock lock(mu_);
   return queue_.size();
 }
 
@@ -205,9 +205,9 @@ void Batcher::WorkerLoop() {
     std::vector<std::unique_ptr<WorkItem>> batch;
     bool more_queued = false;
     {
-      std::unique_lock<std::mutex> lock(mu_);
+      core::MutexLock lock(mu_);
       while (batch.empty()) {
-        changed_.wait(lock, [this] { return stopping_ || queue_.size() > 0; });
+        while (!stopping_ && queue_.size() == 0) changed_.wait(lock);
         if (queue_.size() == 0) return;  // stopping, and everything queued is done
         absl::Time due;
         batch = queue_.PopDue(absl::Now(), stopping_, &due);

@@ -9,7 +9,6 @@
 #include <functional>
 #include <list>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -20,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "core/mha_layer.h"
+#include "core/mutex.h"
 #include "server/batch_limits.h"
 #include "server/layer_registry.h"
 #include "server/metrics.h"
@@ -161,10 +161,8 @@ class Batcher {
 
   const BatchLimits server_limits_;
   Metrics* const metrics_;
-  // std::mutex rather than absl::Mutex so ThreadSanitizer sees the locking: Debian's
-  // prebuilt Abseil is not instrumented.
-  mutable std::mutex mu_;
-  std::condition_variable changed_;  // an arrival, or stopping
+  mutable core::Mutex mu_;  // see core/mutex.h
+  std::condition_variable_any changed_;  // an arrival, or stopping
   BatchQueue queue_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> workers_;

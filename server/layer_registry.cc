@@ -34,7 +34,7 @@ absl::Status LayerRegistry::CheckBudget(const std::string& name, int64_t bytes,
   int64_t in_use = 0, on_device = 0;
   int others = 0, others_on_device = 0;
   {
-    std::shared_lock<std::shared_mutex> lock(mu_);
+    core::ReaderLock lock(mu_);
     for (const auto& [loaded_name, snapshot] : layers_) {
       if (loaded_name == name) continue;  // replaced by this load
       in_use += snapshot->layer->WeightBytes();
@@ -72,7 +72,7 @@ std::shared_ptr<const LayerSnapshot> LayerRegistry::PublishLocked(
   snapshot->layer = std::move(layer);
   snapshot->persisted = persisted;
   snapshot->batching = batching;
-  std::unique_lock<std::shared_mutex> lock(mu_);
+  core::WriterLock lock(mu_);
   snapshot->version = next_version_++;
   layers_[name] = snapshot;
   return snapshot;
@@ -81,7 +81,7 @@ std::shared_ptr<const LayerSnapshot> LayerRegistry::PublishLocked(
 absl::StatusOr<std::shared_ptr<const LayerSnapshot>> LayerRegistry::Publish(
     const std::string& name, std::shared_ptr<const core::MhaLayer> layer, bool persist,
     const BatchLimitOverrides& batching) {
-  std::lock_guard<std::mutex> update(update_mu_);
+  core::MutexLock update(update_mu_);
   if (persist && repository_ == nullptr) {
     return absl::FailedPreconditionError(
         "persist = true needs a model repository; start the server with --model_repository");
@@ -89,7 +89,7 @@ absl::StatusOr<std::shared_ptr<const LayerSnapshot>> LayerRegistry::Publish(
   RETURN_IF_ERROR(CheckBudget(name, layer->WeightBytes(), layer->device()));
   bool replaces_persisted = false;
   {
-    std::shared_lock<std::shared_mutex> lock(mu_);
+    core::ReaderLock lock(mu_);
     auto found = layers_.find(name);
     replaces_persisted = found != layers_.end() && found->second->persisted;
   }
@@ -103,36 +103,36 @@ absl::StatusOr<std::shared_ptr<const LayerSnapshot>> LayerRegistry::Publish(
 
 absl::StatusOr<std::shared_ptr<const LayerSnapshot>> LayerRegistry::Get(
     const std::string& name) const {
-  std::shared_lock<std::shared_mutex> lock(mu_);
+  core::ReaderLock lock(mu_);
   auto found = layers_.find(name);
   if (found == layers_.end()) return NotFoundLocked(name);
   return found->second;
 }
 
 absl::Status LayerRegistry::Remove(const std::string& name) {
-  std::lock_guard<std::mutex> update(update_mu_);
+  core::MutexLock update(update_mu_);
   bool persisted = false;
   {
-    std::shared_lock<std::shared_mutex> lock(mu_);
+    core::ReaderLock lock(mu_);
     auto found = layers_.find(name);
     if (found == layers_.end()) return NotFoundLocked(name);
     persisted = found->second->persisted;
   }
   if (persisted && repository_ != nullptr) RETURN_IF_ERROR(repository_->RemovePersisted(name));
-  std::unique_lock<std::shared_mutex> lock(mu_);
+  core::WriterLock lock(mu_);
   layers_.erase(name);
   return absl::OkStatus();
 }
 
 std::vector<std::shared_ptr<const LayerSnapshot>> LayerRegistry::List() const {
-  std::shared_lock<std::shared_mutex> lock(mu_);
+  core::ReaderLock lock(mu_);
   std::vector<std::shared_ptr<const LayerSnapshot>> snapshots;
   for (const auto& [name, snapshot] : layers_) snapshots.push_back(snapshot);
   return snapshots;
 }
 
 int64_t LayerRegistry::weight_bytes() const {
-  std::shared_lock<std::shared_mutex> lock(mu_);
+  core::ReaderLock lock(mu_);
   int64_t bytes = 0;
   for (const auto& [name, snapshot] : layers_) bytes += snapshot->layer->WeightBytes();
   return bytes;
@@ -142,7 +142,7 @@ std::vector<std::string> LayerRegistry::LoadPersisted(
     const std::shared_ptr<const core::Backend>& backend) {
   std::vector<std::string> problems;
   if (repository_ == nullptr) return problems;
-  std::lock_guard<std::mutex> update(update_mu_);
+  core::MutexLock update(update_mu_);
   for (ModelRepository::PersistedLayer& persisted : repository_->LoadPersisted(backend, &problems)) {
     const absl::Status budget = CheckBudget(persisted.name, persisted.layer->WeightBytes(),
                                             persisted.layer->device());

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "core/mutex.h"
 #include "absl/status/statusor.h"
 #include "core/mha_layer.h"
 #include "server/batch_limits.h"
@@ -98,10 +99,8 @@ class LayerRegistry {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(update_mu_);
 
   // Serializes Publish / Remove / LoadPersisted, including their file I/O. Taken before mu_.
-  std::mutex update_mu_;
-  // std:: mutexes rather than absl::Mutex: ThreadSanitizer sees std:: locking, while
-  // Debian's prebuilt Abseil is not instrumented and its locks would look like races.
-  mutable std::shared_mutex mu_;
+  core::Mutex update_mu_;  // see core/mutex.h
+  mutable core::SharedMutex mu_;
   std::map<std::string, std::shared_ptr<const LayerSnapshot>> layers_ ABSL_GUARDED_BY(mu_);
   uint64_t next_version_ ABSL_GUARDED_BY(mu_) = 1;
   // Set by Configure before the registry is shared; read-only afterwards.

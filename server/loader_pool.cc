@@ -11,7 +11,7 @@ LoaderPool::~LoaderPool() { Shutdown(); }
 bool LoaderPool::TrySubmit(std::function<absl::Status()> work,
                            std::function<void(const absl::Status&)> done) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    core::MutexLock lock(mu_);
     if (stopping_ || running_ + static_cast<int>(jobs_.size()) >= max_jobs_) return false;
     jobs_.push_back({std::move(work), std::move(done)});
   }
@@ -21,7 +21,7 @@ bool LoaderPool::TrySubmit(std::function<absl::Status()> work,
 
 void LoaderPool::Shutdown() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    core::MutexLock lock(mu_);
     stopping_ = true;
   }
   job_added_.notify_all();
@@ -34,8 +34,8 @@ void LoaderPool::WorkerLoop() {
   while (true) {
     Job job;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      job_added_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
+      core::MutexLock lock(mu_);
+      while (!stopping_ && jobs_.empty()) job_added_.wait(lock);
       if (jobs_.empty()) return;  // stopping, and every job taken has run
       job = std::move(jobs_.front());
       jobs_.pop_front();
@@ -43,7 +43,7 @@ void LoaderPool::WorkerLoop() {
     }
     const absl::Status status = job.work();
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      core::MutexLock lock(mu_);
       --running_;
     }
     job.done(status);

@@ -8,12 +8,12 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
-#include <mutex>
 #include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "core/mutex.h"
 
 namespace attention::server {
 
@@ -39,8 +39,8 @@ class LoaderPool {
   void WorkerLoop();
 
   const int max_jobs_;
-  std::mutex mu_;  // std::mutex so ThreadSanitizer sees it (see thread_pool.h)
-  std::condition_variable job_added_;
+  core::Mutex mu_;  // see core/mutex.h
+  std::condition_variable_any job_added_;
   struct Job {
     std::function<absl::Status()> work;
     std::function<void(const absl::Status&)> done;

@@ -43,7 +43,7 @@ void RequestLog::Record(absl::string_view method, const absl::Status& status,
                            method, code, seconds, core::JsonQuoted(request_id),
                            core::JsonQuoted(status.message()));
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  core::MutexLock lock(mu_);
   out_ << line << '\n' << std::flush;
 }
 

@@ -6,8 +6,8 @@
 #include <atomic>
 #include <cstdint>
 #include <iostream>
-#include <mutex>
 
+#include "core/mutex.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
@@ -39,7 +39,7 @@ class RequestLog {
 
   const RequestLogOptions options_;
   std::ostream& out_;
-  std::mutex mu_;  // one line at a time
+  core::Mutex mu_;  // one line at a time
   std::atomic<uint64_t> successes_{0};
 };
 

@@ -22,7 +22,7 @@ ThreadPool::ThreadPool(int num_threads) : size_(num_threads < 1 ? 1 : num_thread
 
 ThreadPool::~ThreadPool() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     stopping_ = true;
   }
   work_available_.notify_all();
@@ -39,15 +39,15 @@ void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) 
   job->fn = &fn;
   job->size = n;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     jobs_.push_back(job);
   }
   work_available_.notify_all();
   // The caller works on its own job rather than sleeping until a pool thread has woken up
   // and finished it: on a VM each such wake-up costs tens of microseconds.
   RunItems(job);
-  std::unique_lock<std::mutex> lock(mu_);
-  job_finished_.wait(lock, [&job] { return job->finished.load() == job->size; });
+  MutexLock lock(mu_);
+  while (job->finished.load() != job->size) job_finished_.wait(lock);
 }
 
 void ThreadPool::RunItems(const std::shared_ptr<Job>& job) {
@@ -56,7 +56,7 @@ void ThreadPool::RunItems(const std::shared_ptr<Job>& job) {
     (*job->fn)(i);
     ++done_here;
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   // Every item is claimed: the job leaves the queue so workers move on to the next one.
   if (!jobs_.empty() && jobs_.front() == job) jobs_.pop_front();
   if (job->finished.fetch_add(done_here) + done_here == job->size) job_finished_.notify_all();
@@ -66,8 +66,8 @@ void ThreadPool::WorkerLoop() {
   while (true) {
     std::shared_ptr<Job> job;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      work_available_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
+      MutexLock lock(mu_);
+      while (!stopping_ && jobs_.empty()) work_available_.wait(lock);
       if (jobs_.empty()) return;  // stopping
       job = jobs_.front();
     }

@@ -7,11 +7,11 @@
 #include <deque>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "core/mutex.h"
 
 namespace attention::core {
 
@@ -45,11 +45,9 @@ class ThreadPool {
   // Claims and runs items of `job` until none is left, then records them as finished.
   void RunItems(const std::shared_ptr<Job>& job);
 
-  // std::mutex rather than absl::Mutex so ThreadSanitizer sees the locking: Debian's
-  // prebuilt Abseil is not instrumented.
-  std::mutex mu_;
-  std::condition_variable work_available_;  // a job was queued, or stopping
-  std::condition_variable job_finished_;    // some job's last item finished
+  Mutex mu_;  // see core/mutex.h
+  std::condition_variable_any work_available_;  // a job was queued, or stopping
+  std::condition_variable_any job_finished_;    // some job's last item finished
   std::deque<std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   const int size_;

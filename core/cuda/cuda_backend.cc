@@ -16,6 +16,7 @@
 #include "core/attention_kernels.h"
 #include "core/cuda/kernels.h"
 #include "core/cuda/launch_plan.h"
+#include "core/mutex.h"
 #include "core/status_macros.h"
 
 namespace attention::core {
@@ -264,7 +265,7 @@ class CudaBackend final : public Backend {
   // The calling thread's stream context on this device, created on first use.
   absl::StatusOr<StreamContext*> Context() const {
     RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     std::unique_ptr<StreamContext>& context = contexts_[std::this_thread::get_id()];
     if (context == nullptr) {
       auto created = std::make_unique<StreamContext>();
@@ -298,8 +299,9 @@ class CudaBackend final : public Backend {
   const int device_;
   const std::string name_;
   const int64_t max_shared_bytes_;
-  mutable std::mutex mu_;  // guards contexts_ (std::mutex so ThreadSanitizer sees it)
-  mutable std::map<std::thread::id, std::unique_ptr<StreamContext>> contexts_;
+  mutable Mutex mu_;  // see core/mutex.h
+  mutable std::map<std::thread::id, std::unique_ptr<StreamContext>> contexts_
+      ABSL_GUARDED_BY(mu_);
 };
 
 // y[rows, out] (row stride ldy) = x[rows, in] * w[out, in]^T (+ bias), row-major, on cuBLAS:

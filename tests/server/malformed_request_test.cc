@@ -110,6 +110,41 @@ std::vector<MhaCase> MhaCases() {
        C::kInvalidArgument, "options.queue_timeout_us = -5 must be >= 0"},
       {"bool output dtype", [](auto& r) { r.set_output_dtype(v1::BOOL); },
        C::kInvalidArgument, "output_dtype is BOOL"},
+      {"unknown output dtype", [](auto& r) { r.set_output_dtype(static_cast<v1::DataType>(42)); },
+       C::kInvalidArgument, "output_dtype = 42 is not a known DataType"},
+      {"unknown key padding polarity", [](auto& r) { r.mutable_options()->set_key_padding_polarity(static_cast<v1::BoolMaskPolarity>(7)); },
+       C::kInvalidArgument, "options.key_padding_polarity = 7 is not a known BoolMaskPolarity"},
+      {"key rank 2", [](auto& r) {
+         EncodeTensor(std::vector<float>(5 * 768), std::vector<int64_t>{5, 768}, core::DType::kFloat32, r.mutable_key());
+         *r.mutable_value() = r.key();
+       },
+       C::kInvalidArgument, "key.shape [5, 768] has rank 2; expected [B, Nk, kdim]"},
+      {"value length differs from key length", [](auto& r) {
+         EncodeTensor(std::vector<float>(4 * 768), std::vector<int64_t>{1, 4, 768}, core::DType::kFloat32, r.mutable_key());
+         EncodeTensor(std::vector<float>(3 * 768), std::vector<int64_t>{1, 3, 768}, core::DType::kFloat32, r.mutable_value());
+       },
+       C::kInvalidArgument, "value.shape[1] = 3 must equal key length Nk = 4"},
+      {"value width differs from vdim", [](auto& r) {
+         EncodeTensor(std::vector<float>(4 * 768), std::vector<int64_t>{1, 4, 768}, core::DType::kFloat32, r.mutable_key());
+         EncodeTensor(std::vector<float>(4 * 7), std::vector<int64_t>{1, 4, 7}, core::DType::kFloat32, r.mutable_value());
+       },
+       C::kInvalidArgument, "value.shape[2] = 7 must equal the layer's vdim = 768"},
+      {"negative key length", [](auto& r) { r.mutable_options()->add_key_lengths(-1); },
+       C::kInvalidArgument, "options.key_lengths[0] = -1 is outside [0, 5] (Nk)"},
+      {"scale infinite", [](auto& r) { r.mutable_options()->set_scale(INFINITY); },
+       C::kInvalidArgument, "options.scale = inf is not finite"},
+      {"negative dropout", [](auto& r) { r.mutable_options()->set_dropout_p(-0.5f); },
+       C::kInvalidArgument, "options.dropout_p = -0.5 is outside [0, 1)"},
+      {"bool mask byte count", [](auto& r) {
+         SetMask(r.mutable_options()->mutable_attn_mask(), v1::BOOL, {5, 5});
+         r.mutable_options()->mutable_attn_mask()->mutable_raw_data()->pop_back();
+       },
+       C::kInvalidArgument, "options.attn_mask.raw_data has 24 bytes; shape [5, 5] of BOOL needs 25"},
+      {"float16 query byte count", [](auto& r) {
+         EncodeTensor(std::vector<float>(5 * 768), std::vector<int64_t>{1, 5, 768}, core::DType::kFloat16, r.mutable_query());
+         r.mutable_query()->mutable_raw_data()->pop_back();
+       },
+       C::kInvalidArgument, "query.raw_data has 7679 bytes; shape [1, 5, 768] of FLOAT16 needs 7680"},
       {"request id too long", [](auto& r) { r.set_request_id(std::string(300, 'x')); },
        C::kInvalidArgument, "request_id has 300 bytes; at most 256"},
       {"safetensors inline layer", [](auto& r) {
