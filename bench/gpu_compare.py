@@ -112,7 +112,7 @@ def served_tokens_per_second(bin_dir, seconds=10):
     """attention-server --device=cuda with its demo layer (E=768, 12 heads), called by
     attention-loadgen with S1-shaped requests from 4 concurrent callers."""
     server = subprocess.Popen([os.path.join(bin_dir, "attention-server"), "--device=cuda",
-                               "--listen=127.0.0.1:0", "--metrics_listen="],
+                               "--listen=127.0.0.1:0", "--metrics_listen=", "--demo_layer"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = server.stdout.readline()

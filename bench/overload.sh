@@ -14,7 +14,7 @@ tokens="${3:-128}"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 start_server() {
-  build/server/attention-server --listen=127.0.0.1:0 --metrics_listen= --log_errors=false \
+  build/server/attention-server --listen=127.0.0.1:0 --metrics_listen= --log_errors=false --demo_layer \
     >"$work/stdout" 2>"$work/stderr" &
   server=$!
   for _ in $(seq 300); do

@@ -89,7 +89,7 @@ def serve_and_load(args, server_flags, loadgen_flags):
         with open(log, "w") as out:
             server = subprocess.Popen(
                 [f"{args.build}/server/attention-server", "--listen=127.0.0.1:0",
-                 "--metrics_listen=127.0.0.1:0"] + server_flags,
+                 "--metrics_listen=127.0.0.1:0", "--demo_layer"] + server_flags,
                 stdout=out, stderr=subprocess.STDOUT)
         try:
             port = wait_for_line(log, r"listening on port (\d+)", server)

@@ -68,7 +68,9 @@ ABSL_FLAG(std::string, admin_token_file, "",
 ABSL_FLAG(bool, allow_inline_layers, true,
           "accept MultiHeadAttention requests carrying an inline_layer (built per request)");
 ABSL_FLAG(bool, reflection, true, "offer the gRPC server reflection service");
-ABSL_FLAG(bool, demo_layer, true, "load the seeded BERT-base-shaped layer 'demo-bert-base'");
+ABSL_FLAG(bool, demo_layer, false,
+          "load the seeded BERT-base-shaped layer 'demo-bert-base' at start-up (scripts/run-demo "
+          "does); off by default, so a server serves only the layers its operator loads");
 ABSL_FLAG(std::string, model_repository, "",
           "directory of safetensors checkpoints for LoadLayer and of persisted layers "
           "(persisted/<name>.safetensors, loaded at start-up); empty = none");

@@ -60,8 +60,9 @@ struct ServerOptions {
   absl::Duration max_connection_age_grace = absl::Seconds(30);
   // Largest request metadata (headers) accepted, bytes. >= 1 KiB; default 16 KiB.
   int64_t max_metadata_bytes = 16 << 10;
-  // Load kDemoLayerName with seeded weights at start-up (unless a persisted layer has its name).
-  bool demo_layer = true;
+  // Load kDemoLayerName with seeded weights at start-up (unless a persisted layer has its
+  // name). Default off (--demo_layer): a server serves only what its operator loads.
+  bool demo_layer = false;
   // Weight budget (--max_weight_bytes) and model repository (--model_repository).
   LayerRegistryOptions registry;
   // Layer builds (LoadLayer, inline layers) running at once on the loader pool; more are

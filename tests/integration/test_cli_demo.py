@@ -62,7 +62,7 @@ def main():
         sys.exit(__doc__)
     server_bin, cli = sys.argv[1], sys.argv[2]
     t = harness.Checker("test_cli_demo")
-    server = harness.ServerProcess(server_bin, "--compute_threads=2").start()
+    server = harness.ServerProcess(server_bin, "--compute_threads=2", "--demo_layer").start()
     try:
         run_cli(t, cli, server.target)
         # bfloat16 weights carry 8 significant bits: each value of ~0.2 is off by up to

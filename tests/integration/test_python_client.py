@@ -251,7 +251,8 @@ def main():
     t = harness.Checker("test_python_client")
     check_codec(t)
     t.run("tls and admin token", check_tls_and_admin_token, t, harness.server_binary())
-    server = harness.ServerProcess(harness.server_binary(), "--compute_threads=2").start()
+    server = harness.ServerProcess(harness.server_binary(), "--compute_threads=2",
+                                   "--demo_layer").start()
     try:
         with AttentionClient(server.target) as client:
             t.check(client.health() == "SERVING", "health is %s" % client.health())

@@ -135,7 +135,7 @@ def main():
         sys.exit(__doc__)
     server_binary, loadgen = sys.argv[1], sys.argv[2]
     common = ["--duration=2", "--warmup=0.3", "--seed=7"]
-    with server_process.ServerProcess(server_binary) as server:
+    with server_process.ServerProcess(server_binary, "--demo_layer") as server:
         target = server.target
 
         report = run_loadgen(loadgen, target, "closed unary", "--mode=unary",

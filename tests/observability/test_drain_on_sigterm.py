@@ -101,7 +101,7 @@ def main():
     t = obs.Checker("test_drain_on_sigterm")
     # The calls are long on purpose (about 100 MB of buffers each): the queue's memory bound
     # is raised so that all of them are admitted before SIGTERM.
-    server = obs.ServerProcess(obs.server_binary(), "--max_batch_requests=1",
+    server = obs.ServerProcess(obs.server_binary(), "--demo_layer", "--max_batch_requests=1",
                                "--max_queued_bytes=%d" % (2 << 30),
                                "--shutdown_grace_seconds=%d" % DEADLINE_S).start()
     events = Events()

@@ -50,7 +50,7 @@ def expect_code(t, what, code, fn):
 def main():
     t = obs.Checker("test_metrics_lint")
     promtool = obs.tool("promtool")
-    server = obs.ServerProcess(obs.server_binary(), "--compute_threads=1").start()
+    server = obs.ServerProcess(obs.server_binary(), "--compute_threads=1", "--demo_layer").start()
     try:
         t.check(server.metrics_port, "no 'metrics on port' line")
         with AttentionClient(server.target) as client:

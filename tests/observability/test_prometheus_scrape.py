@@ -154,7 +154,7 @@ def dashboard_queries():
 def main():
     t = obs.Checker("test_prometheus_scrape")
     prometheus_binary = obs.tool("prometheus")
-    server = obs.ServerProcess(obs.server_binary(), "--compute_threads=1").start()
+    server = obs.ServerProcess(obs.server_binary(), "--compute_threads=1", "--demo_layer").start()
     workdir = tempfile.TemporaryDirectory(prefix="attention-prometheus-")
     prom = None
     try:

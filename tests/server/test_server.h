@@ -22,6 +22,7 @@ class ServerTest : public ::testing::Test {
     options.listen_address = "127.0.0.1:0";
     options.metrics_address = "";
     options.compute_threads = 2;
+    options.demo_layer = true;  // most tests send requests to it
     return options;
   }
 
