@@ -1,8 +1,13 @@
 #!/usr/bin/python3
-"""Runs OpenBLAS sgemm, this project's core and PyTorch nn.MultiheadAttention on the
-benchmark shapes in one go and prints GFLOPS and ratios as a markdown table.
+"""Runs OpenBLAS sgemm, this project's core, PyTorch nn.MultiheadAttention and ONNX Runtime
+(bench/ort_peer.py, when the bench venv exists: scripts/bench-deps) on the benchmark shapes
+in one go and prints GFLOPS and ratios as a markdown table.
 
     /usr/bin/python3 bench/compare.py [--bench build/bench/attention_bench] [--repeats 3] [--s5]
+        [--ort-python build/bench-venv/bin/python]
+
+Report every row twice: as the machine is set up, and with OpenBLAS's own kernel choice
+(`env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE /usr/bin/python3 bench/compare.py`).
 
 Useful FLOPs per sequence of N tokens: 8*N*E^2 (four projections) + 4*N^2*E (attention),
 half the attention term when causal. Ratios are what travels between machines; absolute
@@ -10,6 +15,7 @@ GFLOPS drift with load on these shared machines.
 """
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import time
@@ -53,6 +59,14 @@ def run_bench(bench, pattern, min_time):
     return {b["name"]: b for b in json.loads(output)["benchmarks"]}
 
 
+def ort_gflops(python, batch, tokens, embed_dim, heads, causal, threads, min_seconds):
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ort_peer.py")
+    output = subprocess.run([python, script, str(batch), str(tokens), str(embed_dim), str(heads),
+                             "1" if causal else "0", str(threads), str(min_seconds)],
+                            check=True, capture_output=True, text=True).stdout
+    return json.loads(output)["gflops"]
+
+
 def median(values):
     return statistics.median(values)
 
@@ -63,16 +77,21 @@ def main():
     parser.add_argument("--min-time", default="1")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--s5", action="store_true", help="also run S5 (N=65536, ~1 minute)")
+    parser.add_argument("--ort-python", default="build/bench-venv/bin/python",
+                        help="Python with onnxruntime (scripts/bench-deps); skipped if absent")
     args = parser.parse_args()
+    with_ort = os.path.exists(args.ort_python)
 
     # The host's speed drifts by tens of percent within minutes, so sgemm, the core and
     # PyTorch are measured back to back for each row, several times, and the ratios are
     # taken per repeat before the median.
-    print(f"Each row: median of {args.repeats} back-to-back triples (sgemm n=1024, core, PyTorch).")
+    print(f"Each row: median of {args.repeats} back-to-back runs of sgemm n=1024, the core, "
+          f"PyTorch {torch.__version__}" + (" and ONNX Runtime." if with_ort else "."))
+    print(f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', 'unset')}")
     print()
     print("| shape | threads | sgemm GFLOPS | core GFLOPS | PyTorch GFLOPS | core / sgemm "
-          "| core / PyTorch |")
-    print("|---|---|---|---|---|---|---|")
+          "| core / PyTorch |" + (" ORT GFLOPS | core / ORT |" if with_ort else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|---|" if with_ort else ""))
     for name, (batch, tokens, embed_dim, heads, causal) in SHAPES.items():
         for threads in (1, 2):
             key = f"BM_Mha{name}/threads:{threads}/real_time"
@@ -87,13 +106,16 @@ def main():
                 sgemm = results[sgemm_key]["GFLOPS"]
                 theirs = torch_gflops(batch, tokens, embed_dim, heads, causal, threads,
                                       min_seconds=float(args.min_time))
-                rows.append((sgemm, ours, theirs, ours / sgemm, ours / theirs))
+                ort = (ort_gflops(args.ort_python, batch, tokens, embed_dim, heads, causal,
+                                  threads, float(args.min_time)) if with_ort else float("nan"))
+                rows.append((sgemm, ours, theirs, ours / sgemm, ours / theirs, ort, ours / ort))
             if not rows:
                 continue
-            columns = [median([row[i] for row in rows]) for i in range(5)]
+            columns = [median([row[i] for row in rows]) for i in range(7)]
             print(f"| {name} B={batch} N={tokens}{' causal' if causal else ''} | {threads} "
                   f"| {columns[0]:.1f} | {columns[1]:.1f} | {columns[2]:.1f} "
-                  f"| {columns[3]:.2f} | {columns[4]:.2f} |")
+                  f"| {columns[3]:.2f} | {columns[4]:.2f} |"
+                  + (f" {columns[5]:.1f} | {columns[6]:.2f} |" if with_ort else ""))
     ragged = run_bench(args.bench, "Ragged", args.min_time)
     milliseconds = {kind: ragged[f"BM_MhaRagged{kind}/real_time"]["real_time"]
                     for kind in ("Packed", "OneByOne", "Padded")}
