@@ -94,6 +94,8 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
 
  private:
   friend class MultiHeadAttentionStreamReactor;
+  // The Open Inference Protocol's service shares the admin check, loader and call records.
+  friend class InferenceServiceImpl;
 
   // RESOURCE_EXHAUSTED: the loader pool is full.
   absl::Status LoaderBusy() const;

@@ -260,9 +260,14 @@ void Batcher::Run(std::vector<std::unique_ptr<WorkItem>> batch) {
   absl::StatusOr<std::vector<core::AttentionResult>> results =
       snapshot.layer->ForwardBatch(inputs);
   if (metrics_ != nullptr) {
+    const absl::Duration compute = absl::Now() - start;
     metrics_->BatchComputed(snapshot.name, snapshot.layer->device(),
-                            static_cast<int64_t>(live.size()), tokens, absl::Now() - start);
+                            static_cast<int64_t>(live.size()), tokens, compute);
     if (results.ok()) metrics_->TokensProcessed(snapshot.name, tokens);
+    absl::Duration queued;
+    for (const auto& item : live) queued += start - item->enqueued;
+    metrics_->LayerBatchFinished(snapshot.name, static_cast<int64_t>(live.size()), queued,
+                                 compute, results.ok());
   }
   for (size_t n = 0; n < live.size(); ++n) {
     // A backend error (e.g. the device ran out of memory) fails the whole batch.

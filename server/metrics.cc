@@ -156,4 +156,21 @@ void Metrics::SetDeviceMemory(absl::string_view device, int64_t used_bytes,
   device_memory_total_.Add(labels).Set(static_cast<double>(total_bytes));
 }
 
+void Metrics::LayerBatchFinished(absl::string_view layer, int64_t requests,
+                                 absl::Duration queued, absl::Duration compute, bool ok) {
+  core::MutexLock lock(layer_statistics_mutex_);
+  LayerStatistics& statistics = layer_statistics_[std::string(layer)];
+  ++statistics.batches;
+  statistics.requests += requests;
+  if (!ok) statistics.failed_requests += requests;
+  statistics.queued += queued;
+  statistics.computed += compute * requests;
+  statistics.last_batch = absl::Now();
+}
+
+std::map<std::string, Metrics::LayerStatistics> Metrics::LayerStatisticsByName() const {
+  core::MutexLock lock(layer_statistics_mutex_);
+  return layer_statistics_;
+}
+
 }  // namespace attention::server

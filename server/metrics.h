@@ -6,6 +6,7 @@
 #define ATTENTION_SERVER_METRICS_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 
@@ -19,6 +20,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "core/mutex.h"
 
 namespace attention::server {
 
@@ -54,6 +56,23 @@ class Metrics {
   // Memory of an accelerator: bytes in use (by this process and others) and in total.
   void SetDeviceMemory(absl::string_view device, int64_t used_bytes, int64_t total_bytes);
 
+  // Cumulative counts and times of one layer's computed batches, for the Open Inference
+  // Protocol's ModelStatistics (the Prometheus histograms hold the same by bucket).
+  struct LayerStatistics {
+    int64_t batches = 0;
+    int64_t requests = 0;
+    int64_t failed_requests = 0;
+    absl::Duration queued;    // summed over requests: enqueue to the batch's start
+    absl::Duration computed;  // summed over requests: the batch's compute time
+    absl::Time last_batch = absl::InfinitePast();
+  };
+  // One batch of `requests` requests of `layer` that waited `queued` in all and computed for
+  // `compute`; `ok` when the forward pass succeeded.
+  void LayerBatchFinished(absl::string_view layer, int64_t requests, absl::Duration queued,
+                          absl::Duration compute, bool ok);
+  // By layer name.
+  std::map<std::string, LayerStatistics> LayerStatisticsByName() const;
+
  private:
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<prometheus::Exposer> exposer_;
@@ -72,6 +91,9 @@ class Metrics {
   prometheus::Gauge& weight_bytes_;
   prometheus::Family<prometheus::Gauge>& device_memory_used_;
   prometheus::Family<prometheus::Gauge>& device_memory_total_;
+  mutable core::Mutex layer_statistics_mutex_;
+  std::map<std::string, LayerStatistics> layer_statistics_
+      ABSL_GUARDED_BY(layer_statistics_mutex_);
 };
 
 }  // namespace attention::server

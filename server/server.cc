@@ -115,7 +115,8 @@ AttentionServer::AttentionServer(const ServerOptions& options,
       batcher_(options.batcher, &metrics_),
       loader_(options.max_concurrent_loads),
       service_(registry_, batcher_, metrics_, request_log_, options.RequestBudgetWithMessageLimit(),
-               *devices_, default_backend_, options.access, loader_) {}
+               *devices_, default_backend_, options.access, loader_),
+      kserve_service_(service_, registry_, metrics_, loader_, ready_) {}
 
 absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
     const ServerOptions& options) {
@@ -153,6 +154,7 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   builder.RegisterService(&server->service_);
+  builder.RegisterService(&server->kserve_service_);
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || server->port_ == 0) {
     return absl::UnavailableError(
@@ -185,6 +187,7 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
   server->service_.RefreshLayerMetrics();
   health->SetServingStatus(true);
   health->SetServingStatus(kServiceName, true);
+  server->ready_ = true;
   return server;
 }
 
@@ -195,6 +198,7 @@ void AttentionServer::Shutdown(absl::Duration grace) {
   shut_down_ = true;
   if (server_ != nullptr) {
     server_->GetHealthCheckService()->SetServingStatus(false);
+    ready_ = false;
     // Health Check and Watch answer NOT_SERVING while calls are still accepted.
     absl::SleepFor(drain_delay_);
     // In-flight calls finish on batcher workers, which keep running until after this.

@@ -3,6 +3,7 @@
 #ifndef ATTENTION_SERVER_SERVER_H_
 #define ATTENTION_SERVER_SERVER_H_
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "core/devices.h"
 #include "server/attention_service.h"
 #include "server/batcher.h"
+#include "server/kserve_service.h"
 #include "server/layer_registry.h"
 #include "server/metrics.h"
 #include "server/request_log.h"
@@ -119,6 +121,9 @@ class AttentionServer {
   LayerRegistry registry_;
   LoaderPool loader_;
   AttentionServiceImpl service_;
+  // What the health service says, for the Open Inference Protocol's ServerReady.
+  std::atomic<bool> ready_{false};
+  InferenceServiceImpl kserve_service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   std::vector<std::string> startup_problems_;
