@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
+#include "grpc/health/v1/health.pb.h"
 
 namespace attention::server {
 namespace {
@@ -135,6 +136,9 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
     RETURN_IF_ERROR(server->metrics_.Expose(options.metrics_address));
   }
   grpc::EnableDefaultHealthCheckService(true);
+  // gRPC's built-in health service carries no descriptor; naming the generated one links
+  // it in, so reflection can describe grpc.health.v1.Health (grpcurl, Postman).
+  grpc::health::v1::HealthCheckRequest::descriptor();
   grpc::ServerBuilder builder;
   builder.SetOption(std::make_unique<ReflectionOption>(options.reflection));
   builder.AddListeningPort(options.listen_address, ServerCredentials(options.tls),

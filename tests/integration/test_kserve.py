@@ -25,6 +25,8 @@ import tritonclient.grpc as triton
 import tritonclient.grpc.aio as triton_aio
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase)
 
 
 def native_stubs():
@@ -63,6 +65,13 @@ def main():
     server = ServerProcess(server_binary(), "--compute_threads=2").start()
     client = triton.InferenceServerClient(server.target)
     native = pb_grpc.AttentionServiceStub(grpc.insecure_channel(server.target))
+
+    # Reflection describes every service, the health check included (grpcurl's view).
+    reflection = ProtoReflectionDescriptorDatabase(grpc.insecure_channel(server.target))
+    for service in ("inference.GRPCInferenceService", "grpc.health.v1.Health",
+                    "attention.v1.AttentionService"):
+        check.check(service in reflection.get_services(), "reflection lists no %s" % service)
+        check.run("reflection describes " + service, reflection.FindFileContainingSymbol, service)
 
     check.check(client.is_server_live(), "ServerLive is false")
     check.check(client.is_server_ready(), "ServerReady is false")
