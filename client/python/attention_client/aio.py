@@ -38,19 +38,21 @@ class AsyncAttentionClient(ClientBase):
         return messages.health_status(await self._health_check(
             messages.health_request(service), timeout=self.timeout))
 
-    async def multi_head_attention(self, query, key=None, value=None, timeout=None, **kwargs):
+    async def multi_head_attention(self, query, key=None, value=None, *, timeout=None,
+                                   **kwargs):
         request = messages.mha_request(query, key, value, **kwargs)
         return messages.attention_result(
             await self._stub.MultiHeadAttention(request, timeout=self._timeout(timeout)), query)
 
-    async def scaled_dot_product_attention(self, query, key, value, timeout=None, **kwargs):
+    async def scaled_dot_product_attention(self, query, key, value, *, timeout=None,
+                                           **kwargs):
         request = messages.sdpa_request(query, key, value, **kwargs)
         return messages.attention_result(
             await self._stub.ScaledDotProductAttention(request, timeout=self._timeout(timeout)),
             query)
 
-    async def load_layer(self, name, config=None, weights=None, random_seed=None, timeout=None,
-                         **kwargs):
+    async def load_layer(self, name, config=None, weights=None, random_seed=None, *,
+                         timeout=None, **kwargs):
         request = messages.load_layer_request(name, config, weights, random_seed, **kwargs)
         return (await self._stub.LoadLayer(request, timeout=self._timeout(timeout),
                                            metadata=self._admin_metadata)).layer

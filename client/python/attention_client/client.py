@@ -71,7 +71,7 @@ class AttentionClient(ClientBase):
         return messages.health_status(self._health_check(
             messages.health_request(service), timeout=self.timeout))
 
-    def multi_head_attention(self, query, key=None, value=None, timeout=None, **kwargs):
+    def multi_head_attention(self, query, key=None, value=None, *, timeout=None, **kwargs):
         """query [B, Nq, E] (+ key [B, Nk, kdim], value [B, Nk, vdim]), numpy arrays or torch
         tensors, through the layer named `layer=` or the one-off `layer_spec=` (see
         make_layer_spec). `dtype` is the wire dtype of the inputs ("float32", "float16",
@@ -88,14 +88,14 @@ class AttentionClient(ClientBase):
         return messages.attention_result(
             self._stub.MultiHeadAttention(request, timeout=self._timeout(timeout)), query)
 
-    def scaled_dot_product_attention(self, query, key, value, timeout=None, **kwargs):
+    def scaled_dot_product_attention(self, query, key, value, *, timeout=None, **kwargs):
         """Q [B, H, Nq, dk], K [B, Hkv, Nk, dk], V [B, Hkv, Nk, dv] -> [B, H, Nq, dv].
         Keywords as for multi_head_attention (no layer)."""
         request = messages.sdpa_request(query, key, value, **kwargs)
         return messages.attention_result(
             self._stub.ScaledDotProductAttention(request, timeout=self._timeout(timeout)), query)
 
-    def load_layer(self, name, config=None, weights=None, random_seed=None, timeout=None,
+    def load_layer(self, name, config=None, weights=None, random_seed=None, *, timeout=None,
                    **kwargs):
         """Loads (or replaces) a layer; returns the server's LayerInfo. The weights come
         from exactly one of: `weights`, a dict native tensor name -> array; `random_seed`;

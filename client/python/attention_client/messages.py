@@ -181,4 +181,3 @@ def health_method(channel):
         "/grpc.health.v1.Health/Check",
         request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
         response_deserializer=health_pb2.HealthCheckResponse.FromString)
-

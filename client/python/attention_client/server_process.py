@@ -20,6 +20,7 @@ import subprocess
 import tempfile
 import time
 
+
 def make_test_certificates(directory):
     """A CA (ca.pem), a server certificate for 127.0.0.1 / localhost (server.pem, server.key)
     and a client certificate (client.pem, client.key) in `directory`, made by the openssl

@@ -1,6 +1,7 @@
 """The attention_client package against a real attention-server on a free port.
 
-    ATTENTION_SERVER=build/server/attention-server python -m unittest discover -s client/python/tests
+    ATTENTION_SERVER=build/server/attention-server \
+        python -m unittest discover -s client/python/tests
 
 Runs wherever the package imports: in a fresh venv with PyPI's grpcio / protobuf / numpy
 (ctest python_client_venv) and under Debian's python3 (python_client_package_debian), which
@@ -172,7 +173,8 @@ class Blocking(unittest.TestCase):
         x = rng.normal(size=(2, 5, E)).astype(np.float32)
         # A two-layer checkpoint with the rest of a model beside it: the prefix picks one.
         save_safetensors(os.path.join(_repository.name, "bert", "model.safetensors"), {
-            **hf_bert_names(other, "encoder.layer.0."), **hf_bert_names(weights, "encoder.layer.1."),
+            **hf_bert_names(other, "encoder.layer.0."),
+            **hf_bert_names(weights, "encoder.layer.1."),
             "embeddings.word_embeddings.weight": rng.normal(size=(30, E))})
         loads = {
             "weights": dict(weights=weights),
