@@ -363,6 +363,15 @@ class TlsAndAdminToken(unittest.IsolatedAsyncioTestCase):
             self.assertEqual(admin.load_layer("u", CONFIG, random_seed=2).name, "u")
             admin.unload_layer("u")
 
+    def test_server_name_is_checked(self):
+        with AttentionClient(self.server.target, tls_server_name="localhost", **self.tls) as c:
+            self.assertEqual(c.health(), "SERVING")
+        with AttentionClient(self.server.target, tls_server_name="not-in-the-certificate",
+                             **self.tls) as c:
+            with self.assertRaises(grpc.RpcError) as caught:
+                c.health()
+            self.assertEqual(caught.exception.code(), grpc.StatusCode.UNAVAILABLE)
+
 
 if __name__ == "__main__":
     unittest.main()
