@@ -14,7 +14,6 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "client", "python"))
-os.environ.setdefault("ATTENTION_PROTO_DIR", os.path.join(HERE, "..", "..", "proto"))
 from attention_client import stubs  # noqa: E402
 
 pb2 = stubs.load()[0]

@@ -9,8 +9,6 @@ ListLayers / UnloadLayer with inline and random weights; malformed requests answ
 INVALID_ARGUMENT / NOT_FOUND; the server exits 0 on SIGTERM.
 """
 
-import os
-import subprocess
 import tempfile
 
 import grpc
@@ -19,6 +17,7 @@ import numpy as np
 import harness
 import attention_client as ac
 from attention_client import AttentionClient, tensors
+from attention_client.server_process import make_test_certificates
 
 DEMO = "demo-bert-base"
 
@@ -199,25 +198,10 @@ def check_errors(t, client):
     t.check(client.health() == "SERVING", "still SERVING after malformed requests")
 
 
-def make_certificates(directory):
-    """A CA, a server certificate for 127.0.0.1 and a client certificate, by openssl."""
-    def run(command):
-        subprocess.run(command, shell=True, check=True, cwd=directory,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    ec = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes"
-    run("printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\\n' > san.ext")
-    run("openssl req -x509 %s -days 2 -subj /CN=ca -keyout ca.key -out ca.pem" % ec)
-    for name in ("server", "client"):
-        run("openssl req %s -subj /CN=%s -keyout %s.key -out %s.csr" % (ec, name, name, name))
-        run("openssl x509 -req -in %s.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 "
-            "-extfile san.ext -out %s.pem" % (name, name))
-    return lambda name: os.path.join(directory, name)
-
-
 def check_tls_and_admin_token(t, binary):
     """Mutual TLS and a restricted LoadLayer through the Python client's options."""
     with tempfile.TemporaryDirectory() as directory:
-        path = make_certificates(directory)
+        path = make_test_certificates(directory)
         token = "python-client-admin-token-0123"
         with open(path("token"), "w") as f:
             f.write(token + "\n")

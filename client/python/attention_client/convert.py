@@ -1,16 +1,17 @@
 """Converts PyTorch weights to the service's native tensor names (WEIGHT_NAMING_NATIVE).
 
-The server answers UNIMPLEMENTED for the TORCH_MHA / HF namings today, so callers convert
-on their side. Inputs may be numpy arrays or torch tensors (torch is not imported here).
+The server reads a PyTorch MHA, HF BERT or HF Llama state_dict itself (sources.inline or
+sources.safetensors with a naming); these helpers are for modules no naming fits. Inputs may
+be numpy arrays or torch tensors (torch is not imported here).
 """
 
 import numpy as np
 
+from . import tensors
+
 
 def to_numpy(value):
-    if hasattr(value, "detach"):
-        value = value.detach().cpu().float().numpy()
-    return np.ascontiguousarray(value, dtype=np.float32)
+    return np.ascontiguousarray(tensors.to_numpy(value), dtype=np.float32)
 
 
 def from_torch_mha(state_dict, num_heads):

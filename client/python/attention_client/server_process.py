@@ -1,4 +1,5 @@
-"""Starts an attention-server binary on a free loopback port (for tests and examples).
+"""Starts an attention-server binary on a free loopback port (for tests and examples), and
+makes throwaway TLS certificates for it (make_test_certificates).
 
     with ServerProcess("build/server/attention-server", "--compute_threads=2") as server:
         client = AttentionClient(server.target)
@@ -18,6 +19,24 @@ import signal
 import subprocess
 import tempfile
 import time
+
+
+def make_test_certificates(directory):
+    """A CA (ca.pem), a server certificate for 127.0.0.1 / localhost (server.pem, server.key)
+    and a client certificate (client.pem, client.key) in `directory`, made by the openssl
+    command. Returns a function file name -> path. For tests only: the keys are not secret."""
+    def run(command):
+        subprocess.run(command, shell=True, check=True, cwd=directory,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ec = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes"
+    run("printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\\n' > san.ext")
+    run("openssl req -x509 %s -days 2 -subj /CN=ca -keyout ca.key -out ca.pem" % ec)
+    for name in ("server", "client"):
+        run("openssl req %s -subj /CN=%s -keyout %s.key -out %s.csr" % (ec, name, name, name))
+        run("openssl x509 -req -in %s.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 "
+            "-extfile san.ext -out %s.pem" % (name, name))
+    return lambda name: os.path.join(directory, name)
+
 
 _PORT_LINE = re.compile(rb"attention-service listening on port (\d+)")
 _METRICS_LINE = re.compile(rb"attention-service metrics on port (\d+)")

@@ -1,9 +1,12 @@
-"""numpy <-> attention.v1.Tensor conversion.
+"""numpy (or torch) <-> attention.v1.Tensor conversion.
 
 Tensors travel as raw little-endian bytes. numpy has no bfloat16, so bfloat16 is produced
 from the float32 bit pattern (round to nearest even, NaN kept quiet) and widened back by a
-16-bit shift, both on uint32 views.
+16-bit shift, both on uint32 views. torch tensors are accepted wherever numpy arrays are;
+torch is never imported unless the caller passed a torch tensor.
 """
+
+import sys
 
 import numpy as np
 
@@ -22,6 +25,39 @@ def dtype_enum(dtype):
         except KeyError:
             raise ValueError("unknown dtype %r; use one of %s" % (dtype, sorted(_NAMES)))
     return int(dtype)
+
+
+def is_torch(value):
+    return type(value).__module__.split(".")[0] == "torch"
+
+
+def to_numpy(value):
+    """numpy array, torch tensor (any device, bfloat16 widened) or nested list -> ndarray."""
+    if is_torch(value):
+        value = value.detach().cpu()
+        if value.is_floating_point() and value.dtype != sys.modules["torch"].float64:
+            value = value.float()  # numpy has no bfloat16; float16 / bfloat16 widen exactly
+        return value.numpy()
+    return np.asarray(value)
+
+
+def natural_dtype(value):
+    """The wire dtype of an input when the caller names none: float16 and bfloat16 inputs
+    travel as such (their values are exact there), everything else as float32."""
+    name = str(getattr(value, "dtype", "")).replace("torch.", "")
+    return {"float16": FLOAT16, "bfloat16": BFLOAT16}.get(name, FLOAT32)
+
+
+def like(array, wire_dtype, reference):
+    """Decoded float32 `array` as the caller's kind of tensor: numpy stays numpy; for a
+    torch `reference`, a torch tensor in the wire dtype on the reference's device."""
+    if not is_torch(reference):
+        return array
+    torch = sys.modules["torch"]
+    dtype = {FLOAT16: torch.float16, BFLOAT16: torch.bfloat16}.get(wire_dtype, torch.float32)
+    if array.dtype == np.bool_:
+        dtype = torch.bool
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device=reference.device, dtype=dtype)
 
 
 def float32_to_bfloat16_bits(values):
@@ -52,12 +88,14 @@ def round_to_dtype(values, dtype):
 
 
 def encode(array, dtype=None, out=None):
-    """numpy array -> attention.v1.Tensor. dtype defaults to BOOL for bool arrays, else
-    FLOAT32. `out` is an existing Tensor message to fill (e.g. request.query)."""
+    """numpy array or torch tensor -> attention.v1.Tensor. dtype defaults to BOOL for bool
+    arrays, else natural_dtype(array). `out` is an existing Tensor message to fill (e.g.
+    request.query)."""
     pb2 = stubs.load()[0]
-    array = np.asarray(array)
+    natural = natural_dtype(array)
+    array = to_numpy(array)
     if dtype is None:
-        dtype = BOOL if array.dtype == np.bool_ else FLOAT32
+        dtype = BOOL if array.dtype == np.bool_ else natural
     dtype = dtype_enum(dtype)
     if dtype == FLOAT32:
         raw = np.ascontiguousarray(array, dtype="<f4").tobytes()
