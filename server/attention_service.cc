@@ -115,6 +115,13 @@ absl::StatusOr<InputTensor> DecodeMhaInput(const v1::Tensor& tensor, absl::strin
   return input;
 }
 
+// The answer's tensors in float_data (float_data_output).
+template <typename Response>
+void UseFloatData(Response* response) {
+  RawToFloatData(response->mutable_output());
+  if (response->has_attention_weights()) RawToFloatData(response->mutable_attention_weights());
+}
+
 absl::Time Deadline(const grpc::CallbackServerContext* context) {
   return absl::FromChrono(context->deadline());
 }
@@ -296,7 +303,8 @@ absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
                                  config.v_head_dim};
   ASSIGN_OR_RETURN(input.options, ConvertCheckedOptions(request.options(), dims, budget_));
   ASSIGN_OR_RETURN(const core::DType output_dtype,
-                   OutputDType(request.output_dtype(), request.query().dtype()));
+                   OutputDType(request.output_dtype(), request.query().dtype(),
+                               request.float_data_output()));
   const RequestCost cost =
       MultiHeadAttentionCost(config, dims, input.options.need_weights, output_dtype);
   RETURN_IF_ERROR(CheckRequestBudget(cost, budget_));
@@ -326,6 +334,7 @@ absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
   item->is_cancelled = std::move(is_cancelled);
   const core::NeedWeights need = input.options.need_weights;
   item->done = [finish = std::move(finish), response, dims, need, output_dtype, snapshot,
+                float_data = request.float_data_output(),
                 output_dim = config.output_dim, request_id = request.request_id()](
                    absl::StatusOr<core::AttentionResult> result) {
     if (!result.ok()) {
@@ -335,6 +344,7 @@ absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
     EncodeTensor(result->output, {dims.batch, dims.q_len, output_dim}, output_dtype,
                  response->mutable_output());
     EncodeWeights(*result, dims, need, output_dtype, response);
+    if (float_data) UseFloatData(response);
     response->set_request_id(request_id);
     response->set_layer_version(snapshot->version);
     finish(absl::OkStatus());
@@ -388,7 +398,8 @@ absl::Status AttentionServiceImpl::SubmitScaledDotProductAttention(
   ASSIGN_OR_RETURN(input.options,
                    ConvertCheckedOptions(request.options(), input.dims, budget_));
   ASSIGN_OR_RETURN(const core::DType output_dtype,
-                   OutputDType(request.output_dtype(), request.query().dtype()));
+                   OutputDType(request.output_dtype(), request.query().dtype(),
+                               request.float_data_output()));
   RETURN_IF_ERROR(core::ValidateSdpaInput(input));
   const core::AttentionDims& d = input.dims;
   const RequestCost cost =
@@ -417,7 +428,7 @@ absl::Status AttentionServiceImpl::SubmitScaledDotProductAttention(
     return backend->ScaledDotProductAttention(input);
   };
   item->done = [finish = std::move(finish), response, dims, need, output_dtype,
-                request_id = request.request_id()](absl::StatusOr<core::AttentionResult> result) {
+                float_data = request.float_data_output(), request_id = request.request_id()](absl::StatusOr<core::AttentionResult> result) {
     if (!result.ok()) {
       finish(result.status());
       return;
@@ -425,6 +436,7 @@ absl::Status AttentionServiceImpl::SubmitScaledDotProductAttention(
     EncodeTensor(result->output, {dims.batch, dims.num_heads, dims.q_len, dims.v_head_dim},
                  output_dtype, response->mutable_output());
     EncodeWeights(*result, dims, need, output_dtype, response);
+    if (float_data) UseFloatData(response);
     response->set_request_id(request_id);
     finish(absl::OkStatus());
   };

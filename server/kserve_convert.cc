@@ -8,6 +8,7 @@
 #include "core/status_macros.h"
 #include "server/request_validation.h"
 #include "server/status_util.h"
+#include "server/wire_convert.h"
 
 namespace attention::server::kserve {
 namespace {
@@ -357,11 +358,9 @@ void ToInferResponse(v1::MultiHeadAttentionResponse& native, const OutputPlan& p
     if (plan.binary_data) {
       response->add_raw_output_contents()->swap(*tensor.mutable_raw_data());
     } else {
-      // FLOAT32 little-endian bytes, as ToNativeRequest asked for.
-      const std::string& bytes = tensor.raw_data();
-      auto* values = output->mutable_contents()->mutable_fp32_contents();
-      values->Resize(static_cast<int>(bytes.size() / sizeof(float)), 0.0f);
-      std::memcpy(values->mutable_data(), bytes.data(), bytes.size());
+      // FLOAT32, as ToNativeRequest asked for.
+      RawToFloatData(&tensor);
+      output->mutable_contents()->mutable_fp32_contents()->Swap(tensor.mutable_float_data());
     }
   }
 }

@@ -51,7 +51,14 @@ absl::StatusOr<DecodedMask> DecodeMask(const v1::Tensor& tensor, v1::BoolMaskPol
 
 }  // namespace
 
-absl::StatusOr<core::DType> OutputDType(v1::DataType requested, v1::DataType query_dtype) {
+absl::StatusOr<core::DType> OutputDType(v1::DataType requested, v1::DataType query_dtype,
+                                        bool float_data_output) {
+  if (float_data_output) {
+    if (requested == v1::DATA_TYPE_UNSPECIFIED || requested == v1::FLOAT32) return DType::kFloat32;
+    return Invalid("output_dtype = ", v1::DataType_Name(requested),
+                   " cannot travel in float_data (float_data_output is set); leave it "
+                   "unspecified or give FLOAT32");
+  }
   if (requested == v1::DATA_TYPE_UNSPECIFIED) {
     return query_dtype == v1::DATA_TYPE_UNSPECIFIED ? DType::kFloat32
                                                     : ConvertDType(query_dtype, "query.dtype");
@@ -59,6 +66,14 @@ absl::StatusOr<core::DType> OutputDType(v1::DataType requested, v1::DataType que
   ASSIGN_OR_RETURN(const DType dtype, ConvertDType(requested, "output_dtype"));
   if (dtype == DType::kBool) return Invalid("output_dtype is BOOL; expected a float type");
   return dtype;
+}
+
+void RawToFloatData(v1::Tensor* tensor) {
+  const std::string& bytes = tensor->raw_data();
+  auto* values = tensor->mutable_float_data();
+  values->Resize(static_cast<int>(bytes.size() / sizeof(float)), 0.0f);
+  std::memcpy(values->mutable_data(), bytes.data(), bytes.size());
+  tensor->clear_raw_data();
 }
 
 absl::StatusOr<absl::Time> QueueDeadline(const v1::AttentionOptions& options,

@@ -24,8 +24,13 @@ using wire::DecodeFloatTensor;
 using wire::EncodeTensor;
 using wire::FloatTensor;
 
-// The dtype of the reply: output_dtype when set, else the dtype of the query.
-absl::StatusOr<core::DType> OutputDType(v1::DataType requested, v1::DataType query_dtype);
+// The dtype of the reply: output_dtype when set, else the dtype of the query; FLOAT32 for
+// a float_data_output reply, which refuses any other output_dtype.
+absl::StatusOr<core::DType> OutputDType(v1::DataType requested, v1::DataType query_dtype,
+                                        bool float_data_output = false);
+
+// Moves a FLOAT32 tensor's raw_data into float_data (float_data_output replies).
+void RawToFloatData(v1::Tensor* tensor);
 
 // Converts options for an attention of `dims`, checking mask shapes and values.
 absl::StatusOr<core::AttentionOptions> ConvertOptions(const v1::AttentionOptions& options,

@@ -108,6 +108,8 @@ std::vector<MhaCase> MhaCases() {
        C::kInvalidArgument, "options.attn_mask_polarity = 9 is not a known BoolMaskPolarity"},
       {"negative queue timeout", [](auto& r) { r.mutable_options()->set_queue_timeout_us(-5); },
        C::kInvalidArgument, "options.queue_timeout_us = -5 must be >= 0"},
+      {"float_data with FLOAT16", [](auto& r) { r.set_float_data_output(true), r.set_output_dtype(v1::FLOAT16); },
+       C::kInvalidArgument, "output_dtype = FLOAT16 cannot travel in float_data"},
       {"bool output dtype", [](auto& r) { r.set_output_dtype(v1::BOOL); },
        C::kInvalidArgument, "output_dtype is BOOL"},
       {"unknown output dtype", [](auto& r) { r.set_output_dtype(static_cast<v1::DataType>(42)); },

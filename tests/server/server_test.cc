@@ -145,6 +145,27 @@ TEST_F(ServerTest, HalfPrecisionInAndOut) {
   EXPECT_EQ(response->output().dtype(), v1::FLOAT32);
 }
 
+TEST_F(ServerTest, FloatDataOutputCarriesTheRawValues) {
+  std::mt19937_64 rng(21);
+  v1::MultiHeadAttentionRequest request = DemoRequest(rng, 2, 3);
+  request.mutable_options()->set_need_weights(v1::NEED_WEIGHTS_AVERAGED);
+  auto raw = client_->MultiHeadAttention(request);
+  ASSERT_TRUE(raw.ok()) << raw.status();
+  request.set_float_data_output(true);
+  auto typed = client_->MultiHeadAttention(request);
+  ASSERT_TRUE(typed.ok()) << typed.status();
+  for (auto [raw_tensor, typed_tensor] :
+       {std::pair{&raw->output(), &typed->output()},
+        std::pair{&raw->attention_weights(), &typed->attention_weights()}}) {
+    EXPECT_TRUE(typed_tensor->raw_data().empty());
+    EXPECT_EQ(typed_tensor->dtype(), v1::FLOAT32);
+    auto expected = DecodeFloatTensor(*raw_tensor, "raw");
+    EXPECT_EQ(std::vector<float>(typed_tensor->float_data().begin(),
+                                 typed_tensor->float_data().end()),
+              expected->values);
+  }
+}
+
 // Native-named weights for a tiny layer: E = 4, H = 2, with biases.
 v1::LoadLayerRequest TinyLayerRequest(const std::string& name, const core::MhaWeights& weights,
                                       bool fused) {

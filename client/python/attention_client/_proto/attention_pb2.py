@@ -13,26 +13,26 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x61ttention/v1/attention.proto\x12\x0c\x61ttention.v1\"h\n\x06Tensor\x12%\n\x05\x64type\x18\x01 \x01(\x0e\x32\x16.attention.v1.DataType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x10\n\x08raw_data\x18\x03 \x01(\x0c\x12\x16\n\nfloat_data\x18\x04 \x03(\x02\x42\x02\x10\x01\"\x97\x02\n\x0bLayerConfig\x12\x11\n\tembed_dim\x18\x01 \x01(\x03\x12\x11\n\tnum_heads\x18\x02 \x01(\x03\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\x03\x12\x10\n\x08head_dim\x18\x04 \x01(\x03\x12\x12\n\nv_head_dim\x18\x05 \x01(\x03\x12\x0c\n\x04kdim\x18\x06 \x01(\x03\x12\x0c\n\x04vdim\x18\x07 \x01(\x03\x12\x12\n\noutput_dim\x18\x08 \x01(\x03\x12\x13\n\x0bno_qkv_bias\x18\t \x01(\x08\x12\x16\n\x0eno_output_bias\x18\n \x01(\x08\x12\x1e\n\x16skip_output_projection\x18\x0b \x01(\x08\x12\x12\n\nrope_theta\x18\x0c \x01(\x01\x12\x15\n\ralways_causal\x18\r \x01(\x08\"\xca\x01\n\x0cLayerWeights\x12*\n\x06naming\x18\x01 \x01(\x0e\x32\x1a.attention.v1.WeightNaming\x12\x38\n\x07tensors\x18\x02 \x03(\x0b\x32\'.attention.v1.LayerWeights.TensorsEntry\x12\x0e\n\x06prefix\x18\x03 \x01(\t\x1a\x44\n\x0cTensorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.attention.v1.Tensor:\x02\x38\x01\"\x1a\n\nRandomInit\x12\x0c\n\x04seed\x18\x01 \x01(\x04\"]\n\x11SafetensorsSource\x12\x0c\n\x04path\x18\x01 \x01(\t\x12*\n\x06naming\x18\x02 \x01(\x0e\x32\x1a.attention.v1.WeightNaming\x12\x0e\n\x06prefix\x18\x03 \x01(\t\"\xe0\x01\n\tLayerSpec\x12)\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x19.attention.v1.LayerConfig\x12\x34\n\x0einline_weights\x18\x02 \x01(\x0b\x32\x1a.attention.v1.LayerWeightsH\x00\x12\x36\n\x0bsafetensors\x18\x03 \x01(\x0b\x32\x1f.attention.v1.SafetensorsSourceH\x00\x12/\n\x0brandom_init\x18\x04 \x01(\x0b\x32\x18.attention.v1.RandomInitH\x00\x42\t\n\x07weights\"\xae\x03\n\x10\x41ttentionOptions\x12\x0e\n\x06\x63\x61usal\x18\x01 \x01(\x08\x12\x13\n\x0bkey_lengths\x18\x02 \x03(\x03\x12.\n\x10key_padding_mask\x18\x03 \x01(\x0b\x32\x14.attention.v1.Tensor\x12<\n\x14key_padding_polarity\x18\x04 \x01(\x0e\x32\x1e.attention.v1.BoolMaskPolarity\x12\'\n\tattn_mask\x18\x05 \x01(\x0b\x32\x14.attention.v1.Tensor\x12:\n\x12\x61ttn_mask_polarity\x18\x06 \x01(\x0e\x32\x1e.attention.v1.BoolMaskPolarity\x12\x12\n\x05scale\x18\x07 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\tdropout_p\x18\x08 \x01(\x02\x12\x14\n\x0c\x64ropout_seed\x18\t \x01(\x04\x12/\n\x0cneed_weights\x18\n \x01(\x0e\x32\x19.attention.v1.NeedWeights\x12\x10\n\x08priority\x18\x0b \x01(\x05\x12\x18\n\x10queue_timeout_us\x18\x0c \x01(\x03\x42\x08\n\x06_scale\"\xb9\x02\n\x19MultiHeadAttentionRequest\x12\r\n\x05layer\x18\x01 \x01(\t\x12-\n\x0cinline_layer\x18\x02 \x01(\x0b\x32\x17.attention.v1.LayerSpec\x12#\n\x05query\x18\x03 \x01(\x0b\x32\x14.attention.v1.Tensor\x12!\n\x03key\x18\x04 \x01(\x0b\x32\x14.attention.v1.Tensor\x12#\n\x05value\x18\x05 \x01(\x0b\x32\x14.attention.v1.Tensor\x12/\n\x07options\x18\x06 \x01(\x0b\x32\x1e.attention.v1.AttentionOptions\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12,\n\x0coutput_dtype\x18\x08 \x01(\x0e\x32\x16.attention.v1.DataType\"\x9e\x01\n\x1aMultiHeadAttentionResponse\x12$\n\x06output\x18\x01 \x01(\x0b\x32\x14.attention.v1.Tensor\x12/\n\x11\x61ttention_weights\x18\x02 \x01(\x0b\x32\x14.attention.v1.Tensor\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x15\n\rlayer_version\x18\x04 \x01(\x04\"\x9d\x01\n MultiHeadAttentionStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12:\n\x08response\x18\x02 \x01(\x0b\x32(.attention.v1.MultiHeadAttentionResponse\x12\x12\n\nerror_code\x18\x03 \x01(\x05\x12\x15\n\rerror_message\x18\x04 \x01(\t\"\x82\x02\n ScaledDotProductAttentionRequest\x12#\n\x05query\x18\x01 \x01(\x0b\x32\x14.attention.v1.Tensor\x12!\n\x03key\x18\x02 \x01(\x0b\x32\x14.attention.v1.Tensor\x12#\n\x05value\x18\x03 \x01(\x0b\x32\x14.attention.v1.Tensor\x12/\n\x07options\x18\x04 \x01(\x0b\x32\x1e.attention.v1.AttentionOptions\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12,\n\x0coutput_dtype\x18\x06 \x01(\x0e\x32\x16.attention.v1.DataType\"\x8e\x01\n!ScaledDotProductAttentionResponse\x12$\n\x06output\x18\x01 \x01(\x0b\x32\x14.attention.v1.Tensor\x12/\n\x11\x61ttention_weights\x18\x02 \x01(\x0b\x32\x14.attention.v1.Tensor\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\xd4\x02\n\x0e\x42\x61tchingPolicy\x12\x1f\n\x12max_batch_requests\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x1d\n\x10max_batch_tokens\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x1f\n\x12max_queue_delay_us\x18\x03 \x01(\x03H\x02\x88\x01\x01\x12\x1f\n\x12max_queue_requests\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x1d\n\x10max_queue_tokens\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x1d\n\x10queue_timeout_us\x18\x06 \x01(\x03H\x05\x88\x01\x01\x42\x15\n\x13_max_batch_requestsB\x13\n\x11_max_batch_tokensB\x15\n\x13_max_queue_delay_usB\x15\n\x13_max_queue_requestsB\x13\n\x11_max_queue_tokensB\x13\n\x11_queue_timeout_us\"\x98\x01\n\x10LoadLayerRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x04spec\x18\x02 \x01(\x0b\x32\x17.attention.v1.LayerSpec\x12\x0f\n\x07persist\x18\x03 \x01(\x08\x12.\n\x08\x62\x61tching\x18\x04 \x01(\x0b\x32\x1c.attention.v1.BatchingPolicy\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\"\xfe\x01\n\tLayerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x19.attention.v1.LayerConfig\x12\x17\n\x0fparameter_count\x18\x03 \x01(\x03\x12\x14\n\x0cweight_bytes\x18\x04 \x01(\x03\x12%\n\x05\x64type\x18\x05 \x01(\x0e\x32\x16.attention.v1.DataType\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x0f\n\x07version\x18\x07 \x01(\x04\x12\x11\n\tpersisted\x18\x08 \x01(\x08\x12.\n\x08\x62\x61tching\x18\t \x01(\x0b\x32\x1c.attention.v1.BatchingPolicy\";\n\x11LoadLayerResponse\x12&\n\x05layer\x18\x01 \x01(\x0b\x32\x17.attention.v1.LayerInfo\"\"\n\x12UnloadLayerRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x15\n\x13UnloadLayerResponse\"\x13\n\x11ListLayersRequest\"=\n\x12ListLayersResponse\x12\'\n\x06layers\x18\x01 \x03(\x0b\x32\x17.attention.v1.LayerInfo\"\x1f\n\x0fGetLayerRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\":\n\x10GetLayerResponse\x12&\n\x05layer\x18\x01 \x01(\x0b\x32\x17.attention.v1.LayerInfo*W\n\x08\x44\x61taType\x12\x19\n\x15\x44\x41TA_TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\x08\n\x04\x42OOL\x10\x04*|\n\x0cWeightNaming\x12\x18\n\x14WEIGHT_NAMING_NATIVE\x10\x00\x12\x1b\n\x17WEIGHT_NAMING_TORCH_MHA\x10\x01\x12\x19\n\x15WEIGHT_NAMING_HF_BERT\x10\x02\x12\x1a\n\x16WEIGHT_NAMING_HF_LLAMA\x10\x03*8\n\x10\x42oolMaskPolarity\x12\x12\n\x0eTRUE_MASKS_OUT\x10\x00\x12\x10\n\x0cTRUE_ATTENDS\x10\x01*Z\n\x0bNeedWeights\x12\x15\n\x11NEED_WEIGHTS_NONE\x10\x00\x12\x19\n\x15NEED_WEIGHTS_AVERAGED\x10\x01\x12\x19\n\x15NEED_WEIGHTS_PER_HEAD\x10\x02\x32\xb0\x05\n\x10\x41ttentionService\x12g\n\x12MultiHeadAttention\x12\'.attention.v1.MultiHeadAttentionRequest\x1a(.attention.v1.MultiHeadAttentionResponse\x12w\n\x18MultiHeadAttentionStream\x12\'.attention.v1.MultiHeadAttentionRequest\x1a..attention.v1.MultiHeadAttentionStreamResponse(\x01\x30\x01\x12|\n\x19ScaledDotProductAttention\x12..attention.v1.ScaledDotProductAttentionRequest\x1a/.attention.v1.ScaledDotProductAttentionResponse\x12L\n\tLoadLayer\x12\x1e.attention.v1.LoadLayerRequest\x1a\x1f.attention.v1.LoadLayerResponse\x12R\n\x0bUnloadLayer\x12 .attention.v1.UnloadLayerRequest\x1a!.attention.v1.UnloadLayerResponse\x12O\n\nListLayers\x12\x1f.attention.v1.ListLayersRequest\x1a .attention.v1.ListLayersResponse\x12I\n\x08GetLayer\x12\x1d.attention.v1.GetLayerRequest\x1a\x1e.attention.v1.GetLayerResponseB\x03\xf8\x01\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x61ttention/v1/attention.proto\x12\x0c\x61ttention.v1\"h\n\x06Tensor\x12%\n\x05\x64type\x18\x01 \x01(\x0e\x32\x16.attention.v1.DataType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x10\n\x08raw_data\x18\x03 \x01(\x0c\x12\x16\n\nfloat_data\x18\x04 \x03(\x02\x42\x02\x10\x01\"\x97\x02\n\x0bLayerConfig\x12\x11\n\tembed_dim\x18\x01 \x01(\x03\x12\x11\n\tnum_heads\x18\x02 \x01(\x03\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\x03\x12\x10\n\x08head_dim\x18\x04 \x01(\x03\x12\x12\n\nv_head_dim\x18\x05 \x01(\x03\x12\x0c\n\x04kdim\x18\x06 \x01(\x03\x12\x0c\n\x04vdim\x18\x07 \x01(\x03\x12\x12\n\noutput_dim\x18\x08 \x01(\x03\x12\x13\n\x0bno_qkv_bias\x18\t \x01(\x08\x12\x16\n\x0eno_output_bias\x18\n \x01(\x08\x12\x1e\n\x16skip_output_projection\x18\x0b \x01(\x08\x12\x12\n\nrope_theta\x18\x0c \x01(\x01\x12\x15\n\ralways_causal\x18\r \x01(\x08\"\xca\x01\n\x0cLayerWeights\x12*\n\x06naming\x18\x01 \x01(\x0e\x32\x1a.attention.v1.WeightNaming\x12\x38\n\x07tensors\x18\x02 \x03(\x0b\x32\'.attention.v1.LayerWeights.TensorsEntry\x12\x0e\n\x06prefix\x18\x03 \x01(\t\x1a\x44\n\x0cTensorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.attention.v1.Tensor:\x02\x38\x01\"\x1a\n\nRandomInit\x12\x0c\n\x04seed\x18\x01 \x01(\x04\"]\n\x11SafetensorsSource\x12\x0c\n\x04path\x18\x01 \x01(\t\x12*\n\x06naming\x18\x02 \x01(\x0e\x32\x1a.attention.v1.WeightNaming\x12\x0e\n\x06prefix\x18\x03 \x01(\t\"\xe0\x01\n\tLayerSpec\x12)\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x19.attention.v1.LayerConfig\x12\x34\n\x0einline_weights\x18\x02 \x01(\x0b\x32\x1a.attention.v1.LayerWeightsH\x00\x12\x36\n\x0bsafetensors\x18\x03 \x01(\x0b\x32\x1f.attention.v1.SafetensorsSourceH\x00\x12/\n\x0brandom_init\x18\x04 \x01(\x0b\x32\x18.attention.v1.RandomInitH\x00\x42\t\n\x07weights\"\xae\x03\n\x10\x41ttentionOptions\x12\x0e\n\x06\x63\x61usal\x18\x01 \x01(\x08\x12\x13\n\x0bkey_lengths\x18\x02 \x03(\x03\x12.\n\x10key_padding_mask\x18\x03 \x01(\x0b\x32\x14.attention.v1.Tensor\x12<\n\x14key_padding_polarity\x18\x04 \x01(\x0e\x32\x1e.attention.v1.BoolMaskPolarity\x12\'\n\tattn_mask\x18\x05 \x01(\x0b\x32\x14.attention.v1.Tensor\x12:\n\x12\x61ttn_mask_polarity\x18\x06 \x01(\x0e\x32\x1e.attention.v1.BoolMaskPolarity\x12\x12\n\x05scale\x18\x07 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\tdropout_p\x18\x08 \x01(\x02\x12\x14\n\x0c\x64ropout_seed\x18\t \x01(\x04\x12/\n\x0cneed_weights\x18\n \x01(\x0e\x32\x19.attention.v1.NeedWeights\x12\x10\n\x08priority\x18\x0b \x01(\x05\x12\x18\n\x10queue_timeout_us\x18\x0c \x01(\x03\x42\x08\n\x06_scale\"\xd4\x02\n\x19MultiHeadAttentionRequest\x12\r\n\x05layer\x18\x01 \x01(\t\x12-\n\x0cinline_layer\x18\x02 \x01(\x0b\x32\x17.attention.v1.LayerSpec\x12#\n\x05query\x18\x03 \x01(\x0b\x32\x14.attention.v1.Tensor\x12!\n\x03key\x18\x04 \x01(\x0b\x32\x14.attention.v1.Tensor\x12#\n\x05value\x18\x05 \x01(\x0b\x32\x14.attention.v1.Tensor\x12/\n\x07options\x18\x06 \x01(\x0b\x32\x1e.attention.v1.AttentionOptions\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12,\n\x0coutput_dtype\x18\x08 \x01(\x0e\x32\x16.attention.v1.DataType\x12\x19\n\x11\x66loat_data_output\x18\t \x01(\x08\"\x9e\x01\n\x1aMultiHeadAttentionResponse\x12$\n\x06output\x18\x01 \x01(\x0b\x32\x14.attention.v1.Tensor\x12/\n\x11\x61ttention_weights\x18\x02 \x01(\x0b\x32\x14.attention.v1.Tensor\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x15\n\rlayer_version\x18\x04 \x01(\x04\"\x9d\x01\n MultiHeadAttentionStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12:\n\x08response\x18\x02 \x01(\x0b\x32(.attention.v1.MultiHeadAttentionResponse\x12\x12\n\nerror_code\x18\x03 \x01(\x05\x12\x15\n\rerror_message\x18\x04 \x01(\t\"\x9d\x02\n ScaledDotProductAttentionRequest\x12#\n\x05query\x18\x01 \x01(\x0b\x32\x14.attention.v1.Tensor\x12!\n\x03key\x18\x02 \x01(\x0b\x32\x14.attention.v1.Tensor\x12#\n\x05value\x18\x03 \x01(\x0b\x32\x14.attention.v1.Tensor\x12/\n\x07options\x18\x04 \x01(\x0b\x32\x1e.attention.v1.AttentionOptions\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12,\n\x0coutput_dtype\x18\x06 \x01(\x0e\x32\x16.attention.v1.DataType\x12\x19\n\x11\x66loat_data_output\x18\x07 \x01(\x08\"\x8e\x01\n!ScaledDotProductAttentionResponse\x12$\n\x06output\x18\x01 \x01(\x0b\x32\x14.attention.v1.Tensor\x12/\n\x11\x61ttention_weights\x18\x02 \x01(\x0b\x32\x14.attention.v1.Tensor\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\xd4\x02\n\x0e\x42\x61tchingPolicy\x12\x1f\n\x12max_batch_requests\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x1d\n\x10max_batch_tokens\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x1f\n\x12max_queue_delay_us\x18\x03 \x01(\x03H\x02\x88\x01\x01\x12\x1f\n\x12max_queue_requests\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x1d\n\x10max_queue_tokens\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x1d\n\x10queue_timeout_us\x18\x06 \x01(\x03H\x05\x88\x01\x01\x42\x15\n\x13_max_batch_requestsB\x13\n\x11_max_batch_tokensB\x15\n\x13_max_queue_delay_usB\x15\n\x13_max_queue_requestsB\x13\n\x11_max_queue_tokensB\x13\n\x11_queue_timeout_us\"\x98\x01\n\x10LoadLayerRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x04spec\x18\x02 \x01(\x0b\x32\x17.attention.v1.LayerSpec\x12\x0f\n\x07persist\x18\x03 \x01(\x08\x12.\n\x08\x62\x61tching\x18\x04 \x01(\x0b\x32\x1c.attention.v1.BatchingPolicy\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\"\xfe\x01\n\tLayerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x19.attention.v1.LayerConfig\x12\x17\n\x0fparameter_count\x18\x03 \x01(\x03\x12\x14\n\x0cweight_bytes\x18\x04 \x01(\x03\x12%\n\x05\x64type\x18\x05 \x01(\x0e\x32\x16.attention.v1.DataType\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x0f\n\x07version\x18\x07 \x01(\x04\x12\x11\n\tpersisted\x18\x08 \x01(\x08\x12.\n\x08\x62\x61tching\x18\t \x01(\x0b\x32\x1c.attention.v1.BatchingPolicy\";\n\x11LoadLayerResponse\x12&\n\x05layer\x18\x01 \x01(\x0b\x32\x17.attention.v1.LayerInfo\"\"\n\x12UnloadLayerRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x15\n\x13UnloadLayerResponse\"\x13\n\x11ListLayersRequest\"=\n\x12ListLayersResponse\x12\'\n\x06layers\x18\x01 \x03(\x0b\x32\x17.attention.v1.LayerInfo\"\x1f\n\x0fGetLayerRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\":\n\x10GetLayerResponse\x12&\n\x05layer\x18\x01 \x01(\x0b\x32\x17.attention.v1.LayerInfo*W\n\x08\x44\x61taType\x12\x19\n\x15\x44\x41TA_TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\x08\n\x04\x42OOL\x10\x04*|\n\x0cWeightNaming\x12\x18\n\x14WEIGHT_NAMING_NATIVE\x10\x00\x12\x1b\n\x17WEIGHT_NAMING_TORCH_MHA\x10\x01\x12\x19\n\x15WEIGHT_NAMING_HF_BERT\x10\x02\x12\x1a\n\x16WEIGHT_NAMING_HF_LLAMA\x10\x03*8\n\x10\x42oolMaskPolarity\x12\x12\n\x0eTRUE_MASKS_OUT\x10\x00\x12\x10\n\x0cTRUE_ATTENDS\x10\x01*Z\n\x0bNeedWeights\x12\x15\n\x11NEED_WEIGHTS_NONE\x10\x00\x12\x19\n\x15NEED_WEIGHTS_AVERAGED\x10\x01\x12\x19\n\x15NEED_WEIGHTS_PER_HEAD\x10\x02\x32\xb0\x05\n\x10\x41ttentionService\x12g\n\x12MultiHeadAttention\x12\'.attention.v1.MultiHeadAttentionRequest\x1a(.attention.v1.MultiHeadAttentionResponse\x12w\n\x18MultiHeadAttentionStream\x12\'.attention.v1.MultiHeadAttentionRequest\x1a..attention.v1.MultiHeadAttentionStreamResponse(\x01\x30\x01\x12|\n\x19ScaledDotProductAttention\x12..attention.v1.ScaledDotProductAttentionRequest\x1a/.attention.v1.ScaledDotProductAttentionResponse\x12L\n\tLoadLayer\x12\x1e.attention.v1.LoadLayerRequest\x1a\x1f.attention.v1.LoadLayerResponse\x12R\n\x0bUnloadLayer\x12 .attention.v1.UnloadLayerRequest\x1a!.attention.v1.UnloadLayerResponse\x12O\n\nListLayers\x12\x1f.attention.v1.ListLayersRequest\x1a .attention.v1.ListLayersResponse\x12I\n\x08GetLayer\x12\x1d.attention.v1.GetLayerRequest\x1a\x1e.attention.v1.GetLayerResponseB\x97\x01\n io.attentionservice.attention.v1P\x01ZNgithub.com/attention-service/attention-service/gen/go/attention/v1;attentionv1\xf8\x01\x01\xaa\x02\x1d\x41ttentionService.Attention.V1b\x06proto3')
 
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, globals())
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'attention.v1.attention_pb2', globals())
 if _descriptor._USE_C_DESCRIPTORS == False:
 
   DESCRIPTOR._options = None
-  DESCRIPTOR._serialized_options = b'\370\001\001'
+  DESCRIPTOR._serialized_options = b'\n io.attentionservice.attention.v1P\001ZNgithub.com/attention-service/attention-service/gen/go/attention/v1;attentionv1\370\001\001\252\002\035AttentionService.Attention.V1'
   _TENSOR.fields_by_name['float_data']._options = None
   _TENSOR.fields_by_name['float_data']._serialized_options = b'\020\001'
   _LAYERWEIGHTS_TENSORSENTRY._options = None
   _LAYERWEIGHTS_TENSORSENTRY._serialized_options = b'8\001'
-  _DATATYPE._serialized_start=3517
-  _DATATYPE._serialized_end=3604
-  _WEIGHTNAMING._serialized_start=3606
-  _WEIGHTNAMING._serialized_end=3730
-  _BOOLMASKPOLARITY._serialized_start=3732
-  _BOOLMASKPOLARITY._serialized_end=3788
-  _NEEDWEIGHTS._serialized_start=3790
-  _NEEDWEIGHTS._serialized_end=3880
+  _DATATYPE._serialized_start=3571
+  _DATATYPE._serialized_end=3658
+  _WEIGHTNAMING._serialized_start=3660
+  _WEIGHTNAMING._serialized_end=3784
+  _BOOLMASKPOLARITY._serialized_start=3786
+  _BOOLMASKPOLARITY._serialized_end=3842
+  _NEEDWEIGHTS._serialized_start=3844
+  _NEEDWEIGHTS._serialized_end=3934
   _TENSOR._serialized_start=46
   _TENSOR._serialized_end=150
   _LAYERCONFIG._serialized_start=153
@@ -50,35 +50,35 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   _ATTENTIONOPTIONS._serialized_start=990
   _ATTENTIONOPTIONS._serialized_end=1420
   _MULTIHEADATTENTIONREQUEST._serialized_start=1423
-  _MULTIHEADATTENTIONREQUEST._serialized_end=1736
-  _MULTIHEADATTENTIONRESPONSE._serialized_start=1739
-  _MULTIHEADATTENTIONRESPONSE._serialized_end=1897
-  _MULTIHEADATTENTIONSTREAMRESPONSE._serialized_start=1900
-  _MULTIHEADATTENTIONSTREAMRESPONSE._serialized_end=2057
-  _SCALEDDOTPRODUCTATTENTIONREQUEST._serialized_start=2060
-  _SCALEDDOTPRODUCTATTENTIONREQUEST._serialized_end=2318
-  _SCALEDDOTPRODUCTATTENTIONRESPONSE._serialized_start=2321
-  _SCALEDDOTPRODUCTATTENTIONRESPONSE._serialized_end=2463
-  _BATCHINGPOLICY._serialized_start=2466
-  _BATCHINGPOLICY._serialized_end=2806
-  _LOADLAYERREQUEST._serialized_start=2809
-  _LOADLAYERREQUEST._serialized_end=2961
-  _LAYERINFO._serialized_start=2964
-  _LAYERINFO._serialized_end=3218
-  _LOADLAYERRESPONSE._serialized_start=3220
-  _LOADLAYERRESPONSE._serialized_end=3279
-  _UNLOADLAYERREQUEST._serialized_start=3281
-  _UNLOADLAYERREQUEST._serialized_end=3315
-  _UNLOADLAYERRESPONSE._serialized_start=3317
-  _UNLOADLAYERRESPONSE._serialized_end=3338
-  _LISTLAYERSREQUEST._serialized_start=3340
-  _LISTLAYERSREQUEST._serialized_end=3359
-  _LISTLAYERSRESPONSE._serialized_start=3361
-  _LISTLAYERSRESPONSE._serialized_end=3422
-  _GETLAYERREQUEST._serialized_start=3424
-  _GETLAYERREQUEST._serialized_end=3455
-  _GETLAYERRESPONSE._serialized_start=3457
-  _GETLAYERRESPONSE._serialized_end=3515
-  _ATTENTIONSERVICE._serialized_start=3883
-  _ATTENTIONSERVICE._serialized_end=4571
+  _MULTIHEADATTENTIONREQUEST._serialized_end=1763
+  _MULTIHEADATTENTIONRESPONSE._serialized_start=1766
+  _MULTIHEADATTENTIONRESPONSE._serialized_end=1924
+  _MULTIHEADATTENTIONSTREAMRESPONSE._serialized_start=1927
+  _MULTIHEADATTENTIONSTREAMRESPONSE._serialized_end=2084
+  _SCALEDDOTPRODUCTATTENTIONREQUEST._serialized_start=2087
+  _SCALEDDOTPRODUCTATTENTIONREQUEST._serialized_end=2372
+  _SCALEDDOTPRODUCTATTENTIONRESPONSE._serialized_start=2375
+  _SCALEDDOTPRODUCTATTENTIONRESPONSE._serialized_end=2517
+  _BATCHINGPOLICY._serialized_start=2520
+  _BATCHINGPOLICY._serialized_end=2860
+  _LOADLAYERREQUEST._serialized_start=2863
+  _LOADLAYERREQUEST._serialized_end=3015
+  _LAYERINFO._serialized_start=3018
+  _LAYERINFO._serialized_end=3272
+  _LOADLAYERRESPONSE._serialized_start=3274
+  _LOADLAYERRESPONSE._serialized_end=3333
+  _UNLOADLAYERREQUEST._serialized_start=3335
+  _UNLOADLAYERREQUEST._serialized_end=3369
+  _UNLOADLAYERRESPONSE._serialized_start=3371
+  _UNLOADLAYERRESPONSE._serialized_end=3392
+  _LISTLAYERSREQUEST._serialized_start=3394
+  _LISTLAYERSREQUEST._serialized_end=3413
+  _LISTLAYERSRESPONSE._serialized_start=3415
+  _LISTLAYERSRESPONSE._serialized_end=3476
+  _GETLAYERREQUEST._serialized_start=3478
+  _GETLAYERREQUEST._serialized_end=3509
+  _GETLAYERRESPONSE._serialized_start=3511
+  _GETLAYERRESPONSE._serialized_end=3569
+  _ATTENTIONSERVICE._serialized_start=3937
+  _ATTENTIONSERVICE._serialized_end=4625
 # @@protoc_insertion_point(module_scope)
