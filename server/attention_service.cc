@@ -22,12 +22,26 @@ constexpr size_t kMaxRequestIdBytes = 256;
 using wire::ShapeString;
 
 // A query, key or value: float32 values, or, for a layer whose backend converts 16-bit
-// inputs on its device, the FLOAT16 / BFLOAT16 bits as sent (half the bytes to copy).
+// inputs on its device, the FLOAT16 / BFLOAT16 bits as sent (half the bytes to copy), or
+// FLOAT32 raw_data read in place (`borrowed`, no copy).
 struct InputTensor {
   std::vector<int64_t> shape;
   std::vector<float> values;
   std::vector<uint16_t> half;
+  absl::Span<const float> borrowed;
+
+  // The float32 values, wherever they are; `values` once moved to `stored`.
+  absl::Span<const float> Floats(const std::vector<float>& stored) const {
+    return borrowed.data() != nullptr ? borrowed : absl::Span<const float>(stored);
+  }
 };
+
+// FLOAT32 raw_data that can be read in place: 4-byte aligned, and nothing else to decode.
+bool CanBorrow(const v1::Tensor& tensor) {
+  const std::string& raw = tensor.raw_data();
+  return tensor.dtype() == v1::FLOAT32 && tensor.float_data_size() == 0 && !raw.empty() &&
+         reinterpret_cast<uintptr_t>(raw.data()) % alignof(float) == 0;
+}
 
 template <typename Tensor>
 absl::Status CheckRank(const Tensor& tensor, size_t rank, absl::string_view field,
@@ -89,8 +103,19 @@ core::DType HalfDType(const v1::Tensor& tensor) {
 // `tensor` kept as its 16-bit bits when `keep_half` (it is then FLOAT16 or BFLOAT16 raw
 // data), else decoded to float32; refused when non-finite and the budget asks for checking.
 absl::StatusOr<InputTensor> DecodeMhaInput(const v1::Tensor& tensor, absl::string_view field,
-                                           const RequestBudget& budget, bool keep_half) {
+                                           const RequestBudget& budget, bool keep_half,
+                                           bool borrow) {
   InputTensor input;
+  if (!keep_half && borrow && CanBorrow(tensor)) {
+    // The checks DecodeFloatTensor makes of FLOAT32 raw_data, without its copy.
+    ASSIGN_OR_RETURN(const int64_t count, wire::CheckShape(tensor, field));
+    RETURN_IF_ERROR(wire::CheckByteCount(tensor, core::DType::kFloat32, count, field));
+    input.shape.assign(tensor.shape().begin(), tensor.shape().end());
+    input.borrowed = absl::MakeConstSpan(
+        reinterpret_cast<const float*>(tensor.raw_data().data()), static_cast<size_t>(count));
+    if (budget.reject_non_finite) RETURN_IF_ERROR(CheckFinite(input.borrowed, input.shape, field));
+    return input;
+  }
   if (!keep_half) {
     ASSIGN_OR_RETURN(FloatTensor decoded, DecodeInput(tensor, field, budget));
     input.shape = std::move(decoded.shape);
@@ -198,7 +223,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::MultiHeadAttention(
         *request, Deadline(context), [context] { return context->IsCancelled(); }, response,
         [this, reactor, start, request](const absl::Status& result) {
           Finish(reactor, "MultiHeadAttention", start, result, request->request_id());
-        });
+        },
+        /*borrow_inputs=*/true);  // gRPC holds the request until Finish
   };
   // A refused request is answered here; a queued one by its batch worker.
   auto answer_refusal = [this, reactor, start, request](const absl::Status& status) {
@@ -222,7 +248,7 @@ absl::Status AttentionServiceImpl::LoaderBusy() const {
 absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
     const v1::MultiHeadAttentionRequest& request, absl::Time deadline,
     std::function<bool()> is_cancelled, v1::MultiHeadAttentionResponse* response,
-    std::function<void(const absl::Status&)> finish) {
+    std::function<void(const absl::Status&)> finish, bool borrow_inputs) {
   RETURN_IF_ERROR(CheckKnownFields(request));
   RETURN_IF_ERROR(CheckRequestId(request.request_id()));
   std::shared_ptr<const LayerSnapshot> snapshot;
@@ -265,7 +291,7 @@ absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
                          (!has_key || (HalfDType(request.key()) == half_dtype &&
                                        HalfDType(request.value()) == half_dtype));
   ASSIGN_OR_RETURN(InputTensor query,
-                   DecodeMhaInput(request.query(), "query", budget_, keep_half));
+                   DecodeMhaInput(request.query(), "query", budget_, keep_half, borrow_inputs));
   RETURN_IF_ERROR(CheckRank(query, 3, "query", "[B, Nq, embed_dim]"));
   RETURN_IF_ERROR(CheckDim(query, 2, config.embed_dim, "query", "the layer's embed_dim"));
   auto item = std::make_unique<WorkItem>();
@@ -281,10 +307,13 @@ absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
                    " and vdim = ", config.vdim, ", so it cannot self-attend with embed_dim = ",
                    config.embed_dim);
   }
+  // Spans of the key and value values, set once their storage no longer moves.
+  absl::Span<const float> key_values, value_values;
   if (has_key) {
-    ASSIGN_OR_RETURN(InputTensor key, DecodeMhaInput(request.key(), "key", budget_, keep_half));
+    ASSIGN_OR_RETURN(InputTensor key,
+                     DecodeMhaInput(request.key(), "key", budget_, keep_half, borrow_inputs));
     ASSIGN_OR_RETURN(InputTensor value,
-                     DecodeMhaInput(request.value(), "value", budget_, keep_half));
+                     DecodeMhaInput(request.value(), "value", budget_, keep_half, borrow_inputs));
     RETURN_IF_ERROR(CheckRank(key, 3, "key", "[B, Nk, kdim]"));
     RETURN_IF_ERROR(CheckRank(value, 3, "value", "[B, Nk, vdim]"));
     RETURN_IF_ERROR(CheckDim(key, 0, input.batch, "key", "query batch size B"));
@@ -295,6 +324,8 @@ absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
     input.kv_len = key.shape[1];
     item->storage.push_back(std::move(key.values));
     item->storage.push_back(std::move(value.values));
+    key_values = key.Floats(item->storage[0]);
+    value_values = value.Floats(item->storage[1]);
     item->half_storage.push_back(std::move(key.half));
     item->half_storage.push_back(std::move(value.half));
   }
@@ -318,11 +349,9 @@ absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
       input.value_half = item->half_storage[1];
     }
   } else {
-    input.query = item->storage.back();
-    if (has_key) {
-      input.key = item->storage[0];
-      input.value = item->storage[1];
-    }
+    input.query = query.Floats(item->storage.back());
+    input.key = key_values;
+    input.value = value_values;
   }
   RETURN_IF_ERROR(snapshot->layer->ValidateInput(input));
 

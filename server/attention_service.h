@@ -79,10 +79,13 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   // Validates `request` and queues it. When queued, `finish` is called exactly once, on a
   // batch worker, after `response` is filled (OK) or with the error; when this returns an
   // error, `finish` is never called.
+  // With `borrow_inputs`, FLOAT32 inputs are read in place from `request`, which must then
+  // outlive the call to `finish` (a unary call's request does; a stream reuses its own).
   absl::Status SubmitMultiHeadAttention(const v1::MultiHeadAttentionRequest& request,
                                         absl::Time deadline, std::function<bool()> is_cancelled,
                                         v1::MultiHeadAttentionResponse* response,
-                                        std::function<void(const absl::Status&)> finish);
+                                        std::function<void(const absl::Status&)> finish,
+                                        bool borrow_inputs = false);
   // The same for scaled dot-product attention.
   absl::Status SubmitScaledDotProductAttention(
       const v1::ScaledDotProductAttentionRequest& request, absl::Time deadline,

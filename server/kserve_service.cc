@@ -175,7 +175,8 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(
             kserve::ToInferResponse(call->response, call->plan, request->model_name(), response);
           }
           native_.Finish(reactor, "ModelInfer", start, result, request->id());
-        });
+        },
+        /*borrow_inputs=*/true);  // `call` holds the request until then
   }
   if (!status.ok()) native_.Finish(reactor, "ModelInfer", start, status, request->id());
   return reactor;

@@ -18,6 +18,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "server/malloc_tuning.h"
 #include "server/server.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "host:port to serve gRPC on; port 0 picks one");
@@ -141,6 +142,7 @@ absl::StatusOr<std::string> ReadAdminToken(const std::string& path) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  attention::server::KeepLargeBuffersInHeap(size_t{256} << 20);
   absl::SetProgramUsageMessage("Serves multi-head attention over gRPC (attention.v1).");
   absl::ParseCommandLine(argc, argv);
   // Start-up configuration, one line on stderr: every flag defined in this file, sorted.

@@ -82,7 +82,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       v1::MultiHeadAttentionResponse response;
       server::RunAndWait([&](auto finish) {
         return service->service->SubmitMultiHeadAttention(request, deadline, never_cancelled,
-                                                          &response, finish);
+                                                          &response, finish,
+                                                          /*borrow_inputs=*/true);
       });
       break;
     }

@@ -1,0 +1,205 @@
+// Where a large served request spends the time beyond its compute (issue 15, item 4).
+//
+//   build/bench/served_overhead [--batch=32] [--tokens=128] [--rounds=15]
+//
+// One process, loopback, interleaved per round:
+//   echo      a gRPC echo of the request's payload size both ways (generic API, bytes only):
+//             the transport ceiling;
+//   served    MultiHeadAttention on the demo layer (E=768, 12 heads) through an in-process
+//             server, one caller;
+//   compute   the same forward pass on the layer directly (in process, no gRPC);
+//   protobuf  serializing and parsing the request and the answer messages.
+// Medians over the rounds are printed, with served - compute and served / compute.
+#include <algorithm>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <grpcpp/create_channel.h>
+#include <grpcpp/generic/async_generic_service.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/server_builder.h>
+#include <grpcpp/support/byte_buffer.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "attention/v1/attention.grpc.pb.h"
+#include "server/malloc_tuning.h"
+#include "server/server.h"
+#include "tensor_codec.h"
+
+ABSL_FLAG(int64_t, batch, 32, "sequences per request");
+ABSL_FLAG(int64_t, tokens, 128, "tokens per sequence");
+ABSL_FLAG(int, rounds, 15, "interleaved rounds");
+ABSL_FLAG(int, echo_lookahead_bytes, 0,
+          "grpc.http2.lookahead_bytes of the echo client and server (0: gRPC's default)");
+ABSL_FLAG(int, echo_max_frame_bytes, 0,
+          "grpc.http2.max_frame_size of the echo client and server (0: gRPC's default)");
+
+namespace {
+
+using attention::server::AttentionServer;
+using attention::server::ServerOptions;
+
+// Echoes one message back.
+class EchoService final : public grpc::CallbackGenericService {
+  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext*) override {
+    class Reactor final : public grpc::ServerGenericBidiReactor {
+     public:
+      Reactor() { StartRead(&buffer_); }
+      void OnReadDone(bool ok) override {
+        if (!ok) {
+          Finish(grpc::Status::OK);
+          return;
+        }
+        StartWriteAndFinish(&buffer_, grpc::WriteOptions(), grpc::Status::OK);
+      }
+      void OnDone() override { delete this; }
+
+     private:
+      grpc::ByteBuffer buffer_;
+    };
+    return new Reactor;
+  }
+};
+
+double Median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
+}
+
+double MillisecondsSince(absl::Time start) { return absl::ToDoubleMilliseconds(absl::Now() - start); }
+
+grpc::ChannelArguments LargeMessages() {
+  grpc::ChannelArguments arguments;
+  arguments.SetMaxReceiveMessageSize(-1);
+  arguments.SetMaxSendMessageSize(-1);
+  return arguments;
+}
+
+// The HTTP/2 settings under test, on the echo's both ends.
+template <typename Target>
+void SetHttp2Arguments(Target& target) {
+  if (const int bytes = absl::GetFlag(FLAGS_echo_lookahead_bytes); bytes > 0) {
+    target.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, bytes);
+  }
+  if (const int bytes = absl::GetFlag(FLAGS_echo_max_frame_bytes); bytes > 0) {
+    target.SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, bytes);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  attention::server::KeepLargeBuffersInHeap(size_t{256} << 20);  // as attention-server
+  const int64_t batch = absl::GetFlag(FLAGS_batch), tokens = absl::GetFlag(FLAGS_tokens);
+  const int64_t embed_dim = attention::server::kDemoEmbedDim;
+
+  ServerOptions options;
+  options.listen_address = "127.0.0.1:0";
+  options.metrics_address = "";
+  options.demo_layer = true;
+  auto server = AttentionServer::Start(options);
+  if (!server.ok()) {
+    std::fprintf(stderr, "server: %s\n", server.status().ToString().c_str());
+    return 1;
+  }
+  EchoService echo_service;
+  grpc::ServerBuilder echo_builder;
+  int echo_port = 0;
+  echo_builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &echo_port);
+  echo_builder.RegisterCallbackGenericService(&echo_service);
+  echo_builder.SetMaxReceiveMessageSize(-1);
+  echo_builder.SetMaxSendMessageSize(-1);
+  if (const int bytes = absl::GetFlag(FLAGS_echo_lookahead_bytes); bytes > 0) {
+    echo_builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, bytes);
+  }
+  if (const int bytes = absl::GetFlag(FLAGS_echo_max_frame_bytes); bytes > 0) {
+    echo_builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, bytes);
+  }
+  std::unique_ptr<grpc::Server> echo_server = echo_builder.BuildAndStart();
+
+  auto mha = attention::v1::AttentionService::NewStub(grpc::CreateCustomChannel(
+      "127.0.0.1:" + std::to_string((*server)->port()), grpc::InsecureChannelCredentials(),
+      LargeMessages()));
+  grpc::ChannelArguments echo_arguments = LargeMessages();
+  SetHttp2Arguments(echo_arguments);
+  grpc::GenericStub echo(grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(echo_port),
+                                                   grpc::InsecureChannelCredentials(),
+                                                   echo_arguments));
+
+  std::mt19937_64 rng(1);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  std::vector<float> values(static_cast<size_t>(batch * tokens * embed_dim));
+  for (float& v : values) v = uniform(rng);
+  attention::v1::MultiHeadAttentionRequest request;
+  request.set_layer(attention::server::kDemoLayerName);
+  attention::wire::EncodeTensor(values, {batch, tokens, embed_dim},
+                                attention::core::DType::kFloat32, request.mutable_query());
+  const std::string payload = request.SerializeAsString();
+  const grpc::Slice slice(payload);
+  const grpc::ByteBuffer echo_request(&slice, 1);
+
+  auto layer = (*(*server)->registry().Get(attention::server::kDemoLayerName))->layer;
+  attention::core::MhaInput input;
+  input.batch = batch;
+  input.q_len = input.kv_len = tokens;
+  input.query = values;
+
+  std::vector<double> echo_ms, served_ms, compute_ms, protobuf_ms;
+  for (int round = 0; round < absl::GetFlag(FLAGS_rounds); ++round) {
+    absl::Time start = absl::Now();
+    grpc::ByteBuffer echoed;
+    grpc::ClientContext echo_context;
+    absl::Notification echo_done;
+    grpc::Status echo_status;
+    echo.UnaryCall(&echo_context, "/bench.Echo/Echo", grpc::StubOptions(), &echo_request,
+                   &echoed, [&](grpc::Status status) {
+                     echo_status = status;
+                     echo_done.Notify();
+                   });
+    echo_done.WaitForNotification();
+    echo_ms.push_back(MillisecondsSince(start));
+
+    start = absl::Now();
+    grpc::ClientContext context;
+    attention::v1::MultiHeadAttentionResponse response;
+    const grpc::Status status = mha->MultiHeadAttention(&context, request, &response);
+    served_ms.push_back(MillisecondsSince(start));
+    if (!status.ok() || !echo_status.ok()) {
+      std::fprintf(stderr, "call failed: %s %s\n", status.error_message().c_str(),
+                   echo_status.error_message().c_str());
+      return 1;
+    }
+
+    start = absl::Now();
+    const auto computed = layer->ForwardBatch({&input});
+    compute_ms.push_back(MillisecondsSince(start));
+    if (!computed.ok()) return 1;
+
+    start = absl::Now();
+    attention::v1::MultiHeadAttentionRequest parsed_request;
+    attention::v1::MultiHeadAttentionResponse parsed_response;
+    const bool parsed = parsed_request.ParseFromString(request.SerializeAsString()) &&
+                        parsed_response.ParseFromString(response.SerializeAsString());
+    protobuf_ms.push_back(MillisecondsSince(start));
+    if (!parsed) return 1;
+  }
+  const double served = Median(served_ms), compute = Median(compute_ms);
+  std::printf("request %.1f MB, answer %.1f MB (B=%lld N=%lld E=%lld), %d rounds, medians:\n",
+              payload.size() / 1e6, payload.size() / 1e6, static_cast<long long>(batch),
+              static_cast<long long>(tokens), static_cast<long long>(embed_dim),
+              absl::GetFlag(FLAGS_rounds));
+  std::printf("  echo (transport ceiling, both ways)   %8.2f ms\n", Median(echo_ms));
+  std::printf("  protobuf serialize+parse, both ways   %8.2f ms\n", Median(protobuf_ms));
+  std::printf("  compute in process                    %8.2f ms\n", compute);
+  std::printf("  served MultiHeadAttention             %8.2f ms\n", served);
+  std::printf("  served - compute                      %8.2f ms\n", served - compute);
+  std::printf("  served / in-process throughput        %8.3f\n", compute / served);
+  echo_server->Shutdown();
+  return 0;
+}
