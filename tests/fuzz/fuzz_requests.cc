@@ -1,7 +1,8 @@
 // libFuzzer target: requests of every compute and management RPC from arbitrary bytes,
 // through the service's one validation path and, when valid, a small compute. The first byte
-// picks the RPC (MultiHeadAttention, ScaledDotProductAttention, LoadLayer); the rest is the
-// serialized request. Budgets are small, so a valid request computes in milliseconds.
+// picks the RPC (MultiHeadAttention, ScaledDotProductAttention, LoadLayer, ModelInfer); the rest is the
+// serialized request; 3 is the Open Inference Protocol's ModelInfer, translated and then
+// submitted as the service does. Budgets are small, so a valid request computes in milliseconds.
 // Seeds: tests/fuzz/corpus/requests/ (made by tests/fuzz/make_corpus.py).
 #include <cstddef>
 #include <cstdint>
@@ -9,6 +10,7 @@
 
 #include "absl/time/clock.h"
 #include "server/attention_service.h"
+#include "server/kserve_convert.h"
 
 namespace attention::server {
 namespace {
@@ -70,7 +72,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace attention;
   static server::Service* const service = new server::Service();
   if (size == 0) return 0;
-  const int rpc = data[0] % 3;
+  const int rpc = data[0] % 4;
   const uint8_t* body = data + 1;
   const int body_size = static_cast<int>(size - 1);
   const absl::Time deadline = absl::Now() + absl::Seconds(30);
@@ -96,6 +98,29 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                                                                  never_cancelled, &response,
                                                                  finish);
       });
+      break;
+    }
+    case 3: {
+      inference::ModelInferRequest request;
+      if (!request.ParseFromArray(body, body_size)) return 0;
+      v1::MultiHeadAttentionRequest native;
+      server::kserve::OutputPlan plan;
+      if (!server::kserve::ToNativeRequest(request, &native, &plan).ok()) return 0;
+      v1::MultiHeadAttentionResponse response;
+      absl::Status answer = absl::UnknownError("not answered");
+      server::RunAndWait([&](auto finish) {
+        return service->service->SubmitMultiHeadAttention(
+            native, deadline, never_cancelled, &response,
+            [&answer, finish](const absl::Status& result) {
+              answer = result;
+              finish(result);
+            },
+            /*borrow_inputs=*/true);
+      });
+      if (answer.ok()) {
+        inference::ModelInferResponse translated;
+        server::kserve::ToInferResponse(response, plan, request.model_name(), &translated);
+      }
       break;
     }
     default: {

@@ -8,7 +8,9 @@ policies.
 import json
 import os
 import struct
+import subprocess
 import sys
+import tempfile
 
 import numpy as np
 
@@ -17,6 +19,19 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "client", "python"))
 from attention_client import stubs  # noqa: E402
 
 pb2 = stubs.load()[0]
+
+
+def inference_stubs():
+    """The Open Inference Protocol's messages, generated with Debian's protoc."""
+    out = tempfile.mkdtemp(prefix="inference-stubs-")
+    subprocess.run(["protoc", "-I", os.path.join(HERE, "..", "..", "proto"), "--python_out=" + out,
+                    "inference/grpc_service.proto"], check=True)
+    sys.path.insert(0, out)
+    from inference import grpc_service_pb2
+    return grpc_service_pb2
+
+
+kserve = inference_stubs()
 rng = np.random.default_rng(7)
 
 
@@ -74,6 +89,24 @@ def requests():
     for name in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "out_proj.weight"):
         weights.spec.inline_weights.tensors[name].CopyFrom(tensor((2, 2)))
     yield "load_inline", 2, weights
+    infer = kserve.ModelInferRequest(model_name="tiny", id="r1")
+    infer.inputs.add(name="query", datatype="FP32", shape=[1, 3, 8])
+    infer.raw_input_contents.append(tensor((1, 3, 8)).raw_data)
+    infer.inputs.add(name="key_padding_mask", datatype="INT64", shape=[1, 3])
+    infer.raw_input_contents.append(np.array([[1, 1, 0]], dtype=np.int64).tobytes())
+    infer.parameters["causal"].bool_param = True
+    infer.parameters["need_weights"].string_param = "per_head"
+    infer.outputs.add(name="output")
+    infer.outputs.add(name="attention_weights")
+    yield "infer_raw", 3, infer
+    typed = kserve.ModelInferRequest(model_name="tiny")
+    query = typed.inputs.add(name="query", datatype="FP32", shape=[1, 2, 8])
+    query.contents.fp32_contents.extend(rng.uniform(-1, 1, size=16).tolist())
+    mask = typed.inputs.add(name="attn_mask", datatype="BOOL", shape=[2, 2])
+    mask.contents.bool_contents.extend([True, False, True, True])
+    typed.parameters["binary_data_output"].bool_param = False
+    typed.parameters["bool_mask_polarity"].string_param = "true_attends"
+    yield "infer_typed", 3, typed
 
 
 def safetensors(tensors, metadata=None):
