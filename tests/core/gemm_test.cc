@@ -60,7 +60,7 @@ class GemmLevelTest : public ::testing::TestWithParam<SimdLevel> {
   }
 };
 
-// Rows around the tile heights (4, 6, 12) and past a row chunk (192), columns around the
+// Rows around the tile heights (4, 6, 12) and past a row chunk (128), columns around the
 // 16-wide panel, depths odd and past a depth block (256).
 TEST_P(GemmLevelTest, TransposedPanelsMatchNaiveGemm) {
   const uint64_t seed = TestSeed(1501);
