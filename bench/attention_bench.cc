@@ -68,7 +68,7 @@ void BM_Linear(benchmark::State& state) {
   state.SetLabel(SimdLevelName(BestSimdLevel()));
 }
 BENCHMARK(BM_Linear)->ArgNames({"rows", "packed"})->ArgsProduct({{1, 16, 32, 64, 128, 256, 512}, {0, 1}})->UseRealTime();
-BENCHMARK(BM_Linear)->Name("BM_LinearCpu")->ArgNames({"rows", "packed"})->ArgsProduct({{16, 64, 128, 256}, {0, 1}})->MeasureProcessCPUTime();
+BENCHMARK(BM_Linear)->Name("BM_LinearCpu")->ArgNames({"rows", "packed"})->ArgsProduct({{16, 64, 128, 256, 512, 2048}, {0, 1}})->MeasureProcessCPUTime();
 
 // Sequence lengths of one batch; all equal unless ragged.
 void RunMha(benchmark::State& state, const std::vector<int64_t>& lengths, int64_t embed_dim,

@@ -61,14 +61,14 @@ class GemmLevelTest : public ::testing::TestWithParam<SimdLevel> {
 };
 
 // Rows around the tile heights (4, 6, 12) and past a row chunk (128), columns around the
-// 16-wide panel, depths odd and past a depth block (256).
+// 16-wide panel, depths odd and past a depth block (1024).
 TEST_P(GemmLevelTest, TransposedPanelsMatchNaiveGemm) {
   const uint64_t seed = TestSeed(1501);
   SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
   std::mt19937_64 rng(seed);
   for (int64_t rows : {1, 5, 7, 13, 16, 25, 200}) {
     for (int64_t columns : {1, 15, 16, 17, 40}) {
-      for (int64_t depth : {1, 3, 64, 257, 767}) {
+      for (int64_t depth : {1, 3, 64, 767, 1031}) {
         SCOPED_TRACE("rows " + std::to_string(rows) + " columns " + std::to_string(columns) +
                      " depth " + std::to_string(depth));
         // A and W with padded rows; the bias on or off; alpha not 1.
