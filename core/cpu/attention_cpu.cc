@@ -221,7 +221,8 @@ void AttendBlock(const AttentionProblem& p, int64_t b, int64_t h, int64_t block)
   const bool tiny = key_count <= kTinyHeadKeys;
   thread_local std::vector<float> panels;
   if (tiny) {
-    panels.resize(std::max(PanelFloats(d.head_dim, key_count), PanelFloats(key_count, d.v_head_dim)));
+    panels.resize(
+        std::max(PanelFloats(d.head_dim, key_count), PanelFloats(key_count, d.v_head_dim)));
     PackTransposed(key, key_count, d.head_dim, p.key_layout.row_stride, panels.data());
     GemmPanels(BestSimdLevel(), query, p.query_layout.row_stride, rows, panels.data(),
                d.head_dim, key_count, 0, PanelCount(key_count), scale, nullptr, scores.data(),

@@ -65,8 +65,8 @@ class PackedWeight {
 
 // At most this many rows go through the packed microkernel; more go to OpenBLAS, whose
 // per-call packing is then a small share. attention_bench's BM_LinearCpu (E=768 QKV, AVX2):
-// the microkernel is 1.5x OpenBLAS at 16 rows, 1.04x at 512, even at 2048.
-inline constexpr int64_t kPackedLinearMaxRows = 512;
+// the microkernel is 1.5-1.7x OpenBLAS at 16 rows, 1.03-1.07x at 256, 0.98-1.04x at 512.
+inline constexpr int64_t kPackedLinearMaxRows = 256;
 
 // Y[rows, N] = X[rows, K] * W[N, K]^T (+ bias[N]), split across the pool: on `panels` (W
 // packed by PackTransposed, may be null) with `level`'s microkernel when rows <=
