@@ -88,12 +88,11 @@ __attribute__((target("avx512f"))) void TileAvx512(const float* a, int64_t lda,
 
 // Rows per tile at most: as many as keep the accumulators in registers.
 int MaxTileRows(SimdLevel level) {
-  switch (level) {
-    case SimdLevel::kAvx512: return 12;
-    case SimdLevel::kAvx2: return 6;
-    case SimdLevel::kPortable: break;
-  }
-  return 4;
+#if defined(__x86_64__)
+  if (level == SimdLevel::kAvx512) return 12;
+  if (level == SimdLevel::kAvx2) return 6;
+#endif
+  return 4;  // the portable kernel, which is all that other CPUs compile
 }
 
 #if defined(__x86_64__)
@@ -169,25 +168,16 @@ SimdLevel BestSimdLevel() {
   return best;
 }
 
-void PackTransposed(const float* w, int64_t columns, int64_t depth, int64_t ldw, float* panels) {
+void PackPanels(const float* b, int64_t depth, int64_t columns, int64_t depth_stride,
+                int64_t column_stride, float* panels) {
   for (int64_t p = 0; p < PanelCount(columns); ++p) {
     float* panel = panels + p * depth * kPanelWidth;
+    const float* first_column = b + p * kPanelWidth * column_stride;
     const int64_t width = std::min(kPanelWidth, columns - p * kPanelWidth);
     for (int64_t k = 0; k < depth; ++k) {
       float* row = panel + k * kPanelWidth;
-      for (int64_t j = 0; j < width; ++j) row[j] = w[(p * kPanelWidth + j) * ldw + k];
-      std::fill(row + width, row + kPanelWidth, 0.0f);
-    }
-  }
-}
-
-void PackRows(const float* b, int64_t depth, int64_t columns, int64_t ldb, float* panels) {
-  for (int64_t p = 0; p < PanelCount(columns); ++p) {
-    float* panel = panels + p * depth * kPanelWidth;
-    const int64_t width = std::min(kPanelWidth, columns - p * kPanelWidth);
-    for (int64_t k = 0; k < depth; ++k) {
-      float* row = panel + k * kPanelWidth;
-      std::copy(b + k * ldb + p * kPanelWidth, b + k * ldb + p * kPanelWidth + width, row);
+      const float* source = first_column + k * depth_stride;
+      for (int64_t j = 0; j < width; ++j) row[j] = source[j * column_stride];
       std::fill(row + width, row + kPanelWidth, 0.0f);
     }
   }

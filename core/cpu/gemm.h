@@ -32,11 +32,19 @@ inline int64_t PanelFloats(int64_t depth, int64_t columns) {
   return PanelCount(columns) * depth * kPanelWidth;
 }
 
+// Panels of B [depth, columns] whose element (k, j) is b[k * depth_stride + j * column_stride].
+void PackPanels(const float* b, int64_t depth, int64_t columns, int64_t depth_stride,
+                int64_t column_stride, float* panels);
 // Panels of B = W^T for W [columns, depth] with rows `ldw` floats apart (the PyTorch layout of
 // a Linear weight, or keys to take scores against).
-void PackTransposed(const float* w, int64_t columns, int64_t depth, int64_t ldw, float* panels);
+inline void PackTransposed(const float* w, int64_t columns, int64_t depth, int64_t ldw,
+                           float* panels) {
+  PackPanels(w, depth, columns, 1, ldw, panels);
+}
 // Panels of B [depth, columns] with rows `ldb` floats apart (values).
-void PackRows(const float* b, int64_t depth, int64_t columns, int64_t ldb, float* panels);
+inline void PackRows(const float* b, int64_t depth, int64_t columns, int64_t ldb, float* panels) {
+  PackPanels(b, depth, columns, ldb, 1, panels);
+}
 
 // C[rows, columns of panels [first_panel, end_panel)] = alpha * A[rows, depth] * B + bias,
 // with B in panel layout (`columns` in all, which bounds the last panel). `bias` (may be
