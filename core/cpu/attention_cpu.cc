@@ -267,7 +267,7 @@ void AttentionBlockedCpu(absl::Span<const AttentionProblem> problems, ThreadPool
     const AttentionDims& d = problems[k].dims;
     first_task[k + 1] = first_task[k] + d.batch * d.num_heads * QueryBlocks(d);
   }
-  pool.ParallelFor(first_task.back(), [&](int64_t task) {
+  const auto run_task = [&](int64_t task) {
     const size_t k =
         std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
     const AttentionProblem& p = problems[k];
@@ -275,7 +275,21 @@ void AttentionBlockedCpu(absl::Span<const AttentionProblem> problems, ThreadPool
     const int64_t local = task - first_task[k];
     AttendBlock(p, local / (blocks * p.dims.num_heads), (local / blocks) % p.dims.num_heads,
                 local % blocks);
-  });
+  };
+  // A lone short request's attention is a few microseconds of work: waking the pool's
+  // threads for it costs more than it saves.
+  double multiply_adds = 0;
+  for (const AttentionProblem& p : problems) {
+    const AttentionDims& d = p.dims;
+    multiply_adds += static_cast<double>(d.batch * d.num_heads * d.q_len) * d.kv_len *
+                     (d.head_dim + d.v_head_dim);
+  }
+  constexpr double kSerialMultiplyAdds = 1 << 20;
+  if (multiply_adds < kSerialMultiplyAdds) {
+    for (int64_t task = 0; task < first_task.back(); ++task) run_task(task);
+    return;
+  }
+  pool.ParallelFor(first_task.back(), run_task);
 }
 
 }  // namespace attention::core
