@@ -11,6 +11,8 @@
 #include "benchmark/benchmark.h"
 #include "core/mha_layer.h"
 #include "core/cpu/cpu_backend.h"
+#include "core/cpu/gemm.h"
+#include "core/cpu/thread_pool.h"
 
 namespace attention::core {
 namespace {
@@ -47,6 +49,35 @@ void BM_Sgemm(benchmark::State& state) {
   SetGflops(state, 2.0 * n * n * n);
 }
 BENCHMARK(BM_Sgemm)->ArgNames({"n", "threads"})->Args({1024, 1})->Args({1024, 2})->UseRealTime();
+
+// The QKV projection of E=768 (N=2304, K=768) on 2 threads for `rows` tokens: OpenBLAS on the
+// plain weights against the microkernel on weights packed once, to place
+// kPackedLinearMaxRows. Args: rows, packed (0 or 1).
+void BM_Linear(benchmark::State& state) {
+  const int64_t rows = state.range(0), out = 2304, in = 768;
+  ThreadPool pool(2);
+  const auto x = RandomValues(rows * in, 1), w = RandomValues(out * in, 2);
+  const auto b = RandomValues(out, 3);
+  const PackedWeight packed(w, out, in);
+  std::vector<float> y(rows * out);
+  for (auto _ : state) {
+    LinearForward(pool, x.data(), rows, in, w, b, out, y.data(),
+                  state.range(1) ? packed.panels() : nullptr, BestSimdLevel(), rows);
+    benchmark::DoNotOptimize(y.data());
+  }
+  SetGflops(state, 2.0 * rows * out * in);
+  state.SetLabel(SimdLevelName(BestSimdLevel()));
+}
+BENCHMARK(BM_Linear)
+    ->ArgNames({"rows", "packed"})
+    ->ArgsProduct({{1, 16, 32, 64, 128, 256, 512}, {0, 1}})
+    ->UseRealTime();
+// Per CPU-second of the process (see BM_MhaRequests16Cpu).
+BENCHMARK(BM_Linear)
+    ->Name("BM_LinearCpu")
+    ->ArgNames({"rows", "packed"})
+    ->ArgsProduct({{16, 64, 128, 256, 512, 2048}, {0, 1}})
+    ->MeasureProcessCPUTime();
 
 // Sequence lengths of one batch; all equal unless ragged.
 void RunMha(benchmark::State& state, const std::vector<int64_t>& lengths, int64_t embed_dim,
@@ -86,11 +117,26 @@ void BM_MhaRequests16(benchmark::State& s) {
   RunMha(s, std::vector<int64_t>(s.range(0), 16), 768, 12, false, 2);
 }
 BENCHMARK(BM_MhaRequests16)->ArgName("requests")->Arg(1)->Arg(32)->Arg(64)->UseRealTime();
+// The same per CPU-second of the whole process instead of per wall second: on a shared
+// machine whose other jobs take the cores away, compute per CPU time still compares (the
+// pool's threads sleep while they wait, so idle time is not counted either way).
+BENCHMARK(BM_MhaRequests16)
+    ->Name("BM_MhaRequests16Cpu")
+    ->ArgName("requests")
+    ->Arg(1)
+    ->Arg(64)
+    ->MeasureProcessCPUTime();
 
 BENCHMARK(BM_MhaS1)->ArgName("threads")->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MhaS2)->ArgName("threads")->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MhaS3)->ArgName("threads")->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MhaS4)->ArgName("threads")->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_MhaS4)
+    ->Name("BM_MhaS4Cpu")
+    ->ArgName("threads")
+    ->Arg(2)
+    ->MeasureProcessCPUTime()
+    ->Unit(benchmark::kMillisecond);
 
 // S5: one causal sequence of 65536 tokens, E=512, 8 heads (scores would need 128 GiB if
 // materialised). Run alone: --benchmark_filter=S5.

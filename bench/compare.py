@@ -4,7 +4,7 @@
 in one go and prints GFLOPS and ratios as a markdown table.
 
     /usr/bin/python3 bench/compare.py [--bench build/bench/attention_bench] [--repeats 3] [--s5]
-        [--ort-python build/bench-venv/bin/python]
+        [--ort-python build/bench-venv/bin/python] [--shapes S1,S4] [--threads 2] [--no-ragged]
 
 Report every row twice: as the machine is set up, and with OpenBLAS's own kernel choice
 (`env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE /usr/bin/python3 bench/compare.py`).
@@ -77,6 +77,9 @@ def main():
     parser.add_argument("--min-time", default="1")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--s5", action="store_true", help="also run S5 (N=65536, ~1 minute)")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="e.g. S4 or S1,S4")
+    parser.add_argument("--threads", default="1,2", help="thread counts, e.g. 2")
+    parser.add_argument("--no-ragged", action="store_true", help="skip the ragged batch")
     parser.add_argument("--ort-python", default="build/bench-venv/bin/python",
                         help="Python with onnxruntime (scripts/bench-deps); skipped if absent")
     args = parser.parse_args()
@@ -92,8 +95,11 @@ def main():
     print("| shape | threads | sgemm GFLOPS | core GFLOPS | PyTorch GFLOPS | core / sgemm "
           "| core / PyTorch |" + (" ORT GFLOPS | core / ORT |" if with_ort else ""))
     print("|---|---|---|---|---|---|---|" + ("---|---|" if with_ort else ""))
+    shapes = args.shapes.split(",")
     for name, (batch, tokens, embed_dim, heads, causal) in SHAPES.items():
-        for threads in (1, 2):
+        if name not in shapes:
+            continue
+        for threads in (int(t) for t in args.threads.split(",")):
             key = f"BM_Mha{name}/threads:{threads}/real_time"
             sgemm_key = f"BM_Sgemm/n:1024/threads:{threads}/real_time"
             rows = []
@@ -116,16 +122,17 @@ def main():
                   f"| {columns[0]:.1f} | {columns[1]:.1f} | {columns[2]:.1f} "
                   f"| {columns[3]:.2f} | {columns[4]:.2f} |"
                   + (f" {columns[5]:.1f} | {columns[6]:.2f} |" if with_ort else ""))
-    ragged = run_bench(args.bench, "Ragged", args.min_time)
-    milliseconds = {kind: ragged[f"BM_MhaRagged{kind}/real_time"]["real_time"]
-                    for kind in ("Packed", "OneByOne", "Padded")}
-    print()
-    print("Ragged batch (24 sequences, lengths 16..512, 2 threads), milliseconds per batch:")
-    print(f"packed {milliseconds['Packed']:.1f}, sum of each sequence alone "
-          f"{milliseconds['OneByOne']:.1f} (packed / alone = "
-          f"{milliseconds['Packed'] / milliseconds['OneByOne']:.2f}), padded to the longest "
-          f"{milliseconds['Padded']:.1f} (packed / padded = "
-          f"{milliseconds['Packed'] / milliseconds['Padded']:.2f})")
+    if not args.no_ragged:
+        ragged = run_bench(args.bench, "Ragged", args.min_time)
+        milliseconds = {kind: ragged[f"BM_MhaRagged{kind}/real_time"]["real_time"]
+                        for kind in ("Packed", "OneByOne", "Padded")}
+        print()
+        print("Ragged batch (24 sequences, lengths 16..512, 2 threads), milliseconds per batch:")
+        print(f"packed {milliseconds['Packed']:.1f}, sum of each sequence alone "
+              f"{milliseconds['OneByOne']:.1f} (packed / alone = "
+              f"{milliseconds['Packed'] / milliseconds['OneByOne']:.2f}), padded to the longest "
+              f"{milliseconds['Padded']:.1f} (packed / padded = "
+              f"{milliseconds['Packed'] / milliseconds['Padded']:.2f})")
     if args.s5:
         result = subprocess.run(
             ["/usr/bin/time", "-f", "%M", args.bench, "--benchmark_filter=MhaS5",

@@ -39,8 +39,8 @@ class PreparedLayer {
   virtual absl::StatusOr<std::vector<AttentionResult>> ForwardBatch(
       absl::Span<const MhaInput* const> inputs) const = 0;
 
-  // Bytes of weights this copy holds in the backend's own memory: 0 when it computes from
-  // the host weights in place (the CPU).
+  // Bytes of weights this copy holds besides the host weights: a device's copy, or the
+  // CPU's copy packed for its small-batch microkernel.
   virtual int64_t DeviceWeightBytes() const = 0;
 };
 

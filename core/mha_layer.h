@@ -34,7 +34,8 @@ class MhaLayer {
   // Where the forward passes run: the backend's name ("cpu", "cuda:0").
   const std::string& device() const { return backend_->name(); }
   const Backend& backend() const { return *backend_; }
-  // Bytes of weights held in the backend's own memory (0 on the CPU).
+  // Bytes of weights the backend holds besides the host weights (a device copy, or the
+  // CPU's packed copy).
   int64_t DeviceWeightBytes() const { return prepared_->DeviceWeightBytes(); }
 
   // Checks shapes and options of `input`; errors name the request fields.

@@ -6,6 +6,8 @@
 #include <vector>
 
 #include <cblas.h>
+
+#include "core/cpu/gemm.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -98,6 +100,9 @@ int64_t QueryBlocks(const AttentionDims& d) {
   const int64_t rows = QueryBlockRows(d.kv_len);
   return (d.q_len + rows - 1) / rows;
 }
+
+// Up to this many keys, a head's two GEMMs run on the microkernel (core/cpu/gemm.h).
+constexpr int64_t kTinyHeadKeys = 64;
 
 // Keys per step of the online softmax: long key ranges are processed in blocks this size, so
 // the scores of one query block never exceed rows x kKeyBlock floats.
@@ -209,10 +214,24 @@ void AttendBlock(const AttentionProblem& p, int64_t b, int64_t h, int64_t block)
   // and short rows need no second pass anyway.
   thread_local std::vector<float> scores;
   scores.resize(rows * key_count);
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, key_count, d.head_dim, scale,
-              p.query + p.query_layout.Offset(b, h, first_row), p.query_layout.row_stride,
-              p.key + p.key_layout.Offset(b, hk, 0), p.key_layout.row_stride, 0.0f,
-              scores.data(), key_count);
+  const float* query = p.query + p.query_layout.Offset(b, h, first_row);
+  const float* key = p.key + p.key_layout.Offset(b, hk, 0);
+  // Tiny heads (short sequences): OpenBLAS would spend most of each call packing, so the
+  // keys and values are packed here for the project's microkernel.
+  const bool tiny = key_count <= kTinyHeadKeys;
+  thread_local std::vector<float> panels;
+  if (tiny) {
+    panels.resize(
+        std::max(PanelFloats(d.head_dim, key_count), PanelFloats(key_count, d.v_head_dim)));
+    PackTransposed(key, key_count, d.head_dim, p.key_layout.row_stride, panels.data());
+    GemmPanels(BestSimdLevel(), query, p.query_layout.row_stride, rows, panels.data(),
+               d.head_dim, key_count, 0, PanelCount(key_count), scale, nullptr, scores.data(),
+               key_count);
+  } else {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, key_count, d.head_dim, scale,
+                query, p.query_layout.row_stride, key, p.key_layout.row_stride, 0.0f,
+                scores.data(), key_count);
+  }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = first_row + r;
     float* row = scores.data() + r * key_count;
@@ -227,9 +246,17 @@ void AttendBlock(const AttentionProblem& p, int64_t b, int64_t h, int64_t block)
     DropOutRow(options, b, h, i, 0, limit, row);
     if (weights != nullptr) std::copy(row, row + key_count, weights + r * d.kv_len);
   }
+  const float* value = p.value + p.value_layout.Offset(b, hk, 0);
+  if (tiny) {
+    PackRows(value, key_count, d.v_head_dim, p.value_layout.row_stride, panels.data());
+    GemmPanels(BestSimdLevel(), scores.data(), key_count, rows, panels.data(), key_count,
+               d.v_head_dim, 0, PanelCount(d.v_head_dim), 1.0f, nullptr, out,
+               p.output_layout.row_stride);
+    return;
+  }
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, d.v_head_dim, key_count, 1.0f,
-              scores.data(), key_count, p.value + p.value_layout.Offset(b, hk, 0),
-              p.value_layout.row_stride, 0.0f, out, p.output_layout.row_stride);
+              scores.data(), key_count, value, p.value_layout.row_stride, 0.0f, out,
+              p.output_layout.row_stride);
 }
 
 }  // namespace
@@ -240,7 +267,7 @@ void AttentionBlockedCpu(absl::Span<const AttentionProblem> problems, ThreadPool
     const AttentionDims& d = problems[k].dims;
     first_task[k + 1] = first_task[k] + d.batch * d.num_heads * QueryBlocks(d);
   }
-  pool.ParallelFor(first_task.back(), [&](int64_t task) {
+  const auto run_task = [&](int64_t task) {
     const size_t k =
         std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
     const AttentionProblem& p = problems[k];
@@ -248,7 +275,21 @@ void AttentionBlockedCpu(absl::Span<const AttentionProblem> problems, ThreadPool
     const int64_t local = task - first_task[k];
     AttendBlock(p, local / (blocks * p.dims.num_heads), (local / blocks) % p.dims.num_heads,
                 local % blocks);
-  });
+  };
+  // A lone short request's attention is a few microseconds of work: waking the pool's
+  // threads for it costs more than it saves.
+  double multiply_adds = 0;
+  for (const AttentionProblem& p : problems) {
+    const AttentionDims& d = p.dims;
+    multiply_adds += static_cast<double>(d.batch * d.num_heads * d.q_len) * d.kv_len *
+                     (d.head_dim + d.v_head_dim);
+  }
+  constexpr double kSerialMultiplyAdds = 1 << 20;
+  if (multiply_adds < kSerialMultiplyAdds) {
+    for (int64_t task = 0; task < first_task.back(); ++task) run_task(task);
+    return;
+  }
+  pool.ParallelFor(first_task.back(), run_task);
 }
 
 }  // namespace attention::core

@@ -3,48 +3,17 @@
 #include <algorithm>
 #include <cmath>
 #include <deque>
+#include <optional>
 #include <vector>
 
 #include <cblas.h>
 
 #include "core/attention_kernels.h"
 #include "core/cpu/attention_cpu.h"
+#include "core/cpu/gemm.h"
 
 namespace attention::core {
 namespace {
-
-// Y[M, N] = X[M, K] * W[N, K]^T (+ bias[N]), split across the pool. Every part's GEMM
-// packs all of the operand that is not split, so split the larger one: by output columns
-// when the weights outweigh the rows (few tokens), else by rows.
-void LinearForward(ThreadPool& pool, const float* x, int64_t rows, int64_t in_features,
-                   absl::Span<const float> weight, absl::Span<const float> bias,
-                   int64_t out_features, float* y) {
-  constexpr int64_t kMinPart = 16;
-  const int64_t threads = pool.size();
-  const bool split_rows = rows >= out_features ? rows >= threads * kMinPart
-                                               : out_features < threads * kMinPart;
-  const int64_t total = split_rows ? rows : out_features;
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, total));
-  pool.ParallelFor(parts, [&](int64_t part) {
-    const int64_t begin = total * part / parts;
-    const int64_t end = total * (part + 1) / parts;
-    if (begin == end) return;
-    const int64_t m = split_rows ? end - begin : rows;
-    const int64_t n = split_rows ? out_features : end - begin;
-    const float* a = split_rows ? x + begin * in_features : x;
-    const float* w = split_rows ? weight.data() : weight.data() + begin * in_features;
-    float* c = split_rows ? y + begin * out_features : y + begin;
-    // The bias goes in as the GEMM's C with beta = 1: no separate pass over Y.
-    float beta = 0.0f;
-    if (!bias.empty()) {
-      const float* b = split_rows ? bias.data() : bias.data() + begin;
-      for (int64_t r = 0; r < m; ++r) std::copy(b, b + n, c + r * out_features);
-      beta = 1.0f;
-    }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, in_features, 1.0f, a,
-                in_features, w, in_features, beta, c, out_features);
-  });
-}
 
 // Working memory of ForwardBatch, kept per calling thread and reused: allocating and
 // zero-filling tens of MB per batch (page faults on fresh memory) cost about a fifth of a
@@ -67,23 +36,56 @@ class ForwardScratch {
   int64_t sizes_[kSlots] = {};
 };
 
-// Reads the host weights in place; the pool is the backend's.
+// Large batches read the host weights in place (OpenBLAS); few rows use a copy packed
+// once for the microkernel (core/cpu/gemm.h). The pool is the backend's.
 class CpuPreparedLayer final : public PreparedLayer {
  public:
   CpuPreparedLayer(const MhaConfig& config, const MhaWeightsView& weights, ThreadPool& pool)
-      : config_(config), weights_(weights), pool_(pool) {}
+      : config_(config), weights_(weights), pool_(pool) {
+    const MhaConfig& c = config;
+    const int64_t q = c.QWidth(), k = c.KWidth(), v = c.VWidth();
+    if (!weights.fused_qkv_weight.empty()) {
+      packed_qkv_.emplace(weights.fused_qkv_weight, q + k + v, c.embed_dim);
+      // Cross-attention projects Q, K and V apart: the fused panels serve when each part
+      // starts on a panel boundary; otherwise those GEMMs go to OpenBLAS.
+      if (q % kPanelWidth == 0 && k % kPanelWidth == 0) {
+        q_panels_ = packed_qkv_->panels();
+        k_panels_ = q_panels_ + PanelFloats(c.embed_dim, q);
+        v_panels_ = k_panels_ + PanelFloats(c.embed_dim, k);
+      }
+    } else {
+      q_panels_ = packed_q_.emplace(weights.q_weight, q, c.embed_dim).panels();
+      k_panels_ = packed_k_.emplace(weights.k_weight, k, c.kdim).panels();
+      v_panels_ = packed_v_.emplace(weights.v_weight, v, c.vdim).panels();
+    }
+    if (c.output_projection) {
+      packed_out_.emplace(weights.out_weight, c.output_dim, c.AttentionWidth());
+    }
+  }
 
   // The projections of all inputs run over every token of the batch at once (Q, K and V as
   // one GEMM for self-attention when they are fused), attention per sequence, head and
   // query block, one GEMM for the output.
   absl::StatusOr<std::vector<AttentionResult>> ForwardBatch(
       absl::Span<const MhaInput* const> inputs) const override;
-  int64_t DeviceWeightBytes() const override { return 0; }
+  // The packed copies, held besides the host weights.
+  int64_t DeviceWeightBytes() const override {
+    int64_t bytes = 0;
+    for (const auto* packed : {&packed_qkv_, &packed_q_, &packed_k_, &packed_v_, &packed_out_}) {
+      if (packed->has_value()) bytes += (*packed)->bytes();
+    }
+    return bytes;
+  }
 
  private:
   const MhaConfig config_;
   const MhaWeightsView weights_;
   ThreadPool& pool_;
+  std::optional<PackedWeight> packed_qkv_, packed_q_, packed_k_, packed_v_, packed_out_;
+  // Panels of the Q, K and V weights (in packed_qkv_ or their own), or null.
+  const float* q_panels_ = nullptr;
+  const float* k_panels_ = nullptr;
+  const float* v_panels_ = nullptr;
 };
 
 absl::StatusOr<std::vector<AttentionResult>> CpuPreparedLayer::ForwardBatch(
@@ -142,7 +144,8 @@ absl::StatusOr<std::vector<AttentionResult>> CpuPreparedLayer::ForwardBatch(
     // One GEMM for all three: [T, E] x [E, Q + K + V]; Q, K, V are column ranges of it.
     const int64_t width = c.QWidth() + c.KWidth() + c.VWidth();
     q = scratch.Get(ForwardScratch::kQ, q_rows * width);
-    LinearForward(pool_, x, q_rows, c.embed_dim, w.fused_qkv_weight, w.fused_qkv_bias, width, q);
+    LinearForward(pool_, x, q_rows, c.embed_dim, w.fused_qkv_weight, w.fused_qkv_bias, width, q,
+                  packed_qkv_->panels());
     k = q + c.QWidth();
     v = k + c.KWidth();
     q_stride = k_stride = v_stride = width;
@@ -150,9 +153,11 @@ absl::StatusOr<std::vector<AttentionResult>> CpuPreparedLayer::ForwardBatch(
     q = scratch.Get(ForwardScratch::kQ, q_rows * c.QWidth());
     k = scratch.Get(ForwardScratch::kK, kv_rows * c.KWidth());
     v = scratch.Get(ForwardScratch::kV, kv_rows * c.VWidth());
-    LinearForward(pool_, x, q_rows, c.embed_dim, w.q_weight, w.q_bias, c.QWidth(), q);
-    LinearForward(pool_, key_input, kv_rows, c.kdim, w.k_weight, w.k_bias, c.KWidth(), k);
-    LinearForward(pool_, value_input, kv_rows, c.vdim, w.v_weight, w.v_bias, c.VWidth(), v);
+    LinearForward(pool_, x, q_rows, c.embed_dim, w.q_weight, w.q_bias, c.QWidth(), q, q_panels_);
+    LinearForward(pool_, key_input, kv_rows, c.kdim, w.k_weight, w.k_bias, c.KWidth(), k,
+                  k_panels_);
+    LinearForward(pool_, value_input, kv_rows, c.vdim, w.v_weight, w.v_bias, c.VWidth(), v,
+                  v_panels_);
   }
   if (c.rope_theta > 0.0) {
     for (size_t n = 0; n < inputs.size(); ++n) {
@@ -193,7 +198,7 @@ absl::StatusOr<std::vector<AttentionResult>> CpuPreparedLayer::ForwardBatch(
   if (c.output_projection) {
     float* projected = scratch.Get(ForwardScratch::kProjected, q_rows * c.output_dim);
     LinearForward(pool_, attended, q_rows, c.AttentionWidth(), w.out_weight, w.out_bias,
-                  c.output_dim, projected);
+                  c.output_dim, projected, packed_out_->panels());
     output = projected;
   }
   for (size_t n = 0; n < inputs.size(); ++n) {

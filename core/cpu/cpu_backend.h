@@ -1,4 +1,5 @@
-// The CPU backend: OpenBLAS GEMMs for the projections and the blocked attention kernel,
+// The CPU backend: OpenBLAS GEMMs for the projections (its own microkernel on weights
+// packed once for few rows, core/cpu/gemm.h) and the blocked attention kernel,
 // on a thread pool it owns.
 #ifndef ATTENTION_CORE_CPU_CPU_BACKEND_H_
 #define ATTENTION_CORE_CPU_CPU_BACKEND_H_
@@ -24,7 +25,8 @@ class CpuBackend final : public Backend {
   absl::Status Supports(const MhaConfig& config, const AttentionOptions& options) const override {
     return absl::OkStatus();
   }
-  // Computes from the host weights in place: nothing is copied.
+  // Packs a copy of the projection weights for few-row batches (counted in the layer's
+  // DeviceWeightBytes); large batches compute from the host weights in place.
   absl::StatusOr<std::unique_ptr<PreparedLayer>> Prepare(
       const MhaConfig& config, const MhaWeightsView& weights) const override;
   absl::StatusOr<AttentionResult> ScaledDotProductAttention(

@@ -1,0 +1,187 @@
+// The CPU backend's own microkernel (core/cpu/gemm.h) against a naive double-precision GEMM,
+// at every dispatch level; a level this CPU lacks reports SKIPPED.
+#include "core/cpu/gemm.h"
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/cpu/cpu_backend.h"
+#include "core/mha_layer.h"
+#include "gtest/gtest.h"
+#include "tests/core/random_options.h"
+
+namespace attention::core {
+namespace {
+
+using testing::TestSeed;
+
+std::vector<float> Uniform(std::mt19937_64& rng, int64_t count) {
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  std::vector<float> values(count);
+  for (float& v : values) v = uniform(rng);
+  return values;
+}
+
+// Expects c[r * ldc + j] == alpha * sum_k a[r][k] * b(k, j) + bias[j] for columns
+// [first, end), within float rounding of the sum of |terms|, and untouched elsewhere.
+template <typename B>
+void ExpectGemm(const std::vector<float>& a, int64_t lda, int64_t rows, int64_t depth, B b,
+                int64_t first, int64_t end, int64_t ldc, float alpha, const float* bias,
+                const std::vector<float>& c, float untouched) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < ldc; ++j) {
+      const float got = c[r * ldc + j];
+      if (j < first || j >= end) {
+        ASSERT_EQ(got, untouched) << "row " << r << " column " << j << " was written";
+        continue;
+      }
+      double sum = 0, magnitude = 0;
+      for (int64_t k = 0; k < depth; ++k) {
+        const double term = static_cast<double>(a[r * lda + k]) * b(k, j);
+        sum += term;
+        magnitude += std::abs(term);
+      }
+      const double expected = alpha * sum + (bias != nullptr ? bias[j] : 0.0);
+      ASSERT_NEAR(got, expected, 1e-5 * (1.0 + std::abs(alpha) * magnitude))
+          << "row " << r << " column " << j;
+    }
+  }
+}
+
+class GemmLevelTest : public ::testing::TestWithParam<SimdLevel> {
+ protected:
+  void SetUp() override {
+    if (!CpuSupports(GetParam())) {
+      GTEST_SKIP() << "this CPU has no " << SimdLevelName(GetParam()) << " instructions";
+    }
+  }
+};
+
+// Rows around the tile heights (4, 6, 12) and past a row chunk (128), columns around the
+// 16-wide panel, depths odd and past a depth block (1024).
+TEST_P(GemmLevelTest, TransposedPanelsMatchNaiveGemm) {
+  const uint64_t seed = TestSeed(1501);
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
+  std::mt19937_64 rng(seed);
+  for (int64_t rows : {1, 5, 7, 13, 16, 25, 200}) {
+    for (int64_t columns : {1, 15, 16, 17, 40}) {
+      for (int64_t depth : {1, 3, 64, 767, 1031}) {
+        SCOPED_TRACE("rows " + std::to_string(rows) + " columns " + std::to_string(columns) +
+                     " depth " + std::to_string(depth));
+        // A and W with padded rows; the bias on or off; alpha not 1.
+        const int64_t lda = depth + 3, ldw = depth + 1;
+        const std::vector<float> a = Uniform(rng, rows * lda), w = Uniform(rng, columns * ldw);
+        const std::vector<float> bias = Uniform(rng, columns);
+        const bool with_bias = (rows + columns + depth) % 2 == 0;
+        const float alpha = with_bias ? 1.0f : 0.125f;
+        std::vector<float> panels(PanelFloats(depth, columns), -1.0f);
+        PackTransposed(w.data(), columns, depth, ldw, panels.data());
+        const int64_t ldc = columns + 2;
+        std::vector<float> c(rows * ldc, 7.0f);
+        GemmPanels(GetParam(), a.data(), lda, rows, panels.data(), depth, columns, 0,
+                   PanelCount(columns), alpha, with_bias ? bias.data() : nullptr, c.data(), ldc);
+        ExpectGemm(a, lda, rows, depth, [&](int64_t k, int64_t j) { return w[j * ldw + k]; }, 0,
+                   columns, ldc, alpha, with_bias ? bias.data() : nullptr, c, 7.0f);
+      }
+    }
+  }
+}
+
+// Values as B (attention's probabilities times values), and a range of panels only.
+TEST_P(GemmLevelTest, RowPanelsAndPanelRangesMatchNaiveGemm) {
+  const uint64_t seed = TestSeed(1502);
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
+  std::mt19937_64 rng(seed);
+  for (int64_t rows : {1, 6, 11, 32}) {
+    for (int64_t columns : {3, 16, 49, 64}) {
+      for (int64_t depth : {1, 16, 33}) {
+        SCOPED_TRACE("rows " + std::to_string(rows) + " columns " + std::to_string(columns) +
+                     " depth " + std::to_string(depth));
+        const int64_t ldb = columns + 5;
+        const std::vector<float> a = Uniform(rng, rows * depth), b = Uniform(rng, depth * ldb);
+        std::vector<float> panels(PanelFloats(depth, columns));
+        PackRows(b.data(), depth, columns, ldb, panels.data());
+        const int64_t count = PanelCount(columns);
+        const int64_t first_panel = count / 2, end_panel = count;
+        std::vector<float> c(rows * columns, 7.0f);
+        GemmPanels(GetParam(), a.data(), depth, rows, panels.data(), depth, columns, first_panel,
+                   end_panel, 1.0f, nullptr, c.data(), columns);
+        ExpectGemm(a, depth, rows, depth, [&](int64_t k, int64_t j) { return b[k * ldb + j]; },
+                   first_panel * kPanelWidth, columns, columns, 1.0f, nullptr, c, 7.0f);
+      }
+    }
+  }
+}
+
+// The projection both ways, on 1 and 2 threads: the microkernel for few rows (split by
+// columns or rows) and OpenBLAS past max_packed_rows give the same answer.
+TEST_P(GemmLevelTest, LinearForwardMatchesNaiveOnBothPaths) {
+  const uint64_t seed = TestSeed(1503);
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
+  std::mt19937_64 rng(seed);
+  for (int threads : {1, 2}) {
+    ThreadPool pool(threads);
+    for (int64_t rows : {1, 9, 40, 70}) {
+      for (int64_t out_features : {8, 40, 100}) {
+        const int64_t in_features = 45;
+        SCOPED_TRACE("threads " + std::to_string(threads) + " rows " + std::to_string(rows) +
+                     " out " + std::to_string(out_features));
+        const std::vector<float> x = Uniform(rng, rows * in_features);
+        const std::vector<float> w = Uniform(rng, out_features * in_features);
+        const std::vector<float> bias = Uniform(rng, out_features);
+        const PackedWeight packed(w, out_features, in_features);
+        for (int64_t max_packed_rows : {int64_t{0}, int64_t{64}}) {
+          std::vector<float> y(rows * out_features, 7.0f);
+          LinearForward(pool, x.data(), rows, in_features, w, bias, out_features, y.data(),
+                        packed.panels(), GetParam(), max_packed_rows);
+          ExpectGemm(x, in_features, rows, in_features,
+                     [&](int64_t k, int64_t j) { return w[j * in_features + k]; }, 0,
+                     out_features, out_features, 1.0f, bias.data(), y, 7.0f);
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Levels, GemmLevelTest,
+                         ::testing::Values(SimdLevel::kPortable, SimdLevel::kAvx2,
+                                           SimdLevel::kAvx512),
+                         [](const ::testing::TestParamInfo<SimdLevel>& info) {
+                           return std::string(SimdLevelName(info.param));
+                         });
+
+TEST(PackedWeightTest, IsAlignedAndZeroPadsTheLastPanel) {
+  const int64_t out_features = 20, in_features = 3;
+  std::vector<float> w(out_features * in_features);
+  for (size_t i = 0; i < w.size(); ++i) w[i] = static_cast<float>(i + 1);
+  const PackedWeight packed(w, out_features, in_features);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(packed.panels()) % 64, 0u);
+  EXPECT_EQ(packed.bytes(), 2 * in_features * kPanelWidth * 4);
+  // Panel 1, depth row 2: outputs 16..19, then zeros.
+  const float* row = packed.panels() + (in_features + 2) * kPanelWidth;
+  EXPECT_EQ(row[0], w[16 * in_features + 2]);
+  EXPECT_EQ(row[3], w[19 * in_features + 2]);
+  for (int64_t j = 4; j < kPanelWidth; ++j) EXPECT_EQ(row[j], 0.0f) << j;
+}
+
+// The packed copy is reported as the layer's backend-held bytes; the layer's own weights
+// (persistence, GetLayer) stay the plain ones.
+TEST(PackedWeightTest, CpuLayerReportsPackedBytesAndKeepsPlainWeights) {
+  MhaConfig config;
+  config.embed_dim = 40;  // Q, K and V widths not multiples of 16
+  config.num_heads = 4;
+  const MhaConfig resolved = *MhaConfig::Resolve(config);
+  const MhaWeights weights = MhaWeights::Random(resolved, 3);
+  auto layer = MhaLayer::Create(resolved, weights, std::make_shared<CpuBackend>(2));
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  // Fused QKV: 120 outputs = 8 panels; output: 40 outputs = 3 panels; depth 40.
+  EXPECT_EQ((*layer)->DeviceWeightBytes(), (8 + 3) * 40 * kPanelWidth * 4);
+  EXPECT_EQ((*layer)->weights().q_weight, weights.q_weight);
+  EXPECT_EQ((*layer)->weights().out_weight, weights.out_weight);
+}
+
+}  // namespace
+}  // namespace attention::core
