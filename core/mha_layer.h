@@ -37,6 +37,11 @@ class MhaLayer {
   // Bytes of weights the backend holds besides the host weights (a device copy, or the
   // CPU's packed copy).
   int64_t DeviceWeightBytes() const { return prepared_->DeviceWeightBytes(); }
+  // Host memory of the weights: the host copy, plus the packed copy when the backend is the
+  // CPU's (a GPU's copy is in device memory).
+  int64_t HostBytes() const {
+    return WeightBytes() + (device() == "cpu" ? DeviceWeightBytes() : 0);
+  }
 
   // Checks shapes and options of `input`; errors name the request fields.
   absl::Status ValidateInput(const MhaInput& input) const;

@@ -532,7 +532,9 @@ absl::Status AttentionServiceImpl::DoLoadLayer(const v1::LoadLayerRequest& reque
   ASSIGN_OR_RETURN(std::shared_ptr<const core::MhaLayer> layer,
                    BuildLayer(request.spec(), "spec", *std::move(backend), registry_.repository(),
                               [&](int64_t bytes) {
-                                return registry_.CheckBudget(request.name(), bytes, device);
+                                return registry_.CheckBudget(
+                                    request.name(), LayerRegistry::EstimatedHostBytes(bytes, device),
+                                    bytes, device);
                               }));
   ASSIGN_OR_RETURN(
       std::shared_ptr<const LayerSnapshot> snapshot,

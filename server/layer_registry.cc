@@ -28,8 +28,12 @@ absl::Status LayerRegistry::Configure(const LayerRegistryOptions& options) {
   return absl::OkStatus();
 }
 
-absl::Status LayerRegistry::CheckBudget(const std::string& name, int64_t bytes,
-                                        const std::string& device) const {
+int64_t LayerRegistry::EstimatedHostBytes(int64_t weight_bytes, const std::string& device) {
+  return device == "cpu" ? 2 * weight_bytes : weight_bytes;
+}
+
+absl::Status LayerRegistry::CheckBudget(const std::string& name, int64_t host_bytes,
+                                        int64_t weight_bytes, const std::string& device) const {
   // The host budget counts every layer; a device's budget counts the layers placed on it.
   int64_t in_use = 0, on_device = 0;
   int others = 0, others_on_device = 0;
@@ -37,7 +41,7 @@ absl::Status LayerRegistry::CheckBudget(const std::string& name, int64_t bytes,
     core::ReaderLock lock(mu_);
     for (const auto& [loaded_name, snapshot] : layers_) {
       if (loaded_name == name) continue;  // replaced by this load
-      in_use += snapshot->layer->WeightBytes();
+      in_use += snapshot->layer->HostBytes();
       ++others;
       if (snapshot->layer->device() == device) {
         on_device += snapshot->layer->WeightBytes();
@@ -45,17 +49,18 @@ absl::Status LayerRegistry::CheckBudget(const std::string& name, int64_t bytes,
       }
     }
   }
-  if (max_weight_bytes_ > 0 && in_use + bytes > max_weight_bytes_) {
+  if (max_weight_bytes_ > 0 && in_use + host_bytes > max_weight_bytes_) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "layer \"", name, "\" needs ", bytes, " weight bytes but only ",
+        "layer \"", name, "\" needs ", host_bytes,
+        " bytes of host memory for its weights (with the CPU's packed copy) but only ",
         std::max<int64_t>(0, max_weight_bytes_ - in_use), " of max_weight_bytes = ",
         max_weight_bytes_, " are free (", in_use, " in use by ", others,
         " other layer(s)); unload a layer or raise --max_weight_bytes"));
   }
   if (device != "cpu" && max_device_weight_bytes_ > 0 &&
-      on_device + bytes > max_device_weight_bytes_) {
+      on_device + weight_bytes > max_device_weight_bytes_) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "layer \"", name, "\" needs ", bytes, " weight bytes on ", device, " but only ",
+        "layer \"", name, "\" needs ", weight_bytes, " weight bytes on ", device, " but only ",
         std::max<int64_t>(0, max_device_weight_bytes_ - on_device),
         " of max_device_weight_bytes = ", max_device_weight_bytes_, " are free there (",
         on_device, " in use by ", others_on_device,
@@ -86,7 +91,7 @@ absl::StatusOr<std::shared_ptr<const LayerSnapshot>> LayerRegistry::Publish(
     return absl::FailedPreconditionError(
         "persist = true needs a model repository; start the server with --model_repository");
   }
-  RETURN_IF_ERROR(CheckBudget(name, layer->WeightBytes(), layer->device()));
+  RETURN_IF_ERROR(CheckBudget(name, layer->HostBytes(), layer->WeightBytes(), layer->device()));
   bool replaces_persisted = false;
   {
     core::ReaderLock lock(mu_);
@@ -144,8 +149,9 @@ std::vector<std::string> LayerRegistry::LoadPersisted(
   if (repository_ == nullptr) return problems;
   core::MutexLock update(update_mu_);
   for (ModelRepository::PersistedLayer& persisted : repository_->LoadPersisted(backend, &problems)) {
-    const absl::Status budget = CheckBudget(persisted.name, persisted.layer->WeightBytes(),
-                                            persisted.layer->device());
+    const absl::Status budget =
+        CheckBudget(persisted.name, persisted.layer->HostBytes(), persisted.layer->WeightBytes(),
+                    persisted.layer->device());
     if (!budget.ok()) {
       problems.push_back(absl::StrCat(PersistedPath(persisted.name), ": ", budget.message(),
                                       "; skipped (the file is kept)"));

@@ -75,12 +75,16 @@ class LayerRegistry {
   absl::Status Remove(const std::string& name);
   // Sorted by name.
   std::vector<std::shared_ptr<const LayerSnapshot>> List() const;
-  // RESOURCE_EXHAUSTED when `bytes` of weights under `name` (replacing its current version)
-  // placed on `device` would pass max_weight_bytes, or max_device_weight_bytes of that
-  // device (not "cpu"). LoadLayer asks before building the weights; Publish asks again,
-  // serialized with other updates.
-  absl::Status CheckBudget(const std::string& name, int64_t bytes,
+  // RESOURCE_EXHAUSTED when a layer under `name` (replacing its current version) placed on
+  // `device` would pass max_weight_bytes with its `host_bytes` (MhaLayer::HostBytes), or
+  // max_device_weight_bytes of that device (not "cpu") with its `weight_bytes`. LoadLayer
+  // asks before building the weights (with EstimatedHostBytes); Publish asks again with the
+  // built layer's, serialized with other updates.
+  absl::Status CheckBudget(const std::string& name, int64_t host_bytes, int64_t weight_bytes,
                            const std::string& device = "cpu") const;
+  // Host bytes of a layer of `weight_bytes` on `device` before it is built: the CPU
+  // backend keeps a packed copy of about the weights' size.
+  static int64_t EstimatedHostBytes(int64_t weight_bytes, const std::string& device);
   // Bytes of weights of all published layers.
   int64_t weight_bytes() const;
 

@@ -76,8 +76,9 @@ ABSL_FLAG(std::string, model_repository, "",
           "directory of safetensors checkpoints for LoadLayer and of persisted layers "
           "(persisted/<name>.safetensors, loaded at start-up); empty = none");
 ABSL_FLAG(int64_t, max_weight_bytes, 0,
-          "budget for the weights of all loaded layers, bytes; loads past it get "
-          "RESOURCE_EXHAUSTED; 0 = unlimited");
+          "budget for the host memory of all loaded layers' weights, bytes (a CPU layer also "
+          "holds a packed copy of its weights, about as large, which counts); loads past it "
+          "get RESOURCE_EXHAUSTED; 0 = unlimited");
 ABSL_FLAG(int64_t, max_device_weight_bytes, 0,
           "budget for the weights held on each GPU, bytes; loads past it get "
           "RESOURCE_EXHAUSTED; 0 = the device's memory");

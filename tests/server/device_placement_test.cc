@@ -129,7 +129,7 @@ TEST(DeviceBudgetTest, EachDeviceCountsOnlyItsOwnLayers) {
             "layer \"d\" needs 1152 weight bytes on cuda:0 but only 0 of "
             "max_device_weight_bytes = 1152 are free there (1152 in use by 1 other layer(s)); "
             "unload a layer or raise --max_device_weight_bytes");
-  EXPECT_EQ(registry.CheckBudget("d", layer_bytes, "cuda:2"), absl::OkStatus());
+  EXPECT_EQ(registry.CheckBudget("d", layer_bytes, layer_bytes, "cuda:2"), absl::OkStatus());
   options.max_device_weight_bytes = -1;
   EXPECT_EQ(options.Validate().message(), "max_device_weight_bytes = -1 must be >= 0 (0 = unlimited)");
 }

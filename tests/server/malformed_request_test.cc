@@ -410,7 +410,10 @@ TEST_F(TightBudgetServerTest, LoadOverTheWeightBudgetIsRefusedBeforeReadingWeigh
   request.mutable_spec()->mutable_inline_weights();
   const absl::Status status = client_->LoadLayer(request).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
-  EXPECT_NE(status.message().find("layer \"big\" needs 66560 weight bytes but only 1000 of "
+  // 66560 bytes of weights, twice that with the CPU's packed copy (the estimate before
+  // building).
+  EXPECT_NE(status.message().find("layer \"big\" needs 133120 bytes of host memory for its "
+                                  "weights (with the CPU's packed copy) but only 1000 of "
                                   "max_weight_bytes = 1000 are free"),
             std::string::npos)
       << status;

@@ -11,6 +11,8 @@
 #include <fstream>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
+#include "core/devices.h"
 #include "core/safetensors.h"
 #include "server/model_repository.h"
 #include "tests/server/test_server.h"
@@ -673,20 +675,35 @@ TEST_F(RepositoryTest, InlineLayersCanNameARepositoryFile) {
 }
 
 TEST_F(RepositoryTest, WeightBudgetRefusesLoadsPastIt) {
-  // E = 8, H = 2 with biases: 4 * 64 + 4 * 8 = 288 parameters = 1152 bytes.
+  // E = 8, H = 2 with biases: 4 * 64 + 4 * 8 = 288 parameters = 1152 bytes, plus the CPU
+  // backend's packed copy of them in host memory.
   constexpr int64_t kLayerBytes = 1152;
+  core::MhaConfig config;
+  config.embed_dim = 8;
+  config.num_heads = 2;
+  const core::MhaConfig resolved = *core::MhaConfig::Resolve(config);
+  core::Devices devices(1);
+  const int64_t host_bytes =
+      (*core::MhaLayer::Create(resolved, core::MhaWeights::Random(resolved, 1), devices.cpu()))
+          ->HostBytes();
+  ASSERT_GT(host_bytes, kLayerBytes);
   ServerOptions options = Options();
-  options.registry.max_weight_bytes = 2 * kLayerBytes + 100;
+  options.registry.max_weight_bytes = 2 * host_bytes + 100;
   Start(options);
   auto first = LoadRandom("a", 8, 1);
   ASSERT_TRUE(first.ok()) << first.status();
   EXPECT_EQ(first->weight_bytes(), kLayerBytes);
   ASSERT_TRUE(LoadRandom("b", 8, 2).ok());
   ExpectStatus(LoadRandom("c", 8, 3).status(), absl::StatusCode::kResourceExhausted,
-               "layer \"c\" needs 1152 weight bytes but only 100 of max_weight_bytes = 2404 are "
-               "free (2304 in use by 2 other layer(s))");
+               // Refused on the estimate, before the weights are built.
+               absl::StrCat("layer \"c\" needs ",
+                            LayerRegistry::EstimatedHostBytes(kLayerBytes, "cpu"),
+                            " bytes of host memory for its weights (with the CPU's packed copy) "
+                            "but only 100 of max_weight_bytes = ", 2 * host_bytes + 100,
+                            " are free (", 2 * host_bytes, " in use by 2 other layer(s))"));
   ExpectStatus(LoadRandom("c", 8, 3, /*persist=*/true).status(),
-               absl::StatusCode::kResourceExhausted, "max_weight_bytes = 2404");
+               absl::StatusCode::kResourceExhausted,
+               absl::StrCat("max_weight_bytes = ", 2 * host_bytes + 100));
   EXPECT_FALSE(fs::exists(repository_ / "persisted/c.safetensors")) << "nothing written";
   EXPECT_EQ(client_->GetLayer("c").status().code(), absl::StatusCode::kNotFound);
   // Replacing a layer counts only the new version.
@@ -697,11 +714,12 @@ TEST_F(RepositoryTest, WeightBudgetRefusesLoadsPastIt) {
 
   // At start-up, persisted layers past the budget are skipped (and their files kept).
   ASSERT_TRUE(LoadRandom("b", 8, 4, /*persist=*/true).ok());
-  options.registry.max_weight_bytes = kLayerBytes;
+  options.registry.max_weight_bytes = host_bytes;
   Start(options);
   EXPECT_EQ(client_->ListLayers()->size(), 1u);
   ASSERT_EQ(server_->startup_problems().size(), 1u);
-  EXPECT_NE(server_->startup_problems()[0].find("persisted/c.safetensors: layer \"c\" needs 1152"),
+  EXPECT_NE(server_->startup_problems()[0].find(
+                absl::StrCat("persisted/c.safetensors: layer \"c\" needs ", host_bytes)),
             std::string::npos)
       << server_->startup_problems()[0];
   EXPECT_TRUE(fs::exists(repository_ / "persisted/c.safetensors"));
