@@ -468,15 +468,11 @@ class Transport {
 std::vector<std::shared_ptr<grpc::Channel>> MakeChannels(const Config& config) {
   std::vector<std::shared_ptr<grpc::Channel>> channels;
   for (int i = 0; i < config.connections; ++i) {
-    grpc::ChannelArguments arguments;
-    arguments.SetMaxReceiveMessageSize(static_cast<int>(kMaxMessageBytes));
-    arguments.SetMaxSendMessageSize(static_cast<int>(kMaxMessageBytes));
+    // Message limits (kMaxMessageBytes), TLS name and --lb_policy.
+    grpc::ChannelArguments arguments = attention::client::ChannelArgumentsFor(config.connection);
     // A private subchannel pool per channel, so that each one is its own TCP connection.
     arguments.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
     arguments.SetInt("attention_loadgen.connection", i);
-    if (!config.connection.tls_server_name.empty()) {
-      arguments.SetSslTargetNameOverride(config.connection.tls_server_name);
-    }
     channels.push_back(grpc::CreateCustomChannel(config.target, config.credentials, arguments));
   }
   return channels;
