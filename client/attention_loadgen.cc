@@ -76,6 +76,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "attention_version.h"
 #include "client/attention_client.h"
 #include "client/connection_flags.h"
 #include "core/dtype.h"
@@ -999,6 +1000,7 @@ int main(int argc, char** argv) {
       "Load generator for attention.v1 MultiHeadAttention: closed loop (--concurrency) or "
       "open loop (--rate, Poisson arrivals), unary or streaming; reports requests/s, "
       "tokens/s, exact latency percentiles and errors by status code.");
+  attention::SetVersionFlagOutput("attention-loadgen");
   absl::ParseCommandLine(argc, argv);
   return Main();
 }

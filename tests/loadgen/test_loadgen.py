@@ -11,7 +11,7 @@ requests > 0, no errors, nothing unsent or unanswered, tokens = requests * batch
 latency percentiles ordered min <= p50 <= p90 <= p99 <= p99.9 <= max. A run against a
 layer the server does not hold (with --embed_dim, so the tool does not look it up) must
 count every request under NOT_FOUND, over unary calls and over a stream. Bad flags exit 2
-and a failing layer lookup exits 1. Load balancing, with a second server and one target
+and a failing layer lookup exits 1; --version names the tool and a revision. Load balancing, with a second server and one target
 naming both (ipv4:127.0.0.1:P1,127.0.0.1:P2): --lb_policy=round_robin spreads calls over
 both servers (each one's /metrics counts some), the default pick_first sends all to one.
 
@@ -22,6 +22,7 @@ sleeps: it waits for the processes.
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -223,6 +224,12 @@ def main():
             run_loadgen(loadgen, target, "bad flag " + bad, bad, want_exit=2)
 
         check_load_balancing(server_binary, loadgen, server)
+        version = subprocess.run([loadgen, "--version"], stdout=subprocess.PIPE, text=True,
+                                 timeout=60)
+        check(version.returncode == 0 and re.fullmatch(
+            r"attention-loadgen \d+\.\d+\.\d+ \(revision ([0-9a-f]+|unknown)\)\n",
+            version.stdout), "attention-loadgen --version: exit %d, %r"
+              % (version.returncode, version.stdout))
 
         code = server.stop()
         check(code == 0, "server exit code after SIGTERM is %s, want 0; stderr:\n%s"
