@@ -6,6 +6,8 @@
 # every request the server accepted must be answered (loadgen's errors are then only
 # UNAVAILABLE for calls refused once draining began).
 #   bench/overload.sh [RATE] [SECONDS] [TOKENS]
+# SERVER_FLAGS adds server flags, e.g. the Deployment's bounds (deploy/kubernetes):
+#   SERVER_FLAGS="--max_batch_tokens=4096 --max_queued_bytes=134217728 ..." bench/overload.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rate="${1:-600}"
@@ -15,7 +17,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 start_server() {
   build/server/attention-server --listen=127.0.0.1:0 --metrics_listen= --log_errors=false --demo_layer \
-    >"$work/stdout" 2>"$work/stderr" &
+    ${SERVER_FLAGS:-} >"$work/stdout" 2>"$work/stderr" &
   server=$!
   for _ in $(seq 300); do
     port=$(awk '/listening on port/ {print $NF}' "$work/stdout")

@@ -1,5 +1,6 @@
 // attention-cli: embeds a sentence, sends it to a layer on the server and prints what
-// comes back. Used by the README's run command.
+// comes back. Used by the README's run command. With --health it only asks the server's
+// grpc.health.v1 service (the container image's HEALTHCHECK).
 #include <chrono>
 #include <cstdio>
 #include <iostream>
@@ -8,6 +9,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_join.h"
+#include "attention_version.h"
 #include "client/attention_client.h"
 #include "client/connection_flags.h"
 #include "tensor_codec.h"
@@ -19,6 +21,9 @@ ABSL_FLAG(uint64_t, embedding_seed, 0, "seed of the deterministic word embedding
 ABSL_FLAG(std::string, dtype, "float32", "wire dtype: float32, float16 or bfloat16");
 ABSL_FLAG(bool, causal, false, "causal attention");
 ABSL_FLAG(int, show, 6, "values shown per row");
+ABSL_FLAG(bool, health, false,
+          "only check health: grpc.health.v1 Check for the whole server; prints SERVING and "
+          "exits 0 when it is, else prints the status and exits 1");
 
 namespace {
 
@@ -44,6 +49,15 @@ int Run() {
     return 2;
   }
   AttentionClient client(absl::GetFlag(FLAGS_target), *options);
+  if (absl::GetFlag(FLAGS_health)) {
+    auto serving = client.IsServing();
+    if (!serving.ok()) {
+      std::cerr << "health check: " << serving.status() << std::endl;
+      return 1;
+    }
+    std::cout << (*serving ? "SERVING" : "NOT_SERVING") << std::endl;
+    return *serving ? 0 : 1;
+  }
   auto layer = client.GetLayer(absl::GetFlag(FLAGS_layer));
   if (!layer.ok()) {
     std::cerr << "GetLayer: " << layer.status() << std::endl;
@@ -115,6 +129,7 @@ int Run() {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("Sends a sentence through a multi-head-attention layer.");
+  attention::SetVersionFlagOutput("attention-cli");
   absl::ParseCommandLine(argc, argv);
   return Run();
 }

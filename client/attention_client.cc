@@ -71,14 +71,20 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(
 AttentionClient::AttentionClient(const std::string& target, int64_t max_message_bytes)
     : AttentionClient(target, ClientOptions{max_message_bytes, ""}) {}
 
-AttentionClient::AttentionClient(const std::string& target, const ClientOptions& options)
-    : admin_token_(options.admin_token) {
+grpc::ChannelArguments ChannelArgumentsFor(const ClientOptions& options) {
   grpc::ChannelArguments arguments;
   arguments.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   arguments.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   if (!options.tls_server_name.empty()) {
     arguments.SetSslTargetNameOverride(options.tls_server_name);
   }
+  if (!options.lb_policy.empty()) arguments.SetLoadBalancingPolicyName(options.lb_policy);
+  return arguments;
+}
+
+AttentionClient::AttentionClient(const std::string& target, const ClientOptions& options)
+    : admin_token_(options.admin_token) {
+  grpc::ChannelArguments arguments = ChannelArgumentsFor(options);
   auto credentials = ChannelCredentials(options);
   channel_status_ = credentials.status();
   // Unreadable TLS files: every call answers channel_status_, never plaintext.

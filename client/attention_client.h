@@ -8,6 +8,7 @@
 
 #include <grpcpp/channel.h>
 #include <grpcpp/security/credentials.h>
+#include <grpcpp/support/channel_arguments.h>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -29,12 +30,19 @@ struct ClientOptions {
   // The name checked against the server's certificate, when it differs from the target's
   // host (e.g. connecting by IP to a certificate for "localhost").
   std::string tls_server_name;
+  // gRPC load-balancing policy: "round_robin" spreads calls over every address the target
+  // resolves to (a headless Service's pods); empty = gRPC's default, pick_first.
+  std::string lb_policy;
 };
 
 // The channel credentials `options` ask for: plaintext, TLS or mutual TLS. NOT_FOUND naming
 // a file that cannot be read.
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(
     const ClientOptions& options);
+
+// The channel arguments `options` ask for: message size limits, the TLS name override and
+// the load-balancing policy.
+grpc::ChannelArguments ChannelArgumentsFor(const ClientOptions& options);
 
 // Thread-safe: one client may serve many threads.
 class AttentionClient {

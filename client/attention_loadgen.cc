@@ -76,6 +76,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "attention_version.h"
 #include "client/attention_client.h"
 #include "client/connection_flags.h"
 #include "core/dtype.h"
@@ -468,15 +469,11 @@ class Transport {
 std::vector<std::shared_ptr<grpc::Channel>> MakeChannels(const Config& config) {
   std::vector<std::shared_ptr<grpc::Channel>> channels;
   for (int i = 0; i < config.connections; ++i) {
-    grpc::ChannelArguments arguments;
-    arguments.SetMaxReceiveMessageSize(static_cast<int>(kMaxMessageBytes));
-    arguments.SetMaxSendMessageSize(static_cast<int>(kMaxMessageBytes));
+    // Message limits (kMaxMessageBytes), TLS name and --lb_policy.
+    grpc::ChannelArguments arguments = attention::client::ChannelArgumentsFor(config.connection);
     // A private subchannel pool per channel, so that each one is its own TCP connection.
     arguments.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
     arguments.SetInt("attention_loadgen.connection", i);
-    if (!config.connection.tls_server_name.empty()) {
-      arguments.SetSslTargetNameOverride(config.connection.tls_server_name);
-    }
     channels.push_back(grpc::CreateCustomChannel(config.target, config.credentials, arguments));
   }
   return channels;
@@ -1003,6 +1000,7 @@ int main(int argc, char** argv) {
       "Load generator for attention.v1 MultiHeadAttention: closed loop (--concurrency) or "
       "open loop (--rate, Poisson arrivals), unary or streaming; reports requests/s, "
       "tokens/s, exact latency percentiles and errors by status code.");
+  attention::SetVersionFlagOutput("attention-loadgen");
   absl::ParseCommandLine(argc, argv);
   return Main();
 }

@@ -15,6 +15,10 @@ ABSL_FLAG(std::string, tls_server_name, "",
           "name to check the server's certificate against, when not the target's host");
 ABSL_FLAG(std::string, admin_token_file, "",
           "file holding the server's admin token, sent with layer management calls");
+ABSL_FLAG(std::string, lb_policy, "pick_first",
+          "gRPC load balancing over the addresses the target resolves to: pick_first (one "
+          "connection) or round_robin (calls spread over all of them, e.g. with "
+          "--target=dns:///attention-service-headless.NAMESPACE.svc.cluster.local:50051)");
 
 namespace attention::client {
 
@@ -24,6 +28,11 @@ absl::StatusOr<ClientOptions> ClientOptionsFromFlags() {
   options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert_file);
   options.tls_key_file = absl::GetFlag(FLAGS_tls_key_file);
   options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
+  options.lb_policy = absl::GetFlag(FLAGS_lb_policy);
+  if (options.lb_policy != "pick_first" && options.lb_policy != "round_robin") {
+    return absl::InvalidArgumentError("--lb_policy=" + options.lb_policy.substr(0, 64) +
+                                      ": use pick_first or round_robin");
+  }
   if (const std::string path = absl::GetFlag(FLAGS_admin_token_file); !path.empty()) {
     std::ifstream file(path);
     if (!file) return absl::NotFoundError("cannot read " + path);

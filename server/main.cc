@@ -18,6 +18,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "attention_version.h"
 #include "server/malloc_tuning.h"
 #include "server/server.h"
 
@@ -145,6 +146,7 @@ absl::StatusOr<std::string> ReadAdminToken(const std::string& path) {
 int main(int argc, char** argv) {
   attention::server::KeepLargeBuffersInHeap(size_t{256} << 20);
   absl::SetProgramUsageMessage("Serves multi-head attention over gRPC (attention.v1).");
+  attention::SetVersionFlagOutput("attention-server");
   absl::ParseCommandLine(argc, argv);
   // Start-up configuration, one line on stderr: every flag defined in this file, sorted.
   // (Filename() is __FILE__ with its leading slashes stripped.)

@@ -7,9 +7,16 @@ Checks that the CLI prints "attention output shape [1, 5, 768]" for the seed sen
 5 attention-weight rows of 5 values that each sum to ~1 (printed with 4 decimals, so the
 bound is 5 * 0.5e-4 plus float slack); with --causal --dtype=bfloat16 the rows are
 lower-triangular (and sum to 1 within bfloat16 precision); an unknown layer is NOT_FOUND.
+`--health` (the image's HEALTHCHECK) prints SERVING and exits 0 against the server, and
+exits 1 naming UNAVAILABLE against a closed port; --lb_policy other than pick_first or
+round_robin exits 2 naming the flag. `--version` of both binaries prints
+"<program> <version> (revision <rev>)", the version and revision CMake configured
+($ATTENTION_EXPECTED_VERSION, "0.1.0 (revision abc1234)").
 """
 
+import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -57,6 +64,45 @@ def run_cli(t, cli, target, *flags, sum_tolerance=5 * 0.5e-4 + 1e-4):
     return rows
 
 
+def run(binary, *flags):
+    result = subprocess.run([binary] + list(flags), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, timeout=120)
+    print("$ %s %s -> exit %d\n%s%s" % (os.path.basename(binary), " ".join(flags),
+                                         result.returncode, result.stdout, result.stderr),
+          flush=True)
+    return result
+
+
+def closed_port():
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_version_health_flags(t, server_bin, cli, target):
+    expected = os.environ.get("ATTENTION_EXPECTED_VERSION", "")
+    t.check(re.fullmatch(r"\d+\.\d+\.\d+ \(revision ([0-9a-f]{4,40}|unknown)\)", expected),
+            "ATTENTION_EXPECTED_VERSION=%r is not '<version> (revision <rev>)'" % expected)
+    for binary, program in ((server_bin, "attention-server"), (cli, "attention-cli")):
+        result = run(binary, "--version")
+        t.check(result.returncode == 0 and result.stdout == "%s %s\n" % (program, expected),
+                "%s --version: exit %d, printed %r, want %r" % (
+                    program, result.returncode, result.stdout, "%s %s\n" % (program, expected)))
+    result = run(cli, "--target=" + target, "--health")
+    t.check(result.returncode == 0 and result.stdout == "SERVING\n",
+            "--health against a serving server: exit %d, stdout %r" % (result.returncode,
+                                                                       result.stdout))
+    result = run(cli, "--target=127.0.0.1:%d" % closed_port(), "--health")
+    t.check(result.returncode == 1 and "UNAVAILABLE" in result.stderr,
+            "--health against a closed port: exit %d, stderr %r" % (result.returncode,
+                                                                    result.stderr))
+    result = run(cli, "--target=" + target, "--lb_policy=random")
+    t.check(result.returncode == 2 and "--lb_policy=random" in result.stderr
+            and "INVALID_ARGUMENT" in result.stderr,
+            "--lb_policy=random: exit %d, stderr %r" % (result.returncode, result.stderr))
+
+
 def main():
     if len(sys.argv) != 3:
         sys.exit(__doc__)
@@ -65,6 +111,7 @@ def main():
     server = harness.ServerProcess(server_bin, "--compute_threads=2", "--demo_layer").start()
     try:
         run_cli(t, cli, server.target)
+        check_version_health_flags(t, server_bin, cli, server.target)
         # bfloat16 weights carry 8 significant bits: each value of ~0.2 is off by up to
         # 2^-11, so 5 of them may miss 1 by 5 * 2^-11 ~ 2.5e-3 (plus the print rounding).
         rows = run_cli(t, cli, server.target, "--causal", "--dtype=bfloat16",

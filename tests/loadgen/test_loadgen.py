@@ -11,7 +11,9 @@ requests > 0, no errors, nothing unsent or unanswered, tokens = requests * batch
 latency percentiles ordered min <= p50 <= p90 <= p99 <= p99.9 <= max. A run against a
 layer the server does not hold (with --embed_dim, so the tool does not look it up) must
 count every request under NOT_FOUND, over unary calls and over a stream. Bad flags exit 2
-and a failing layer lookup exits 1.
+and a failing layer lookup exits 1; --version names the tool and a revision. Load balancing, with a second server and one target
+naming both (ipv4:127.0.0.1:P1,127.0.0.1:P2): --lb_policy=round_robin spreads calls over
+both servers (each one's /metrics counts some), the default pick_first sends all to one.
 
 The durations are the load generator's own measurement windows; the test itself never
 sleeps: it waits for the processes.
@@ -20,9 +22,11 @@ sleeps: it waits for the processes.
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
+import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.normpath(os.path.join(HERE, "..", ".."))
@@ -130,6 +134,37 @@ def check_not_found_run(label, report):
     check_rates(label, report)
 
 
+def mha_calls(server):
+    """MultiHeadAttention calls the server has finished, from its /metrics."""
+    url = "http://127.0.0.1:%d/metrics" % server.metrics_port
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("attention_requests_total{")
+               and 'method="MultiHeadAttention"' in line)
+
+
+def check_load_balancing(server_binary, loadgen, first):
+    with server_process.ServerProcess(server_binary, "--demo_layer") as second:
+        both = "ipv4:127.0.0.1:%d,127.0.0.1:%d" % (first.port, second.port)
+        for policy in ("round_robin", "pick_first"):
+            before = [mha_calls(first), mha_calls(second)]
+            label = "--lb_policy=" + policy
+            report = run_loadgen(loadgen, both, label, label, "--concurrency=2",
+                                 "--tokens=16", "--duration=1", "--warmup=0.3", "--seed=7")
+            check_good_run(label, report, 1, 16, 16)
+            served = [mha_calls(first) - before[0], mha_calls(second) - before[1]]
+            print("%s: MultiHeadAttention calls per server %s" % (label, served), flush=True)
+            if policy == "round_robin":
+                check(min(served) > 0, "%s: calls per server %s, want both > 0"
+                      % (label, served))
+            else:
+                check(sorted(served)[0] == 0 and sum(served) > 0,
+                      "%s: calls per server %s, want all on one" % (label, served))
+        code = second.stop()
+        check(code == 0, "second server exit code %s" % code)
+
+
 def main():
     if len(sys.argv) != 3:
         sys.exit(__doc__)
@@ -185,8 +220,16 @@ def main():
         # Without --embed_dim the tool looks the layer up and stops at once: exit 1.
         run_loadgen(loadgen, target, "lookup fails", "--layer=no-such-layer", want_exit=1)
         for bad in ("--tokens=9:3", "--tokens=abc", "--mode=bidi", "--dtype=int8",
-                    "--concurrency=0", "--rate=-1"):
+                    "--concurrency=0", "--rate=-1", "--lb_policy=least_request"):
             run_loadgen(loadgen, target, "bad flag " + bad, bad, want_exit=2)
+
+        check_load_balancing(server_binary, loadgen, server)
+        version = subprocess.run([loadgen, "--version"], stdout=subprocess.PIPE, text=True,
+                                 timeout=60)
+        check(version.returncode == 0 and re.fullmatch(
+            r"attention-loadgen \d+\.\d+\.\d+ \(revision ([0-9a-f]+|unknown)\)\n",
+            version.stdout), "attention-loadgen --version: exit %d, %r"
+              % (version.returncode, version.stdout))
 
         code = server.stop()
         check(code == 0, "server exit code after SIGTERM is %s, want 0; stderr:\n%s"
