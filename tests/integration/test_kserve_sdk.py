@@ -70,8 +70,9 @@ async def expect_error(check, label, call, code, *words):
 
 
 async def run(check, server, rng):
-    native = pb_grpc.AttentionServiceStub(grpc.aio.insecure_channel(server.target))
-    sdk_stub = GRPCInferenceServiceStub(grpc.aio.insecure_channel(server.target))
+    channel = grpc.aio.insecure_channel(server.target)
+    native = pb_grpc.AttentionServiceStub(channel)
+    sdk_stub = GRPCInferenceServiceStub(channel)
     # Layers load through the native API: KServe's RepositoryModelLoad carries no config.
     layers = {"self": {"embedDim": 64, "numHeads": 4, "numKvHeads": 2},
               "cross": {"embedDim": 32, "numHeads": 2, "kdim": 24, "vdim": 40}}
@@ -98,11 +99,10 @@ async def run(check, server, rng):
     # KServe's repository messages put model_name in field 1, where the protocol (Triton's
     # repository extension) has repository_name: the server reads a repository name it does
     # not have and refuses by that name, never loading or unloading a layer by accident.
-    for label, call in (
-            ("KServe RepositoryModelUnload",
-             sdk_stub.RepositoryModelUnload(sdk_pb.RepositoryModelUnloadRequest(model_name="self"))),
-            ("KServe RepositoryModelLoad",
-             sdk_stub.RepositoryModelLoad(sdk_pb.RepositoryModelLoadRequest(model_name="self")))):
+    unload = sdk_pb.RepositoryModelUnloadRequest(model_name="self")
+    load = sdk_pb.RepositoryModelLoadRequest(model_name="self")
+    for label, call in (("KServe RepositoryModelUnload", sdk_stub.RepositoryModelUnload(unload)),
+                        ("KServe RepositoryModelLoad", sdk_stub.RepositoryModelLoad(load))):
         await expect_error(check, label, call, grpc.StatusCode.NOT_FOUND, "repository_name",
                            '"self"')
     check.check(await client.is_model_ready("self"), "self not ready after the refused unload")
@@ -208,6 +208,7 @@ async def run(check, server, rng):
                                                  parameters={"scale": 1})),
                        grpc.StatusCode.INVALID_ARGUMENT, "scale", "double")
     await client.close()
+    await channel.close()
 
 
 def main():
