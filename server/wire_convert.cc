@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <array>
 #include <cctype>
+#include <optional>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/status_macros.h"
+#include "server/hf_checkpoint.h"
 #include "server/model_repository.h"
 #include "server/status_util.h"
 #include "server/weight_naming.h"
@@ -220,7 +222,20 @@ absl::StatusOr<std::shared_ptr<const core::MhaLayer>> BuildLayer(
     const v1::LayerSpec& spec, absl::string_view field,
     std::shared_ptr<const core::Backend> backend, const ModelRepository* repository,
     const std::function<absl::Status(int64_t weight_bytes)>& admit_weight_bytes) {
-  auto config = core::MhaConfig::Resolve(ConvertConfig(spec.config()));
+  // A Hugging Face checkpoint brings its own config (the sent one must agree with it).
+  std::optional<HfLayer> hf_layer;
+  if (spec.weights_case() == v1::LayerSpec::kHfCheckpoint) {
+    const std::string source_field = absl::StrCat(field, ".hf_checkpoint");
+    if (repository == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          source_field, ": the server has no model repository; start it with "
+          "--model_repository"));
+    }
+    ASSIGN_OR_RETURN(hf_layer, OpenHfLayer(*repository, spec.hf_checkpoint(), spec.config(),
+                                           source_field, absl::StrCat(field, ".config")));
+  }
+  auto config = core::MhaConfig::Resolve(
+      ConvertConfig(hf_layer ? hf_layer->parsed.config : spec.config()));
   if (!config.ok()) return Invalid(field, ".", config.status().message());
   // Resolve() caps every dimension at 2^16, so the parameter count cannot overflow.
   if (admit_weight_bytes) RETURN_IF_ERROR(admit_weight_bytes(config->ParameterCount() * 4));
@@ -265,8 +280,15 @@ absl::StatusOr<std::shared_ptr<const core::MhaLayer>> BuildLayer(
                                                *config, absl::StrCat(source_field, ".naming")));
       break;
     }
+    case v1::LayerSpec::kHfCheckpoint: {
+      ASSIGN_OR_RETURN(weights, ConvertWeights(hf_layer->parsed.naming, *hf_layer->source,
+                                               hf_layer->prefix, *config,
+                                               absl::StrCat(field, ".hf_checkpoint")));
+      break;
+    }
     case v1::LayerSpec::WEIGHTS_NOT_SET:
-      return Invalid(field, ".weights is not set: give inline_weights, safetensors or random_init");
+      return Invalid(field, ".weights is not set: give inline_weights, safetensors, random_init "
+                     "or hf_checkpoint");
   }
   return core::MhaLayer::Create(*config, std::move(weights), std::move(backend));
 }
