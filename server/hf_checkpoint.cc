@@ -157,9 +157,42 @@ absl::Status ReadRotary(const Json& config, absl::string_view where, v1::LayerCo
                                 : type == nullptr                   ? "default"
                                                                     : ValueText(*type);
   if (rope_type == "default") return absl::OkStatus();
-  return Invalid(where, ": rope_type ", Quoted(rope_type),
-                 " is not implemented by this server (only \"default\"); refused rather than "
-                 "approximated");
+  if (rope_type != "linear" && rope_type != "dynamic" && rope_type != "llama3") {
+    return Invalid(where, ": rope_type ", Quoted(rope_type),
+                   " is not implemented by this server (default, linear, dynamic, llama3); "
+                   "refused rather than approximated");
+  }
+  v1::RopeScaling* out_scaling = out->mutable_rope_scaling();
+  out_scaling->set_rope_type(rope_type);
+  const Json* factor = Get(*scaling, "factor");
+  if (factor == nullptr || !factor->is_number() || !(factor->get<double>() > 0.0)) {
+    return Invalid(where, ": rope scaling \"factor\" = ",
+                   Quoted(factor == nullptr ? "null" : ValueText(*factor)),
+                   " must be a positive number");
+  }
+  out_scaling->set_factor(factor->get<double>());
+  if (rope_type == "dynamic") {
+    // transformers scales against max_position_embeddings for dynamic NTK.
+    ASSIGN_OR_RETURN(const int64_t max_positions,
+                     PositiveInt(config, "max_position_embeddings", where));
+    out_scaling->set_original_max_position_embeddings(max_positions);
+  } else if (rope_type == "llama3") {
+    ASSIGN_OR_RETURN(const int64_t original,
+                     PositiveInt(*scaling, "original_max_position_embeddings", where));
+    out_scaling->set_original_max_position_embeddings(original);
+    for (const char* key : {"low_freq_factor", "high_freq_factor"}) {
+      const Json* value = Get(*scaling, key);
+      if (value == nullptr || !value->is_number()) {
+        return Invalid(where, ": llama3 rope scaling needs a number \"", key, "\"");
+      }
+      if (std::string(key) == "low_freq_factor") {
+        out_scaling->set_low_freq_factor(value->get<double>());
+      } else {
+        out_scaling->set_high_freq_factor(value->get<double>());
+      }
+    }
+  }
+  return absl::OkStatus();
 }
 
 // The sliding window config.json applies to layer `layer_index`, or 0.
@@ -197,6 +230,8 @@ std::string JsonSource(absl::string_view field) {
       {"no_qkv_bias", "the model type's q/k/v biases, or attention_bias"},
       {"no_output_bias", "the model type's output bias, or attention_bias"},
       {"always_causal", "the model type: decoder layers are causal"},
+      {"rope_scaling", "rope_scaling or rope_parameters"},
+      {"sliding_window", "sliding_window, where layer_types / use_sliding_window apply it"},
   };
   const auto found = kKeys.find(field);
   return found != kKeys.end() ? found->second : "implied by the model type";
@@ -204,6 +239,11 @@ std::string JsonSource(absl::string_view field) {
 
 std::string FieldText(const google::protobuf::Message& message,
                       const google::protobuf::FieldDescriptor* field) {
+  if (field->type() == google::protobuf::FieldDescriptor::TYPE_MESSAGE) {
+    if (!message.GetReflection()->HasField(message, field)) return "none";
+    return absl::StrCat(
+        "{", message.GetReflection()->GetMessage(message, field).ShortDebugString(), "}");
+  }
   std::string text;
   google::protobuf::TextFormat::PrintFieldValueToString(message, field, -1, &text);
   return text;
@@ -272,12 +312,10 @@ absl::StatusOr<HfLayerConfig> ParseHfConfig(absl::string_view json_text, int64_t
     out.set_always_causal(true);
     RETURN_IF_ERROR(ReadRotary(config, where, &out));
     ASSIGN_OR_RETURN(const int64_t window, SlidingWindow(config, family, layer_index, where));
-    if (window > 0) {
-      return Invalid(where, ": \"sliding_window\" = ", window, " applies to layer ", layer_index,
-                     " and is not implemented by this server");
-    }
+    out.set_sliding_window(window);
   }
-  auto resolved = core::MhaConfig::Resolve(ConvertConfig(out));
+  auto converted = ConvertConfig(out);
+  auto resolved = converted.ok() ? core::MhaConfig::Resolve(*converted) : converted;
   if (!resolved.ok()) return Invalid(where, " gives an invalid layer: ", resolved.status().message());
   out = ConfigToProto(*resolved);
   return parsed;

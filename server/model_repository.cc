@@ -307,7 +307,8 @@ absl::StatusOr<ModelRepository::PersistedLayer> ModelRepository::ReadPersisted(
   }
   auto batching = ConvertBatchingPolicy(batching_proto, "batching");
   if (!batching.ok()) return Invalid(relative, ": ", batching.status().message());
-  auto config = core::MhaConfig::Resolve(ConvertConfig(config_proto));
+  auto converted = ConvertConfig(config_proto);
+  auto config = converted.ok() ? core::MhaConfig::Resolve(*converted) : converted;
   if (!config.ok()) return Invalid(relative, ": ", config.status().message());
   SafetensorsTensorSource source(*file, "persisted layer");
   ASSIGN_OR_RETURN(core::MhaWeights weights,

@@ -6,8 +6,10 @@ usage: test_hf_checkpoints.py PATH/TO/attention-server
 
 1. Random-init LlamaForCausalLM and Qwen2ForCausalLM models built from configs and written
    with save_pretrained (sharded, so the index is read too): GQA, MQA, head_dim !=
-   hidden_size / num_attention_heads, q/k/v biases (Qwen2), attention_bias (Llama), and a
-   left-padded batch. Each model runs in transformers (eager attention, float32) with a hook
+   hidden_size / num_attention_heads, q/k/v biases (Qwen2), attention_bias (Llama), RoPE
+   scaling of types llama3, linear and dynamic, sliding windows (Qwen2's upper layers, every
+   Mistral layer), and a left-padded batch. Each scaled or windowed layer is also loaded
+   without its scaling or window, which must then be far off. Each model runs in transformers (eager attention, float32) with a hook
    on layers[i].self_attn that records its input hidden states and its output; the server
    loads the directory with only {path, layer_index} and must give that output for that
    input, within 1e-4 + 1e-4 * |expected| (rows that are padding are not compared: there
@@ -103,10 +105,34 @@ def decoder_cases():
         ("qwen2 q/k/v biases, GQA", transformers.Qwen2Config(
             hidden_size=48, num_attention_heads=6, num_key_value_heads=2, **common),
             transformers.Qwen2ForCausalLM, 1),
+        # Llama 3.1's scaling with a short original context, so that 96 positions reach all
+        # three regimes of its frequency ramp (kept, smoothed, divided by factor).
+        ("llama3 rope scaling", transformers.LlamaConfig(
+            hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+            **common), transformers.LlamaForCausalLM, 1),
+        ("linear rope scaling", transformers.LlamaConfig(
+            hidden_size=32, num_attention_heads=2, rope_scaling={"rope_type": "linear",
+                                                                  "factor": 4.0},
+            **common), transformers.LlamaForCausalLM, 0),
+        ("dynamic rope scaling past 64 positions", transformers.LlamaConfig(
+            hidden_size=32, num_attention_heads=2,
+            rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+            **dict(common, max_position_embeddings=64)), transformers.LlamaForCausalLM, 0),
+        # Qwen2 slides on the layers from max_window_layers on; Mistral on every layer.
+        ("qwen2 sliding window 8", transformers.Qwen2Config(
+            hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+            use_sliding_window=True, sliding_window=8, max_window_layers=1, **common),
+            transformers.Qwen2ForCausalLM, 1),
+        ("mistral sliding window 5", transformers.MistralConfig(
+            hidden_size=32, num_attention_heads=4, num_key_value_heads=1, sliding_window=5,
+            **common), transformers.MistralForCausalLM, 0),
     ]
 
 # Query rows per case: long enough for each case's scaling or window to matter.
-LENGTHS = {}
+LENGTHS = {"llama3 rope scaling": 96, "dynamic rope scaling past 64 positions": 100,
+           "linear rope scaling": 40}
 
 
 def load_hf(client, name, path, layer_index, config=None):
@@ -127,6 +153,29 @@ def expect_refusal(label, call, code, text):
                                                        code, text))
         return
     check(False, "%s: was accepted" % label)
+
+
+def without(field, client, model, repository, path, layer_index, info, hidden, mask, expected,
+            label):
+    """The same weights without the config's `field` (rope_scaling or sliding_window: what a
+    caller could not express before): the output must be far off, so that the match above
+    shows the field is applied."""
+    pb2 = client.pb2
+    model.save_pretrained(os.path.join(repository, path + "-single"))
+    config = pb2.LayerConfig()
+    config.CopyFrom(info.config)
+    config.ClearField(field)
+    spec = pb2.LayerSpec(config=config, safetensors=pb2.SafetensorsSource(
+        path=path + "-single/model.safetensors", naming=pb2.WEIGHT_NAMING_HF_LLAMA,
+        prefix="model.layers.%d." % layer_index))
+    client._stub.LoadLayer(pb2.LoadLayerRequest(name=path + "-unscaled", spec=spec), timeout=120)
+    out = client.multi_head_attention(hidden, layer=path + "-unscaled",
+                                      key_padding_mask=mask.numpy() != 0,
+                                      key_padding_polarity="true_attends").output
+    rows = mask.numpy() != 0
+    error = float(np.abs(out[rows] - expected[rows]).max())
+    print("%-60s max error %.2e" % ("%s without %s" % (label, field), error), flush=True)
+    check(error > 100 * ATOL, "%s: without %s within %.2g of transformers" % (label, field, error))
 
 
 def run_decoders(client, repository):
@@ -154,6 +203,20 @@ def run_decoders(client, repository):
                 rows=mask.numpy() != 0)
         if label.startswith("qwen2 q/k/v"):
             model.save_pretrained(os.path.join(repository, "qwen2-single"))
+        if "rope scaling" in label:
+            check(info.config.rope_scaling.rope_type == config.rope_parameters["rope_type"],
+                  "%s: rope_scaling read back %s" % (label, info.config.rope_scaling))
+            without("rope_scaling", client, model, repository, path, layer_index, info, hidden,
+                    mask, expected, label)
+        if "sliding window" in label:
+            check(info.config.sliding_window == config.sliding_window,
+                  "%s: sliding_window read back %d" % (label, info.config.sliding_window))
+            without("sliding_window", client, model, repository, path, layer_index, info, hidden,
+                    mask, expected, label)
+            if layer_index > 0:  # below max_window_layers: full attention
+                below = load_hf(client, path + "-0", path, 0)
+                check(below.config.sliding_window == 0,
+                      "%s: layer 0 has window %d" % (label, below.config.sliding_window))
     # Qwen2's q/k/v biases under no_qkv_bias, through a plain safetensors load: refused by name.
     pb2 = client.pb2
     qwen = client.get_layer("decoder2").config

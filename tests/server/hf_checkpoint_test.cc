@@ -157,7 +157,30 @@ TEST(HfConfigTest, RefusesWhatTheLayerCannotComputeByName) {
          Json c = Llama();
          c["rope_scaling"] = Json::parse(R"({"rope_type": "yarn", "factor": 4.0})");
          return c;
-       }(), 0, "rope_type \"yarn\" is not implemented by this server"},
+       }(), 0, "rope_type \"yarn\" is not implemented by this server (default, linear, "
+               "dynamic, llama3)"},
+      {"llama3 without its context", [] {
+         Json c = Llama();
+         c["rope_scaling"] = Json::parse(R"({"rope_type": "llama3", "factor": 8.0,
+                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0})");
+         return c;
+       }(), 0, "\"original_max_position_embeddings\" is missing"},
+      {"scaling without factor", [] {
+         Json c = Llama();
+         c["rope_scaling"] = Json::parse(R"({"type": "linear"})");
+         return c;
+       }(), 0, "rope scaling \"factor\" = \"null\" must be a positive number"},
+      {"dynamic without max positions", [] {
+         Json c = Llama();
+         c.erase("max_position_embeddings");
+         c["rope_scaling"] = Json::parse(R"({"rope_type": "dynamic", "factor": 2.0})");
+         return c;
+       }(), 0, "\"max_position_embeddings\" is missing"},
+      {"layer types", [] {
+         Json c = Qwen2();
+         c["layer_types"] = Json::parse(R"(["full_attention"])");
+         return c;
+       }(), 1, "\"layer_types\" has no string for layer 1"},
       {"bad theta", [] { Json c = Llama(); c["rope_theta"] = -1; return c; }(), 0,
        "\"rope_theta\" = \"-1\" must be a positive number"},
       {"heads do not divide", [] { Json c = MiniLm(); c["num_attention_heads"] = 7; return c; }(),
@@ -171,6 +194,66 @@ TEST(HfConfigTest, RefusesWhatTheLayerCannotComputeByName) {
     SCOPED_TRACE(test_case.label);
     ExpectInvalid(Parse(test_case.config, test_case.layer).status(), test_case.message);
   }
+}
+
+TEST(HfConfigTest, RopeScalingIsReadInBothSpellings) {
+  Json config = Llama();
+  config["rope_scaling"] = Json::parse(R"({"rope_type": "llama3", "factor": 8.0,
+      "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})");
+  auto parsed = Parse(config);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  const v1::RopeScaling& llama3 = parsed->config.rope_scaling();
+  EXPECT_EQ(llama3.rope_type(), "llama3");
+  EXPECT_EQ(llama3.factor(), 8.0);
+  EXPECT_EQ(llama3.low_freq_factor(), 1.0);
+  EXPECT_EQ(llama3.high_freq_factor(), 4.0);
+  EXPECT_EQ(llama3.original_max_position_embeddings(), 8192);
+  // transformers 5: rope_parameters, and "type" for the rope type in older files.
+  config.erase("rope_scaling");
+  config.erase("rope_theta");
+  config["rope_parameters"] = Json::parse(R"({"rope_type": "dynamic", "factor": 2.0,
+      "rope_theta": 500000.0})");
+  parsed = Parse(config);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->config.rope_theta(), 500000.0);
+  EXPECT_EQ(parsed->config.rope_scaling().rope_type(), "dynamic");
+  EXPECT_EQ(parsed->config.rope_scaling().original_max_position_embeddings(), 2048)
+      << "dynamic scales against max_position_embeddings";
+  config["rope_parameters"] = Json::parse(R"({"type": "linear", "factor": 4.0})");
+  parsed = Parse(config);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->config.rope_scaling().rope_type(), "linear");
+  EXPECT_EQ(parsed->config.rope_scaling().factor(), 4.0);
+  EXPECT_FALSE(Parse(Llama())->config.has_rope_scaling());
+}
+
+TEST(HfConfigTest, SlidingWindowAppliesWhereTheModelSaysSo) {
+  // Qwen2 (transformers 4 spelling): from max_window_layers on, when use_sliding_window.
+  Json qwen = Qwen2();
+  qwen["num_hidden_layers"] = 4;
+  qwen["use_sliding_window"] = true;
+  qwen["max_window_layers"] = 2;
+  qwen["sliding_window"] = 16;
+  EXPECT_EQ(Parse(qwen, 1)->config.sliding_window(), 0);
+  EXPECT_EQ(Parse(qwen, 2)->config.sliding_window(), 16);
+  EXPECT_TRUE(Parse(qwen, 2)->config.always_causal());
+  qwen["use_sliding_window"] = false;
+  EXPECT_EQ(Parse(qwen, 3)->config.sliding_window(), 0) << "sliding_window alone does not apply";
+  // transformers 5 writes layer_types, which win.
+  qwen["layer_types"] = Json::parse(
+      R"(["sliding_attention", "full_attention", "full_attention", "full_attention"])");
+  EXPECT_EQ(Parse(qwen, 0)->config.sliding_window(), 16);
+  EXPECT_EQ(Parse(qwen, 3)->config.sliding_window(), 0);
+  // Mistral: every layer; none when null. Llama never.
+  Json mistral = Qwen2();
+  mistral["model_type"] = "mistral";
+  mistral["sliding_window"] = 4096;
+  EXPECT_EQ(Parse(mistral, 1)->config.sliding_window(), 4096);
+  mistral["sliding_window"] = nullptr;
+  EXPECT_EQ(Parse(mistral, 1)->config.sliding_window(), 0);
+  Json llama = Llama();
+  llama["sliding_window"] = 8;
+  EXPECT_EQ(Parse(llama, 0)->config.sliding_window(), 0);
 }
 
 TEST(HfConfigTest, AgreementComparesOnlyTheFieldsTheCallerSets) {
@@ -201,6 +284,17 @@ TEST(HfConfigTest, AgreementComparesOnlyTheFieldsTheCallerSets) {
   causal.set_always_causal(true);
   ExpectInvalid(CheckConfigAgreement(causal, bert, "spec.config", "f"),
                 "spec.config.always_causal = true disagrees");
+  // A rope scaling that the file does not have, or has otherwise.
+  v1::LayerConfig scaled;
+  scaled.mutable_rope_scaling()->set_rope_type("linear");
+  scaled.mutable_rope_scaling()->set_factor(2.0);
+  ExpectInvalid(CheckConfigAgreement(scaled, file, "spec.config", "f"),
+                "spec.config.rope_scaling = {rope_type: \"linear\" factor: 2} disagrees with f, "
+                "which gives none (rope_scaling or rope_parameters)");
+  v1::LayerConfig window;
+  window.set_sliding_window(8);
+  ExpectInvalid(CheckConfigAgreement(window, file, "spec.config", "f"),
+                "spec.config.sliding_window = 8 disagrees with f, which gives 0");
 }
 
 TEST(HfConfigTest, LayerPrefixIsFoundUnderAnyWrapper) {

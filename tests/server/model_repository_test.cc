@@ -1110,6 +1110,32 @@ TEST_F(HfCheckpointTest, InspectListsTensorsLayersAndTheConfig) {
                "InspectCheckpoint reads the model repository");
 }
 
+TEST_F(HfCheckpointTest, RopeScalingAndWindowsAreValidatedThroughTheApi) {
+  v1::LoadLayerRequest request = RandomLayerRequest("scaled", 16, 3);
+  v1::LayerConfig& config = *request.mutable_spec()->mutable_config();
+  config.set_rope_theta(10000.0);
+  config.mutable_rope_scaling()->set_rope_type("yarn");
+  config.mutable_rope_scaling()->set_factor(4.0);
+  ExpectStatus(client_->LoadLayer(request).status(), absl::StatusCode::kInvalidArgument,
+               "spec.config.rope_scaling.rope_type = \"yarn\" is not implemented (linear, "
+               "dynamic, llama3); refused rather than approximated");
+  config.mutable_rope_scaling()->set_rope_type("llama3");
+  ExpectStatus(client_->LoadLayer(request).status(), absl::StatusCode::kInvalidArgument,
+               "spec.config.rope_scaling.original_max_position_embeddings = 0 must be >= 1");
+  config.mutable_rope_scaling()->set_original_max_position_embeddings(32);
+  config.mutable_rope_scaling()->set_low_freq_factor(1.0);
+  config.mutable_rope_scaling()->set_high_freq_factor(4.0);
+  config.set_sliding_window(4);
+  ExpectStatus(client_->LoadLayer(request).status(), absl::StatusCode::kInvalidArgument,
+               "spec.config.sliding_window = 4 needs config.always_causal");
+  config.set_always_causal(true);
+  auto loaded = client_->LoadLayer(request);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->config().rope_scaling().rope_type(), "llama3");
+  EXPECT_EQ(loaded->config().rope_scaling().original_max_position_embeddings(), 32);
+  EXPECT_EQ(loaded->config().sliding_window(), 4);
+}
+
 TEST_F(HfCheckpointTest, InspectStopsBeforeTheResponseGrowsPastItsBound) {
   // 3000 tensors with 1000-character names: 3 MB of names, listed 1 MiB at a time.
   std::vector<NamedTensor> tensors;
