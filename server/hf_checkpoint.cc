@@ -1,8 +1,7 @@
 #include "server/hf_checkpoint.h"
 
-#include <algorithm>
 #include <map>
-#include <set>
+#include <optional>
 
 #include <google/protobuf/descriptor.h>
 #include <google/protobuf/text_format.h>
@@ -496,7 +495,16 @@ absl::Status InspectCheckpoint(const ModelRepository& repository,
     const std::string& file_name = file_names[file];
     const size_t size = tensor->name.size() + tensor->dtype.size() + file_name.size() +
                         10 * tensor->shape.size() + 16;
-    if (bytes + size > kMaxInspectBytes) break;
+    if (bytes + size > kMaxInspectBytes) {
+      // A description that alone passes the bound could never be listed: say so, rather
+      // than answer an empty page that a paging caller would ask for again and again.
+      if (bytes == 0) {
+        return absl::OutOfRangeError(absl::StrCat(
+            "tensor ", next, " of ", Quoted(request.path()), " takes ", size,
+            " bytes to describe; InspectCheckpoint lists at most ", kMaxInspectBytes));
+      }
+      break;
+    }
     bytes += size;
     v1::TensorInfo* info = response->add_tensors();
     info->set_name(tensor->name);

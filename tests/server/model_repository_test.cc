@@ -1160,6 +1160,19 @@ TEST_F(HfCheckpointTest, InspectStopsBeforeTheResponseGrowsPastItsBound) {
     EXPECT_LT(listed->tensors_size(), 3000);
   }
   EXPECT_EQ(seen, 3000);
+  // A name that alone passes the bound is refused by index, not answered with empty pages.
+  WriteSafetensors(repository_ / "huge.safetensors",
+                   {{"a", {1}, {0.0f}}, {std::string(1 << 20, 'n'), {1}, {0.0f}}});
+  request.set_path("huge.safetensors");
+  request.set_offset(0);
+  auto first = client_->InspectCheckpoint(request);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->tensors_size(), 1);
+  EXPECT_TRUE(first->truncated());
+  request.set_offset(1);
+  ExpectStatus(client_->InspectCheckpoint(request).status(), absl::StatusCode::kOutOfRange,
+               "tensor 1 of \"huge.safetensors\" takes 1048605 bytes to describe; "
+               "InspectCheckpoint lists at most 1048576");
 }
 
 }  // namespace
