@@ -127,6 +127,13 @@ absl::Status AttentionClient::UnloadLayer(const std::string& name, absl::Duratio
       .status();
 }
 
+absl::StatusOr<v1::InspectCheckpointResponse> AttentionClient::InspectCheckpoint(
+    const v1::InspectCheckpointRequest& request, absl::Duration timeout) {
+  return Call<v1::InspectCheckpointResponse>(
+      [this](auto* c, const auto& q, auto* r) { return stub_->InspectCheckpoint(c, q, r); },
+      request, timeout, channel_status_, admin_token_);
+}
+
 absl::StatusOr<std::vector<v1::LayerInfo>> AttentionClient::ListLayers(absl::Duration timeout) {
   auto response = Call<v1::ListLayersResponse>(
       [this](auto* c, const auto& q, auto* r) { return stub_->ListLayers(c, q, r); },

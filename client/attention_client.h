@@ -19,8 +19,8 @@ namespace attention::client {
 struct ClientOptions {
   // Largest message sent or received, bytes; default 64 MiB as the server's.
   int64_t max_message_bytes = int64_t{64} << 20;
-  // When non-empty, sent as "authorization: Bearer <admin_token>" with LoadLayer and
-  // UnloadLayer (for a server started with --admin_token_file).
+  // When non-empty, sent as "authorization: Bearer <admin_token>" with LoadLayer,
+  // UnloadLayer and InspectCheckpoint (for a server started with --admin_token_file).
   std::string admin_token;
   // TLS: the PEM CA bundle that signed the server's certificate; empty = plaintext. With
   // mutual TLS also this client's PEM certificate chain and key.
@@ -61,6 +61,8 @@ class AttentionClient {
   absl::StatusOr<v1::LayerInfo> LoadLayer(const v1::LoadLayerRequest& request,
                                           absl::Duration timeout = absl::Seconds(60));
   absl::Status UnloadLayer(const std::string& name, absl::Duration timeout = absl::Seconds(10));
+  absl::StatusOr<v1::InspectCheckpointResponse> InspectCheckpoint(
+      const v1::InspectCheckpointRequest& request, absl::Duration timeout = absl::Seconds(30));
   absl::StatusOr<std::vector<v1::LayerInfo>> ListLayers(absl::Duration timeout = absl::Seconds(10));
   absl::StatusOr<v1::LayerInfo> GetLayer(const std::string& name,
                                          absl::Duration timeout = absl::Seconds(10));

@@ -77,6 +77,7 @@ MaskView AttentionOptions::View(const AttentionDims& dims) const {
   for (int d = 0; d < 4; ++d) view.attn_mask_dims[d] = attn_mask_dims[d];
   view.attn_mask_keep = attn_mask_keep.empty() ? nullptr : attn_mask_keep.data();
   view.attn_mask_bias = attn_mask_bias.empty() ? nullptr : attn_mask_bias.data();
+  view.sliding_window = sliding_window;
   return view;
 }
 

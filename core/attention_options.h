@@ -46,6 +46,8 @@ struct AttentionOptions {
   float dropout_p = 0.0f;
   uint64_t dropout_seed = 0;
   NeedWeights need_weights = NeedWeights::kNone;
+  // Sliding window with causal (see MaskView); set from the layer config, not the wire.
+  int64_t sliding_window = 0;
 
   // Checks every field against `dims`; the error names the field and the values.
   absl::Status Validate(const AttentionDims& dims) const;
@@ -55,7 +57,7 @@ struct AttentionOptions {
   // True when some key of some row may be masked by something other than `causal`.
   bool HasElementMasks() const {
     return !key_lengths.empty() || !key_padding_keep.empty() || !attn_mask_keep.empty() ||
-           !attn_mask_bias.empty();
+           !attn_mask_bias.empty() || sliding_window > 0;
   }
 
   // The masks as every kernel reads them (see core/attention_math.h), pointing into this

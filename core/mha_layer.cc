@@ -32,15 +32,48 @@ std::vector<double> LinearReference(const double* x, int64_t rows, int64_t in_fe
   return y;
 }
 
+// Errors name the config.rope_scaling field and its value.
+absl::Status ValidateRopeScaling(const MhaConfig& c) {
+  const RopeScaling& s = c.rope_scaling;
+  if (s.type == RopeScaling::kNone) return absl::OkStatus();
+  if (!(c.rope_theta > 0.0)) {
+    return absl::InvalidArgumentError("config.rope_scaling needs config.rope_theta > 0");
+  }
+  if (!(s.factor > 0.0) || !std::isfinite(s.factor)) {
+    return absl::InvalidArgumentError(absl::StrCat("config.rope_scaling.factor = ", s.factor,
+                                                   " must be finite and > 0"));
+  }
+  if (s.type == RopeScaling::kLinear) return absl::OkStatus();
+  if (s.original_max_positions < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.rope_scaling.original_max_position_embeddings = ",
+                     s.original_max_positions, " must be >= 1"));
+  }
+  if (s.type == RopeScaling::kDynamic) {
+    if (c.head_dim <= 2) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config.head_dim = ", c.head_dim, " must be > 2 for dynamic rope scaling"));
+    }
+    return absl::OkStatus();
+  }
+  if (!(s.low_freq_factor > 0.0) || !(s.high_freq_factor > s.low_freq_factor) ||
+      !std::isfinite(s.high_freq_factor)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.rope_scaling.low_freq_factor = ", s.low_freq_factor, " and high_freq_factor = ",
+        s.high_freq_factor, " must satisfy 0 < low_freq_factor < high_freq_factor"));
+  }
+  return absl::OkStatus();
+}
+
 void RotaryReference(std::vector<double>& data, int64_t rows, int64_t seq_len, int64_t heads,
-                     int64_t head_dim, double theta) {
+                     int64_t head_dim, double base, const RopeScaling& scaling) {
   const int64_t half = head_dim / 2;
   for (int64_t r = 0; r < rows; ++r) {
     const double position = static_cast<double>(r % seq_len);
     for (int64_t h = 0; h < heads; ++h) {
       double* x = data.data() + (r * heads + h) * head_dim;
       for (int64_t c = 0; c < half; ++c) {
-        const double angle = position * std::pow(theta, -2.0 * c / head_dim);
+        const double angle = position * RotaryInverseFrequency(c, head_dim, base, scaling);
         const double x1 = x[c], x2 = x[c + half];
         x[c] = x1 * std::cos(angle) - x2 * std::sin(angle);
         x[c + half] = x2 * std::cos(angle) + x1 * std::sin(angle);
@@ -94,6 +127,13 @@ absl::StatusOr<MhaConfig> MhaConfig::Resolve(MhaConfig c) {
   }
   if (c.rope_theta > 0.0 && c.head_dim % 2 != 0) {
     return Invalid("config.head_dim", c.head_dim, "must be even when config.rope_theta is set");
+  }
+  RETURN_IF_ERROR(ValidateRopeScaling(c));
+  if (c.sliding_window < 0 || (c.sliding_window > 0 && !c.always_causal)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.sliding_window = ", c.sliding_window,
+        c.sliding_window < 0 ? " must be >= 0"
+                             : " needs config.always_causal (the window applies with causal)"));
   }
   constexpr int64_t kMaxDim = 1 << 16;  // keeps every weight matrix far below 2^63 elements
   for (auto [name, value] :
@@ -300,13 +340,13 @@ AttentionResult MhaLayer::ForwardReference(const MhaInput& input) const {
   const std::vector<double> v =
       LinearReference(xv.data(), kv_rows, c.vdim, w.v_weight, w.v_bias, c.VWidth());
   if (c.rope_theta > 0.0) {
-    RotaryReference(q, q_rows, in.q_len, c.num_heads, c.head_dim, c.rope_theta);
-    RotaryReference(k, kv_rows, in.kv_len, c.num_kv_heads, c.head_dim, c.rope_theta);
+    const double base = c.RotaryBaseFor(std::max(in.q_len, in.kv_len));
+    RotaryReference(q, q_rows, in.q_len, c.num_heads, c.head_dim, base, c.rope_scaling);
+    RotaryReference(k, kv_rows, in.kv_len, c.num_kv_heads, c.head_dim, base, c.rope_scaling);
   }
   // The attention oracle reads float inputs; projections are rounded once, like the fast path.
   const std::vector<float> qf = ToFloat(q), kf = ToFloat(k), vf = ToFloat(v);
-  AttentionOptions options = in.options;
-  options.causal = options.causal || c.always_causal;
+  const AttentionOptions options = c.LayerOptions(in.options);
   const AttentionDims dims = Dims(in);
   std::vector<float> attended(q_rows * c.AttentionWidth());
   AttentionResult result;

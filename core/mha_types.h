@@ -30,7 +30,9 @@ struct MhaConfig {
   bool output_bias = true;
   bool output_projection = true;
   double rope_theta = 0.0;  // 0 = no rotary embedding
+  RopeScaling rope_scaling;  // needs rope_theta
   bool always_causal = false;
+  int64_t sliding_window = 0;  // 0 = none; needs always_causal
 
   // Fills defaults and checks consistency; errors name the config.* field and values.
   static absl::StatusOr<MhaConfig> Resolve(MhaConfig config);
@@ -39,6 +41,17 @@ struct MhaConfig {
   int64_t KWidth() const { return num_kv_heads * head_dim; }
   int64_t VWidth() const { return num_kv_heads * v_head_dim; }
   int64_t AttentionWidth() const { return num_heads * v_head_dim; }
+  // The rotary base for a request of `seq_len` positions (dynamic scaling depends on it).
+  double RotaryBaseFor(int64_t seq_len) const {
+    return RotaryBase(rope_theta, rope_scaling, seq_len, head_dim);
+  }
+  // The options a request runs with: causal and the window as the layer says.
+  AttentionOptions LayerOptions(const AttentionOptions& request) const {
+    AttentionOptions options = request;
+    options.causal = options.causal || always_causal;
+    options.sliding_window = sliding_window;
+    return options;
+  }
   int64_t ParameterCount() const;
 };
 

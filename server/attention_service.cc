@@ -11,6 +11,7 @@
 #include "absl/time/clock.h"
 #include "core/half_bits.h"
 #include "core/status_macros.h"
+#include "server/hf_checkpoint.h"
 #include "server/status_util.h"
 #include "server/wire_convert.h"
 
@@ -493,6 +494,35 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::LoadLayer(grpc::CallbackServerCo
   }
   if (!status.ok()) Finish(reactor, "LoadLayer", start, status);
   return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::InspectCheckpoint(
+    grpc::CallbackServerContext* context, const v1::InspectCheckpointRequest* request,
+    v1::InspectCheckpointResponse* response) {
+  const absl::Time start = absl::Now();
+  metrics_.CallStarted();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  // The same reads as LoadLayer: the same access check, and file parsing on the loader pool.
+  absl::Status status = CheckAdmin(*context, "InspectCheckpoint");
+  if (status.ok() && !loader_.TrySubmit(
+                         [this, request, response] { return DoInspectCheckpoint(*request, response); },
+                         [this, reactor, start](const absl::Status& listed) {
+                           Finish(reactor, "InspectCheckpoint", start, listed);
+                         })) {
+    status = LoaderBusy();
+  }
+  if (!status.ok()) Finish(reactor, "InspectCheckpoint", start, status);
+  return reactor;
+}
+
+absl::Status AttentionServiceImpl::DoInspectCheckpoint(const v1::InspectCheckpointRequest& request,
+                                                       v1::InspectCheckpointResponse* response) {
+  RETURN_IF_ERROR(CheckKnownFields(request));
+  if (registry_.repository() == nullptr) {
+    return absl::FailedPreconditionError(
+        "InspectCheckpoint reads the model repository; start the server with --model_repository");
+  }
+  return server::InspectCheckpoint(*registry_.repository(), request, response);
 }
 
 absl::Status AttentionServiceImpl::CheckAdmin(const grpc::CallbackServerContext& context,

@@ -22,7 +22,7 @@ class MultiHeadAttentionStreamReactor;
 
 // Who may do what (issue 13's restricted management, as Triton's restricted protocols).
 struct AccessPolicy {
-  // When non-empty, LoadLayer and UnloadLayer need "authorization: Bearer <admin_token>"
+  // When non-empty, LoadLayer, UnloadLayer and InspectCheckpoint need "authorization: Bearer <admin_token>"
   // metadata: UNAUTHENTICATED without it, PERMISSION_DENIED for another token.
   std::string admin_token;
   // Whether MultiHeadAttention may carry an inline_layer (built per request); when not,
@@ -72,6 +72,9 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   grpc::ServerUnaryReactor* GetLayer(grpc::CallbackServerContext* context,
                                      const v1::GetLayerRequest* request,
                                      v1::GetLayerResponse* response) override;
+  grpc::ServerUnaryReactor* InspectCheckpoint(grpc::CallbackServerContext* context,
+                                              const v1::InspectCheckpointRequest* request,
+                                              v1::InspectCheckpointResponse* response) override;
 
   // In-process entry points: the gRPC handlers (unary and stream) and the request fuzzer
   // share them, so every path validates and completes alike.
@@ -94,6 +97,9 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   // Builds and publishes a layer, on the calling thread (the handler runs it on the loader
   // pool, after the admin check).
   absl::Status DoLoadLayer(const v1::LoadLayerRequest& request, v1::LoadLayerResponse* response);
+  // Lists a checkpoint of the model repository, on the calling thread.
+  absl::Status DoInspectCheckpoint(const v1::InspectCheckpointRequest& request,
+                                   v1::InspectCheckpointResponse* response);
 
  private:
   friend class MultiHeadAttentionStreamReactor;

@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "core/status_macros.h"
+#include "server/status_util.h"
 #include "server/weight_naming.h"
 #include "server/wire_convert.h"
 
@@ -165,6 +166,44 @@ absl::StatusOr<std::unique_ptr<core::SafetensorsFile>> ModelRepository::OpenSafe
   return file;
 }
 
+absl::StatusOr<bool> ModelRepository::IsDirectory(absl::string_view path,
+                                                  absl::string_view field) const {
+  ASSIGN_OR_RETURN(const int fd, OpenConfined(path, field));
+  FdCloser closer(fd);
+  struct stat info;
+  if (::fstat(fd, &info) != 0) {
+    return Invalid(field, " = ", Quoted(path), " cannot be examined: ", std::strerror(errno));
+  }
+  return S_ISDIR(info.st_mode);
+}
+
+absl::StatusOr<std::string> ModelRepository::ReadSmallFile(absl::string_view path,
+                                                          absl::string_view field,
+                                                          int64_t max_bytes) const {
+  ASSIGN_OR_RETURN(const int fd, OpenConfined(path, field));
+  FdCloser closer(fd);
+  struct stat info;
+  if (::fstat(fd, &info) != 0 || !S_ISREG(info.st_mode)) {
+    return Invalid(field, " = ", Quoted(path), " is not a regular file");
+  }
+  if (info.st_size > max_bytes) {
+    return Invalid(field, " = ", Quoted(path), " has ", static_cast<int64_t>(info.st_size),
+                   " bytes; at most ", max_bytes, " are read");
+  }
+  std::string contents(static_cast<size_t>(info.st_size), '\0');
+  size_t done = 0;
+  while (done < contents.size()) {
+    const ssize_t got = ::read(fd, &contents[done], contents.size() - done);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) {
+      return Invalid(field, " = ", Quoted(path), " cannot be read: ",
+                     got < 0 ? std::strerror(errno) : "it shrank while being read");
+    }
+    done += static_cast<size_t>(got);
+  }
+  return contents;
+}
+
 absl::Status ModelRepository::Persist(const std::string& name, const core::MhaLayer& layer,
                                       const BatchLimitOverrides& batching) const {
   RETURN_IF_ERROR(ValidateLayerName(name, "name"));
@@ -268,7 +307,8 @@ absl::StatusOr<ModelRepository::PersistedLayer> ModelRepository::ReadPersisted(
   }
   auto batching = ConvertBatchingPolicy(batching_proto, "batching");
   if (!batching.ok()) return Invalid(relative, ": ", batching.status().message());
-  auto config = core::MhaConfig::Resolve(ConvertConfig(config_proto));
+  auto converted = ConvertConfig(config_proto);
+  auto config = converted.ok() ? core::MhaConfig::Resolve(*converted) : converted;
   if (!config.ok()) return Invalid(relative, ": ", config.status().message());
   SafetensorsTensorSource source(*file, "persisted layer");
   ASSIGN_OR_RETURN(core::MhaWeights weights,

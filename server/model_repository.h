@@ -52,6 +52,15 @@ class ModelRepository {
   absl::StatusOr<std::unique_ptr<core::SafetensorsFile>> OpenSafetensors(
       absl::string_view path, absl::string_view field) const;
 
+  // Whether `path` (relative, confined as OpenSafetensors) is a directory. NOT_FOUND when
+  // nothing is there.
+  absl::StatusOr<bool> IsDirectory(absl::string_view path, absl::string_view field) const;
+
+  // The contents of a small file (a checkpoint's config.json), confined as OpenSafetensors.
+  // INVALID_ARGUMENT for a directory or a file over `max_bytes`.
+  absl::StatusOr<std::string> ReadSmallFile(absl::string_view path, absl::string_view field,
+                                            int64_t max_bytes) const;
+
   // Writes layer `name` to persisted/<name>.safetensors atomically: a temporary file in the
   // same directory, fsync, rename over the old file, fsync of the directory. A crash at any
   // point leaves either the old file or the new one, never a mix. RESOURCE_EXHAUSTED when

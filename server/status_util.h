@@ -28,6 +28,8 @@ std::string Quoted(absl::string_view text);
 // The first kMaxListedItems of `items`, comma-separated, each cut as Quoted would, then
 // "and N more" when there are more; "none" when empty.
 std::string ListForMessage(const std::vector<std::string>& items);
+// The same with each item Quoted (tensor names and prefixes, which end in dots).
+std::string QuotedListForMessage(const std::vector<std::string>& items);
 
 // `message` cut to kMaxErrorMessageBytes.
 std::string BoundedMessage(absl::string_view message);

@@ -1,11 +1,13 @@
 #include "server/weight_naming.h"
 
 #include <algorithm>
+#include <cctype>
 #include <set>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
+#include "server/status_util.h"
 
 namespace attention::server {
 namespace {
@@ -135,15 +137,83 @@ absl::StatusOr<std::vector<SourceTensor>> Plan(const Convention& convention,
   return plan;
 }
 
-// Explains a missing tensor beyond "is missing" where the cause is guessable.
+// The convention's names that hold Q, K and V (one fused tensor or three) and the output.
+std::vector<std::vector<std::string>> LayerMarkers(const Convention& convention) {
+  std::vector<std::vector<std::string>> markers = {
+      {convention.q_weight, convention.k_weight, convention.v_weight, convention.out_weight}};
+  if (convention.fused_weight != nullptr) {
+    markers.push_back({convention.fused_weight, convention.out_weight});
+  }
+  return markers;
+}
+
+// Every tensor name of the convention: what a layer under a prefix may hold.
+std::vector<std::string> ConventionNames(const Convention& convention) {
+  std::vector<std::string> names;
+  for (const char* name : {convention.q_weight, convention.k_weight, convention.v_weight,
+                           convention.q_bias, convention.k_bias, convention.v_bias,
+                           convention.out_weight, convention.out_bias, convention.fused_weight,
+                           convention.fused_bias}) {
+    if (name != nullptr) names.push_back(name);
+  }
+  return names;
+}
+
+size_t EditDistance(absl::string_view a, absl::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+// The candidate closest to `prefix`, or "" when there is none.
+std::string Nearest(absl::string_view prefix, const std::vector<std::string>& candidates) {
+  std::string best;
+  size_t best_distance = 0;
+  for (const std::string& candidate : candidates) {
+    const size_t distance = EditDistance(prefix, candidate);
+    if (best.empty() || distance < best_distance) {
+      best = candidate;
+      best_distance = distance;
+    }
+  }
+  return best;
+}
+
+// Explains a missing tensor beyond "is missing": the nearest prefix that has a layer under
+// this naming (or another naming's, when this one finds none), or the bias flags.
 std::string MissingHint(const SourceTensor& tensor, const TensorSource& source,
-                        absl::string_view prefix) {
-  if (!prefix.empty()) {
-    const std::vector<std::string> names = source.Names();
-    const bool any = std::any_of(names.begin(), names.end(), [&](const std::string& name) {
-      return absl::StartsWith(name, prefix);
-    });
-    if (!any) return absl::StrCat(" (no tensor starts with prefix \"", prefix, "\")");
+                        absl::string_view prefix, v1::WeightNaming naming) {
+  // Edit distances cost prefix length x candidate length per candidate: bounded here.
+  constexpr size_t kMaxComparedPrefixBytes = 512;
+  if (prefix.size() > kMaxComparedPrefixBytes) return " (the prefix is too long to compare)";
+  const std::vector<std::string> names = source.Names();
+  const std::vector<std::string> prefixes = FindLayerPrefixes(naming, names);
+  if (std::find(prefixes.begin(), prefixes.end(), prefix) == prefixes.end()) {
+    const std::string nearest = Nearest(prefix, prefixes);
+    if (!nearest.empty()) {
+      return absl::StrCat(" (nearest prefix with a ", v1::WeightNaming_Name(naming), " layer: ",
+                          Quoted(nearest), "; InspectCheckpoint lists them all)");
+    }
+    for (int other = v1::WeightNaming_MIN; other <= v1::WeightNaming_MAX; ++other) {
+      if (other == naming || !v1::WeightNaming_IsValid(other)) continue;
+      const auto other_naming = static_cast<v1::WeightNaming>(other);
+      const std::string found = Nearest(prefix, FindLayerPrefixes(other_naming, names));
+      if (!found.empty()) {
+        return absl::StrCat(" (no ", v1::WeightNaming_Name(naming), " layer in the source; it has ",
+                            v1::WeightNaming_Name(other_naming), " layers, e.g. prefix ",
+                            Quoted(found), ")");
+      }
+    }
+    return absl::StrCat(" (no ", v1::WeightNaming_Name(naming), " layer in the source)");
   }
   if (tensor.is_bias) {
     return " (for checkpoints without biases set config.no_qkv_bias / config.no_output_bias)";
@@ -174,26 +244,110 @@ std::string WireTensorSource::Describe(const std::string& name) const {
   return absl::StrCat(field_, ".tensors[\"", name, "\"]");
 }
 
+SafetensorsTensorSource::SafetensorsTensorSource(const core::SafetensorsFile& file,
+                                                 std::string field)
+    : field_(std::move(field)), display_(file.display_name()) {
+  for (const auto& [name, tensor] : file.tensors()) tensors_.emplace(name, Located{&file, &tensor});
+}
+
+absl::StatusOr<SafetensorsTensorSource> SafetensorsTensorSource::FromShards(
+    const std::vector<const core::SafetensorsFile*>& files, std::string field,
+    std::string display) {
+  SafetensorsTensorSource source(std::move(field), std::move(display));
+  for (const core::SafetensorsFile* file : files) {
+    for (const auto& [name, tensor] : file->tensors()) {
+      const auto [found, inserted] = source.tensors_.emplace(name, Located{file, &tensor});
+      if (!inserted) {
+        return Invalid(source.field_, ": tensor ", Quoted(name), " is in both ",
+                       Quoted(found->second.file->display_name()), " and ",
+                       Quoted(file->display_name()));
+      }
+    }
+  }
+  return source;
+}
+
+const core::SafetensorsTensor* SafetensorsTensorSource::Find(
+    const std::string& name, const core::SafetensorsFile** file) const {
+  const auto found = tensors_.find(name);
+  if (found == tensors_.end()) return nullptr;
+  if (file != nullptr) *file = found->second.file;
+  return found->second.tensor;
+}
+
 bool SafetensorsTensorSource::Contains(const std::string& name) const {
-  return file_.Find(name) != nullptr;
+  return tensors_.count(name) > 0;
 }
 
 std::vector<std::string> SafetensorsTensorSource::Names() const {
   std::vector<std::string> names;
-  for (const auto& [name, tensor] : file_.tensors()) names.push_back(name);
+  names.reserve(tensors_.size());
+  for (const auto& [name, located] : tensors_) names.push_back(name);
   return names;
 }
 
 absl::StatusOr<wire::FloatTensor> SafetensorsTensorSource::Read(const std::string& name) const {
-  const core::SafetensorsTensor* tensor = file_.Find(name);
+  const core::SafetensorsFile* file = nullptr;
+  const core::SafetensorsTensor* tensor = Find(name, &file);
   if (tensor == nullptr) return Invalid(Describe(name), " is missing");
-  auto values = file_.ReadFloats(*tensor);
+  auto values = file->ReadFloats(*tensor);
   if (!values.ok()) return Invalid(field_, ": ", values.status().message());
   return wire::FloatTensor{tensor->shape, *std::move(values)};
 }
 
 std::string SafetensorsTensorSource::Describe(const std::string& name) const {
-  return absl::StrCat(field_, ": tensor \"", name, "\" in \"", file_.display_name(), "\"");
+  const core::SafetensorsFile* file = nullptr;
+  if (Find(name, &file) == nullptr) {
+    return absl::StrCat(field_, ": tensor ", Quoted(name), " in ", Quoted(display_));
+  }
+  return absl::StrCat(field_, ": tensor ", Quoted(name), " in ", Quoted(file->display_name()));
+}
+
+bool NaturalLess(absl::string_view a, absl::string_view b) {
+  size_t i = 0, j = 0;
+  while (i < a.size() && j < b.size()) {
+    if (std::isdigit(static_cast<unsigned char>(a[i])) &&
+        std::isdigit(static_cast<unsigned char>(b[j]))) {
+      size_t i_end = i, j_end = j;
+      while (i_end < a.size() && std::isdigit(static_cast<unsigned char>(a[i_end]))) ++i_end;
+      while (j_end < b.size() && std::isdigit(static_cast<unsigned char>(b[j_end]))) ++j_end;
+      // Without leading zeros, the longer run is the larger number.
+      absl::string_view x = a.substr(i, i_end - i), y = b.substr(j, j_end - j);
+      while (x.size() > 1 && x.front() == '0') x.remove_prefix(1);
+      while (y.size() > 1 && y.front() == '0') y.remove_prefix(1);
+      if (x.size() != y.size()) return x.size() < y.size();
+      if (x != y) return x < y;
+      i = i_end;
+      j = j_end;
+      continue;
+    }
+    if (a[i] != b[j]) return a[i] < b[j];
+    ++i;
+    ++j;
+  }
+  return a.size() - i < b.size() - j;
+}
+
+std::vector<std::string> FindLayerPrefixes(v1::WeightNaming naming,
+                                           const std::vector<std::string>& names) {
+  const std::set<std::string> present(names.begin(), names.end());
+  std::set<std::string> prefixes;
+  for (const std::vector<std::string>& marker : LayerMarkers(ConventionFor(naming))) {
+    for (const std::string& name : names) {
+      if (!absl::EndsWith(name, marker[0])) continue;
+      const std::string prefix = name.substr(0, name.size() - marker[0].size());
+      // A prefix ends a module path: "x." or nothing, never half a name ("xq_proj.weight").
+      if (!prefix.empty() && prefix.back() != '.') continue;
+      const bool complete = std::all_of(marker.begin(), marker.end(), [&](const std::string& part) {
+        return present.count(absl::StrCat(prefix, part)) > 0;
+      });
+      if (complete) prefixes.insert(prefix);
+    }
+  }
+  std::vector<std::string> sorted(prefixes.begin(), prefixes.end());
+  std::sort(sorted.begin(), sorted.end(),
+            [](const std::string& a, const std::string& b) { return NaturalLess(a, b); });
+  return sorted;
 }
 
 absl::StatusOr<core::MhaWeights> ConvertWeights(v1::WeightNaming naming,
@@ -225,7 +379,7 @@ absl::StatusOr<core::MhaWeights> ConvertWeights(v1::WeightNaming naming,
     if (!source.Contains(name)) {
       return Invalid(source.Describe(name), " is missing; ", v1::WeightNaming_Name(naming),
                      " expects shape ", ShapeString(tensor.shape),
-                     MissingHint(tensor, source, prefix));
+                     MissingHint(tensor, source, prefix, naming));
     }
     ASSIGN_OR_RETURN(wire::FloatTensor read, source.Read(name));
     if (read.shape != tensor.shape) {
@@ -240,6 +394,19 @@ absl::StatusOr<core::MhaWeights> ConvertWeights(v1::WeightNaming naming,
       begin = end;
     }
     used.insert(name);
+  }
+  // A tensor of this layer that the config leaves unused would be silently dropped (Qwen2's
+  // q/k/v biases under no_qkv_bias give different numbers): refused by name instead.
+  std::vector<std::string> ignored;
+  for (const std::string& known : ConventionNames(ConventionFor(naming))) {
+    const std::string name = absl::StrCat(prefix, known);
+    if (used.count(name) == 0 && source.Contains(name)) ignored.push_back(name);
+  }
+  if (!ignored.empty()) {
+    return Invalid(source.Describe(ignored.front()),
+                   ": the layer holds tensors that this config would ignore: ",
+                   QuotedListForMessage(ignored), " (check config.no_qkv_bias, no_output_bias, "
+                   "skip_output_projection and the naming)");
   }
   if (source.Strict()) {
     for (const std::string& name : source.Names()) {

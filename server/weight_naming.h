@@ -5,6 +5,7 @@
 #ifndef ATTENTION_SERVER_WEIGHT_NAMING_H_
 #define ATTENTION_SERVER_WEIGHT_NAMING_H_
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -49,27 +50,53 @@ class WireTensorSource final : public TensorSource {
   std::string field_;
 };
 
-// The tensors of a safetensors file; `field` is the request field, e.g. "spec.safetensors".
+// The tensors of a safetensors file, or of the shards of one checkpoint; `field` is the
+// request field, e.g. "spec.safetensors". The files must outlive the source.
 class SafetensorsTensorSource final : public TensorSource {
  public:
-  SafetensorsTensorSource(const core::SafetensorsFile& file, std::string field)
-      : file_(file), field_(std::move(field)) {}
+  SafetensorsTensorSource(const core::SafetensorsFile& file, std::string field);
+  // INVALID_ARGUMENT naming both files when a tensor name is in two shards. `display` names
+  // the checkpoint where a tensor is in none of them.
+  static absl::StatusOr<SafetensorsTensorSource> FromShards(
+      const std::vector<const core::SafetensorsFile*>& files, std::string field,
+      std::string display);
   bool Contains(const std::string& name) const override;
   std::vector<std::string> Names() const override;
   absl::StatusOr<wire::FloatTensor> Read(const std::string& name) const override;
   std::string Describe(const std::string& name) const override;
   bool Strict() const override { return false; }
+  // The tensor and the file holding it; nullptr when absent.
+  const core::SafetensorsTensor* Find(const std::string& name,
+                                      const core::SafetensorsFile** file = nullptr) const;
 
  private:
-  const core::SafetensorsFile& file_;
+  SafetensorsTensorSource(std::string field, std::string display)
+      : field_(std::move(field)), display_(std::move(display)) {}
+  struct Located {
+    const core::SafetensorsFile* file;
+    const core::SafetensorsTensor* tensor;
+  };
+  std::map<std::string, Located> tensors_;
   std::string field_;
+  std::string display_;
 };
+
+// The prefixes under which `naming`'s Q, K and V projection weights (or its fused one) are
+// all among `names`: the layers a checkpoint holds. Sorted with numbers in numeric order
+// ("layers.2." before "layers.10.").
+std::vector<std::string> FindLayerPrefixes(v1::WeightNaming naming,
+                                           const std::vector<std::string>& names);
+
+// Orders strings as FindLayerPrefixes does: digit runs compare as numbers.
+bool NaturalLess(absl::string_view a, absl::string_view b);
 
 // Reads the weights `config` (resolved) needs from `source` under `naming`, each tensor
 // named `prefix` + the convention's name. INVALID_ARGUMENT naming the tensor for a missing
 // tensor, a wrong shape (with the expected and the actual shape), an unsupported dtype, a
-// feature the layer cannot express (PyTorch add_bias_kv), or, for a strict source, a tensor
-// the layer does not use.
+// feature the layer cannot express (PyTorch add_bias_kv), a tensor of the convention under
+// `prefix` that the config would ignore (a bias with qkv_bias off, say), or, for a strict
+// source, any tensor the layer does not use. A missing tensor's message suggests the
+// nearest prefix the source has for `naming` (or another naming's, when it has none).
 //
 //   NATIVE     q_proj / k_proj / v_proj / out_proj .weight / .bias, or fused qkv_proj.*
 //   TORCH_MHA  in_proj_weight [3E, E] (q/k/v_proj_weight when kdim or vdim != E),

@@ -3,11 +3,14 @@
 #include <algorithm>
 #include <array>
 #include <cctype>
+#include <map>
+#include <optional>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/status_macros.h"
+#include "server/hf_checkpoint.h"
 #include "server/model_repository.h"
 #include "server/status_util.h"
 #include "server/weight_naming.h"
@@ -195,7 +198,8 @@ absl::StatusOr<core::AttentionOptions> ConvertOptions(const v1::AttentionOptions
   return out;
 }
 
-core::MhaConfig ConvertConfig(const v1::LayerConfig& in) {
+absl::StatusOr<core::MhaConfig> ConvertConfig(const v1::LayerConfig& in,
+                                              absl::string_view field) {
   core::MhaConfig out;
   out.embed_dim = in.embed_dim();
   out.num_heads = in.num_heads();
@@ -210,6 +214,25 @@ core::MhaConfig ConvertConfig(const v1::LayerConfig& in) {
   out.output_projection = !in.skip_output_projection();
   out.rope_theta = in.rope_theta();
   out.always_causal = in.always_causal();
+  out.sliding_window = in.sliding_window();
+  if (in.has_rope_scaling()) {
+    const v1::RopeScaling& scaling = in.rope_scaling();
+    static const std::map<std::string, int, std::less<>> kTypes = {
+        {"linear", core::RopeScaling::kLinear},
+        {"dynamic", core::RopeScaling::kDynamic},
+        {"llama3", core::RopeScaling::kLlama3}};
+    const auto type = kTypes.find(scaling.rope_type());
+    if (type == kTypes.end()) {
+      return Invalid(field, ".rope_scaling.rope_type = ", Quoted(scaling.rope_type()),
+                     " is not implemented (linear, dynamic, llama3); refused rather than "
+                     "approximated");
+    }
+    out.rope_scaling.type = type->second;
+    out.rope_scaling.factor = scaling.factor();
+    out.rope_scaling.low_freq_factor = scaling.low_freq_factor();
+    out.rope_scaling.high_freq_factor = scaling.high_freq_factor();
+    out.rope_scaling.original_max_positions = scaling.original_max_position_embeddings();
+  }
   return out;
 }
 
@@ -228,6 +251,22 @@ v1::LayerConfig ConfigToProto(const core::MhaConfig& in) {
   out.set_skip_output_projection(!in.output_projection);
   out.set_rope_theta(in.rope_theta);
   out.set_always_causal(in.always_causal);
+  out.set_sliding_window(in.sliding_window);
+  if (in.rope_scaling.type != core::RopeScaling::kNone) {
+    v1::RopeScaling* scaling = out.mutable_rope_scaling();
+    const core::RopeScaling& s = in.rope_scaling;
+    scaling->set_rope_type(s.type == core::RopeScaling::kLinear    ? "linear"
+                           : s.type == core::RopeScaling::kDynamic ? "dynamic"
+                                                                   : "llama3");
+    scaling->set_factor(s.factor);
+    if (s.type == core::RopeScaling::kLlama3) {
+      scaling->set_low_freq_factor(s.low_freq_factor);
+      scaling->set_high_freq_factor(s.high_freq_factor);
+    }
+    if (s.type != core::RopeScaling::kLinear) {
+      scaling->set_original_max_position_embeddings(s.original_max_positions);
+    }
+  }
   return out;
 }
 
@@ -235,7 +274,22 @@ absl::StatusOr<std::shared_ptr<const core::MhaLayer>> BuildLayer(
     const v1::LayerSpec& spec, absl::string_view field,
     std::shared_ptr<const core::Backend> backend, const ModelRepository* repository,
     const std::function<absl::Status(int64_t weight_bytes)>& admit_weight_bytes) {
-  auto config = core::MhaConfig::Resolve(ConvertConfig(spec.config()));
+  // A Hugging Face checkpoint brings its own config (the sent one must agree with it).
+  std::optional<HfLayer> hf_layer;
+  if (spec.weights_case() == v1::LayerSpec::kHfCheckpoint) {
+    const std::string source_field = absl::StrCat(field, ".hf_checkpoint");
+    if (repository == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          source_field, ": the server has no model repository; start it with "
+          "--model_repository"));
+    }
+    ASSIGN_OR_RETURN(hf_layer, OpenHfLayer(*repository, spec.hf_checkpoint(), spec.config(),
+                                           source_field, absl::StrCat(field, ".config")));
+  }
+  ASSIGN_OR_RETURN(core::MhaConfig converted,
+                   ConvertConfig(hf_layer ? hf_layer->parsed.config : spec.config(),
+                                 absl::StrCat(field, ".config")));
+  auto config = core::MhaConfig::Resolve(converted);
   if (!config.ok()) return Invalid(field, ".", config.status().message());
   // Resolve() caps every dimension at 2^16, so the parameter count cannot overflow.
   if (admit_weight_bytes) RETURN_IF_ERROR(admit_weight_bytes(config->ParameterCount() * 4));
@@ -280,8 +334,15 @@ absl::StatusOr<std::shared_ptr<const core::MhaLayer>> BuildLayer(
                                                *config, absl::StrCat(source_field, ".naming")));
       break;
     }
+    case v1::LayerSpec::kHfCheckpoint: {
+      ASSIGN_OR_RETURN(weights, ConvertWeights(hf_layer->parsed.naming, *hf_layer->source,
+                                               hf_layer->prefix, *config,
+                                               absl::StrCat(field, ".hf_checkpoint")));
+      break;
+    }
     case v1::LayerSpec::WEIGHTS_NOT_SET:
-      return Invalid(field, ".weights is not set: give inline_weights, safetensors or random_init");
+      return Invalid(field, ".weights is not set: give inline_weights, safetensors, random_init "
+                     "or hf_checkpoint");
   }
   return core::MhaLayer::Create(*config, std::move(weights), std::move(backend));
 }

@@ -41,7 +41,9 @@ absl::StatusOr<core::AttentionOptions> ConvertOptions(const v1::AttentionOptions
 absl::StatusOr<absl::Time> QueueDeadline(const v1::AttentionOptions& options,
                                          absl::Time call_deadline, absl::Time now);
 
-core::MhaConfig ConvertConfig(const v1::LayerConfig& config);
+// INVALID_ARGUMENT "<field>.rope_scaling.rope_type = ..." for a rope type not implemented.
+absl::StatusOr<core::MhaConfig> ConvertConfig(const v1::LayerConfig& config,
+                                              absl::string_view field = "config");
 v1::LayerConfig ConfigToProto(const core::MhaConfig& config);
 
 // A layer's batching overrides from the wire; `field` prefixes the field in errors

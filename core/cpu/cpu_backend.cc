@@ -162,10 +162,11 @@ absl::StatusOr<std::vector<AttentionResult>> CpuPreparedLayer::ForwardBatch(
   if (c.rope_theta > 0.0) {
     for (size_t n = 0; n < inputs.size(); ++n) {
       const MhaInput& in = *inputs[n];
+      const double base = c.RotaryBaseFor(std::max(in.q_len, in.kv_len));
       ApplyRotary(q + q_row[n] * q_stride, in.batch * in.q_len, in.q_len, c.num_heads,
-                  c.head_dim, c.rope_theta, q_stride);
+                  c.head_dim, base, q_stride, c.rope_scaling);
       ApplyRotary(k + kv_row[n] * k_stride, in.batch * in.kv_len, in.kv_len, c.num_kv_heads,
-                  c.head_dim, c.rope_theta, k_stride);
+                  c.head_dim, base, k_stride, c.rope_scaling);
     }
   }
   float* attended = scratch.Get(ForwardScratch::kAttended, q_rows * c.AttentionWidth());
@@ -174,8 +175,7 @@ absl::StatusOr<std::vector<AttentionResult>> CpuPreparedLayer::ForwardBatch(
   std::vector<AttentionProblem> problems(inputs.size());
   for (size_t n = 0; n < inputs.size(); ++n) {
     const MhaInput& in = *inputs[n];
-    options[n] = in.options;
-    options[n].causal = options[n].causal || c.always_causal;
+    options[n] = c.LayerOptions(in.options);
     if (in.options.need_weights != NeedWeights::kNone) {
       results[n].weights.resize(in.batch * c.num_heads * in.q_len * in.kv_len);
     }
@@ -212,10 +212,12 @@ absl::StatusOr<std::vector<AttentionResult>> CpuPreparedLayer::ForwardBatch(
 }  // namespace
 
 void ApplyRotary(float* data, int64_t rows, int64_t seq_len, int64_t heads, int64_t head_dim,
-                 double theta, int64_t row_stride) {
+                 double base, int64_t row_stride, const RopeScaling& scaling) {
   const int64_t half = head_dim / 2;
   std::vector<double> inverse_frequency(half);
-  for (int64_t c = 0; c < half; ++c) inverse_frequency[c] = std::pow(theta, -2.0 * c / head_dim);
+  for (int64_t c = 0; c < half; ++c) {
+    inverse_frequency[c] = RotaryInverseFrequency(c, head_dim, base, scaling);
+  }
   for (int64_t r = 0; r < rows; ++r) {
     const double position = static_cast<double>(r % seq_len);
     for (int64_t c = 0; c < half; ++c) {

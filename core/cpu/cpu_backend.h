@@ -45,9 +45,9 @@ class CpuBackend final : public Backend {
 
 // Rotary position embedding, rotate-half layout (Hugging Face Llama), in place on `rows`
 // rows (`row_stride` floats apart) of `heads` heads of width dk; row r is at sequence
-// position r % seq_len.
+// position r % seq_len. `base` comes from RotaryBase (theta unless scaling is dynamic).
 void ApplyRotary(float* data, int64_t rows, int64_t seq_len, int64_t heads, int64_t head_dim,
-                 double theta, int64_t row_stride);
+                 double base, int64_t row_stride, const RopeScaling& scaling = {});
 
 }  // namespace attention::core
 

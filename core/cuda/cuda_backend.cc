@@ -517,17 +517,18 @@ absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::ForwardBatch(
   for (size_t n = 0; n < count; ++n) {
     const MhaInput& in = *inputs[n];
     if (c.rope_theta > 0.0) {
+      const double base = c.RotaryBaseFor(std::max(in.q_len, in.kv_len));
       RETURN_IF_ERROR(CudaStatus(
           cuda::LaunchRotary(q + q_row[n] * q_stride, in.batch * in.q_len, in.q_len, c.num_heads,
-                             c.head_dim, c.rope_theta, q_stride, context->stream),
+                             c.head_dim, base, c.rope_scaling, q_stride, context->stream),
           "rotary kernel"));
       RETURN_IF_ERROR(CudaStatus(
           cuda::LaunchRotary(k + kv_row[n] * k_stride, in.batch * in.kv_len, in.kv_len,
-                             c.num_kv_heads, c.head_dim, c.rope_theta, k_stride, context->stream),
+                             c.num_kv_heads, c.head_dim, base, c.rope_scaling, k_stride,
+                             context->stream),
           "rotary kernel"));
     }
-    AttentionOptions options = in.options;
-    options.causal = options.causal || c.always_causal;
+    AttentionOptions options = c.LayerOptions(in.options);
     DeviceAttentionProblem p;
     p.shape = ToShape(dims[n]);
     p.query = q + q_row[n] * q_stride;

@@ -59,7 +59,8 @@ cudaError_t LaunchAddBias(float* y, int64_t rows, int64_t width, int64_t row_str
 // Rotary embedding in place on `rows` rows of `heads` heads of width dk (`row_stride` floats
 // apart); row r is at position r % seq_len (see core::ApplyRotary).
 cudaError_t LaunchRotary(float* data, int64_t rows, int64_t seq_len, int64_t heads,
-                         int64_t head_dim, double theta, int64_t row_stride, cudaStream_t stream);
+                         int64_t head_dim, double base, const RopeScaling& scaling,
+                         int64_t row_stride, cudaStream_t stream);
 
 }  // namespace attention::core::cuda
 

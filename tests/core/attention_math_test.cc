@@ -129,11 +129,74 @@ TEST(RotaryAngleTest, MatchesTheCpuRotation) {
   for (int64_t r = 0; r < 5; ++r) {
     for (int64_t c = 0; c < 4; ++c) {
       float cos_a, sin_a;
-      RotaryAngle(r, c, 8, 10000.0, &cos_a, &sin_a);
+      RotaryAngle(r, c, 8, 10000.0, RopeScaling{}, &cos_a, &sin_a);
       const float x1 = data[r * 8 + c], x2 = data[r * 8 + c + 4];
       EXPECT_EQ(rotated[r * 8 + c], x1 * cos_a - x2 * sin_a) << r << " " << c;
       EXPECT_EQ(rotated[r * 8 + c + 4], x2 * cos_a + x1 * sin_a) << r << " " << c;
     }
+  }
+}
+
+TEST(RotaryScalingTest, Llama3KeepsHighFrequenciesDividesLowOnesAndRampsBetween) {
+  // dk = 16, theta 10000: frequencies 10000^(-c/8), wavelengths 2 pi / frequency. With an
+  // original context of 64, low_freq_factor 1 and high_freq_factor 4, wavelengths below 16
+  // are kept, above 64 divided by 8, and in between interpolated (transformers' formula).
+  RopeScaling llama3;
+  llama3.type = RopeScaling::kLlama3;
+  llama3.factor = 8.0;
+  llama3.low_freq_factor = 1.0;
+  llama3.high_freq_factor = 4.0;
+  llama3.original_max_positions = 64;
+  const double pi = 3.14159265358979323846;
+  int kept = 0, divided = 0, ramped = 0;
+  for (int64_t c = 0; c < 8; ++c) {
+    const double frequency = std::pow(10000.0, -2.0 * c / 16);
+    const double wavelength = 2 * pi / frequency;
+    const double scaled = RotaryInverseFrequency(c, 16, 10000.0, llama3);
+    if (wavelength < 16) {
+      EXPECT_DOUBLE_EQ(scaled, frequency) << c;
+      ++kept;
+    } else if (wavelength > 64) {
+      EXPECT_DOUBLE_EQ(scaled, frequency / 8) << c;
+      ++divided;
+    } else {
+      const double smooth = (64 / wavelength - 1.0) / 3.0;
+      EXPECT_DOUBLE_EQ(scaled, (1 - smooth) * frequency / 8 + smooth * frequency) << c;
+      EXPECT_LT(scaled, frequency);
+      EXPECT_GT(scaled, frequency / 8);
+      ++ramped;
+    }
+  }
+  EXPECT_GT(kept, 0);
+  EXPECT_GT(divided, 0);
+  EXPECT_GT(ramped, 0);
+}
+
+TEST(RotaryScalingTest, LinearDividesAndDynamicGrowsTheBasePastTheContext) {
+  RopeScaling linear;
+  linear.type = RopeScaling::kLinear;
+  linear.factor = 4.0;
+  EXPECT_DOUBLE_EQ(RotaryInverseFrequency(3, 16, 10000.0, linear),
+                   std::pow(10000.0, -6.0 / 16) / 4);
+  RopeScaling dynamic;
+  dynamic.type = RopeScaling::kDynamic;
+  dynamic.factor = 2.0;
+  dynamic.original_max_positions = 64;
+  EXPECT_EQ(RotaryBase(10000.0, dynamic, 64, 16), 10000.0);  // within the context: unchanged
+  // 2 * 100 / 64 - 1 = 2.125, to the power 16 / 14.
+  EXPECT_DOUBLE_EQ(RotaryBase(10000.0, dynamic, 100, 16), 10000.0 * std::pow(2.125, 16.0 / 14));
+  EXPECT_EQ(RotaryBase(10000.0, linear, 100, 16), 10000.0);
+  EXPECT_DOUBLE_EQ(RotaryInverseFrequency(3, 16, 500.0, dynamic), std::pow(500.0, -6.0 / 16));
+}
+
+TEST(MaskViewTest, SlidingWindowKeepsTheLastKeysUpToTheFrontier) {
+  MaskView mask;
+  mask.q_len = 3, mask.kv_len = 6, mask.causal = true, mask.sliding_window = 2;
+  EXPECT_TRUE(mask.HasElementMasks());
+  // Query 0 sits at position 3 (bottom-right aligned): keys 2 and 3.
+  for (int64_t j = 0; j < 6; ++j) {
+    EXPECT_EQ(mask.ScoreBias(0, 0, 0, j), (j == 2 || j == 3) ? 0.0f : -INFINITY) << j;
+    EXPECT_EQ(mask.ScoreBias(0, 0, 2, j), (j == 4 || j == 5) ? 0.0f : -INFINITY) << j;
   }
 }
 

@@ -58,6 +58,48 @@ TEST(MhaConfigTest, RejectsImpossibleConfigs) {
   EXPECT_EQ(MhaConfig::Resolve(config).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(MhaLayerTest, ResolveRejectsBadRopeScalingAndWindows) {
+  MhaConfig config;
+  config.embed_dim = 16;
+  config.num_heads = 2;
+  config.rope_scaling.type = RopeScaling::kLinear;
+  config.rope_scaling.factor = 2.0;
+  EXPECT_EQ(MhaConfig::Resolve(config).status().message(),
+            "config.rope_scaling needs config.rope_theta > 0");
+  config.rope_theta = 10000;
+  EXPECT_TRUE(MhaConfig::Resolve(config).ok());
+  config.rope_scaling.factor = 0;
+  EXPECT_EQ(MhaConfig::Resolve(config).status().message(),
+            "config.rope_scaling.factor = 0 must be finite and > 0");
+  config.rope_scaling.factor = 8;
+  config.rope_scaling.type = RopeScaling::kLlama3;
+  EXPECT_EQ(MhaConfig::Resolve(config).status().message(),
+            "config.rope_scaling.original_max_position_embeddings = 0 must be >= 1");
+  config.rope_scaling.original_max_positions = 8192;
+  config.rope_scaling.low_freq_factor = 4;
+  config.rope_scaling.high_freq_factor = 1;
+  EXPECT_EQ(MhaConfig::Resolve(config).status().message(),
+            "config.rope_scaling.low_freq_factor = 4 and high_freq_factor = 1 must satisfy "
+            "0 < low_freq_factor < high_freq_factor");
+  config.rope_scaling.type = RopeScaling::kDynamic;
+  config.head_dim = 2;
+  EXPECT_EQ(MhaConfig::Resolve(config).status().message(),
+            "config.head_dim = 2 must be > 2 for dynamic rope scaling");
+  config = {};
+  config.embed_dim = 16;
+  config.num_heads = 2;
+  config.sliding_window = 4;
+  EXPECT_EQ(MhaConfig::Resolve(config).status().message(),
+            "config.sliding_window = 4 needs config.always_causal (the window applies with "
+            "causal)");
+  config.sliding_window = -1;
+  EXPECT_EQ(MhaConfig::Resolve(config).status().message(),
+            "config.sliding_window = -1 must be >= 0");
+  config.sliding_window = 4;
+  config.always_causal = true;
+  EXPECT_TRUE(MhaConfig::Resolve(config).ok());
+}
+
 TEST(MhaLayerTest, CreateRejectsMisShapedWeights) {
   MhaConfig config;
   config.embed_dim = 4;
@@ -105,6 +147,16 @@ TEST_P(MhaBackendTest, BatchedForwardMatchesReferenceOnRandomConfigs) {
     if (config.output_projection && coin(0.5)) config.output_dim = uniform(1, 13);
     config.rope_theta = coin(0.3) ? 10000.0 : 0.0;
     config.always_causal = coin(0.1);
+    if (config.rope_theta > 0.0 && coin(0.5)) {
+      // Short contexts, so that 70-token requests cross them.
+      config.rope_scaling.type = static_cast<int>(uniform(RopeScaling::kLinear, RopeScaling::kLlama3));
+      config.rope_scaling.factor = 1.5 + uniform(0, 6);
+      config.rope_scaling.low_freq_factor = 1.0;
+      config.rope_scaling.high_freq_factor = 4.0;
+      config.rope_scaling.original_max_positions = uniform(4, 40);
+      if (config.head_dim == 2) config.head_dim = 4;  // dynamic needs dk > 2
+    }
+    if (config.always_causal && coin(0.6)) config.sliding_window = uniform(1, 20);
     auto resolved = MhaConfig::Resolve(config);
     ASSERT_TRUE(resolved.ok()) << resolved.status();
     auto layer = MhaLayer::Create(*resolved, MhaWeights::Random(*resolved, rng()), backend_);
@@ -143,7 +195,9 @@ TEST_P(MhaBackendTest, BatchedForwardMatchesReferenceOnRandomConfigs) {
           "trial " + std::to_string(trial) + " input " + std::to_string(n) + ": E=" +
           std::to_string(c.embed_dim) + " kdim=" + std::to_string(c.kdim) +
           " vdim=" + std::to_string(c.vdim) + " out=" + std::to_string(c.output_dim) +
-          " rope=" + std::to_string(c.rope_theta) + " " +
+          " rope=" + std::to_string(c.rope_theta) + " scaling=" +
+          std::to_string(c.rope_scaling.type) + " window=" + std::to_string(c.sliding_window) +
+          " " +
           Describe({inputs[n].batch, c.num_heads, c.num_kv_heads, inputs[n].q_len,
                     inputs[n].kv_len, c.head_dim, c.v_head_dim},
                    inputs[n].options);

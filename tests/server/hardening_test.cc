@@ -282,6 +282,21 @@ TEST_F(RestrictedServerTest, LayerManagementNeedsTheAdminToken) {
   EXPECT_TRUE(client_->ListLayers().ok());
 }
 
+TEST_F(RestrictedServerTest, InspectCheckpointNeedsTheAdminTokenToo) {
+  v1::InspectCheckpointRequest request;
+  request.set_path("any.safetensors");
+  absl::Status status = client_->InspectCheckpoint(request).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnauthenticated) << status;
+  EXPECT_NE(status.message().find("InspectCheckpoint needs \"authorization: Bearer <token>\""),
+            std::string::npos)
+      << status;
+  status = WithToken("wrong-token-0123456789").InspectCheckpoint(request).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kPermissionDenied) << status;
+  // With the token it gets as far as the repository, which this server has none of.
+  status = WithToken(kAdminToken).InspectCheckpoint(request).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+}
+
 TEST_F(RestrictedServerTest, InlineLayersCanBeSwitchedOff) {
   std::mt19937_64 rng(24);
   v1::MultiHeadAttentionRequest request = DemoRequest(rng, 1, 2);

@@ -14,7 +14,9 @@
 #include "absl/strings/str_cat.h"
 #include "core/devices.h"
 #include "core/safetensors.h"
+#include "absl/strings/match.h"
 #include "server/model_repository.h"
+#include "server/wire_convert.h"
 #include "tests/server/test_server.h"
 
 namespace attention::server::testing {
@@ -124,6 +126,8 @@ v1::LayerConfig ToProto(const core::MhaConfig& config) {
   out.set_embed_dim(config.embed_dim);
   out.set_num_heads(config.num_heads);
   out.set_num_kv_heads(config.num_kv_heads);
+  out.set_head_dim(config.head_dim);
+  out.set_always_causal(config.always_causal);
   out.set_kdim(config.kdim);
   out.set_vdim(config.vdim);
   out.set_no_qkv_bias(!config.qkv_bias);
@@ -353,8 +357,8 @@ TEST_F(RepositoryTest, MissingOrMisShapedTensorsNameTheTensorAndBothShapes) {
                    .status(),
                absl::StatusCode::kInvalidArgument,
                "tensor \"bert.encoder.layer.7.attention.self.query.weight\" in \"bert.safetensors\" "
-               "is missing; WEIGHT_NAMING_HF_BERT expects shape [8, 8] (no tensor starts with "
-               "prefix \"bert.encoder.layer.7.\")");
+               "is missing; WEIGHT_NAMING_HF_BERT expects shape [8, 8] (nearest prefix with a "
+               "WEIGHT_NAMING_HF_BERT layer: \"bert.encoder.layer.0.\"");
   // Llama checkpoints have no biases; a config that asks for them says how to fix it.
   WriteSafetensors(repository_ / "llama.safetensors",
                    ConventionTensors(v1::WEIGHT_NAMING_HF_LLAMA, config, weights, ""));
@@ -785,6 +789,408 @@ TEST_F(RepositoryTest, LoadReloadAndUnloadUnderTraffic) {
   // The final version answers, and it was not persisted, so no file is left behind.
   EXPECT_FALSE(Run("hot", config).empty());
   EXPECT_FALSE(fs::exists(repository_ / "persisted/hot.safetensors"));
+}
+
+
+// ---- Hugging Face checkpoint directories -----------------------------------------------------
+
+// Writes a save_pretrained-style directory: config.json and the tensors, in one
+// model.safetensors or split over `shards` files with model.safetensors.index.json.
+void WriteHfCheckpoint(const std::string& dir, const std::string& config_json,
+                       const std::vector<NamedTensor>& tensors, int shards = 1) {
+  fs::create_directories(dir);
+  WriteBytes(dir + "/config.json", config_json);
+  if (shards == 1) {
+    WriteSafetensors(dir + "/model.safetensors", tensors);
+    return;
+  }
+  std::string weight_map;
+  for (int shard = 0; shard < shards; ++shard) {
+    const std::string name = "model-0000" + std::to_string(shard + 1) + "-of-0000" +
+                             std::to_string(shards) + ".safetensors";
+    std::vector<NamedTensor> part;
+    for (size_t i = shard; i < tensors.size(); i += shards) {
+      part.push_back(tensors[i]);
+      weight_map += (weight_map.empty() ? "" : ", ") + ("\"" + tensors[i].name + "\": \"" + name + "\"");
+    }
+    WriteSafetensors(dir + "/" + name, part);
+  }
+  WriteBytes(dir + "/model.safetensors.index.json",
+             "{\"metadata\": {\"total_size\": 0}, \"weight_map\": {" + weight_map + "}}");
+}
+
+constexpr char kBertConfig[] = R"({"architectures": ["BertModel"], "model_type": "bert",
+  "hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 2})";
+// head_dim 8 != hidden_size / heads = 4, GQA.
+constexpr char kLlamaConfig[] = R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+  "hidden_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+  "num_hidden_layers": 2, "rope_theta": 5000.0, "attention_bias": false})";
+
+core::MhaConfig BertLayerConfig() {
+  core::MhaConfig config;
+  config.embed_dim = 8, config.num_heads = 2;
+  return *core::MhaConfig::Resolve(config);
+}
+
+core::MhaConfig LlamaLayerConfig() {
+  core::MhaConfig config;
+  config.embed_dim = 16, config.num_heads = 4, config.num_kv_heads = 2, config.head_dim = 8;
+  config.qkv_bias = false, config.output_bias = false, config.rope_theta = 5000.0;
+  config.always_causal = true;
+  return *core::MhaConfig::Resolve(config);
+}
+
+// Two layers of `naming` under `wrapper`, each with its own weights (seed + layer).
+std::vector<NamedTensor> TwoLayers(v1::WeightNaming naming, const core::MhaConfig& config,
+                                   const std::string& wrapper, uint64_t seed) {
+  std::vector<NamedTensor> tensors = {{wrapper + "embeddings.weight", {3, config.embed_dim},
+                                       std::vector<float>(3 * config.embed_dim, 0.25f)}};
+  const std::string block = naming == v1::WEIGHT_NAMING_HF_BERT ? "encoder.layer." : "layers.";
+  for (int layer = 0; layer < 2; ++layer) {
+    for (NamedTensor& t : ConventionTensors(naming, config, ExactWeights(config, seed + layer),
+                                            wrapper + block + std::to_string(layer) + ".")) {
+      tensors.push_back(std::move(t));
+    }
+  }
+  return tensors;
+}
+
+class HfCheckpointTest : public RepositoryTest {
+ protected:
+  absl::StatusOr<v1::LayerInfo> LoadHf(const std::string& name, const std::string& path,
+                                       int64_t layer_index, const v1::LayerConfig& config = {}) {
+    v1::LoadLayerRequest request;
+    request.set_name(name);
+    *request.mutable_spec()->mutable_config() = config;
+    request.mutable_spec()->mutable_hf_checkpoint()->set_path(path);
+    request.mutable_spec()->mutable_hf_checkpoint()->set_layer_index(layer_index);
+    return client_->LoadLayer(request);
+  }
+};
+
+TEST_F(HfCheckpointTest, DirectoriesLoadByLayerIndexWithTheirOwnConfig) {
+  const core::MhaConfig bert = BertLayerConfig();
+  const core::MhaConfig llama = LlamaLayerConfig();
+  // A plain BertModel export (no "bert." wrapper) and a sharded LlamaForCausalLM ("model.").
+  const std::vector<NamedTensor> bert_tensors = TwoLayers(v1::WEIGHT_NAMING_HF_BERT, bert, "", 10);
+  const std::vector<NamedTensor> llama_tensors =
+      TwoLayers(v1::WEIGHT_NAMING_HF_LLAMA, llama, "model.", 20);
+  WriteHfCheckpoint(repository_ / "hf/bert", kBertConfig, bert_tensors);
+  WriteHfCheckpoint(repository_ / "hf/llama", kLlamaConfig, llama_tensors, /*shards=*/3);
+  WriteSafetensors(repository_ / "bert.safetensors", bert_tensors);
+  WriteSafetensors(repository_ / "llama.safetensors", llama_tensors);
+
+  auto info = LoadHf("bert1", "hf/bert/", 1);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->config().embed_dim(), 8);
+  EXPECT_EQ(info->config().num_heads(), 2);
+  EXPECT_FALSE(info->config().no_qkv_bias());
+  EXPECT_FALSE(info->config().always_causal());
+  ASSERT_TRUE(LoadFromFile("bert1-file", bert, "bert.safetensors", v1::WEIGHT_NAMING_HF_BERT,
+                           "encoder.layer.1.")
+                  .ok());
+  ASSERT_TRUE(LoadFromFile("bert0-file", bert, "bert.safetensors", v1::WEIGHT_NAMING_HF_BERT,
+                           "encoder.layer.0.")
+                  .ok());
+  const std::vector<float> bert_output = Run("bert1", bert);
+  ASSERT_FALSE(bert_output.empty());
+  EXPECT_EQ(bert_output, Run("bert1-file", bert));
+  EXPECT_NE(bert_output, Run("bert0-file", bert)) << "layer 1, not layer 0";
+
+  // A config sent alongside that agrees is fine.
+  v1::LayerConfig agreeing;
+  agreeing.set_num_heads(4);
+  agreeing.set_head_dim(8);
+  agreeing.set_no_qkv_bias(true);
+  info = LoadHf("llama0", "hf/llama", 0, agreeing);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->config().num_kv_heads(), 2);
+  EXPECT_EQ(info->config().head_dim(), 8);
+  EXPECT_EQ(info->config().rope_theta(), 5000.0);
+  EXPECT_TRUE(info->config().always_causal());
+  EXPECT_TRUE(info->config().no_output_bias());
+  v1::LoadLayerRequest file_load;
+  file_load.set_name("llama0-file");
+  *file_load.mutable_spec()->mutable_config() = ConfigToProto(llama);
+  file_load.mutable_spec()->mutable_safetensors()->set_path("llama.safetensors");
+  file_load.mutable_spec()->mutable_safetensors()->set_naming(v1::WEIGHT_NAMING_HF_LLAMA);
+  file_load.mutable_spec()->mutable_safetensors()->set_prefix("model.layers.0.");
+  ASSERT_TRUE(client_->LoadLayer(file_load).ok());
+  const std::vector<float> llama_output = Run("llama0", llama);
+  ASSERT_FALSE(llama_output.empty());
+  EXPECT_EQ(llama_output, Run("llama0-file", llama));
+}
+
+TEST_F(HfCheckpointTest, RefusalsNameTheFieldTheFileAndTheValues) {
+  const core::MhaConfig bert = BertLayerConfig();
+  const std::vector<NamedTensor> tensors = TwoLayers(v1::WEIGHT_NAMING_HF_BERT, bert, "bert.", 1);
+  WriteHfCheckpoint(repository_ / "m", kBertConfig, tensors);
+  WriteHfCheckpoint(repository_ / "sharded", kBertConfig, tensors, 2);
+  using C = absl::StatusCode;
+  v1::LayerConfig six_heads;  // the issue's wrong head count
+  six_heads.set_num_heads(1);
+  ExpectStatus(LoadHf("x", "m", 0, six_heads).status(), C::kInvalidArgument,
+               "spec.config.num_heads = 1 disagrees with \"m/config.json\", which gives 2 "
+               "(num_attention_heads)");
+  ExpectStatus(LoadHf("x", "m", 2).status(), C::kInvalidArgument,
+               "spec.hf_checkpoint.layer_index = 2 is outside [0, 2)");
+  ExpectStatus(LoadHf("x", "m/model.safetensors", 0).status(), C::kInvalidArgument,
+               "spec.hf_checkpoint.path = \"m/model.safetensors\" is a file; hf_checkpoint reads "
+               "a checkpoint directory");
+  ExpectStatus(LoadHf("x", "../m", 0).status(), C::kInvalidArgument,
+               "spec.hf_checkpoint.path = \"../m\" contains \"..\"");
+  ExpectStatus(LoadHf("x", "absent", 0).status(), C::kNotFound,
+               "spec.hf_checkpoint.path = \"absent\" does not exist in the model repository");
+  TempDir outside;
+  WriteHfCheckpoint(outside / "m", kBertConfig, tensors);
+  ASSERT_EQ(::symlink((outside / "m").c_str(), (repository_ / "escape").c_str()), 0);
+  ExpectStatus(LoadHf("x", "escape", 0).status(), C::kPermissionDenied,
+               "resolves outside the model repository");
+  // A directory with a config but no safetensors, and one with weights but no config.
+  fs::create_directories(repository_ / "bin-only");
+  WriteBytes(repository_ / "bin-only/config.json", kBertConfig);
+  WriteBytes(repository_ / "bin-only/pytorch_model.bin", "x");
+  ExpectStatus(LoadHf("x", "bin-only", 0).status(), C::kNotFound,
+               "holds neither model.safetensors nor model.safetensors.index.json");
+  fs::create_directories(repository_ / "no-config");
+  WriteSafetensors(repository_ / "no-config/model.safetensors", tensors);
+  ExpectStatus(LoadHf("x", "no-config", 0).status(), C::kNotFound,
+               "spec.hf_checkpoint.path = \"no-config\" has no config.json");
+  // Unsupported models, by name.
+  fs::create_directories(repository_ / "gpt2");
+  WriteBytes(repository_ / "gpt2/config.json", R"({"model_type": "gpt2", "n_layer": 2})");
+  WriteSafetensors(repository_ / "gpt2/model.safetensors", tensors);
+  ExpectStatus(LoadHf("x", "gpt2", 0).status(), C::kInvalidArgument,
+               "spec.hf_checkpoint: \"gpt2/config.json\": model_type \"gpt2\" is not supported");
+  // Broken indexes: a tensor its shard lacks, a shard outside the directory, a tensor twice.
+  const std::string index = repository_ / "sharded/model.safetensors.index.json";
+  WriteBytes(index, R"({"weight_map": {"nope": "model-00001-of-00002.safetensors"}})");
+  ExpectStatus(LoadHf("x", "sharded", 0).status(), C::kInvalidArgument,
+               "\"sharded/model.safetensors.index.json\" puts tensor \"nope\" in "
+               "\"model-00001-of-00002.safetensors\", which does not hold it");
+  WriteBytes(index, R"({"weight_map": {"a": "../m/model.safetensors"}})");
+  ExpectStatus(LoadHf("x", "sharded", 0).status(), C::kInvalidArgument, "contains \"..\"");
+  WriteBytes(index, R"({"weight_map": [1]})");
+  ExpectStatus(LoadHf("x", "sharded", 0).status(), C::kInvalidArgument,
+               "is not a JSON object with a \"weight_map\" object");
+  WriteSafetensors(repository_ / "sharded/copy.safetensors", tensors);
+  WriteBytes(index, R"({"weight_map": {"bert.embeddings.weight": "model-00001-of-00002.safetensors",
+    "bert.encoder.layer.0.attention.self.query.weight": "copy.safetensors"}})");
+  ExpectStatus(LoadHf("x", "sharded", 0).status(), C::kInvalidArgument,
+               "spec.hf_checkpoint: tensor \"bert.embeddings.weight\" is in both");
+  // Without a repository there is nothing to read.
+  ServerOptions options = Options();
+  options.registry.model_repository = "";
+  Start(options);
+  ExpectStatus(LoadHf("x", "m", 0).status(), C::kFailedPrecondition,
+               "spec.hf_checkpoint: the server has no model repository");
+  EXPECT_EQ(client_->ListLayers()->size(), 0u);
+}
+
+TEST_F(HfCheckpointTest, AMissingTensorSuggestsTheNearestPrefix) {
+  const core::MhaConfig bert = BertLayerConfig();
+  WriteSafetensors(repository_ / "plain.safetensors",
+                   TwoLayers(v1::WEIGHT_NAMING_HF_BERT, bert, "", 1));
+  using C = absl::StatusCode;
+  // The old proto example's prefix on a plain BertModel export.
+  ExpectStatus(LoadFromFile("x", bert, "plain.safetensors", v1::WEIGHT_NAMING_HF_BERT,
+                            "bert.encoder.layer.1.")
+                   .status(),
+               C::kInvalidArgument,
+               "is missing; WEIGHT_NAMING_HF_BERT expects shape [8, 8] (nearest prefix with a "
+               "WEIGHT_NAMING_HF_BERT layer: \"encoder.layer.1.\"; InspectCheckpoint lists them "
+               "all)");
+  // A missing trailing dot.
+  ExpectStatus(LoadFromFile("x", bert, "plain.safetensors", v1::WEIGHT_NAMING_HF_BERT,
+                            "encoder.layer.0")
+                   .status(),
+               C::kInvalidArgument, "layer: \"encoder.layer.0.\"");
+  // The wrong naming for the file.
+  ExpectStatus(LoadFromFile("x", bert, "plain.safetensors", v1::WEIGHT_NAMING_HF_LLAMA,
+                            "encoder.layer.0.")
+                   .status(),
+               C::kInvalidArgument,
+               "(no WEIGHT_NAMING_HF_LLAMA layer in the source; it has WEIGHT_NAMING_HF_BERT "
+               "layers, e.g. prefix \"encoder.layer.0.\")");
+}
+
+TEST_F(HfCheckpointTest, TensorsTheConfigWouldIgnoreAreRefusedByName) {
+  // A Qwen2 layer: q/k/v biases, no o_proj bias.
+  core::MhaConfig qwen = LlamaLayerConfig();
+  qwen.qkv_bias = true;
+  const core::MhaWeights weights = ExactWeights(qwen, 4);
+  std::vector<NamedTensor> tensors =
+      ConventionTensors(v1::WEIGHT_NAMING_HF_LLAMA, qwen, weights, "model.layers.0.");
+  tensors.push_back({"model.layers.0.self_attn.q_proj.bias", {qwen.QWidth()}, weights.q_bias});
+  tensors.push_back({"model.layers.0.self_attn.k_proj.bias", {qwen.KWidth()}, weights.k_bias});
+  tensors.push_back({"model.layers.0.self_attn.v_proj.bias", {qwen.VWidth()}, weights.v_bias});
+  WriteSafetensors(repository_ / "qwen.safetensors", tensors);
+  ExpectStatus(LoadFromFile("x", LlamaLayerConfig(), "qwen.safetensors",
+                            v1::WEIGHT_NAMING_HF_LLAMA, "model.layers.0.")
+                   .status(),
+               absl::StatusCode::kInvalidArgument,
+               "spec.safetensors: tensor \"model.layers.0.self_attn.q_proj.bias\" in "
+               "\"qwen.safetensors\": the layer holds tensors that this config would ignore: "
+               "\"model.layers.0.self_attn.q_proj.bias\", \"model.layers.0.self_attn.k_proj.bias\", "
+               "\"model.layers.0.self_attn.v_proj.bias\"");
+  auto loaded = LoadFromFile("qwen", qwen, "qwen.safetensors", v1::WEIGHT_NAMING_HF_LLAMA,
+                             "model.layers.0.");
+  EXPECT_TRUE(loaded.ok()) << loaded.status();
+  // An output bias under no_output_bias, too.
+  core::MhaConfig bert = BertLayerConfig();
+  WriteSafetensors(repository_ / "bert.safetensors",
+                   ConventionTensors(v1::WEIGHT_NAMING_HF_BERT, bert, ExactWeights(bert, 2), ""));
+  bert.output_bias = false;
+  ExpectStatus(LoadFromFile("x", bert, "bert.safetensors", v1::WEIGHT_NAMING_HF_BERT).status(),
+               absl::StatusCode::kInvalidArgument,
+               "would ignore: \"attention.output.dense.bias\" (check config.no_qkv_bias");
+}
+
+TEST_F(HfCheckpointTest, InspectListsTensorsLayersAndTheConfig) {
+  const core::MhaConfig llama = LlamaLayerConfig();
+  const std::vector<NamedTensor> tensors =
+      TwoLayers(v1::WEIGHT_NAMING_HF_LLAMA, llama, "model.", 3);
+  WriteHfCheckpoint(repository_ / "llama", kLlamaConfig, tensors, 2);
+  v1::InspectCheckpointRequest request;
+  request.set_path("llama");
+  auto listed = client_->InspectCheckpoint(request);
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->total_tensors(), static_cast<int64_t>(tensors.size()));
+  ASSERT_EQ(listed->tensors_size(), listed->total_tensors());
+  EXPECT_FALSE(listed->truncated());
+  for (int i = 1; i < listed->tensors_size(); ++i) {
+    EXPECT_LT(listed->tensors(i - 1).name(), listed->tensors(i).name());
+  }
+  const v1::TensorInfo& q = listed->tensors(2);  // after embeddings and input_layernorm
+  EXPECT_EQ(q.name(), "model.layers.0.self_attn.k_proj.weight");
+  EXPECT_EQ(std::vector<int64_t>(q.shape().begin(), q.shape().end()),
+            (std::vector<int64_t>{16, 16}));  // Hkv * dk = 2 * 8 rows
+  EXPECT_EQ(q.dtype(), "F32");
+  EXPECT_TRUE(absl::StartsWith(q.file(), "model-0000")) << q.file();
+  ASSERT_EQ(listed->layers_size(), 1);
+  EXPECT_EQ(listed->layers(0).naming(), v1::WEIGHT_NAMING_HF_LLAMA);
+  EXPECT_EQ(std::vector<std::string>(listed->layers(0).prefixes().begin(),
+                                     listed->layers(0).prefixes().end()),
+            (std::vector<std::string>{"model.layers.0.", "model.layers.1."}));
+  EXPECT_EQ(listed->model_type(), "llama");
+  EXPECT_EQ(listed->num_layers(), 2);
+  EXPECT_EQ(listed->layer_config().head_dim(), 8);
+  EXPECT_TRUE(listed->config_problem().empty());
+  // Paging.
+  request.set_offset(2);
+  request.set_max_tensors(3);
+  listed = client_->InspectCheckpoint(request);
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->tensors_size(), 3);
+  EXPECT_EQ(listed->tensors(0).name(), "model.layers.0.self_attn.k_proj.weight");
+  EXPECT_TRUE(listed->truncated());
+  // A single file, BERT-named under "bert.", with an unsupported config next to it.
+  const core::MhaConfig bert = BertLayerConfig();
+  WriteSafetensors(repository_ / "b.safetensors", TwoLayers(v1::WEIGHT_NAMING_HF_BERT, bert, "bert.", 1));
+  request = {};
+  request.set_path("b.safetensors");
+  listed = client_->InspectCheckpoint(request);
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->layers_size(), 1);
+  EXPECT_EQ(listed->layers(0).naming(), v1::WEIGHT_NAMING_HF_BERT);
+  EXPECT_EQ(listed->layers(0).prefixes(1), "bert.encoder.layer.1.");
+  EXPECT_EQ(listed->tensors(0).file(), "");
+  fs::create_directories(repository_ / "odd");
+  WriteBytes(repository_ / "odd/config.json", R"({"model_type": "t5"})");
+  WriteSafetensors(repository_ / "odd/model.safetensors", TwoLayers(v1::WEIGHT_NAMING_HF_BERT, bert, "", 1));
+  request.set_path("odd");
+  listed = client_->InspectCheckpoint(request);
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  EXPECT_NE(listed->config_problem().find("model_type \"t5\" is not supported"),
+            std::string::npos)
+      << listed->config_problem();
+  // Refusals.
+  using C = absl::StatusCode;
+  request.set_offset(-1);
+  ExpectStatus(client_->InspectCheckpoint(request).status(), C::kInvalidArgument,
+               "offset = -1 must be >= 0");
+  request.set_offset(0);
+  request.set_max_tensors(10001);
+  ExpectStatus(client_->InspectCheckpoint(request).status(), C::kInvalidArgument,
+               "max_tensors = 10001 must be in [0, 10000]");
+  request.set_max_tensors(0);
+  request.set_path("../x");
+  ExpectStatus(client_->InspectCheckpoint(request).status(), C::kInvalidArgument,
+               "path = \"../x\" contains \"..\"");
+  request.set_path("missing.safetensors");
+  ExpectStatus(client_->InspectCheckpoint(request).status(), C::kNotFound,
+               "path = \"missing.safetensors\" does not exist");
+  ServerOptions options = Options();
+  options.registry.model_repository = "";
+  Start(options);
+  request.set_path("llama");
+  ExpectStatus(client_->InspectCheckpoint(request).status(), C::kFailedPrecondition,
+               "InspectCheckpoint reads the model repository");
+}
+
+TEST_F(HfCheckpointTest, RopeScalingAndWindowsAreValidatedThroughTheApi) {
+  v1::LoadLayerRequest request = RandomLayerRequest("scaled", 16, 3);
+  v1::LayerConfig& config = *request.mutable_spec()->mutable_config();
+  config.set_rope_theta(10000.0);
+  config.mutable_rope_scaling()->set_rope_type("yarn");
+  config.mutable_rope_scaling()->set_factor(4.0);
+  ExpectStatus(client_->LoadLayer(request).status(), absl::StatusCode::kInvalidArgument,
+               "spec.config.rope_scaling.rope_type = \"yarn\" is not implemented (linear, "
+               "dynamic, llama3); refused rather than approximated");
+  config.mutable_rope_scaling()->set_rope_type("llama3");
+  ExpectStatus(client_->LoadLayer(request).status(), absl::StatusCode::kInvalidArgument,
+               "spec.config.rope_scaling.original_max_position_embeddings = 0 must be >= 1");
+  config.mutable_rope_scaling()->set_original_max_position_embeddings(32);
+  config.mutable_rope_scaling()->set_low_freq_factor(1.0);
+  config.mutable_rope_scaling()->set_high_freq_factor(4.0);
+  config.set_sliding_window(4);
+  ExpectStatus(client_->LoadLayer(request).status(), absl::StatusCode::kInvalidArgument,
+               "spec.config.sliding_window = 4 needs config.always_causal");
+  config.set_always_causal(true);
+  auto loaded = client_->LoadLayer(request);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->config().rope_scaling().rope_type(), "llama3");
+  EXPECT_EQ(loaded->config().rope_scaling().original_max_position_embeddings(), 32);
+  EXPECT_EQ(loaded->config().sliding_window(), 4);
+}
+
+TEST_F(HfCheckpointTest, InspectStopsBeforeTheResponseGrowsPastItsBound) {
+  // 3000 tensors with 1000-character names: 3 MB of names, listed 1 MiB at a time.
+  std::vector<NamedTensor> tensors;
+  for (int i = 0; i < 3000; ++i) {
+    char number[8];
+    std::snprintf(number, sizeof(number), "%04d", i);
+    tensors.push_back({std::string(996, 'n') + number, {1}, {0.0f}});
+  }
+  WriteSafetensors(repository_ / "wide.safetensors", tensors);
+  v1::InspectCheckpointRequest request;
+  request.set_path("wide.safetensors");
+  request.set_max_tensors(10000);
+  int64_t seen = 0;
+  for (int page = 0; page < 10; ++page) {
+    request.set_offset(seen);
+    auto listed = client_->InspectCheckpoint(request);
+    ASSERT_TRUE(listed.ok()) << listed.status();
+    EXPECT_LE(listed->ByteSizeLong(), size_t{1} << 21);
+    ASSERT_GT(listed->tensors_size(), 0);
+    seen += listed->tensors_size();
+    if (!listed->truncated()) break;
+    EXPECT_LT(listed->tensors_size(), 3000);
+  }
+  EXPECT_EQ(seen, 3000);
+  // A name that alone passes the bound is refused by index, not answered with empty pages.
+  WriteSafetensors(repository_ / "huge.safetensors",
+                   {{"a", {1}, {0.0f}}, {std::string(1 << 20, 'n'), {1}, {0.0f}}});
+  request.set_path("huge.safetensors");
+  request.set_offset(0);
+  auto first = client_->InspectCheckpoint(request);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->tensors_size(), 1);
+  EXPECT_TRUE(first->truncated());
+  request.set_offset(1);
+  ExpectStatus(client_->InspectCheckpoint(request).status(), absl::StatusCode::kOutOfRange,
+               "tensor 1 of \"huge.safetensors\" takes 1048605 bytes to describe; "
+               "InspectCheckpoint lists at most 1048576");
 }
 
 }  // namespace

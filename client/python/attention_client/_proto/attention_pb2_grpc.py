@@ -49,6 +49,11 @@ class AttentionServiceStub(object):
                 request_serializer=attention_dot_v1_dot_attention__pb2.GetLayerRequest.SerializeToString,
                 response_deserializer=attention_dot_v1_dot_attention__pb2.GetLayerResponse.FromString,
                 )
+        self.InspectCheckpoint = channel.unary_unary(
+                '/attention.v1.AttentionService/InspectCheckpoint',
+                request_serializer=attention_dot_v1_dot_attention__pb2.InspectCheckpointRequest.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.InspectCheckpointResponse.FromString,
+                )
 
 
 class AttentionServiceServicer(object):
@@ -103,6 +108,13 @@ class AttentionServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def InspectCheckpoint(self, request, context):
+        """Tensors and layer prefixes of a checkpoint in the model repository.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AttentionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -140,6 +152,11 @@ def add_AttentionServiceServicer_to_server(servicer, server):
                     servicer.GetLayer,
                     request_deserializer=attention_dot_v1_dot_attention__pb2.GetLayerRequest.FromString,
                     response_serializer=attention_dot_v1_dot_attention__pb2.GetLayerResponse.SerializeToString,
+            ),
+            'InspectCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.InspectCheckpoint,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.InspectCheckpointRequest.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.InspectCheckpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -267,5 +284,22 @@ class AttentionService(object):
         return grpc.experimental.unary_unary(request, target, '/attention.v1.AttentionService/GetLayer',
             attention_dot_v1_dot_attention__pb2.GetLayerRequest.SerializeToString,
             attention_dot_v1_dot_attention__pb2.GetLayerResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def InspectCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/attention.v1.AttentionService/InspectCheckpoint',
+            attention_dot_v1_dot_attention__pb2.InspectCheckpointRequest.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.InspectCheckpointResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
