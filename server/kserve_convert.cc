@@ -112,15 +112,35 @@ absl::Status ConvertIntegerMask(const InputTensor& input, const std::string* raw
   return absl::OkStatus();
 }
 
+// An input's parameters: binary_data_size, which the KServe SDK sends with every raw
+// input, must be its raw entry's size; shared memory and anything else are not supported.
+absl::Status CheckInputParameters(const InputTensor& input, const std::string* raw) {
+  for (const auto& [key, parameter] : input.parameters()) {
+    if (key != "binary_data_size") {
+      return absl::UnimplementedError(
+          absl::StrCat("inputs[", Quoted(input.name()), "].parameters[", Quoted(key),
+                       "] is not supported (shared memory inputs are not); send the contents"));
+    }
+    const bool is_integer = parameter.parameter_choice_case() == Parameter::kInt64Param ||
+                            parameter.parameter_choice_case() == Parameter::kUint64Param;
+    const uint64_t size = parameter.parameter_choice_case() == Parameter::kInt64Param
+                              ? static_cast<uint64_t>(parameter.int64_param())
+                              : parameter.uint64_param();
+    if (raw == nullptr || !is_integer || size != raw->size()) {
+      return Invalid("inputs[", Quoted(input.name()), "].parameters[\"binary_data_size\"] = ",
+                     is_integer ? absl::StrCat(size) : std::string("(not an integer)"),
+                     " does not match its raw_input_contents entry (",
+                     raw == nullptr ? std::string("none") : absl::StrCat(raw->size(), " bytes"),
+                     ")");
+    }
+  }
+  return absl::OkStatus();
+}
+
 // One input into its native tensor; `raw` is its raw_input_contents entry, if used.
 absl::Status ConvertInput(const InputTensor& input, const std::string* raw,
                           const std::vector<std::string>& datatypes, v1::Tensor* tensor) {
-  if (!input.parameters().empty()) {
-    return absl::UnimplementedError(
-        absl::StrCat("inputs[", Quoted(input.name()), "].parameters[",
-                     Quoted(input.parameters().begin()->first),
-                     "] is not supported (shared memory inputs are not); send the contents"));
-  }
+  RETURN_IF_ERROR(CheckInputParameters(input, raw));
   ASSIGN_OR_RETURN(const v1::DataType dtype, ParseDatatype(input, datatypes));
   tensor->mutable_shape()->CopyFrom(input.shape());
   if (dtype == v1::DATA_TYPE_UNSPECIFIED) return ConvertIntegerMask(input, raw, tensor);

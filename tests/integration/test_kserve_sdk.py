@@ -7,9 +7,9 @@ venv that scripts/kserve-sdk-venv makes.
 
 Two limits of the SDK (0.21) shape the test: its InferParameter has no double_param, so the
 `scale` parameter cannot be sent; and it cannot decode a BF16 output (InferResponse.from_grpc
-raises), so BF16 goes through the SDK's request builder and stub instead of infer(). And one
-of the server's: the SDK's numpy inputs carry REST's binary_data_size parameter, which the
-server refuses over gRPC today, so sdk_input drops it.
+raises), so BF16 goes through the SDK's request builder and stub instead of infer(). The
+SDK's numpy inputs carry REST's binary_data_size parameter, which the server checks against
+the raw entry's size.
 
 usage: test_kserve_sdk.py PATH/TO/attention-server
 """
@@ -48,9 +48,6 @@ def native_tensor(array):
 def sdk_input(name, array):
     tensor = InferInput(name, list(array.shape), SDK_DTYPES[array.dtype.type])
     tensor.set_data_from_numpy(array)
-    # The SDK also sends REST's binary_data_size parameter over gRPC, which the server
-    # refuses today (UNIMPLEMENTED, as a shared memory parameter); drop it until it does not.
-    tensor.parameters.pop("binary_data_size")
     return tensor
 
 

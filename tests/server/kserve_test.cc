@@ -79,6 +79,17 @@ std::vector<InferCase> InferCases() {
          (*r.mutable_inputs(0)->mutable_parameters())["shared_memory_region"].set_string_param("r");
        },
        C::kUnimplemented, "inputs[\"query\"].parameters[\"shared_memory_region\"] is not supported"},
+      {"binary_data_size mismatch", [](auto& r) {
+         (*r.mutable_inputs(0)->mutable_parameters())["binary_data_size"].set_int64_param(12);
+       },
+       C::kInvalidArgument, "inputs[\"query\"].parameters[\"binary_data_size\"] = 12 does not "
+       "match its raw_input_contents entry (9216 bytes)"},
+      {"binary_data_size without raw", [](auto& r) {
+         r.clear_raw_input_contents();
+         r.mutable_inputs(0)->mutable_contents()->mutable_fp32_contents()->Resize(3 * 768, 0.0f);
+         (*r.mutable_inputs(0)->mutable_parameters())["binary_data_size"].set_int64_param(9216);
+       },
+       C::kInvalidArgument, "does not match its raw_input_contents entry (none)"},
       {"typed FP16", [](auto& r) {
          r.clear_raw_input_contents();
          r.mutable_inputs(0)->set_datatype("FP16");
@@ -177,6 +188,9 @@ TEST(KserveConvertTest, MapsInputsParametersAndOutputs) {
   auto* attn_mask = AddInput(request, "attn_mask", "BOOL", {3, 3});
   request.add_raw_input_contents(std::string("\1\0\0\1\1\0\1\1\1", 9));
   (void)attn_mask;
+  // The KServe SDK's size of a raw input is accepted when it is right.
+  (*request.mutable_inputs(0)->mutable_parameters())["binary_data_size"].set_int64_param(
+      static_cast<int64_t>(request.raw_input_contents(0).size()));
   auto& parameters = *request.mutable_parameters();
   parameters["causal"].set_bool_param(true);
   parameters["scale"].set_double_param(0.25);
