@@ -57,6 +57,12 @@ class AsyncAttentionClient(ClientBase):
         return (await self._stub.LoadLayer(request, timeout=self._timeout(timeout),
                                            metadata=self._admin_metadata)).layer
 
+    async def inspect_checkpoint(self, path, offset=0, max_tensors=0, timeout=None):
+        request = self._pb2.InspectCheckpointRequest(path=path, offset=offset,
+                                                     max_tensors=max_tensors)
+        return await self._stub.InspectCheckpoint(request, timeout=self._timeout(timeout),
+                                                  metadata=self._admin_metadata)
+
     async def get_layer(self, name, timeout=None):
         return (await self._stub.GetLayer(self._pb2.GetLayerRequest(name=name),
                                           timeout=self._timeout(timeout))).layer

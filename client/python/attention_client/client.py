@@ -100,14 +100,25 @@ class AttentionClient(ClientBase):
         """Loads (or replaces) a layer; returns the server's LayerInfo. The weights come
         from exactly one of: `weights`, a dict native tensor name -> array; `random_seed`;
         or `source=`, from attention_client.sources: inline(state_dict, naming=, prefix=),
-        safetensors(path, naming=, prefix=), random_init(seed). `config` is a dict of
-        LayerConfig fields. Other keywords: weight_dtype ("float32" | "float16" |
+        safetensors(path, naming=, prefix=), hf_checkpoint(directory, layer_index),
+        random_init(seed). `config` is a dict of LayerConfig fields (optional for
+        hf_checkpoint, which reads config.json). Other keywords: weight_dtype ("float32" | "float16" |
         "bfloat16", for `weights`), persist, batching (this layer's BatchingPolicy fields,
         e.g. {"max_batch_requests": 8, "max_queue_delay_us": 2000}; the rest follow the
         server's flags), device ("cpu", "cuda:N", "auto"; default the server's)."""
         request = messages.load_layer_request(name, config, weights, random_seed, **kwargs)
         return self._stub.LoadLayer(request, timeout=self._timeout(timeout),
                                     metadata=self._admin_metadata).layer
+
+    def inspect_checkpoint(self, path, offset=0, max_tensors=0, timeout=None):
+        """The tensors (name, shape, dtype) of a safetensors file or Hugging Face checkpoint
+        directory in the server's --model_repository, and the layer prefixes each naming
+        finds there; an InspectCheckpointResponse (page with offset / max_tensors while
+        `truncated`). Needs the admin token where LoadLayer does."""
+        request = self._pb2.InspectCheckpointRequest(path=path, offset=offset,
+                                                     max_tensors=max_tensors)
+        return self._stub.InspectCheckpoint(request, timeout=self._timeout(timeout),
+                                            metadata=self._admin_metadata)
 
     def get_layer(self, name, timeout=None):
         return self._stub.GetLayer(self._pb2.GetLayerRequest(name=name),

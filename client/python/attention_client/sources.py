@@ -48,6 +48,16 @@ def safetensors(path, naming="native", prefix=""):
         path=path, naming=naming_enum(naming), prefix=prefix))
 
 
+def hf_checkpoint(path, layer_index):
+    """Layer `layer_index` of a Hugging Face checkpoint directory in the server's
+    --model_repository (config.json + model.safetensors, or its index and shards, as
+    save_pretrained writes them). The server reads the layer's config from config.json; a
+    `config` given with it must agree."""
+    pb2 = stubs.load()[0]
+    return pb2.LayerSpec(hf_checkpoint=pb2.HuggingFaceCheckpoint(
+        path=path, layer_index=int(layer_index)))
+
+
 def random_init(seed):
     """The server's seeded random initialisation (same seed, same layer on every machine)."""
     pb2 = stubs.load()[0]

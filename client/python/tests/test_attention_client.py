@@ -201,6 +201,34 @@ class Blocking(unittest.TestCase):
         for name in list(loads) + ["layer0"]:
             self.client.unload_layer("src-" + name)
 
+    def test_hf_checkpoint_directory_by_layer_index(self):
+        rng = np.random.default_rng(SEED + 1)
+        layers = [native_weights(rng), native_weights(rng)]
+        directory = os.path.join(_repository.name, "tiny-bert")
+        save_safetensors(os.path.join(directory, "model.safetensors"), {
+            **hf_bert_names(layers[0], "encoder.layer.0."),
+            **hf_bert_names(layers[1], "encoder.layer.1.")})
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump({"model_type": "bert", "hidden_size": E,
+                       "num_attention_heads": CONFIG["num_heads"], "num_hidden_layers": 2}, f)
+        listing = self.client.inspect_checkpoint("tiny-bert")
+        self.assertEqual(listing.total_tensors, 16)
+        self.assertEqual(listing.model_type, "bert")
+        bert = [entry for entry in listing.layers
+                if entry.naming == self.client.pb2.WEIGHT_NAMING_HF_BERT]
+        self.assertEqual(list(bert[0].prefixes), ["encoder.layer.0.", "encoder.layer.1."])
+        x = rng.normal(size=(1, 4, E)).astype(np.float32)
+        info = self.client.load_layer("hf-dir-1", source=sources.hf_checkpoint("tiny-bert", 1))
+        self.assertEqual(info.config.num_heads, CONFIG["num_heads"])
+        np.testing.assert_allclose(self.client.multi_head_attention(x, layer="hf-dir-1").output,
+                                   mha_reference(x, layers[1]), atol=1e-5)
+        with self.assertRaises(grpc.RpcError) as caught:
+            self.client.load_layer("hf-dir-bad", {"embed_dim": E, "num_heads": 1},
+                                   source=sources.hf_checkpoint("tiny-bert", 0))
+        self.assertEqual(caught.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("num_heads", caught.exception.details())
+        self.client.unload_layer("hf-dir-1")
+
     def test_wrong_prefix_is_invalid_argument(self):
         save_safetensors(os.path.join(_repository.name, "one.safetensors"),
                          hf_bert_names(native_weights(np.random.default_rng(SEED))))
