@@ -18,6 +18,8 @@
 //            PyTorch's MultiheadAttention, or "true_attends" as SDPA), binary_data_output
 //            (bool, default true), timeout (int64 µs in the queue, Triton's), priority
 //            (Triton's: 0 = none, 1 = first; any priority runs before requests without one).
+//   input parameters
+//            binary_data_size only (the KServe SDK sends it): the raw entry's size.
 #ifndef ATTENTION_SERVER_KSERVE_CONVERT_H_
 #define ATTENTION_SERVER_KSERVE_CONVERT_H_
 
