@@ -308,7 +308,8 @@ absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
                    " and vdim = ", config.vdim, ", so it cannot self-attend with embed_dim = ",
                    config.embed_dim);
   }
-  // Spans of the key and value values, set once their storage no longer moves.
+  // Spans of the key and value values; they survive item->storage growing, as a moved
+  // vector keeps its buffer.
   absl::Span<const float> key_values, value_values;
   if (has_key) {
     ASSIGN_OR_RETURN(InputTensor key,
