@@ -1,6 +1,6 @@
 // Where a large served request spends the time beyond its compute (issue 15, item 4).
 //
-//   build/bench/served_overhead [--batch=32] [--tokens=128] [--rounds=15]
+//   build/bench/served_overhead [--batch=32] [--tokens=128] [--causal] [--rounds=15]
 //
 // One process, loopback, interleaved per round:
 //   echo      a gRPC echo of the request's payload size both ways (generic API, bytes only):
@@ -34,6 +34,7 @@
 ABSL_FLAG(int64_t, batch, 32, "sequences per request");
 ABSL_FLAG(int64_t, tokens, 128, "tokens per sequence");
 ABSL_FLAG(int, rounds, 15, "interleaved rounds");
+ABSL_FLAG(bool, causal, false, "causal attention (S3: --batch=1 --tokens=2048 --causal)");
 ABSL_FLAG(int, echo_lookahead_bytes, 0,
           "grpc.http2.lookahead_bytes of the echo client and server (0: gRPC's default)");
 ABSL_FLAG(int, echo_max_frame_bytes, 0,
@@ -140,6 +141,7 @@ int main(int argc, char** argv) {
   request.set_layer(attention::server::kDemoLayerName);
   attention::wire::EncodeTensor(values, {batch, tokens, embed_dim},
                                 attention::core::DType::kFloat32, request.mutable_query());
+  request.mutable_options()->set_causal(absl::GetFlag(FLAGS_causal));
   const std::string payload = request.SerializeAsString();
   const grpc::Slice slice(payload);
   const grpc::ByteBuffer echo_request(&slice, 1);
@@ -149,6 +151,7 @@ int main(int argc, char** argv) {
   input.batch = batch;
   input.q_len = input.kv_len = tokens;
   input.query = values;
+  input.options.causal = absl::GetFlag(FLAGS_causal);
 
   std::vector<double> echo_ms, served_ms, compute_ms, protobuf_ms;
   for (int round = 0; round < absl::GetFlag(FLAGS_rounds); ++round) {
