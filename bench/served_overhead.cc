@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <grpcpp/create_channel.h>
@@ -81,15 +82,16 @@ grpc::ChannelArguments LargeMessages() {
   return arguments;
 }
 
-// The HTTP/2 settings under test, on the echo's both ends.
-template <typename Target>
-void SetHttp2Arguments(Target& target) {
+// The HTTP/2 settings under test (those set), for the echo's both ends.
+std::vector<std::pair<const char*, int>> Http2Arguments() {
+  std::vector<std::pair<const char*, int>> arguments;
   if (const int bytes = absl::GetFlag(FLAGS_echo_lookahead_bytes); bytes > 0) {
-    target.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, bytes);
+    arguments.emplace_back(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, bytes);
   }
   if (const int bytes = absl::GetFlag(FLAGS_echo_max_frame_bytes); bytes > 0) {
-    target.SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, bytes);
+    arguments.emplace_back(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, bytes);
   }
+  return arguments;
 }
 
 }  // namespace
@@ -116,19 +118,14 @@ int main(int argc, char** argv) {
   echo_builder.RegisterCallbackGenericService(&echo_service);
   echo_builder.SetMaxReceiveMessageSize(-1);
   echo_builder.SetMaxSendMessageSize(-1);
-  if (const int bytes = absl::GetFlag(FLAGS_echo_lookahead_bytes); bytes > 0) {
-    echo_builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, bytes);
-  }
-  if (const int bytes = absl::GetFlag(FLAGS_echo_max_frame_bytes); bytes > 0) {
-    echo_builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, bytes);
-  }
+  for (const auto& [name, value] : Http2Arguments()) echo_builder.AddChannelArgument(name, value);
   std::unique_ptr<grpc::Server> echo_server = echo_builder.BuildAndStart();
 
   auto mha = attention::v1::AttentionService::NewStub(grpc::CreateCustomChannel(
       "127.0.0.1:" + std::to_string((*server)->port()), grpc::InsecureChannelCredentials(),
       LargeMessages()));
   grpc::ChannelArguments echo_arguments = LargeMessages();
-  SetHttp2Arguments(echo_arguments);
+  for (const auto& [name, value] : Http2Arguments()) echo_arguments.SetInt(name, value);
   grpc::GenericStub echo(grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(echo_port),
                                                    grpc::InsecureChannelCredentials(),
                                                    echo_arguments));

@@ -53,60 +53,48 @@ absl::StatusOr<int64_t> ElementCount(const InputTensor& input) {
   return count;
 }
 
-// A tokenizer's attention_mask (1 = attend, 0 = padding) as a BOOL mask with
-// TRUE_ATTENDS polarity.
+// A tokenizer's attention_mask (1 = attend, 0 = padding) as the bytes of a BOOL mask with
+// TRUE_ATTENDS polarity, from `raw` little-endian bytes when given, else from `typed`.
 template <typename Int>
-absl::Status IntegerMaskToBool(const InputTensor& input, const Int* values, int64_t count,
+absl::Status IntegerMaskToBool(const InputTensor& input, const std::string* raw,
+                               const google::protobuf::RepeatedField<Int>& typed,
                                std::string* bytes) {
+  ASSIGN_OR_RETURN(const int64_t count, ElementCount(input));
+  if (raw != nullptr) {
+    if (count == kSaturated || raw->size() != static_cast<size_t>(count) * sizeof(Int)) {
+      return Invalid("raw_input_contents of ", Quoted(input.name()), " has ", raw->size(),
+                     " bytes; shape and ", input.datatype(), " need ", count, " x ",
+                     sizeof(Int));
+    }
+  } else if (typed.size() != count) {
+    return Invalid("inputs[", Quoted(input.name()), "].contents holds ", typed.size(), " ",
+                   input.datatype(), " values; its shape needs ", count);
+  }
   bytes->resize(static_cast<size_t>(count));
   for (int64_t n = 0; n < count; ++n) {
-    if (values[n] != 0 && values[n] != 1) {
+    Int value;
+    if (raw != nullptr) {
+      // Copied out, as raw bytes need not be aligned for the integer type.
+      std::memcpy(&value, raw->data() + n * sizeof(Int), sizeof(Int));
+    } else {
+      value = typed.Get(static_cast<int>(n));
+    }
+    if (value != 0 && value != 1) {
       return Invalid("inputs[", Quoted(input.name()), "] element ", n, " = ",
-                     static_cast<int64_t>(values[n]),
+                     static_cast<int64_t>(value),
                      "; an integer mask holds 1 (attend) or 0 (padding)");
     }
-    (*bytes)[n] = static_cast<char>(values[n]);
+    (*bytes)[n] = static_cast<char>(value);
   }
   return absl::OkStatus();
 }
 
 absl::Status ConvertIntegerMask(const InputTensor& input, const std::string* raw,
                                 v1::Tensor* tensor) {
-  const bool is_int64 = input.datatype() == "INT64";
-  const size_t element_bytes = is_int64 ? 8 : 4;
-  ASSIGN_OR_RETURN(const int64_t count, ElementCount(input));
   std::string bytes;
-  if (raw != nullptr) {
-    if (count == kSaturated || raw->size() != static_cast<size_t>(count) * element_bytes) {
-      return Invalid("raw_input_contents of ", Quoted(input.name()), " has ", raw->size(),
-                     " bytes; shape and ", input.datatype(), " need ", count, " x ",
-                     element_bytes);
-    }
-    // Copied out, as raw bytes need not be aligned for the integer type.
-    if (is_int64) {
-      std::vector<int64_t> values(static_cast<size_t>(count));
-      std::memcpy(values.data(), raw->data(), raw->size());
-      RETURN_IF_ERROR(IntegerMaskToBool(input, values.data(), count, &bytes));
-    } else {
-      std::vector<int32_t> values(static_cast<size_t>(count));
-      std::memcpy(values.data(), raw->data(), raw->size());
-      RETURN_IF_ERROR(IntegerMaskToBool(input, values.data(), count, &bytes));
-    }
-  } else {
-    const int64_t given = is_int64 ? input.contents().int64_contents_size()
-                                   : input.contents().int_contents_size();
-    if (given != count) {
-      return Invalid("inputs[", Quoted(input.name()), "].contents holds ", given, " ",
-                     input.datatype(), " values; its shape needs ", count);
-    }
-    if (is_int64) {
-      RETURN_IF_ERROR(
-          IntegerMaskToBool(input, input.contents().int64_contents().data(), count, &bytes));
-    } else {
-      RETURN_IF_ERROR(
-          IntegerMaskToBool(input, input.contents().int_contents().data(), count, &bytes));
-    }
-  }
+  RETURN_IF_ERROR(input.datatype() == "INT64"
+                      ? IntegerMaskToBool(input, raw, input.contents().int64_contents(), &bytes)
+                      : IntegerMaskToBool(input, raw, input.contents().int_contents(), &bytes));
   tensor->set_dtype(v1::BOOL);
   *tensor->mutable_raw_data() = std::move(bytes);
   return absl::OkStatus();
@@ -314,6 +302,8 @@ absl::Status ToNativeRequest(const inference::ModelInferRequest& request,
   static const std::vector<std::string> kAttnMaskTypes = {"BOOL", "FP32"};
   std::set<std::string> seen;
   v1::AttentionOptions* options = native->mutable_options();
+  // An integer padding mask is a tokenizer's: 1 attends, whatever bool_mask_polarity says.
+  bool tokenizer_mask = false;
   for (int i = 0; i < request.inputs_size(); ++i) {
     const InputTensor& input = request.inputs(i);
     if (raw && input.has_contents()) {
@@ -331,7 +321,9 @@ absl::Status ToNativeRequest(const inference::ModelInferRequest& request,
     } else if (input.name() == kValue) {
       RETURN_IF_ERROR(ConvertInput(input, bytes, kFloatTypes, native->mutable_value()));
     } else if (input.name() == kKeyPaddingMask) {
-      RETURN_IF_ERROR(ConvertInput(input, bytes, kPaddingMaskTypes, options->mutable_key_padding_mask()));
+      RETURN_IF_ERROR(
+          ConvertInput(input, bytes, kPaddingMaskTypes, options->mutable_key_padding_mask()));
+      tokenizer_mask = input.datatype() != "BOOL";
     } else if (input.name() == kAttnMask) {
       RETURN_IF_ERROR(ConvertInput(input, bytes, kAttnMaskTypes, options->mutable_attn_mask()));
     } else {
@@ -342,12 +334,7 @@ absl::Status ToNativeRequest(const inference::ModelInferRequest& request,
   if (!seen.count(kQuery)) return Invalid("inputs has no \"query\"");
   std::optional<v1::NeedWeights> need_weights;
   RETURN_IF_ERROR(ConvertParameters(request, options, &need_weights, &plan->binary_data));
-  // An integer padding mask is a tokenizer's: 1 attends, whatever bool_mask_polarity says.
-  for (const InputTensor& input : request.inputs()) {
-    if (input.name() == kKeyPaddingMask && input.datatype() != "BOOL") {
-      options->set_key_padding_polarity(v1::TRUE_ATTENDS);
-    }
-  }
+  if (tokenizer_mask) options->set_key_padding_polarity(v1::TRUE_ATTENDS);
   // JSON callers read fp32_contents; the protocol has no typed 16-bit field.
   if (!plan->binary_data) native->set_output_dtype(v1::FLOAT32);
   return PlanOutputs(request, need_weights, plan, options);

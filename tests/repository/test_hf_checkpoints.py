@@ -34,26 +34,19 @@ import transformers
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.normpath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(REPO, "client", "python"))
+sys.path.insert(0, os.path.join(REPO, "tests", "integration"))
 
 from attention_client import AttentionClient  # noqa: E402
 from attention_client.server_process import ServerProcess  # noqa: E402
+from harness import Checker  # noqa: E402
 
 torch.set_grad_enabled(False)
 ATOL = 1e-4
 RTOL = 1e-4
 SEED = 20261123
 
-failures = []
-checks = 0
-
-
-def check(condition, message):
-    global checks
-    checks += 1
-    if not condition:
-        failures.append(message)
-        print("FAIL: " + message, flush=True)
-    return bool(condition)
+CHECKER = Checker("test_hf_checkpoints")
+check = CHECKER.check
 
 
 def compare(label, actual, expected, rows=None):
@@ -302,10 +295,7 @@ def main():
             check(server.stop() == 0, "server exit code")
     finally:
         shutil.rmtree(repository, ignore_errors=True)
-    if failures:
-        print("test_hf_checkpoints: %d of %d checks FAILED" % (len(failures), checks))
-        sys.exit(1)
-    print("test_hf_checkpoints: all %d checks passed" % checks)
+    CHECKER.finish()
 
 
 if __name__ == "__main__":
