@@ -35,6 +35,8 @@
 ABSL_FLAG(int64_t, batch, 32, "sequences per request");
 ABSL_FLAG(int64_t, tokens, 128, "tokens per sequence");
 ABSL_FLAG(int, rounds, 15, "interleaved rounds");
+ABSL_FLAG(int, compute_threads, 0, "the server's --compute_threads (0: one per hardware thread)");
+ABSL_FLAG(int, batch_workers, 2, "the server's --batch_workers");
 ABSL_FLAG(bool, causal, false, "causal attention (S3: --batch=1 --tokens=2048 --causal)");
 ABSL_FLAG(int, echo_lookahead_bytes, 0,
           "grpc.http2.lookahead_bytes of the echo client and server (0: gRPC's default)");
@@ -106,6 +108,8 @@ int main(int argc, char** argv) {
   options.listen_address = "127.0.0.1:0";
   options.metrics_address = "";
   options.demo_layer = true;
+  options.compute_threads = absl::GetFlag(FLAGS_compute_threads);
+  options.batcher.num_workers = absl::GetFlag(FLAGS_batch_workers);
   auto server = AttentionServer::Start(options);
   if (!server.ok()) {
     std::fprintf(stderr, "server: %s\n", server.status().ToString().c_str());

@@ -35,7 +35,8 @@ class PreparedLayer {
 
   // One forward pass over inputs that MhaLayer::ValidateInput accepted, packed into one
   // batch without padding; one result per input. Errors are the backend's (a device out of
-  // memory is RESOURCE_EXHAUSTED) and apply to the whole batch.
+  // memory is RESOURCE_EXHAUSTED) and apply to the whole batch. An input's output goes to
+  // its output_destination when it has one (DeliverOutput).
   virtual absl::StatusOr<std::vector<AttentionResult>> ForwardBatch(
       absl::Span<const MhaInput* const> inputs) const = 0;
 

@@ -276,6 +276,15 @@ AttentionDims MhaLayer::Dims(const MhaInput& input) const {
           config_.head_dim, config_.v_head_dim};
 }
 
+void DeliverOutput(const MhaInput& input, const float* rows, int64_t count,
+                   AttentionResult* result) {
+  if (input.output_destination.empty()) {
+    result->output.assign(rows, rows + count);
+  } else {
+    std::copy(rows, rows + count, input.output_destination.data());
+  }
+}
+
 MhaInput WithFloatInputs(const MhaInput& in, std::deque<std::vector<float>>* storage) {
   if (!in.is_half()) return in;
   MhaInput decoded = in;
@@ -319,6 +328,14 @@ absl::Status MhaLayer::ValidateInput(const MhaInput& in) const {
                                                      in.batch, ", ", in.kv_len, ", ",
                                                      config_.vdim, "]"));
     }
+  }
+  const int64_t output_count = in.batch * in.q_len * config_.output_dim;
+  if (!in.output_destination.empty() &&
+      static_cast<int64_t>(in.output_destination.size()) != output_count) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "output_destination has ", in.output_destination.size(),
+        " values; expected [B, Nq, output_dim] = [", in.batch, ", ", in.q_len, ", ",
+        config_.output_dim, "]"));
   }
   return in.options.Validate(Dims(in));
 }

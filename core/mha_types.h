@@ -88,6 +88,10 @@ struct MhaInput {
   // hold as many elements of `half_dtype` (kFloat16 or kBFloat16).
   DType half_dtype = DType::kFloat32;
   absl::Span<const uint16_t> query_half, key_half, value_half;
+  // Optional: where ForwardBatch writes this input's output ([B * Nq, output_dim]) instead
+  // of AttentionResult::output, which then stays empty. The server points it into the
+  // answer's bytes, so a large answer is not copied twice more on its way out.
+  absl::Span<float> output_destination;
 
   bool is_half() const { return half_dtype != DType::kFloat32; }
   bool self_attention() const { return key.empty() && key_half.empty(); }
@@ -101,9 +105,17 @@ struct MhaInput {
 MhaInput WithFloatInputs(const MhaInput& input, std::deque<std::vector<float>>* storage);
 
 struct AttentionResult {
-  std::vector<float> output;   // MHA: [B, Nq, output_dim]; SDPA: [B, H, Nq, dv]
+  // MHA: [B, Nq, output_dim] (empty when the input gave an output_destination);
+  // SDPA: [B, H, Nq, dv].
+  std::vector<float> output;
   std::vector<float> weights;  // empty, [B, Nq, Nk] averaged or [B, H, Nq, Nk]
 };
+
+// For backends: hands one input's rows of a packed [rows, output_dim] output to the
+// caller (`count` floats), into input.output_destination when it has one, else into
+// result->output.
+void DeliverOutput(const MhaInput& input, const float* rows, int64_t count,
+                   AttentionResult* result);
 
 // Scaled dot-product attention on caller-given Q [B,H,Nq,dk], K [B,Hkv,Nk,dk], V [B,Hkv,Nk,dv].
 struct SdpaInput {

@@ -108,4 +108,16 @@ void EncodeTensor(absl::Span<const float> values, absl::Span<const int64_t> shap
   tensor->set_raw_data(core::EncodeFloats(values, dtype));
 }
 
+absl::Span<float> ResizeFloat32Tensor(absl::Span<const int64_t> shape, v1::Tensor* tensor) {
+  // raw_data is little-endian, as this host's floats are (core/dtype.cc asserts it), and
+  // its heap bytes are aligned for floats.
+  int64_t count = 1;
+  for (const int64_t dim : shape) count *= dim;
+  tensor->set_dtype(v1::FLOAT32);
+  tensor->mutable_shape()->Assign(shape.begin(), shape.end());
+  std::string* bytes = tensor->mutable_raw_data();
+  bytes->resize(static_cast<size_t>(count) * sizeof(float));
+  return absl::MakeSpan(reinterpret_cast<float*>(bytes->data()), static_cast<size_t>(count));
+}
+
 }  // namespace attention::wire

@@ -40,6 +40,10 @@ absl::StatusOr<FloatTensor> DecodeFloatTensor(const v1::Tensor& tensor, absl::st
 void EncodeTensor(absl::Span<const float> values, absl::Span<const int64_t> shape,
                   core::DType dtype, v1::Tensor* tensor);
 
+// Sets `tensor` to FLOAT32 of `shape` with zeroed raw bytes for the caller to fill, and
+// returns them as floats: an answer computed straight into the message that carries it.
+absl::Span<float> ResizeFloat32Tensor(absl::Span<const int64_t> shape, v1::Tensor* tensor);
+
 }  // namespace attention::wire
 
 #endif  // ATTENTION_PROTO_TENSOR_CODEC_H_

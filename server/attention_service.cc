@@ -364,24 +364,36 @@ absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
   ASSIGN_OR_RETURN(item->deadline, QueueDeadline(request.options(), deadline, absl::Now()));
   item->is_cancelled = std::move(is_cancelled);
   const core::NeedWeights need = input.options.need_weights;
+  // A FLOAT32 answer in raw_data is computed straight into the response.
+  const bool output_in_response =
+      output_dtype == core::DType::kFloat32 && !request.float_data_output();
   item->done = [finish = std::move(finish), response, dims, need, output_dtype, snapshot,
-                float_data = request.float_data_output(),
+                output_in_response, float_data = request.float_data_output(),
                 output_dim = config.output_dim, request_id = request.request_id()](
                    absl::StatusOr<core::AttentionResult> result) {
     if (!result.ok()) {
+      response->clear_output();
       finish(result.status());
       return;
     }
-    EncodeTensor(result->output, {dims.batch, dims.q_len, output_dim}, output_dtype,
-                 response->mutable_output());
+    if (!output_in_response) {
+      EncodeTensor(result->output, {dims.batch, dims.q_len, output_dim}, output_dtype,
+                   response->mutable_output());
+    }
     EncodeWeights(*result, dims, need, output_dtype, response);
     if (float_data) UseFloatData(response);
     response->set_request_id(request_id);
     response->set_layer_version(snapshot->version);
     finish(absl::OkStatus());
   };
+  if (output_in_response) {
+    item->input.output_destination = wire::ResizeFloat32Tensor(
+        {dims.batch, dims.q_len, config.output_dim}, response->mutable_output());
+  }
   item->layer = std::move(snapshot);
-  return batcher_.Submit(std::move(item));
+  const absl::Status submitted = batcher_.Submit(std::move(item));
+  if (!submitted.ok()) response->clear_output();
+  return submitted;
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::ScaledDotProductAttention(

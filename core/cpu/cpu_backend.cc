@@ -195,15 +195,22 @@ absl::StatusOr<std::vector<AttentionResult>> CpuPreparedLayer::ForwardBatch(
   }
   AttentionBlockedCpu(problems, pool_);
   const float* output = attended;
+  // A lone input's output projection writes straight to its destination.
+  const bool project_to_destination =
+      c.output_projection && inputs.size() == 1 && !inputs[0]->output_destination.empty();
   if (c.output_projection) {
-    float* projected = scratch.Get(ForwardScratch::kProjected, q_rows * c.output_dim);
+    float* projected = project_to_destination
+                           ? inputs[0]->output_destination.data()
+                           : scratch.Get(ForwardScratch::kProjected, q_rows * c.output_dim);
     LinearForward(pool_, attended, q_rows, c.AttentionWidth(), w.out_weight, w.out_bias,
                   c.output_dim, projected, packed_out_->panels());
     output = projected;
   }
   for (size_t n = 0; n < inputs.size(); ++n) {
-    results[n].output.assign(output + q_row[n] * c.output_dim,
-                             output + q_row[n + 1] * c.output_dim);
+    if (!project_to_destination) {
+      DeliverOutput(*inputs[n], output + q_row[n] * c.output_dim,
+                    (q_row[n + 1] - q_row[n]) * c.output_dim, &results[n]);
+    }
     FinishWeights(results[n], problems[n].dims, inputs[n]->options.need_weights);
   }
   return results;

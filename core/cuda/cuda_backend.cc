@@ -559,7 +559,8 @@ absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::ForwardBatch(
   std::vector<AttentionResult> results(count);
   for (size_t n = 0; n < count; ++n) {
     const float* output = host(output_at);
-    results[n].output.assign(output + q_row[n] * c.output_dim, output + q_row[n + 1] * c.output_dim);
+    DeliverOutput(*inputs[n], output + q_row[n] * c.output_dim,
+                  (q_row[n + 1] - q_row[n]) * c.output_dim, &results[n]);
     weights[n].CopyOut(staging, results[n].weights);
     FinishWeights(results[n], dims[n], inputs[n]->options.need_weights);
   }

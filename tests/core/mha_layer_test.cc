@@ -260,6 +260,57 @@ TEST_P(MhaBackendTest, HalfInputsMatchTheirFloatDecoding) {
   }
 }
 
+TEST_P(MhaBackendTest, OutputDestinationHoldsWhatTheResultWouldHold) {
+  // The server computes answers straight into the response: a lone input (with and without
+  // an output projection) and a batch where only some inputs give a destination.
+  const uint64_t seed = TestSeed(7);
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
+  std::mt19937_64 rng(seed);
+  for (const bool output_projection : {true, false}) {
+    MhaConfig config;
+    config.embed_dim = 16;
+    config.num_heads = 2;
+    config.output_projection = output_projection;
+    const MhaConfig resolved = *MhaConfig::Resolve(config);
+    auto layer = *MhaLayer::Create(resolved, MhaWeights::Random(resolved, rng()), backend_);
+    std::vector<std::vector<float>> queries;
+    std::vector<MhaInput> inputs(3);
+    for (MhaInput& in : inputs) {
+      in.batch = 2;
+      in.q_len = in.kv_len = static_cast<int64_t>(queries.size()) + 3;
+      queries.push_back(RandomFloats(rng, in.batch * in.q_len * resolved.embed_dim));
+      in.query = queries.back();
+    }
+    std::vector<AttentionResult> plain;  // each input alone, without a destination
+    for (const MhaInput& in : inputs) {
+      const MhaInput* one[] = {&in};
+      plain.push_back(std::move((*layer->ForwardBatch(one))[0]));
+    }
+    std::vector<std::vector<float>> destinations;
+    for (const MhaInput& in : inputs) {
+      destinations.emplace_back(in.batch * in.q_len * resolved.output_dim, -1.0f);
+    }
+    // Alone, into its destination.
+    inputs[0].output_destination = absl::MakeSpan(destinations[0]);
+    ASSERT_TRUE(layer->ValidateInput(inputs[0]).ok()) << layer->ValidateInput(inputs[0]);
+    const MhaInput* lone[] = {&inputs[0]};
+    const auto alone = layer->ForwardBatch(lone);
+    ASSERT_TRUE(alone.ok()) << alone.status();
+    EXPECT_TRUE((*alone)[0].output.empty());
+    EXPECT_EQ(destinations[0], plain[0].output) << "projection " << output_projection;
+    // Packed with others: inputs 0 and 2 into destinations, input 1 into its result.
+    std::fill(destinations[0].begin(), destinations[0].end(), -1.0f);
+    inputs[2].output_destination = absl::MakeSpan(destinations[2]);
+    const MhaInput* packed[] = {&inputs[0], &inputs[1], &inputs[2]};
+    const auto batch = layer->ForwardBatch(packed);
+    ASSERT_TRUE(batch.ok()) << batch.status();
+    EXPECT_EQ(destinations[0], plain[0].output) << "projection " << output_projection;
+    EXPECT_EQ((*batch)[1].output, plain[1].output) << "projection " << output_projection;
+    EXPECT_EQ(destinations[2], plain[2].output) << "projection " << output_projection;
+    EXPECT_TRUE((*batch)[0].output.empty() && (*batch)[2].output.empty());
+  }
+}
+
 TEST(MhaLayerTest, ValidateInputNamesShapes) {
   MhaConfig config;
   config.embed_dim = 8;
@@ -278,6 +329,12 @@ TEST(MhaLayerTest, ValidateInputNamesShapes) {
   in.value = value;
   EXPECT_EQ(layer->ValidateInput(in).message(),
             "key has 40 values; expected [B, Nk, kdim] = [2, 5, 3]");
+  key.resize(2 * 5 * 3);
+  in.key = key;
+  std::vector<float> destination(2 * 4 * 8 - 1);
+  in.output_destination = absl::MakeSpan(destination);
+  EXPECT_EQ(layer->ValidateInput(in).message(),
+            "output_destination has 63 values; expected [B, Nq, output_dim] = [2, 4, 8]");
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, MhaBackendTest, ::testing::ValuesIn(testing::CompiledDevices()),
