@@ -1,10 +1,12 @@
 #!/usr/bin/python3
-"""Runs OpenBLAS sgemm, this project's core, PyTorch nn.MultiheadAttention and ONNX Runtime
-(bench/ort_peer.py, when the bench venv exists: scripts/bench-deps) on the benchmark shapes
-in one go and prints GFLOPS and ratios as a markdown table.
+"""Runs OpenBLAS sgemm, this project's core, Debian's PyTorch 1.13 nn.MultiheadAttention, and
+from the bench venv (scripts/bench-deps; columns left out without it) ONNX Runtime
+(bench/ort_peer.py) and PyTorch 2.x's SDPA module and nn.MultiheadAttention
+(bench/torch_peer.py) on the benchmark shapes in one go; prints GFLOPS and ratios as a
+markdown table.
 
     /usr/bin/python3 bench/compare.py [--bench build/bench/attention_bench] [--repeats 3] [--s5]
-        [--ort-python build/bench-venv/bin/python] [--shapes S1,S4] [--threads 2] [--no-ragged]
+        [--peer-python build/bench-venv/bin/python] [--shapes S1,S4] [--threads 2] [--no-ragged]
 
 Report every row twice: as the machine is set up, and with OpenBLAS's own kernel choice
 (`env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE /usr/bin/python3 bench/compare.py`).
@@ -59,12 +61,18 @@ def run_bench(bench, pattern, min_time):
     return {b["name"]: b for b in json.loads(output)["benchmarks"]}
 
 
-def ort_gflops(python, batch, tokens, embed_dim, heads, causal, threads, min_seconds):
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ort_peer.py")
-    output = subprocess.run([python, script, str(batch), str(tokens), str(embed_dim), str(heads),
+def run_peer(python, script, batch, tokens, embed_dim, heads, causal, threads, min_seconds):
+    """Runs bench/<script> with the bench venv's `python`; returns its JSON."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), script)
+    output = subprocess.run([python, path, str(batch), str(tokens), str(embed_dim), str(heads),
                              "1" if causal else "0", str(threads), str(min_seconds)],
                             check=True, capture_output=True, text=True).stdout
-    return json.loads(output)["gflops"]
+    return json.loads(output)
+
+
+def venv_has(python, module):
+    return os.path.exists(python) and subprocess.run(
+        [python, "-c", f"import {module}"], capture_output=True).returncode == 0
 
 
 def median(values):
@@ -80,25 +88,39 @@ def main():
     parser.add_argument("--shapes", default=",".join(SHAPES), help="e.g. S4 or S1,S4")
     parser.add_argument("--threads", default="1,2", help="thread counts, e.g. 2")
     parser.add_argument("--no-ragged", action="store_true", help="skip the ragged batch")
-    parser.add_argument("--ort-python", default="build/bench-venv/bin/python",
-                        help="Python with onnxruntime (scripts/bench-deps); skipped if absent")
+    parser.add_argument("--peer-python", default="build/bench-venv/bin/python",
+                        help="Python with onnxruntime and torch 2.x (scripts/bench-deps); "
+                             "their columns are left out where it lacks them")
     args = parser.parse_args()
-    with_ort = os.path.exists(args.ort_python)
+    with_ort = venv_has(args.peer_python, "onnxruntime")
+    with_torch2 = venv_has(args.peer_python, "torch")
 
     # The host's speed drifts by tens of percent within minutes, so sgemm, the core and
-    # PyTorch are measured back to back for each row, several times, and the ratios are
+    # the peers are measured back to back for each row, several times, and the ratios are
     # taken per repeat before the median.
     print(f"Each row: median of {args.repeats} back-to-back runs of sgemm n=1024, the core, "
-          f"PyTorch {torch.__version__}" + (" and ONNX Runtime." if with_ort else "."))
+          f"PyTorch {torch.__version__} nn.MultiheadAttention"
+          + (", ONNX Runtime" if with_ort else "")
+          + (", PyTorch 2.x (venv) SDPA module and nn.MultiheadAttention" if with_torch2 else "")
+          + ".")
     print(f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', 'unset')}")
     print()
-    print("| shape | threads | sgemm GFLOPS | core GFLOPS | PyTorch GFLOPS | core / sgemm "
-          "| core / PyTorch |" + (" ORT GFLOPS | core / ORT |" if with_ort else ""))
-    print("|---|---|---|---|---|---|---|" + ("---|---|" if with_ort else ""))
+    # (heading, format) of every column after shape and threads.
+    columns = [("sgemm GFLOPS", ".1f"), ("core GFLOPS", ".1f"),
+               (f"PyTorch {torch.__version__} GFLOPS", ".1f"), ("core / sgemm", ".2f"),
+               (f"core / PyTorch {torch.__version__}", ".2f")]
+    if with_ort:
+        columns += [("ORT GFLOPS", ".1f"), ("core / ORT", ".2f")]
+    if with_torch2:
+        columns += [("PyTorch 2.x SDPA GFLOPS", ".1f"), ("core / SDPA", ".2f"),
+                    ("PyTorch 2.x MHA GFLOPS", ".1f")]
+    print("| shape | threads | " + " | ".join(heading for heading, _ in columns) + " |")
+    print("|---|---|" + "---|" * len(columns))
     shapes = args.shapes.split(",")
     for name, (batch, tokens, embed_dim, heads, causal) in SHAPES.items():
         if name not in shapes:
             continue
+        shape = (batch, tokens, embed_dim, heads, causal)
         for threads in (int(t) for t in args.threads.split(",")):
             key = f"BM_Mha{name}/threads:{threads}/real_time"
             sgemm_key = f"BM_Sgemm/n:1024/threads:{threads}/real_time"
@@ -110,18 +132,24 @@ def main():
                     break
                 ours = results[key]["GFLOPS"]
                 sgemm = results[sgemm_key]["GFLOPS"]
-                theirs = torch_gflops(batch, tokens, embed_dim, heads, causal, threads,
-                                      min_seconds=float(args.min_time))
-                ort = (ort_gflops(args.ort_python, batch, tokens, embed_dim, heads, causal,
-                                  threads, float(args.min_time)) if with_ort else float("nan"))
-                rows.append((sgemm, ours, theirs, ours / sgemm, ours / theirs, ort, ours / ort))
+                theirs = torch_gflops(*shape, threads, min_seconds=float(args.min_time))
+                row = [sgemm, ours, theirs, ours / sgemm, ours / theirs]
+                if with_ort:
+                    ort = run_peer(args.peer_python, "ort_peer.py", *shape, threads,
+                                   args.min_time)["gflops"]
+                    row += [ort, ours / ort]
+                if with_torch2:
+                    torch2 = run_peer(args.peer_python, "torch_peer.py", *shape, threads,
+                                      args.min_time)
+                    row += [torch2["sdpa_gflops"], ours / torch2["sdpa_gflops"],
+                            torch2["mha_gflops"]]
+                rows.append(row)
             if not rows:
                 continue
-            columns = [median([row[i] for row in rows]) for i in range(7)]
-            print(f"| {name} B={batch} N={tokens}{' causal' if causal else ''} | {threads} "
-                  f"| {columns[0]:.1f} | {columns[1]:.1f} | {columns[2]:.1f} "
-                  f"| {columns[3]:.2f} | {columns[4]:.2f} |"
-                  + (f" {columns[5]:.1f} | {columns[6]:.2f} |" if with_ort else ""))
+            medians = [median([row[i] for row in rows]) for i in range(len(columns))]
+            print(f"| {name} B={batch} N={tokens}{' causal' if causal else ''} | {threads} | "
+                  + " | ".join(f"{value:{fmt}}" for value, (_, fmt) in zip(medians, columns))
+                  + " |")
     if not args.no_ragged:
         ragged = run_bench(args.bench, "Ragged", args.min_time)
         milliseconds = {kind: ragged[f"BM_MhaRagged{kind}/real_time"]["real_time"]

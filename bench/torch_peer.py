@@ -1,0 +1,77 @@
+"""PyTorch 2.x as the peer of bench/compare.py: an "SDPA module" (one fused QKV nn.Linear(E, 3E),
+split into heads, torch.nn.functional.scaled_dot_product_attention, merge heads, output
+nn.Linear(E, E)) and nn.MultiheadAttention, timed on random inputs. Run with the bench venv's
+Python (scripts/bench-deps), which has torch 2.x; prints useful GFLOPS of both as JSON. Exits
+non-zero before timing if the two disagree with the same weights, so a wrong peer is never
+reported.
+
+    build/bench-venv/bin/python bench/torch_peer.py B N E H CAUSAL THREADS [MIN_SECONDS]
+"""
+import json
+import sys
+import time
+
+import torch
+
+
+class SdpaAttention(torch.nn.Module):
+    def __init__(self, embed_dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(embed_dim, 3 * embed_dim)
+        self.out = torch.nn.Linear(embed_dim, embed_dim)
+
+    def forward(self, x, causal):
+        batch, tokens, embed_dim = x.shape
+        # (B, N, 3E) -> three (B, H, N, E/H)
+        q, k, v = self.qkv(x).view(batch, tokens, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return self.out(attended.transpose(1, 2).reshape(batch, tokens, embed_dim))
+
+
+def useful_flops(batch, tokens, embed_dim, causal):
+    attention = (2.0 if causal else 4.0) * tokens * tokens * embed_dim
+    return batch * (8.0 * tokens * embed_dim * embed_dim + attention)
+
+
+def seconds_per_call(call, min_seconds):
+    call()  # warm-up
+    runs, start = 0, time.perf_counter()
+    while time.perf_counter() - start < min_seconds:
+        call()
+        runs += 1
+    return (time.perf_counter() - start) / runs
+
+
+def main():
+    batch, tokens, embed_dim, heads = (int(v) for v in sys.argv[1:5])
+    causal = sys.argv[5] in ("1", "true", "True")
+    threads = int(sys.argv[6])
+    min_seconds = float(sys.argv[7]) if len(sys.argv) > 7 else 1.0
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    sdpa = SdpaAttention(embed_dim, heads).eval()
+    mha = torch.nn.MultiheadAttention(embed_dim, heads, batch_first=True).eval()
+    x = torch.randn(batch, tokens, embed_dim)
+    # nn.MultiheadAttention insists on the mask with is_causal=True; is_causal lets it skip it.
+    mask = torch.triu(torch.ones(tokens, tokens, dtype=torch.bool), 1) if causal else None
+    with torch.inference_mode():
+        # Same weights in both (in_proj packs q, k, v in the order the SDPA module splits them).
+        mha.in_proj_weight.copy_(sdpa.qkv.weight)
+        mha.in_proj_bias.copy_(sdpa.qkv.bias)
+        mha.out_proj.weight.copy_(sdpa.out.weight)
+        mha.out_proj.bias.copy_(sdpa.out.bias)
+        sdpa_call = lambda: sdpa(x, causal)
+        mha_call = lambda: mha(x, x, x, attn_mask=mask, need_weights=False, is_causal=causal)[0]
+        difference = (sdpa_call() - mha_call()).abs().max().item()
+        if difference >= 1e-4:
+            sys.exit(f"torch_peer: SDPA module and nn.MultiheadAttention differ by {difference}")
+        flops = useful_flops(batch, tokens, embed_dim, causal)
+        sdpa_gflops = flops / seconds_per_call(sdpa_call, min_seconds) / 1e9
+        mha_gflops = flops / seconds_per_call(mha_call, min_seconds) / 1e9
+    print(json.dumps({"torch": torch.__version__, "sdpa_gflops": sdpa_gflops,
+                      "mha_gflops": mha_gflops}))
+
+
+if __name__ == "__main__":
+    main()
