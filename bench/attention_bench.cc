@@ -52,7 +52,7 @@ BENCHMARK(BM_Sgemm)->ArgNames({"n", "threads"})->Args({1024, 1})->Args({1024, 2}
 
 // The QKV projection of E=768 (N=2304, K=768) on 2 threads for `rows` tokens: OpenBLAS on the
 // plain weights against the microkernel on weights packed once, to place
-// kPackedLinearMaxRows. Args: rows, packed (0 or 1).
+// PackedLinearMaxRows. Args: rows, packed (0 or 1).
 void BM_Linear(benchmark::State& state) {
   const int64_t rows = state.range(0), out = 2304, in = 768;
   ThreadPool pool(2);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 #include <cblas.h>
 #if defined(__x86_64__)
@@ -220,18 +221,22 @@ PackedWeight::PackedWeight(absl::Span<const float> weight, int64_t out_features,
   PackTransposed(weight.data(), out_features, in_features, in_features, panels_.get());
 }
 
+int64_t PackedLinearMaxRows(SimdLevel level) {
+  return level == SimdLevel::kAvx512 ? std::numeric_limits<int64_t>::max() : 256;
+}
+
 // Every part packs all of the operand that is not split (OpenBLAS) or streams it (the
 // microkernel), so split the larger one: by output columns when the weights outweigh the
 // rows (few tokens), else by rows.
 void LinearForward(ThreadPool& pool, const float* x, int64_t rows, int64_t in_features,
                    absl::Span<const float> weight, absl::Span<const float> bias,
                    int64_t out_features, float* y, const float* panels,
-                   SimdLevel level, int64_t max_packed_rows) {
+                   SimdLevel level, std::optional<int64_t> max_packed_rows) {
   constexpr int64_t kMinPart = 16;
   const int64_t threads = pool.size();
   const bool split_rows = rows >= out_features ? rows >= threads * kMinPart
                                                : out_features < threads * kMinPart;
-  if (panels != nullptr && rows <= max_packed_rows) {
+  if (panels != nullptr && rows <= max_packed_rows.value_or(PackedLinearMaxRows(level))) {
     const int64_t total = split_rows ? rows : PanelCount(out_features);
     const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, total));
     const float* b = bias.empty() ? nullptr : bias.data();

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 
 #include "absl/types/span.h"
 #include "core/cpu/thread_pool.h"
@@ -71,19 +72,20 @@ class PackedWeight {
   std::unique_ptr<float[], Free> panels_;
 };
 
-// At most this many rows go through the packed microkernel; more go to OpenBLAS, whose
-// per-call packing is then a small share. attention_bench's BM_LinearCpu (E=768 QKV, AVX2):
-// the microkernel is 1.5-1.7x OpenBLAS at 16 rows, 1.03-1.07x at 256, 0.98-1.04x at 512.
-inline constexpr int64_t kPackedLinearMaxRows = 256;
+// At most this many rows go through `level`'s packed microkernel; more go to OpenBLAS.
+// attention_bench's BM_LinearCpu (E=768 QKV, per CPU second), microkernel / OpenBLAS:
+// AVX2 (Zen 3): 1.5-1.7 at 16 rows, 1.03-1.07 at 256, 0.98-1.04 at 512, so 256;
+// AVX-512 (Zen 4): 1.08-1.20 at 2048 rows too (S1, S2, S4 +2-5%), so every row count.
+int64_t PackedLinearMaxRows(SimdLevel level);
 
 // Y[rows, N] = X[rows, K] * W[N, K]^T (+ bias[N]), split across the pool: on `panels` (W
 // packed by PackTransposed, may be null) with `level`'s microkernel when rows <=
-// max_packed_rows, else OpenBLAS on `weight`.
+// max_packed_rows (unset: PackedLinearMaxRows(level)), else OpenBLAS on `weight`.
 void LinearForward(ThreadPool& pool, const float* x, int64_t rows, int64_t in_features,
                    absl::Span<const float> weight, absl::Span<const float> bias,
                    int64_t out_features, float* y, const float* panels,
                    SimdLevel level = BestSimdLevel(),
-                   int64_t max_packed_rows = kPackedLinearMaxRows);
+                   std::optional<int64_t> max_packed_rows = std::nullopt);
 
 }  // namespace attention::core
 

@@ -124,7 +124,7 @@ TEST_P(GemmLevelTest, LinearForwardMatchesNaiveOnBothPaths) {
   std::mt19937_64 rng(seed);
   for (int threads : {1, 2}) {
     ThreadPool pool(threads);
-    for (int64_t rows : {1, 9, 40, 70}) {
+    for (int64_t rows : {1, 9, 40, 70, 300}) {  // 300: past a row chunk (128)
       for (int64_t out_features : {8, 40, 100}) {
         const int64_t in_features = 45;
         SCOPED_TRACE("threads " + std::to_string(threads) + " rows " + std::to_string(rows) +
@@ -133,7 +133,7 @@ TEST_P(GemmLevelTest, LinearForwardMatchesNaiveOnBothPaths) {
         const std::vector<float> w = Uniform(rng, out_features * in_features);
         const std::vector<float> bias = Uniform(rng, out_features);
         const PackedWeight packed(w, out_features, in_features);
-        for (int64_t max_packed_rows : {int64_t{0}, int64_t{64}}) {
+        for (int64_t max_packed_rows : {int64_t{0}, int64_t{64}, int64_t{1} << 20}) {
           std::vector<float> y(rows * out_features, 7.0f);
           LinearForward(pool, x.data(), rows, in_features, w, bias, out_features, y.data(),
                         packed.panels(), GetParam(), max_packed_rows);
