@@ -24,7 +24,8 @@ import tempfile
 import time
 
 import torch
-import torch.nn.functional as F
+
+from torch_peer import SdpaAttention  # the SDPA module of the CPU comparison
 
 SHAPES = {  # name: (batch, tokens, embed_dim, heads, causal, cuda_bench name)
     "S1": (32, 128, 768, 12, False, "BM_CudaMhaS1"),
@@ -52,20 +53,6 @@ def timed(fn, min_seconds=1.0):
     return (time.perf_counter() - start) / runs
 
 
-class SdpaModule(torch.nn.Module):
-    def __init__(self, embed_dim, heads):
-        super().__init__()
-        self.heads = heads
-        self.qkv = torch.nn.Linear(embed_dim, 3 * embed_dim)
-        self.out = torch.nn.Linear(embed_dim, embed_dim)
-
-    def forward(self, x, causal):
-        b, n, e = x.shape
-        q, k, v = self.qkv(x).view(b, n, 3, self.heads, e // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        return self.out(y.transpose(1, 2).reshape(b, n, e))
-
-
 def torch_gflops(batch, tokens, embed_dim, heads, causal, host_copies):
     """PyTorch fp32 on the GPU; with host_copies, inputs come from and outputs go to pinned
     host memory each call, as the service's do."""
@@ -73,7 +60,7 @@ def torch_gflops(batch, tokens, embed_dim, heads, causal, host_copies):
     x_host = torch.randn(batch, tokens, embed_dim).pin_memory()
     x = x_host.cuda()
     mha = torch.nn.MultiheadAttention(embed_dim, heads, batch_first=True).cuda().eval()
-    sdpa = SdpaModule(embed_dim, heads).cuda().eval()
+    sdpa = SdpaAttention(embed_dim, heads).cuda().eval()
     mask = (torch.triu(torch.ones(tokens, tokens, dtype=torch.bool, device="cuda"), 1)
             if causal else None)
     results = {}
