@@ -20,9 +20,10 @@ import json
 import os
 import statistics
 import subprocess
-import time
 
 import torch
+
+from measure import seconds_per_call, useful_flops
 
 SHAPES = {  # name: (batch, tokens, embed_dim, heads, causal)
     "S1": (32, 128, 768, 12, False),
@@ -32,11 +33,6 @@ SHAPES = {  # name: (batch, tokens, embed_dim, heads, causal)
 }
 
 
-def useful_flops(batch, tokens, embed_dim, causal):
-    attention = (2.0 if causal else 4.0) * tokens * tokens * embed_dim
-    return batch * (8.0 * tokens * embed_dim * embed_dim + attention)
-
-
 def torch_gflops(batch, tokens, embed_dim, heads, causal, threads, min_seconds=2.0):
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -44,12 +40,8 @@ def torch_gflops(batch, tokens, embed_dim, heads, causal, threads, min_seconds=2
     x = torch.randn(batch, tokens, embed_dim)
     mask = torch.triu(torch.ones(tokens, tokens, dtype=torch.bool), 1) if causal else None
     with torch.inference_mode():
-        mha(x, x, x, attn_mask=mask, need_weights=False)  # warm-up
-        runs, start = 0, time.perf_counter()
-        while time.perf_counter() - start < min_seconds:
-            mha(x, x, x, attn_mask=mask, need_weights=False)
-            runs += 1
-        seconds = (time.perf_counter() - start) / runs
+        seconds = seconds_per_call(lambda: mha(x, x, x, attn_mask=mask, need_weights=False),
+                                   min_seconds)
     return useful_flops(batch, tokens, embed_dim, causal) / seconds / 1e9
 
 

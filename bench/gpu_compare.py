@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from measure import useful_flops
 from torch_peer import SdpaAttention  # the SDPA module of the CPU comparison
 
 SHAPES = {  # name: (batch, tokens, embed_dim, heads, causal, cuda_bench name)
@@ -36,10 +37,6 @@ SHAPES = {  # name: (batch, tokens, embed_dim, heads, causal, cuda_bench name)
     "B64 N1024 E1024": (64, 1024, 1024, 16, False, "BM_CudaMhaLarge"),
     "causal N16384": (1, 16384, 768, 12, True, "BM_CudaMhaCausal16k"),
 }
-
-
-def useful_flops(batch, tokens, embed_dim, causal):
-    return batch * (8.0 * tokens * embed_dim ** 2 + (2.0 if causal else 4.0) * tokens ** 2 * embed_dim)
 
 
 def timed(fn, min_seconds=1.0):

@@ -7,12 +7,13 @@ output projection), timed on random inputs. Run with the bench venv's Python
 """
 import json
 import sys
-import time
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
+
+from measure import seconds_per_call, useful_flops
 
 
 def model(embed_dim, heads, causal):
@@ -50,14 +51,9 @@ def main():
     session = ort.InferenceSession(model(embed_dim, heads, causal).SerializeToString(), options,
                                    providers=["CPUExecutionProvider"])
     x = np.random.default_rng(1).standard_normal((batch, tokens, embed_dim)).astype(np.float32)
-    session.run(None, {"x": x})  # warm-up
-    runs, start = 0, time.perf_counter()
-    while time.perf_counter() - start < min_seconds:
-        session.run(None, {"x": x})
-        runs += 1
-    seconds = (time.perf_counter() - start) / runs
-    flops = batch * (8.0 * tokens * embed_dim ** 2 + (2.0 if causal else 4.0) * tokens ** 2 * embed_dim)
-    print(json.dumps({"gflops": flops / seconds / 1e9, "ort": ort.__version__}))
+    seconds = seconds_per_call(lambda: session.run(None, {"x": x}), min_seconds)
+    gflops = useful_flops(batch, tokens, embed_dim, causal) / seconds / 1e9
+    print(json.dumps({"gflops": gflops, "ort": ort.__version__}))
 
 
 if __name__ == "__main__":

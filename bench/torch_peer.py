@@ -9,9 +9,10 @@ reported.
 """
 import json
 import sys
-import time
 
 import torch
+
+from measure import seconds_per_call, useful_flops
 
 
 class SdpaAttention(torch.nn.Module):
@@ -27,20 +28,6 @@ class SdpaAttention(torch.nn.Module):
         q, k, v = self.qkv(x).view(batch, tokens, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
         return self.out(attended.transpose(1, 2).reshape(batch, tokens, embed_dim))
-
-
-def useful_flops(batch, tokens, embed_dim, causal):
-    attention = (2.0 if causal else 4.0) * tokens * tokens * embed_dim
-    return batch * (8.0 * tokens * embed_dim * embed_dim + attention)
-
-
-def seconds_per_call(call, min_seconds):
-    call()  # warm-up
-    runs, start = 0, time.perf_counter()
-    while time.perf_counter() - start < min_seconds:
-        call()
-        runs += 1
-    return (time.perf_counter() - start) / runs
 
 
 def main():
