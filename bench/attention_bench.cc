@@ -10,6 +10,8 @@
 
 #include "benchmark/benchmark.h"
 #include "core/mha_layer.h"
+#include "core/attention_kernels.h"
+#include "core/cpu/attention_cpu.h"
 #include "core/cpu/cpu_backend.h"
 #include "core/cpu/gemm.h"
 #include "core/cpu/thread_pool.h"
@@ -131,10 +133,57 @@ BENCHMARK(BM_MhaS1)->ArgName("threads")->Arg(1)->Arg(2)->UseRealTime()->Unit(ben
 BENCHMARK(BM_MhaS2)->ArgName("threads")->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MhaS3)->ArgName("threads")->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MhaS4)->ArgName("threads")->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_MhaS1)
+    ->Name("BM_MhaS1Cpu")
+    ->ArgName("threads")
+    ->Arg(2)
+    ->MeasureProcessCPUTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_MhaS2)
+    ->Name("BM_MhaS2Cpu")
+    ->ArgName("threads")
+    ->Arg(2)
+    ->MeasureProcessCPUTime()
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MhaS4)
     ->Name("BM_MhaS4Cpu")
     ->ArgName("threads")
     ->Arg(2)
+    ->MeasureProcessCPUTime()
+    ->Unit(benchmark::kMillisecond);
+
+// Attention alone (no projections), in the layout the forward pass gives it: Q, K and V as
+// column ranges of one fused projection [B*N, 3E], E=768, 12 heads of 64, on one thread, per
+// process CPU second (the projections' GEMMs would hide a few percent here in the noise).
+// Args: batch, tokens. Useful FLOPs: 4*N^2*E per sequence.
+void BM_AttentionCpu(benchmark::State& state) {
+  const int64_t batch = state.range(0), tokens = state.range(1), embed = 768, heads = 12;
+  const int64_t head_dim = embed / heads, width = 3 * embed;
+  ThreadPool pool(1);
+  const auto qkv = RandomValues(batch * tokens * width, 1);
+  std::vector<float> out(batch * tokens * embed);
+  const AttentionOptions options;
+  AttentionProblem p;
+  p.dims = {batch, heads, heads, tokens, tokens, head_dim, head_dim};
+  p.query = qkv.data();
+  p.key = qkv.data() + embed;
+  p.value = qkv.data() + 2 * embed;
+  p.query_layout = p.key_layout = p.value_layout = HeadLayout::StridedRows(tokens, head_dim, width);
+  p.output = out.data();
+  p.output_layout = HeadLayout::BatchRowHead(heads, tokens, head_dim);
+  p.options = &options;
+  for (auto _ : state) {
+    AttentionBlockedCpu(absl::MakeConstSpan(&p, 1), pool);
+    benchmark::DoNotOptimize(out.data());
+  }
+  SetGflops(state, 4.0 * batch * tokens * tokens * embed);
+}
+BENCHMARK(BM_AttentionCpu)
+    ->ArgNames({"batch", "tokens"})
+    ->Args({256, 16})
+    ->Args({32, 128})
+    ->Args({8, 512})
+    ->Args({2, 1024})
     ->MeasureProcessCPUTime()
     ->Unit(benchmark::kMillisecond);
 

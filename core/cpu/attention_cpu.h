@@ -13,7 +13,7 @@ namespace attention::core {
 
 // Blocked float32 kernel: for each (sequence, head, block of QueryBlockRows(Nk) queries),
 // GEMMs for the scores against the keys up to the block's causal frontier, a vectorized
-// masked softmax, GEMMs with the values (OpenBLAS, or for up to 64 keys the microkernel of
+// masked softmax, GEMMs with the values (OpenBLAS, or for up to 512 keys the microkernel of
 // core/cpu/gemm.h). Past 1024 keys (and when no weights are returned)
 // the keys are taken in blocks with an online softmax (running max and sum, flash-style),
 // so extra memory is at most rows x 1024 floats per thread: no Nq x Nk matrix unless

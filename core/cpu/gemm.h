@@ -33,18 +33,20 @@ inline int64_t PanelFloats(int64_t depth, int64_t columns) {
   return PanelCount(columns) * depth * kPanelWidth;
 }
 
-// Panels of B [depth, columns] whose element (k, j) is b[k * depth_stride + j * column_stride].
+// Panels of B [depth, columns] whose element (k, j) is b[k * depth_stride + j * column_stride],
+// with `level`'s instructions.
 void PackPanels(const float* b, int64_t depth, int64_t columns, int64_t depth_stride,
-                int64_t column_stride, float* panels);
+                int64_t column_stride, float* panels, SimdLevel level = BestSimdLevel());
 // Panels of B = W^T for W [columns, depth] with rows `ldw` floats apart (the PyTorch layout of
 // a Linear weight, or keys to take scores against).
 inline void PackTransposed(const float* w, int64_t columns, int64_t depth, int64_t ldw,
-                           float* panels) {
-  PackPanels(w, depth, columns, 1, ldw, panels);
+                           float* panels, SimdLevel level = BestSimdLevel()) {
+  PackPanels(w, depth, columns, 1, ldw, panels, level);
 }
 // Panels of B [depth, columns] with rows `ldb` floats apart (values).
-inline void PackRows(const float* b, int64_t depth, int64_t columns, int64_t ldb, float* panels) {
-  PackPanels(b, depth, columns, ldb, 1, panels);
+inline void PackRows(const float* b, int64_t depth, int64_t columns, int64_t ldb, float* panels,
+                     SimdLevel level = BestSimdLevel()) {
+  PackPanels(b, depth, columns, ldb, 1, panels, level);
 }
 
 // C[rows, columns of panels [first_panel, end_panel)] = alpha * A[rows, depth] * B + bias,

@@ -78,7 +78,7 @@ TEST_P(GemmLevelTest, TransposedPanelsMatchNaiveGemm) {
         const bool with_bias = (rows + columns + depth) % 2 == 0;
         const float alpha = with_bias ? 1.0f : 0.125f;
         std::vector<float> panels(PanelFloats(depth, columns), -1.0f);
-        PackTransposed(w.data(), columns, depth, ldw, panels.data());
+        PackTransposed(w.data(), columns, depth, ldw, panels.data(), GetParam());
         const int64_t ldc = columns + 2;
         std::vector<float> c(rows * ldc, 7.0f);
         GemmPanels(GetParam(), a.data(), lda, rows, panels.data(), depth, columns, 0,
@@ -103,7 +103,7 @@ TEST_P(GemmLevelTest, RowPanelsAndPanelRangesMatchNaiveGemm) {
         const int64_t ldb = columns + 5;
         const std::vector<float> a = Uniform(rng, rows * depth), b = Uniform(rng, depth * ldb);
         std::vector<float> panels(PanelFloats(depth, columns));
-        PackRows(b.data(), depth, columns, ldb, panels.data());
+        PackRows(b.data(), depth, columns, ldb, panels.data(), GetParam());
         const int64_t count = PanelCount(columns);
         const int64_t first_panel = count / 2, end_panel = count;
         std::vector<float> c(rows * columns, 7.0f);
