@@ -119,8 +119,13 @@ __attribute__((target("avx2,fma"))) void TileAvx2(const float* a, int64_t lda,
 #define AVX512_STORE(r)                                                                     \
   if constexpr (R > r) {                                                                  \
     float* row = out.c + r * out.ldc;                                                     \
-    const __m512 addend = out.accumulate ? _mm512_maskz_loadu_ps(mask, row) : bias;       \
-    _mm512_mask_storeu_ps(row, mask, _mm512_fmadd_ps(sum##r, alpha, addend));             \
+    if (full_width) {                                                                     \
+      const __m512 addend = out.accumulate ? _mm512_loadu_ps(row) : bias;                 \
+      _mm512_storeu_ps(row, _mm512_fmadd_ps(sum##r, alpha, addend));                      \
+    } else {                                                                              \
+      const __m512 addend = out.accumulate ? _mm512_maskz_loadu_ps(mask, row) : bias;     \
+      _mm512_mask_storeu_ps(row, mask, _mm512_fmadd_ps(sum##r, alpha, addend));           \
+    }                                                                                     \
   }
 template <int R>
 __attribute__((target("avx512f"))) void TileAvx512(const float* a, int64_t lda,
@@ -134,6 +139,8 @@ __attribute__((target("avx512f"))) void TileAvx512(const float* a, int64_t lda,
     AVX512_ROW(0) AVX512_ROW(1) AVX512_ROW(2) AVX512_ROW(3) AVX512_ROW(4) AVX512_ROW(5)
     AVX512_ROW(6) AVX512_ROW(7) AVX512_ROW(8) AVX512_ROW(9) AVX512_ROW(10) AVX512_ROW(11)
   }
+  // Masked stores are slow on some CPUs (Zen 4): full panels take plain ones.
+  const bool full_width = out.width == kPanelWidth;
   const __mmask16 mask = static_cast<__mmask16>((1u << out.width) - 1);
   const __m512 alpha = _mm512_set1_ps(out.alpha);
   const __m512 bias =
