@@ -4,6 +4,9 @@
 //
 //   build/bench/attention_bench --benchmark_counters_tabular=true
 #include <cblas.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include <random>
 #include <vector>
@@ -51,6 +54,50 @@ void BM_Sgemm(benchmark::State& state) {
   SetGflops(state, 2.0 * n * n * n);
 }
 BENCHMARK(BM_Sgemm)->ArgNames({"n", "threads"})->Args({1024, 1})->Args({1024, 2})->UseRealTime();
+
+// The machine's FMA peak on one thread: 12 independent chains of 16-wide (AVX-512) or
+// 8-wide (AVX2) fused multiply-adds from registers, no memory traffic. The ceiling that
+// sgemm, the core and the peers are measured against.
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) double FmaChainsAvx512(int64_t steps) {
+  __m512 chains[12];
+  for (int i = 0; i < 12; ++i) chains[i] = _mm512_set1_ps(0.001f * i);
+  const __m512 factor = _mm512_set1_ps(0.9999f), addend = _mm512_set1_ps(0.0001f);
+  for (int64_t n = 0; n < steps; ++n) {
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i) chains[i] = _mm512_fmadd_ps(chains[i], factor, addend);
+  }
+  benchmark::DoNotOptimize(chains);
+  return 12.0 * 2 * 16 * steps;
+}
+__attribute__((target("avx2,fma"))) double FmaChainsAvx2(int64_t steps) {
+  __m256 chains[12];
+  for (int i = 0; i < 12; ++i) chains[i] = _mm256_set1_ps(0.001f * i);
+  const __m256 factor = _mm256_set1_ps(0.9999f), addend = _mm256_set1_ps(0.0001f);
+  for (int64_t n = 0; n < steps; ++n) {
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i) chains[i] = _mm256_fmadd_ps(chains[i], factor, addend);
+  }
+  benchmark::DoNotOptimize(chains);
+  return 12.0 * 2 * 8 * steps;
+}
+
+void BM_FmaPeak(benchmark::State& state) {
+  const SimdLevel level = BestSimdLevel();
+  if (level == SimdLevel::kPortable) {
+    state.SkipWithError("no AVX2/FMA on this CPU");
+    return;
+  }
+  constexpr int64_t kSteps = 1 << 20;
+  double flops = 0;
+  for (auto _ : state) {
+    flops = level == SimdLevel::kAvx512 ? FmaChainsAvx512(kSteps) : FmaChainsAvx2(kSteps);
+  }
+  state.SetLabel(SimdLevelName(level));
+  SetGflops(state, flops);
+}
+BENCHMARK(BM_FmaPeak)->UseRealTime();
+#endif
 
 // The QKV projection of E=768 (N=2304, K=768) on 2 threads for `rows` tokens: OpenBLAS on the
 // plain weights against the microkernel on weights packed once, to place
