@@ -289,7 +289,8 @@ SimdLevel BestSimdLevel() {
 void PackPanels(const float* b, int64_t depth, int64_t columns, int64_t depth_stride,
                 int64_t column_stride, float* panels, SimdLevel level) {
 #if defined(__x86_64__)
-  // Attention packs every head's keys this way: the scalar loop below took a fifth of it.
+  // Attention packs every head's keys this way; the scalar loop below took a third of
+  // attention's time on 16-token sequences.
   if (level == SimdLevel::kAvx512 && depth_stride == 1) {
     PackTransposedAvx512(b, depth, columns, column_stride, panels);
     return;
