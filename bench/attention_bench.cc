@@ -8,7 +8,9 @@
 #include <immintrin.h>
 #endif
 
+#include <chrono>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "benchmark/benchmark.h"
@@ -175,6 +177,32 @@ BENCHMARK(BM_MhaRequests16)
     ->Arg(1)
     ->Arg(64)
     ->MeasureProcessCPUTime();
+
+// A lone 16-token request after an idle gap each time (microseconds, untimed), as a server
+// with one closed-loop caller computes it: does idling between requests (caches, the
+// virtual CPUs' idle states, the pool's wake-up) slow the pass itself? Arg: gap.
+void BM_MhaLoneAfterGap(benchmark::State& state) {
+  MhaConfig config;
+  config.embed_dim = 768;
+  config.num_heads = 12;
+  const MhaConfig resolved = *MhaConfig::Resolve(config);
+  auto layer = *MhaLayer::Create(resolved, MhaWeights::Random(resolved, 7),
+                                 std::make_shared<CpuBackend>(2));
+  const std::vector<float> query = RandomValues(16 * 768, 1);
+  MhaInput input;
+  input.batch = 1;
+  input.q_len = input.kv_len = 16;
+  input.query = query;
+  const std::vector<const MhaInput*> inputs = {&input};
+  for (auto _ : state) {
+    state.PauseTiming();
+    std::this_thread::sleep_for(std::chrono::microseconds(state.range(0)));
+    state.ResumeTiming();
+    benchmark::DoNotOptimize(layer->ForwardBatch(inputs));
+  }
+  SetGflops(state, UsefulFlops(16, 768, false));
+}
+BENCHMARK(BM_MhaLoneAfterGap)->ArgName("gap_us")->Arg(0)->Arg(300)->UseRealTime();
 
 BENCHMARK(BM_MhaS1)->ArgName("threads")->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MhaS2)->ArgName("threads")->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
