@@ -15,18 +15,15 @@ Prefer the ...Cpu benchmarks (GFLOPS per process CPU second): another tenant tak
 shows up in wall-clock time far more than in CPU time.
 """
 import argparse
-import json
 import statistics
-import subprocess
+
+from measure import run_bench
 
 
 def gflops(binary, pattern, min_time):
     """{benchmark name: GFLOPS} of one run of `binary`."""
-    output = subprocess.run(
-        [binary, f"--benchmark_filter={pattern}", "--benchmark_format=json",
-         f"--benchmark_min_time={min_time}"],
-        check=True, capture_output=True, text=True).stdout
-    return {b["name"]: b["GFLOPS"] for b in json.loads(output)["benchmarks"] if "GFLOPS" in b}
+    return {name: b["GFLOPS"] for name, b in run_bench(binary, pattern, min_time).items()
+            if "GFLOPS" in b}
 
 
 def main():

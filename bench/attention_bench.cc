@@ -8,11 +8,11 @@
 #include <immintrin.h>
 #endif
 
-#include <chrono>
 #include <random>
-#include <thread>
 #include <vector>
 
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "benchmark/benchmark.h"
 #include "core/mha_layer.h"
 #include "core/attention_kernels.h"
@@ -131,8 +131,10 @@ BENCHMARK(BM_Linear)
     ->MeasureProcessCPUTime();
 
 // Sequence lengths of one batch; all equal unless ragged.
+// `idle_gap` (untimed) is slept before each pass.
 void RunMha(benchmark::State& state, const std::vector<int64_t>& lengths, int64_t embed_dim,
-            int64_t heads, bool causal, int threads) {
+            int64_t heads, bool causal, int threads,
+            absl::Duration idle_gap = absl::ZeroDuration()) {
   MhaConfig config;
   config.embed_dim = embed_dim;
   config.num_heads = heads;
@@ -152,7 +154,14 @@ void RunMha(benchmark::State& state, const std::vector<int64_t>& lengths, int64_
   }
   std::vector<const MhaInput*> pointers;
   for (const MhaInput& in : inputs) pointers.push_back(&in);
-  for (auto _ : state) benchmark::DoNotOptimize(layer->ForwardBatch(pointers));
+  for (auto _ : state) {
+    if (idle_gap > absl::ZeroDuration()) {
+      state.PauseTiming();
+      absl::SleepFor(idle_gap);
+      state.ResumeTiming();
+    }
+    benchmark::DoNotOptimize(layer->ForwardBatch(pointers));
+  }
   SetGflops(state, flops);
 }
 
@@ -181,26 +190,8 @@ BENCHMARK(BM_MhaRequests16)
 // A lone 16-token request after an idle gap each time (microseconds, untimed), as a server
 // with one closed-loop caller computes it: does idling between requests (caches, the
 // virtual CPUs' idle states, the pool's wake-up) slow the pass itself? Arg: gap.
-void BM_MhaLoneAfterGap(benchmark::State& state) {
-  MhaConfig config;
-  config.embed_dim = 768;
-  config.num_heads = 12;
-  const MhaConfig resolved = *MhaConfig::Resolve(config);
-  auto layer = *MhaLayer::Create(resolved, MhaWeights::Random(resolved, 7),
-                                 std::make_shared<CpuBackend>(2));
-  const std::vector<float> query = RandomValues(16 * 768, 1);
-  MhaInput input;
-  input.batch = 1;
-  input.q_len = input.kv_len = 16;
-  input.query = query;
-  const std::vector<const MhaInput*> inputs = {&input};
-  for (auto _ : state) {
-    state.PauseTiming();
-    std::this_thread::sleep_for(std::chrono::microseconds(state.range(0)));
-    state.ResumeTiming();
-    benchmark::DoNotOptimize(layer->ForwardBatch(inputs));
-  }
-  SetGflops(state, UsefulFlops(16, 768, false));
+void BM_MhaLoneAfterGap(benchmark::State& s) {
+  RunMha(s, {16}, 768, 12, false, 2, absl::Microseconds(s.range(0)));
 }
 BENCHMARK(BM_MhaLoneAfterGap)->ArgName("gap_us")->Arg(0)->Arg(300)->UseRealTime();
 

@@ -23,7 +23,7 @@ import subprocess
 
 import torch
 
-from measure import seconds_per_call, useful_flops
+from measure import run_bench, seconds_per_call, useful_flops
 
 SHAPES = {  # name: (batch, tokens, embed_dim, heads, causal)
     "S1": (32, 128, 768, 12, False),
@@ -43,14 +43,6 @@ def torch_gflops(batch, tokens, embed_dim, heads, causal, threads, min_seconds=2
         seconds = seconds_per_call(lambda: mha(x, x, x, attn_mask=mask, need_weights=False),
                                    min_seconds)
     return useful_flops(batch, tokens, embed_dim, causal) / seconds / 1e9
-
-
-def run_bench(bench, pattern, min_time):
-    output = subprocess.run(
-        [bench, f"--benchmark_filter={pattern}", "--benchmark_format=json",
-         f"--benchmark_min_time={min_time}"],
-        check=True, capture_output=True, text=True).stdout
-    return {b["name"]: b for b in json.loads(output)["benchmarks"]}
 
 
 def run_peer(python, script, batch, tokens, embed_dim, heads, causal, threads, min_seconds):

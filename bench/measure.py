@@ -1,4 +1,6 @@
 """What every benchmark script here counts and times the same way (imported from bench/)."""
+import json
+import subprocess
 import time
 
 
@@ -16,3 +18,12 @@ def seconds_per_call(call, min_seconds):
         call()
         runs += 1
     return (time.perf_counter() - start) / runs
+
+
+def run_bench(bench, pattern, min_time):
+    """{benchmark name: its JSON entry} of one run of the attention_bench binary `bench`."""
+    output = subprocess.run(
+        [bench, f"--benchmark_filter={pattern}", "--benchmark_format=json",
+         f"--benchmark_min_time={min_time}"],
+        check=True, capture_output=True, text=True).stdout
+    return {b["name"]: b for b in json.loads(output)["benchmarks"]}

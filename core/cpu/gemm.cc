@@ -224,8 +224,9 @@ __attribute__((target("avx512f"))) inline void Transpose16x16(__m512 row[16]) {
   }
 }
 
-// PackPanels of a transposed B (depth_stride 1, e.g. attention's keys): 16 x 16 blocks
-// transposed in registers; columns past the last are zero rows, a depth tail goes scalar.
+// PackPanels of a transposed B (depth_stride 1, e.g. attention's keys): blocks of 16 columns
+// x 16 depths transposed in registers; columns past the last load as zeros, and a last block
+// shorter than 16 depths loads masked and stores only its rows.
 __attribute__((target("avx512f"))) void PackTransposedAvx512(const float* b, int64_t depth,
                                                              int64_t columns,
                                                              int64_t column_stride,
@@ -234,22 +235,17 @@ __attribute__((target("avx512f"))) void PackTransposedAvx512(const float* b, int
     float* panel = panels + p * depth * kPanelWidth;
     const float* first_column = b + p * kPanelWidth * column_stride;
     const int64_t width = std::min(kPanelWidth, columns - p * kPanelWidth);
-    int64_t k0 = 0;
-    for (; k0 + kPanelWidth <= depth; k0 += kPanelWidth) {
+    for (int64_t k0 = 0; k0 < depth; k0 += kPanelWidth) {
+      const int64_t depths = std::min(kPanelWidth, depth - k0);
+      const __mmask16 mask = static_cast<__mmask16>((1u << depths) - 1);
       __m512 block[16];
       for (int64_t j = 0; j < kPanelWidth; ++j) {
-        block[j] = j < width ? _mm512_loadu_ps(first_column + j * column_stride + k0)
+        block[j] = j < width ? _mm512_maskz_loadu_ps(mask, first_column + j * column_stride + k0)
                              : _mm512_setzero_ps();
       }
       Transpose16x16(block);
-      for (int64_t k = 0; k < kPanelWidth; ++k) {
+      for (int64_t k = 0; k < depths; ++k) {
         _mm512_storeu_ps(panel + (k0 + k) * kPanelWidth, block[k]);
-      }
-    }
-    for (int64_t k = k0; k < depth; ++k) {
-      float* row = panel + k * kPanelWidth;
-      for (int64_t j = 0; j < kPanelWidth; ++j) {
-        row[j] = j < width ? first_column[j * column_stride + k] : 0.0f;
       }
     }
   }
@@ -304,15 +300,11 @@ void PackPanels(const float* b, int64_t depth, int64_t columns, int64_t depth_st
       float* row = panel + k * kPanelWidth;
       const float* source = first_column + k * depth_stride;
       if (column_stride == 1 && width == kPanelWidth) {
-        std::memcpy(row, source, sizeof(float) * kPanelWidth);  // rows of B: one fixed copy
-        continue;
-      }
-      if (column_stride == 1) {
-        std::copy(source, source + width, row);
+        std::memcpy(row, source, sizeof(float) * kPanelWidth);  // a whole row of B: one fixed copy
       } else {
         for (int64_t j = 0; j < width; ++j) row[j] = source[j * column_stride];
+        std::fill(row + width, row + kPanelWidth, 0.0f);
       }
-      std::fill(row + width, row + kPanelWidth, 0.0f);
     }
   }
 }
