@@ -52,7 +52,8 @@ absl::Status LayerRegistry::CheckBudget(const std::string& name, int64_t host_by
   if (max_weight_bytes_ > 0 && in_use + host_bytes > max_weight_bytes_) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "layer \"", name, "\" needs ", host_bytes,
-        " bytes of host memory for its weights (with the CPU's packed copy) but only ",
+        " bytes of host memory for its weights",
+        device == "cpu" ? " (with the CPU's packed copy)" : "", " but only ",
         std::max<int64_t>(0, max_weight_bytes_ - in_use), " of max_weight_bytes = ",
         max_weight_bytes_, " are free (", in_use, " in use by ", others,
         " other layer(s)); unload a layer or raise --max_weight_bytes"));

@@ -134,5 +134,20 @@ TEST(DeviceBudgetTest, EachDeviceCountsOnlyItsOwnLayers) {
   EXPECT_EQ(options.Validate().message(), "max_device_weight_bytes = -1 must be >= 0 (0 = unlimited)");
 }
 
+TEST(DeviceBudgetTest, HostBudgetNamesThePackedCopyOnlyForCpuLayers) {
+  LayerRegistry registry;
+  LayerRegistryOptions options;
+  options.max_weight_bytes = 1000;
+  ASSERT_TRUE(registry.Configure(options).ok());
+  EXPECT_EQ(registry.CheckBudget("g", 1152, 1152, "cuda:0").message(),
+            "layer \"g\" needs 1152 bytes of host memory for its weights but only 1000 of "
+            "max_weight_bytes = 1000 are free (0 in use by 0 other layer(s)); unload a layer "
+            "or raise --max_weight_bytes");
+  EXPECT_EQ(registry.CheckBudget("c", 2304, 1152, "cpu").message(),
+            "layer \"c\" needs 2304 bytes of host memory for its weights (with the CPU's "
+            "packed copy) but only 1000 of max_weight_bytes = 1000 are free (0 in use by 0 "
+            "other layer(s)); unload a layer or raise --max_weight_bytes");
+}
+
 }  // namespace
 }  // namespace attention::server::testing

@@ -394,6 +394,7 @@ class TightBudgetServerTest : public ServerTest {
   ServerOptions Options() override {
     ServerOptions options = ServerTest::Options();
     options.demo_layer = false;
+    options.device = "cpu";  // the expected sizes count the CPU's packed copy
     options.registry.max_weight_bytes = 1000;
     options.request_budget.max_request_memory_bytes = 1 << 20;
     return options;

@@ -692,6 +692,7 @@ TEST_F(RepositoryTest, WeightBudgetRefusesLoadsPastIt) {
           ->HostBytes();
   ASSERT_GT(host_bytes, kLayerBytes);
   ServerOptions options = Options();
+  options.device = "cpu";  // host_bytes above is a CPU layer's, with its packed copy
   options.registry.max_weight_bytes = 2 * host_bytes + 100;
   Start(options);
   auto first = LoadRandom("a", 8, 1);
