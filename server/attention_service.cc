@@ -581,7 +581,8 @@ absl::Status AttentionServiceImpl::DoLoadLayer(const v1::LoadLayerRequest& reque
                               }));
   ASSIGN_OR_RETURN(
       std::shared_ptr<const LayerSnapshot> snapshot,
-      registry_.Publish(request.name(), std::move(layer), request.persist(), batching));
+      registry_.Publish(request.name(), std::move(layer), request.persist(), batching,
+                        request.device()));
   DescribeLayer(*snapshot, batcher_.server_limits(), response->mutable_layer());
   return absl::OkStatus();
 }

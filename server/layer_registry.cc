@@ -86,7 +86,7 @@ std::shared_ptr<const LayerSnapshot> LayerRegistry::PublishLocked(
 
 absl::StatusOr<std::shared_ptr<const LayerSnapshot>> LayerRegistry::Publish(
     const std::string& name, std::shared_ptr<const core::MhaLayer> layer, bool persist,
-    const BatchLimitOverrides& batching) {
+    const BatchLimitOverrides& batching, const std::string& requested_device) {
   core::MutexLock update(update_mu_);
   if (persist && repository_ == nullptr) {
     return absl::FailedPreconditionError(
@@ -100,7 +100,7 @@ absl::StatusOr<std::shared_ptr<const LayerSnapshot>> LayerRegistry::Publish(
     replaces_persisted = found != layers_.end() && found->second->persisted;
   }
   if (persist) {
-    RETURN_IF_ERROR(repository_->Persist(name, *layer, batching));
+    RETURN_IF_ERROR(repository_->Persist(name, *layer, batching, requested_device));
   } else if (replaces_persisted) {
     RETURN_IF_ERROR(repository_->RemovePersisted(name));
   }
@@ -145,11 +145,11 @@ int64_t LayerRegistry::weight_bytes() const {
 }
 
 std::vector<std::string> LayerRegistry::LoadPersisted(
-    const std::shared_ptr<const core::Backend>& backend) {
+    core::Devices& devices, const std::shared_ptr<const core::Backend>& default_backend) {
   std::vector<std::string> problems;
   if (repository_ == nullptr) return problems;
   core::MutexLock update(update_mu_);
-  for (ModelRepository::PersistedLayer& persisted : repository_->LoadPersisted(backend, &problems)) {
+  for (ModelRepository::PersistedLayer& persisted : repository_->LoadPersisted(devices, default_backend, &problems)) {
     const absl::Status budget =
         CheckBudget(persisted.name, persisted.layer->HostBytes(), persisted.layer->WeightBytes(),
                     persisted.layer->device());

@@ -64,10 +64,11 @@ class LayerRegistry {
   // past max_weight_bytes. With `persist`, the layer is first written to the repository (and
   // nothing is published if that fails); without it, the file of a persisted version being
   // replaced is removed, so that a restart never brings back an older version than the one
-  // served. The batching overrides are persisted with the layer.
+  // served. The batching overrides and `requested_device` (the device LoadLayerRequest
+  // named, "" for none) are persisted with the layer.
   absl::StatusOr<std::shared_ptr<const LayerSnapshot>> Publish(
       const std::string& name, std::shared_ptr<const core::MhaLayer> layer, bool persist = false,
-      const BatchLimitOverrides& batching = {});
+      const BatchLimitOverrides& batching = {}, const std::string& requested_device = "");
   // NOT_FOUND naming the layer and listing what is loaded.
   absl::StatusOr<std::shared_ptr<const LayerSnapshot>> Get(const std::string& name) const;
   // Unpublishes `name` and removes its persisted file, if any (the file first: when that
@@ -90,9 +91,12 @@ class LayerRegistry {
 
   // Publishes every persisted layer of the repository (marked persisted, files untouched).
   // Returns a description of each file skipped (corrupt, truncated, over budget); never
-  // fails as a whole, so one bad file cannot keep the server from starting. Layers are
-  // prepared on `backend` (the server's default device).
-  std::vector<std::string> LoadPersisted(const std::shared_ptr<const core::Backend>& backend);
+  // fails as a whole, so one bad file cannot keep the server from starting. Each layer goes
+  // back on the device it was loaded with, or on `default_backend` (the server's --device)
+  // when it named none; one whose device cannot be used here is placed on `default_backend`
+  // and described too (ModelRepository::ReadPersisted).
+  std::vector<std::string> LoadPersisted(
+      core::Devices& devices, const std::shared_ptr<const core::Backend>& default_backend);
 
  private:
   absl::Status NotFoundLocked(const std::string& name) const ABSL_SHARED_LOCKS_REQUIRED(mu_);

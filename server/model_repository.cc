@@ -205,7 +205,8 @@ absl::StatusOr<std::string> ModelRepository::ReadSmallFile(absl::string_view pat
 }
 
 absl::Status ModelRepository::Persist(const std::string& name, const core::MhaLayer& layer,
-                                      const BatchLimitOverrides& batching) const {
+                                      const BatchLimitOverrides& batching,
+                                      const std::string& requested_device) const {
   RETURN_IF_ERROR(ValidateLayerName(name, "name"));
   const std::string relative = PersistedPath(name);
   const std::string dir = absl::StrCat(root_, "/", kPersistedDir);
@@ -233,12 +234,13 @@ absl::Status ModelRepository::Persist(const std::string& name, const core::MhaLa
                        absl::string_view(reinterpret_cast<const char*>(values.data()),
                                          values.size() * sizeof(float))});
   }
-  ASSIGN_OR_RETURN(const std::string header,
-                   core::SafetensorsHeader(entries, {{"format", "pt"},
-                                                     {kLayerConfigKey, config_json},
-                                                     {kBatchingKey, batching_json},
-                                                     {kLayerNameKey, name},
-                                                     {kFormatVersionKey, "1"}}));
+  std::map<std::string, std::string> metadata = {{"format", "pt"},
+                                                 {kLayerConfigKey, config_json},
+                                                 {kBatchingKey, batching_json},
+                                                 {kLayerNameKey, name},
+                                                 {kFormatVersionKey, "1"}};
+  if (!requested_device.empty()) metadata.emplace(kDeviceKey, requested_device);
+  ASSIGN_OR_RETURN(const std::string header, core::SafetensorsHeader(entries, metadata));
 
   // Unique per process and call, so concurrent writers never share a temporary file.
   static std::atomic<uint64_t> counter{0};
@@ -277,7 +279,8 @@ absl::Status ModelRepository::RemovePersisted(const std::string& name) const {
 }
 
 absl::StatusOr<ModelRepository::PersistedLayer> ModelRepository::ReadPersisted(
-    const std::string& name, const std::shared_ptr<const core::Backend>& backend) const {
+    const std::string& name, core::Devices& devices,
+    const std::shared_ptr<const core::Backend>& default_backend) const {
   const std::string relative = PersistedPath(name);
   ASSIGN_OR_RETURN(std::unique_ptr<core::SafetensorsFile> file,
                    OpenSafetensors(relative, "persisted layer"));
@@ -310,16 +313,30 @@ absl::StatusOr<ModelRepository::PersistedLayer> ModelRepository::ReadPersisted(
   auto converted = ConvertConfig(config_proto);
   auto config = converted.ok() ? core::MhaConfig::Resolve(*converted) : converted;
   if (!config.ok()) return Invalid(relative, ": ", config.status().message());
+  PersistedLayer persisted{name, nullptr, *std::move(batching)};
+  std::shared_ptr<const core::Backend> backend = default_backend;
+  if (auto device = metadata.find(kDeviceKey); device != metadata.end()) {
+    persisted.requested_device = device->second;
+    auto requested = devices.Get(device->second);
+    if (requested.ok()) {
+      backend = *std::move(requested);
+    } else {
+      persisted.placement_problem = absl::StrCat(
+          relative, ": loaded with device ", Quoted(device->second), ", which cannot be used: ",
+          requested.status().message(), "; placed on ", default_backend->name(),
+          " (the server's --device) instead; the file is kept");
+    }
+  }
   SafetensorsTensorSource source(*file, "persisted layer");
   ASSIGN_OR_RETURN(core::MhaWeights weights,
                    ConvertWeights(v1::WEIGHT_NAMING_NATIVE, source, "", *config, "naming"));
-  ASSIGN_OR_RETURN(std::shared_ptr<const core::MhaLayer> layer,
-                   core::MhaLayer::Create(*config, std::move(weights), backend));
-  return PersistedLayer{name, std::move(layer), *std::move(batching)};
+  ASSIGN_OR_RETURN(persisted.layer, core::MhaLayer::Create(*config, std::move(weights), backend));
+  return persisted;
 }
 
 std::vector<ModelRepository::PersistedLayer> ModelRepository::LoadPersisted(
-    const std::shared_ptr<const core::Backend>& backend, std::vector<std::string>* problems) const {
+    core::Devices& devices, const std::shared_ptr<const core::Backend>& default_backend,
+    std::vector<std::string>* problems) const {
   std::vector<PersistedLayer> layers;
   const std::string dir = absl::StrCat(root_, "/", kPersistedDir);
   DIR* stream = ::opendir(dir.c_str());
@@ -356,12 +373,13 @@ std::vector<ModelRepository::PersistedLayer> ModelRepository::LoadPersisted(
       problems->push_back(absl::StrCat(relative, ": ", valid.message(), "; skipped"));
       continue;
     }
-    auto layer = ReadPersisted(name, backend);
+    auto layer = ReadPersisted(name, devices, default_backend);
     if (!layer.ok()) {
       // The message already names the file.
       problems->push_back(absl::StrCat(layer.status().message(), "; skipped"));
       continue;
     }
+    if (!layer->placement_problem.empty()) problems->push_back(layer->placement_problem);
     layers.push_back(*std::move(layer));
   }
   return layers;

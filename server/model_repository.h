@@ -22,6 +22,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "core/mha_layer.h"
+#include "core/devices.h"
 #include "core/safetensors.h"
 #include "server/batch_limits.h"
 
@@ -30,6 +31,8 @@ namespace attention::server {
 inline constexpr char kPersistedDir[] = "persisted";
 inline constexpr char kLayerConfigKey[] = "attention_service.layer_config";
 inline constexpr char kBatchingKey[] = "attention_service.batching";
+// The device LoadLayerRequest named; absent when it named none.
+inline constexpr char kDeviceKey[] = "attention_service.device";
 inline constexpr char kLayerNameKey[] = "attention_service.layer_name";
 inline constexpr char kFormatVersionKey[] = "attention_service.format_version";
 
@@ -65,8 +68,11 @@ class ModelRepository {
   // same directory, fsync, rename over the old file, fsync of the directory. A crash at any
   // point leaves either the old file or the new one, never a mix. RESOURCE_EXHAUSTED when
   // the disk is full, INTERNAL for other I/O errors; the message names the file.
+  // `requested_device` is the device LoadLayerRequest named ("" for none: the layer then
+  // follows the server's --device after a restart).
   absl::Status Persist(const std::string& name, const core::MhaLayer& layer,
-                       const BatchLimitOverrides& batching = {}) const;
+                       const BatchLimitOverrides& batching = {},
+                       const std::string& requested_device = "") const;
   // Removes persisted/<name>.safetensors; OK when there is none.
   absl::Status RemovePersisted(const std::string& name) const;
 
@@ -74,18 +80,26 @@ class ModelRepository {
     std::string name;
     std::shared_ptr<const core::MhaLayer> layer;
     BatchLimitOverrides batching;
+    std::string requested_device;  // as persisted; "" for none
+    // Why the layer is not on its requested device (that device cannot be used now); "".
+    std::string placement_problem;
   };
   // Every persisted layer that reads back cleanly, sorted by name. Each file that does not
   // (truncated, corrupt, not a layer) is skipped and described in `problems`; leftover
-  // temporary files of interrupted writes are removed and reported there too. Layers are
-  // prepared on `backend`.
-  std::vector<PersistedLayer> LoadPersisted(const std::shared_ptr<const core::Backend>& backend,
-                                            std::vector<std::string>* problems) const;
+  // temporary files of interrupted writes are removed and reported there too. Placement as
+  // ReadPersisted's, whose placement problems are reported in `problems` too.
+  std::vector<PersistedLayer> LoadPersisted(
+      core::Devices& devices, const std::shared_ptr<const core::Backend>& default_backend,
+      std::vector<std::string>* problems) const;
 
-  // Reads one persisted layer back onto `backend`. A file without batching metadata
-  // (written before it existed) has no overrides.
+  // Reads one persisted layer back onto the device its LoadLayerRequest named, or onto
+  // `default_backend` when it named none or that device cannot be used here (a GPU gone
+  // since): the layer keeps serving, and `placement_problem` says why it moved; the file
+  // is kept as it is, so the layer returns to its device once that device is back. A file
+  // without batching metadata (written before it existed) has no overrides.
   absl::StatusOr<PersistedLayer> ReadPersisted(
-      const std::string& name, const std::shared_ptr<const core::Backend>& backend) const;
+      const std::string& name, core::Devices& devices,
+      const std::shared_ptr<const core::Backend>& default_backend) const;
 
  private:
   ModelRepository(std::string root, const core::SafetensorsOptions& options)

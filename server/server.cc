@@ -170,7 +170,7 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
   health->SetServingStatus(false);
   health->SetServingStatus(kServiceName, false);
   // Persisted layers load before the demo layer, so one persisted under its name wins.
-  server->startup_problems_ = server->registry_.LoadPersisted(server->default_backend_);
+  server->startup_problems_ = server->registry_.LoadPersisted(*server->devices_, server->default_backend_);
   if (options.demo_layer && !server->registry_.Get(kDemoLayerName).ok()) {
     core::MhaConfig config;
     config.embed_dim = kDemoEmbedDim;

@@ -588,6 +588,52 @@ TEST_F(RepositoryTest, ALayersBatchingPolicyIsPersistedAndTheRestFollowsTheFlags
   EXPECT_EQ(layer->batching().max_queue_requests(), options.batcher.limits.max_queue_requests);
 }
 
+TEST_F(RepositoryTest, APersistedLayerGoesBackToTheDeviceItWasLoadedWith) {
+  v1::LoadLayerRequest pinned = RandomLayerRequest("pinned", 8, 1);
+  pinned.set_persist(true);
+  pinned.set_device("cpu");
+  ASSERT_TRUE(client_->LoadLayer(pinned).ok());
+  ASSERT_TRUE(LoadRandom("follows", 8, 2, /*persist=*/true).ok());
+  // A layer persisted on a GPU this machine does not have (a node that lost one).
+  core::MhaConfig config;
+  config.embed_dim = 8, config.num_heads = 2;
+  config = *core::MhaConfig::Resolve(config);
+  core::Devices devices(1);
+  auto repository = ModelRepository::Open(repository_.path());
+  ASSERT_TRUE(repository.ok()) << repository.status();
+  const auto gpu_layer =
+      *core::MhaLayer::Create(config, core::MhaWeights::Random(config, 3), devices.cpu());
+  ASSERT_TRUE((*repository)->Persist("moved", *gpu_layer, {}, "cuda:7").ok());
+  auto device_in_file = [&](const std::string& name) {
+    auto file = (*repository)->OpenSafetensors(PersistedPath(name), "test");
+    EXPECT_TRUE(file.ok()) << file.status();
+    const auto& metadata = (*file)->metadata();
+    auto found = metadata.find(kDeviceKey);
+    return found == metadata.end() ? std::string("(none)") : found->second;
+  };
+  EXPECT_EQ(device_in_file("pinned"), "cpu");
+  EXPECT_EQ(device_in_file("follows"), "(none)") << "no device named: follows --device";
+
+  ServerOptions options = Options();
+  options.device = "auto";  // a GPU where there is one: only "follows" and "moved" go there
+  Start(options);
+  const std::string default_device = (*devices.Get("auto"))->name();
+  EXPECT_EQ(client_->GetLayer("pinned")->device(), "cpu");
+  EXPECT_EQ(client_->GetLayer("follows")->device(), default_device);
+  EXPECT_EQ(client_->GetLayer("moved")->device(), default_device);
+  EXPECT_EQ(Run("moved", config).size(), 2u * 3 * 8) << "it serves where it was placed";
+  const std::vector<std::string>& problems = server_->startup_problems();
+  ASSERT_EQ(problems.size(), 1u);
+  EXPECT_TRUE(absl::StartsWith(problems[0], "persisted/moved.safetensors: loaded with device "
+                                            "\"cuda:7\", which cannot be used: "))
+      << problems[0];
+  EXPECT_TRUE(absl::EndsWith(problems[0], absl::StrCat("; placed on ", default_device,
+                                                       " (the server's --device) instead; "
+                                                       "the file is kept")))
+      << problems[0];
+  EXPECT_EQ(device_in_file("moved"), "cuda:7") << "kept, to go back once the GPU is";
+}
+
 TEST_F(RepositoryTest, CorruptPersistedFilesAreSkippedAtStartUp) {
   ASSERT_TRUE(LoadRandom("good", 8, 1, /*persist=*/true).ok());
   ASSERT_TRUE(LoadRandom("torn", 8, 2, /*persist=*/true).ok());
