@@ -14,6 +14,7 @@ namespace {
 
 // Where a tile's sums go: C[r][j] = alpha * sum + (accumulate ? C[r][j] : bias[j]) for the
 // `width` valid columns (<= 16) of the panel; `bias` (may be null) is the panel's first.
+// (A wide tile's two panels are always whole.)
 struct TileOutput {
   float alpha;
   const float* bias;
@@ -151,6 +152,52 @@ __attribute__((target("avx512f"))) void TileAvx512(const float* a, int64_t lda,
 }
 #undef AVX512_ROW
 #undef AVX512_STORE
+
+// Two adjacent full panels (32 columns) per tile, 2 x R accumulators (R <= 12): each
+// broadcast of A feeds two FMAs. TileAvx512 needs a load per FMA, which holds back CPUs
+// with two 512-bit FMA ports (Intel); `panel_stride` floats separate the two panels.
+#define AVX512_WIDE_ROW(r)                                  \
+  if constexpr (R > r) {                                    \
+    const __m512 x = _mm512_set1_ps(a[r * lda + k]);        \
+    left##r = _mm512_fmadd_ps(x, b0, left##r);              \
+    right##r = _mm512_fmadd_ps(x, b1, right##r);            \
+  }
+#define AVX512_WIDE_STORE(r)                                                               \
+  if constexpr (R > r) {                                                                 \
+    float* row = out.c + r * out.ldc;                                                    \
+    const __m512 left_addend = out.accumulate ? _mm512_loadu_ps(row) : bias_left;        \
+    const __m512 right_addend = out.accumulate ? _mm512_loadu_ps(row + 16) : bias_right; \
+    _mm512_storeu_ps(row, _mm512_fmadd_ps(left##r, alpha, left_addend));                 \
+    _mm512_storeu_ps(row + 16, _mm512_fmadd_ps(right##r, alpha, right_addend));          \
+  }
+template <int R>
+__attribute__((target("avx512f"))) void TileAvx512Wide(const float* a, int64_t lda,
+                                                       const float* panel, int64_t panel_stride,
+                                                       int64_t depth, const TileOutput& out) {
+  __m512 left0 = _mm512_setzero_ps(), left1 = left0, left2 = left0, left3 = left0,
+         left4 = left0, left5 = left0, left6 = left0, left7 = left0, left8 = left0,
+         left9 = left0, left10 = left0, left11 = left0;
+  __m512 right0 = left0, right1 = left0, right2 = left0, right3 = left0, right4 = left0,
+         right5 = left0, right6 = left0, right7 = left0, right8 = left0, right9 = left0,
+         right10 = left0, right11 = left0;
+  const float* second = panel + panel_stride;
+  for (int64_t k = 0; k < depth; ++k) {
+    const __m512 b0 = _mm512_loadu_ps(panel + k * kPanelWidth);
+    const __m512 b1 = _mm512_loadu_ps(second + k * kPanelWidth);
+    AVX512_WIDE_ROW(0) AVX512_WIDE_ROW(1) AVX512_WIDE_ROW(2) AVX512_WIDE_ROW(3)
+    AVX512_WIDE_ROW(4) AVX512_WIDE_ROW(5) AVX512_WIDE_ROW(6) AVX512_WIDE_ROW(7)
+    AVX512_WIDE_ROW(8) AVX512_WIDE_ROW(9) AVX512_WIDE_ROW(10) AVX512_WIDE_ROW(11)
+  }
+  const __m512 alpha = _mm512_set1_ps(out.alpha);
+  const __m512 bias_left = out.bias == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(out.bias);
+  const __m512 bias_right =
+      out.bias == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(out.bias + 16);
+  AVX512_WIDE_STORE(0) AVX512_WIDE_STORE(1) AVX512_WIDE_STORE(2) AVX512_WIDE_STORE(3)
+  AVX512_WIDE_STORE(4) AVX512_WIDE_STORE(5) AVX512_WIDE_STORE(6) AVX512_WIDE_STORE(7)
+  AVX512_WIDE_STORE(8) AVX512_WIDE_STORE(9) AVX512_WIDE_STORE(10) AVX512_WIDE_STORE(11)
+}
+#undef AVX512_WIDE_ROW
+#undef AVX512_WIDE_STORE
 #endif
 
 // Rows per tile at most: as many as keep the accumulators in registers.
@@ -168,6 +215,13 @@ constexpr TileFn kAvx512Tiles[] = {nullptr,         &TileAvx512<1>,  &TileAvx512
                                    &TileAvx512<6>,  &TileAvx512<7>,  &TileAvx512<8>,
                                    &TileAvx512<9>,  &TileAvx512<10>, &TileAvx512<11>,
                                    &TileAvx512<12>};
+using WideTileFn = void (*)(const float* a, int64_t lda, const float* panel,
+                            int64_t panel_stride, int64_t depth, const TileOutput& out);
+constexpr WideTileFn kAvx512WideTiles[] = {
+    nullptr,             &TileAvx512Wide<1>, &TileAvx512Wide<2>,  &TileAvx512Wide<3>,
+    &TileAvx512Wide<4>,  &TileAvx512Wide<5>, &TileAvx512Wide<6>,  &TileAvx512Wide<7>,
+    &TileAvx512Wide<8>,  &TileAvx512Wide<9>, &TileAvx512Wide<10>, &TileAvx512Wide<11>,
+    &TileAvx512Wide<12>};
 constexpr TileFn kAvx2Tiles[] = {nullptr,      &TileAvx2<1>, &TileAvx2<2>, &TileAvx2<3>,
                                  &TileAvx2<4>, &TileAvx2<5>, &TileAvx2<6>};
 #endif
@@ -319,9 +373,12 @@ void GemmPanels(SimdLevel level, const float* a, int64_t lda, int64_t rows, cons
     const int64_t tiles = (chunk_rows + max_tile_rows - 1) / max_tile_rows;
     // Panels outermost: the weights stream through once, in memory order, which the
     // hardware prefetcher follows; the chunk's rows of A stay in L2.
-    for (int64_t p = first_panel; p < end_panel; ++p) {
+    for (int64_t p = first_panel; p < end_panel;) {
       const int64_t column = p * kPanelWidth;
       const int64_t width = std::min(kPanelWidth, columns - column);
+      // Two full panels at once where the AVX-512 kernel can take them.
+      const bool wide = level == SimdLevel::kAvx512 && p + 1 < end_panel &&
+                        column + 2 * kPanelWidth <= columns;
       for (int64_t k0 = 0; k0 < depth; k0 += kDepthBlock) {
         const int64_t slice = std::min(kDepthBlock, depth - k0);
         const float* panel = panels + (p * depth + k0) * kPanelWidth;
@@ -330,9 +387,17 @@ void GemmPanels(SimdLevel level, const float* a, int64_t lda, int64_t rows, cons
           const int tile_rows = static_cast<int>(chunk + chunk_rows * (t + 1) / tiles - first);
           const TileOutput out{alpha, bias == nullptr ? nullptr : bias + column, k0 > 0,
                                c + first * ldc + column, ldc, width};
+#if defined(__x86_64__)
+          if (wide) {
+            kAvx512WideTiles[tile_rows](a + first * lda + k0, lda, panel, depth * kPanelWidth,
+                                        slice, out);
+            continue;
+          }
+#endif
           Tile(level, tile_rows)(a + first * lda + k0, lda, panel, slice, out);
         }
       }
+      p += wide ? 2 : 1;
     }
   }
 }

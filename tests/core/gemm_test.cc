@@ -67,7 +67,7 @@ TEST_P(GemmLevelTest, TransposedPanelsMatchNaiveGemm) {
   SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
   std::mt19937_64 rng(seed);
   for (int64_t rows : {1, 5, 7, 13, 16, 25, 200}) {
-    for (int64_t columns : {1, 15, 16, 17, 40}) {
+    for (int64_t columns : {1, 15, 16, 17, 32, 40, 64}) {  // 32, 64: AVX-512's wide tiles
       for (int64_t depth : {1, 3, 64, 767, 1031}) {
         SCOPED_TRACE("rows " + std::to_string(rows) + " columns " + std::to_string(columns) +
                      " depth " + std::to_string(depth));
@@ -96,7 +96,7 @@ TEST_P(GemmLevelTest, RowPanelsAndPanelRangesMatchNaiveGemm) {
   SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
   std::mt19937_64 rng(seed);
   for (int64_t rows : {1, 6, 11, 32}) {
-    for (int64_t columns : {3, 16, 49, 64}) {
+    for (int64_t columns : {3, 16, 49, 64, 80, 112}) {  // wide tiles from an odd panel on
       for (int64_t depth : {1, 16, 33}) {
         SCOPED_TRACE("rows " + std::to_string(rows) + " columns " + std::to_string(columns) +
                      " depth " + std::to_string(depth));
