@@ -313,7 +313,9 @@ absl::StatusOr<ModelRepository::PersistedLayer> ModelRepository::ReadPersisted(
   auto converted = ConvertConfig(config_proto);
   auto config = converted.ok() ? core::MhaConfig::Resolve(*converted) : converted;
   if (!config.ok()) return Invalid(relative, ": ", config.status().message());
-  PersistedLayer persisted{name, nullptr, *std::move(batching)};
+  PersistedLayer persisted;
+  persisted.name = name;
+  persisted.batching = *std::move(batching);
   std::shared_ptr<const core::Backend> backend = default_backend;
   if (auto device = metadata.find(kDeviceKey); device != metadata.end()) {
     persisted.requested_device = device->second;

@@ -101,16 +101,48 @@ int64_t QueryBlocks(const AttentionDims& d) {
   return (d.q_len + rows - 1) / rows;
 }
 
-// Up to this many keys, a head's two GEMMs run on the microkernel (core/cpu/gemm.h), which
-// reads the queries and probabilities in place where OpenBLAS would pack them too.
-// attention_bench's BM_AttentionCpu against OpenBLAS per CPU second (Zen 4, AVX-512): about
-// 1.08 at 128 keys and 1.05 at 512, but 0.92 at 1024, where OpenBLAS blocks the 1 MiB of
-// scores better.
-constexpr int64_t kTinyHeadKeys = 512;
-
 // Keys per step of the online softmax: long key ranges are processed in blocks this size, so
 // the scores of one query block never exceed rows x kKeyBlock floats.
 constexpr int64_t kKeyBlock = 1024;
+
+// Up to this many keys, a head's two GEMMs run on the microkernel (core/cpu/gemm.h), which
+// reads the queries and probabilities in place where OpenBLAS would pack them too; so every
+// block of the online softmax does. attention_bench's BM_AttentionCpu against OpenBLAS per
+// CPU second: 1.15 at 1024 keys with the wide AVX-512 tiles (Intel, two FMA ports); 0.92
+// with the narrow ones on Zen 4, before the wide tiles.
+constexpr int64_t kTinyHeadKeys = kKeyBlock;
+
+// scores[rows, keys] = scale * Q K^T against `keys` keys (rows `key_stride` apart).
+void ScoresGemm(const float* query, int64_t query_stride, int64_t rows, const float* key,
+                int64_t key_stride, int64_t keys, int64_t head_dim, float scale, float* scores) {
+  if (keys > kTinyHeadKeys) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, head_dim, scale, query,
+                query_stride, key, key_stride, 0.0f, scores, keys);
+    return;
+  }
+  thread_local std::vector<float> panels;
+  panels.resize(PanelFloats(head_dim, keys));
+  PackTransposed(key, keys, head_dim, key_stride, panels.data());
+  GemmPanels(BestSimdLevel(), query, query_stride, rows, panels.data(), head_dim, keys, 0,
+             PanelCount(keys), scale, nullptr, scores, keys);
+}
+
+// out[rows, v_head_dim] = P V, or += with `accumulate`, for probabilities P [rows, keys].
+void ValuesGemm(const float* probabilities, int64_t rows, int64_t keys, const float* value,
+                int64_t value_stride, int64_t v_head_dim, bool accumulate, float* out,
+                int64_t out_stride) {
+  if (keys > kTinyHeadKeys) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, v_head_dim, keys, 1.0f,
+                probabilities, keys, value, value_stride, accumulate ? 1.0f : 0.0f, out,
+                out_stride);
+    return;
+  }
+  thread_local std::vector<float> panels;
+  panels.resize(PanelFloats(keys, v_head_dim));
+  PackRows(value, keys, v_head_dim, value_stride, panels.data());
+  GemmPanels(BestSimdLevel(), probabilities, keys, rows, panels.data(), keys, v_head_dim, 0,
+             PanelCount(v_head_dim), 1.0f, nullptr, out, out_stride, accumulate);
+}
 
 // Zeroes `rows` rows of `width` floats `stride` apart.
 void ZeroRows(float* out, int64_t rows, int64_t stride, int64_t width) {
@@ -160,10 +192,9 @@ void AttendBlockOnline(const AttentionProblem& p, int64_t b, int64_t h, int64_t 
   ZeroRows(out, rows, out_stride, d.v_head_dim);
   for (int64_t first_key = 0; first_key < key_count; first_key += kKeyBlock) {
     const int64_t keys = std::min(kKeyBlock, key_count - first_key);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, d.head_dim,
-                options.Scale(d), p.query + p.query_layout.Offset(b, h, first_row),
-                p.query_layout.row_stride, p.key + p.key_layout.Offset(b, hk, first_key),
-                p.key_layout.row_stride, 0.0f, scores.data(), keys);
+    ScoresGemm(p.query + p.query_layout.Offset(b, h, first_row), p.query_layout.row_stride, rows,
+               p.key + p.key_layout.Offset(b, hk, first_key), p.key_layout.row_stride, keys,
+               d.head_dim, options.Scale(d), scores.data());
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = first_row + r;
       float* row = scores.data() + r * keys;
@@ -180,9 +211,8 @@ void AttendBlockOnline(const AttentionProblem& p, int64_t b, int64_t h, int64_t 
       softmax[r].sum += ExpAndSum(row, valid, softmax[r].max);
       DropOutRow(options, b, h, i, first_key, valid, row);
     }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, d.v_head_dim, keys, 1.0f,
-                scores.data(), keys, p.value + p.value_layout.Offset(b, hk, first_key),
-                p.value_layout.row_stride, 1.0f, out, out_stride);
+    ValuesGemm(scores.data(), rows, keys, p.value + p.value_layout.Offset(b, hk, first_key),
+               p.value_layout.row_stride, d.v_head_dim, /*accumulate=*/true, out, out_stride);
   }
   for (int64_t r = 0; r < rows; ++r) {
     // A fully masked row has sum 0 and an all-zero accumulator: it stays zeros.
@@ -220,22 +250,8 @@ void AttendBlock(const AttentionProblem& p, int64_t b, int64_t h, int64_t block)
   scores.resize(rows * key_count);
   const float* query = p.query + p.query_layout.Offset(b, h, first_row);
   const float* key = p.key + p.key_layout.Offset(b, hk, 0);
-  // Short key ranges: OpenBLAS would spend much of each call packing, so the keys and values
-  // are packed here for the project's microkernel.
-  const bool tiny = key_count <= kTinyHeadKeys;
-  thread_local std::vector<float> panels;
-  if (tiny) {
-    panels.resize(
-        std::max(PanelFloats(d.head_dim, key_count), PanelFloats(key_count, d.v_head_dim)));
-    PackTransposed(key, key_count, d.head_dim, p.key_layout.row_stride, panels.data());
-    GemmPanels(BestSimdLevel(), query, p.query_layout.row_stride, rows, panels.data(),
-               d.head_dim, key_count, 0, PanelCount(key_count), scale, nullptr, scores.data(),
-               key_count);
-  } else {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, key_count, d.head_dim, scale,
-                query, p.query_layout.row_stride, key, p.key_layout.row_stride, 0.0f,
-                scores.data(), key_count);
-  }
+  ScoresGemm(query, p.query_layout.row_stride, rows, key, p.key_layout.row_stride, key_count,
+             d.head_dim, scale, scores.data());
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = first_row + r;
     float* row = scores.data() + r * key_count;
@@ -250,17 +266,9 @@ void AttendBlock(const AttentionProblem& p, int64_t b, int64_t h, int64_t block)
     DropOutRow(options, b, h, i, 0, limit, row);
     if (weights != nullptr) std::copy(row, row + key_count, weights + r * d.kv_len);
   }
-  const float* value = p.value + p.value_layout.Offset(b, hk, 0);
-  if (tiny) {
-    PackRows(value, key_count, d.v_head_dim, p.value_layout.row_stride, panels.data());
-    GemmPanels(BestSimdLevel(), scores.data(), key_count, rows, panels.data(), key_count,
-               d.v_head_dim, 0, PanelCount(d.v_head_dim), 1.0f, nullptr, out,
-               p.output_layout.row_stride);
-    return;
-  }
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, d.v_head_dim, key_count, 1.0f,
-              scores.data(), key_count, value, p.value_layout.row_stride, 0.0f, out,
-              p.output_layout.row_stride);
+  ValuesGemm(scores.data(), rows, key_count, p.value + p.value_layout.Offset(b, hk, 0),
+             p.value_layout.row_stride, d.v_head_dim, /*accumulate=*/false, out,
+             p.output_layout.row_stride);
 }
 
 }  // namespace

@@ -365,7 +365,7 @@ void PackPanels(const float* b, int64_t depth, int64_t columns, int64_t depth_st
 
 void GemmPanels(SimdLevel level, const float* a, int64_t lda, int64_t rows, const float* panels,
                 int64_t depth, int64_t columns, int64_t first_panel, int64_t end_panel,
-                float alpha, const float* bias, float* c, int64_t ldc) {
+                float alpha, const float* bias, float* c, int64_t ldc, bool accumulate) {
   const int max_tile_rows = MaxTileRows(level);
   for (int64_t chunk = 0; chunk < rows; chunk += kRowChunk) {
     const int64_t chunk_rows = std::min(kRowChunk, rows - chunk);
@@ -385,7 +385,8 @@ void GemmPanels(SimdLevel level, const float* a, int64_t lda, int64_t rows, cons
         for (int64_t t = 0; t < tiles; ++t) {
           const int64_t first = chunk + chunk_rows * t / tiles;
           const int tile_rows = static_cast<int>(chunk + chunk_rows * (t + 1) / tiles - first);
-          const TileOutput out{alpha, bias == nullptr ? nullptr : bias + column, k0 > 0,
+          const TileOutput out{alpha, bias == nullptr ? nullptr : bias + column,
+                               accumulate || k0 > 0,
                                c + first * ldc + column, ldc, width};
 #if defined(__x86_64__)
           if (wide) {

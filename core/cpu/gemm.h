@@ -52,9 +52,10 @@ inline void PackRows(const float* b, int64_t depth, int64_t columns, int64_t ldb
 // C[rows, columns of panels [first_panel, end_panel)] = alpha * A[rows, depth] * B + bias,
 // with B in panel layout (`columns` in all, which bounds the last panel). `bias` (may be
 // null) is indexed by column; C's rows are `ldc` floats apart and its column 0 is at `c`.
+// With `accumulate`, C += alpha * A * B instead (and `bias` must be null).
 void GemmPanels(SimdLevel level, const float* a, int64_t lda, int64_t rows, const float* panels,
                 int64_t depth, int64_t columns, int64_t first_panel, int64_t end_panel,
-                float alpha, const float* bias, float* c, int64_t ldc);
+                float alpha, const float* bias, float* c, int64_t ldc, bool accumulate = false);
 
 // A Linear weight W [out_features, in_features] packed for GemmPanels, 64-byte aligned.
 class PackedWeight {
