@@ -3,7 +3,7 @@
 
 usage: test_drain_on_sigterm.py PATH/TO/attention-server
 
-Starts several slow-ish MultiHeadAttention calls (an [8, 384, 768] batch each on the demo
+Starts several slow-ish MultiHeadAttention calls (a [2, 2048, 768] batch each on the demo
 layer, one request per forward pass so they queue behind each other), waits until every one
 of them has reached the server (attention_in_flight_requests plus the calls already answered
 equals the number sent) with at least one still in flight, then sends SIGTERM, and a second
@@ -38,7 +38,10 @@ from attention_client import AttentionClient, stubs
 
 DEMO = "demo-bert-base"
 CALLS = 5
-SHAPE = (8, 384, 768)
+# Long sequences: a call's compute (attention grows with N^2) must outlast the client's own
+# sending and receiving of it by far, or all five may finish between two polls of the
+# metrics below; [8, 384, 768] did on a fast core under load.
+SHAPE = (2, 2048, 768)
 DEADLINE_S = 120.0
 
 
