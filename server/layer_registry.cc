@@ -149,7 +149,8 @@ std::vector<std::string> LayerRegistry::LoadPersisted(
   std::vector<std::string> problems;
   if (repository_ == nullptr) return problems;
   core::MutexLock update(update_mu_);
-  for (ModelRepository::PersistedLayer& persisted : repository_->LoadPersisted(devices, default_backend, &problems)) {
+  for (ModelRepository::PersistedLayer& persisted :
+       repository_->LoadPersisted(devices, default_backend, &problems)) {
     const absl::Status budget =
         CheckBudget(persisted.name, persisted.layer->HostBytes(), persisted.layer->WeightBytes(),
                     persisted.layer->device());

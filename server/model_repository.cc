@@ -318,7 +318,6 @@ absl::StatusOr<ModelRepository::PersistedLayer> ModelRepository::ReadPersisted(
   persisted.batching = *std::move(batching);
   std::shared_ptr<const core::Backend> backend = default_backend;
   if (auto device = metadata.find(kDeviceKey); device != metadata.end()) {
-    persisted.requested_device = device->second;
     auto requested = devices.Get(device->second);
     if (requested.ok()) {
       backend = *std::move(requested);

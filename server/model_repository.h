@@ -80,7 +80,6 @@ class ModelRepository {
     std::string name;
     std::shared_ptr<const core::MhaLayer> layer;
     BatchLimitOverrides batching;
-    std::string requested_device;  // as persisted; "" for none
     // Why the layer is not on its requested device (that device cannot be used now); "".
     std::string placement_problem;
   };
