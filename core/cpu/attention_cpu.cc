@@ -27,12 +27,17 @@ __attribute__((target("avx2,fma"))) float HorizontalSum(__m256 v) {
 
 // exp(x - shift) in place for x - shift <= 0 (|relative error| < 2e-7; below -87, and -inf,
 // give exactly 0): 2^n * P(f) with n = round(x / ln2) and a degree-6 polynomial. Returns the sum.
+// The AVX2 and AVX-512 versions share these constants.
+constexpr float kExpLowest = -87.0f;
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2 = 0.693147180559945309f;
+constexpr float kExpCoefficients[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6,
+                                      0.5f,       1.0f,       1.0f};
 __attribute__((target("avx2,fma"))) float ExpAndSumAvx2(float* values, int64_t count,
                                                         float shift) {
-  const __m256 shift_v = _mm256_set1_ps(shift), lowest = _mm256_set1_ps(-87.0f);
-  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
-  const __m256 ln2 = _mm256_set1_ps(0.693147180559945309f);
-  const float coefficients[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+  const __m256 shift_v = _mm256_set1_ps(shift), lowest = _mm256_set1_ps(kExpLowest);
+  const __m256 log2e = _mm256_set1_ps(kLog2e);
+  const __m256 ln2 = _mm256_set1_ps(kLn2);
   __m256 sum = _mm256_setzero_ps();
   int64_t j = 0;
   for (; j + 8 <= count; j += 8) {
@@ -41,8 +46,8 @@ __attribute__((target("avx2,fma"))) float ExpAndSumAvx2(float* values, int64_t c
     const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, lowest), log2e);
     const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), ln2);
-    __m256 p = _mm256_set1_ps(coefficients[0]);
-    for (int c = 1; c < 7; ++c) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(coefficients[c]));
+    __m256 p = _mm256_set1_ps(kExpCoefficients[0]);
+    for (int c = 1; c < 7; ++c) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExpCoefficients[c]));
     const __m256i exponent =
         _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     const __m256 e = _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(exponent)), in_range);
@@ -65,14 +70,13 @@ __attribute__((target("avx2,fma"))) float ExpAndSumAvx2(float* values, int64_t c
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 __attribute__((target("avx512f"))) inline __m512 ExpAvx512(__m512 x) {
-  const __m512 lowest = _mm512_set1_ps(-87.0f);
-  const float coefficients[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+  const __m512 lowest = _mm512_set1_ps(kExpLowest);
   const __mmask16 in_range = _mm512_cmp_ps_mask(x, lowest, _CMP_GE_OQ);
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, lowest), _mm512_set1_ps(1.44269504088896341f));
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, lowest), _mm512_set1_ps(kLog2e));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
-  __m512 p = _mm512_set1_ps(coefficients[0]);
-  for (int c = 1; c < 7; ++c) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(coefficients[c]));
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(kLn2));
+  __m512 p = _mm512_set1_ps(kExpCoefficients[0]);
+  for (int c = 1; c < 7; ++c) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExpCoefficients[c]));
   const __m512i exponent =
       _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_maskz_mul_ps(in_range, p, _mm512_castsi512_ps(exponent));
@@ -174,6 +178,14 @@ constexpr int64_t kKeyBlock = 1024;
 // with the narrow ones on Zen 4, before the wide tiles.
 constexpr int64_t kTinyHeadKeys = kKeyBlock;
 
+// The packed keys or values of one head, reused by this thread's next head (the scores
+// GEMM and the values GEMM take turns with it).
+std::vector<float>& HeadPanels(int64_t floats) {
+  thread_local std::vector<float> panels;
+  panels.resize(floats);
+  return panels;
+}
+
 // scores[rows, keys] = scale * Q K^T against `keys` keys (rows `key_stride` apart).
 void ScoresGemm(const float* query, int64_t query_stride, int64_t rows, const float* key,
                 int64_t key_stride, int64_t keys, int64_t head_dim, float scale, float* scores) {
@@ -182,8 +194,7 @@ void ScoresGemm(const float* query, int64_t query_stride, int64_t rows, const fl
                 query_stride, key, key_stride, 0.0f, scores, keys);
     return;
   }
-  thread_local std::vector<float> panels;
-  panels.resize(PanelFloats(head_dim, keys));
+  std::vector<float>& panels = HeadPanels(PanelFloats(head_dim, keys));
   PackTransposed(key, keys, head_dim, key_stride, panels.data());
   GemmPanels(BestSimdLevel(), query, query_stride, rows, panels.data(), head_dim, keys, 0,
              PanelCount(keys), scale, nullptr, scores, keys);
@@ -199,8 +210,7 @@ void ValuesGemm(const float* probabilities, int64_t rows, int64_t keys, const fl
                 out_stride);
     return;
   }
-  thread_local std::vector<float> panels;
-  panels.resize(PanelFloats(keys, v_head_dim));
+  std::vector<float>& panels = HeadPanels(PanelFloats(keys, v_head_dim));
   PackRows(value, keys, v_head_dim, value_stride, panels.data());
   GemmPanels(BestSimdLevel(), probabilities, keys, rows, panels.data(), keys, v_head_dim, 0,
              PanelCount(v_head_dim), 1.0f, nullptr, out, out_stride, accumulate);
