@@ -1,6 +1,7 @@
 // Where a large served request spends the time beyond its compute (issue 15, item 4).
 //
 //   build/bench/served_overhead [--batch=32] [--tokens=128] [--causal] [--rounds=15]
+//                               [--warmup_rounds=2]
 //
 // One process, loopback, interleaved per round:
 //   echo      a gRPC echo of the request's payload size both ways (generic API, bytes only):
@@ -35,6 +36,9 @@
 ABSL_FLAG(int64_t, batch, 32, "sequences per request");
 ABSL_FLAG(int64_t, tokens, 128, "tokens per sequence");
 ABSL_FLAG(int, rounds, 15, "interleaved rounds");
+ABSL_FLAG(int, warmup_rounds, 2,
+          "untimed rounds first: gRPC grows its flow-control windows over the first large "
+          "calls, and the first passes allocate their buffers");
 ABSL_FLAG(int, compute_threads, 0, "the server's --compute_threads (0: one per hardware thread)");
 ABSL_FLAG(int, batch_workers, 2, "the server's --batch_workers");
 ABSL_FLAG(bool, causal, false, "causal attention (S3: --batch=1 --tokens=2048 --causal)");
@@ -155,7 +159,9 @@ int main(int argc, char** argv) {
   input.options.causal = absl::GetFlag(FLAGS_causal);
 
   std::vector<double> echo_ms, served_ms, compute_ms, protobuf_ms;
-  for (int round = 0; round < absl::GetFlag(FLAGS_rounds); ++round) {
+  const int warmup_rounds = absl::GetFlag(FLAGS_warmup_rounds);
+  for (int round = -warmup_rounds; round < absl::GetFlag(FLAGS_rounds); ++round) {
+    if (round == 0) echo_ms.clear(), served_ms.clear(), compute_ms.clear(), protobuf_ms.clear();
     absl::Time start = absl::Now();
     grpc::ByteBuffer echoed;
     grpc::ClientContext echo_context;
