@@ -48,6 +48,13 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
   return contents.str();
 }
 
+// The default options (plaintext, no token) with `max_message_bytes` as the size limit.
+ClientOptions PlaintextWithMessageLimit(int64_t max_message_bytes) {
+  ClientOptions options;
+  options.max_message_bytes = max_message_bytes;
+  return options;
+}
+
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(
@@ -69,7 +76,7 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(
 }
 
 AttentionClient::AttentionClient(const std::string& target, int64_t max_message_bytes)
-    : AttentionClient(target, ClientOptions{max_message_bytes, ""}) {}
+    : AttentionClient(target, PlaintextWithMessageLimit(max_message_bytes)) {}
 
 grpc::ChannelArguments ChannelArgumentsFor(const ClientOptions& options) {
   grpc::ChannelArguments arguments;

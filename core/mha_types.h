@@ -30,7 +30,7 @@ struct MhaConfig {
   bool output_bias = true;
   bool output_projection = true;
   double rope_theta = 0.0;  // 0 = no rotary embedding
-  RopeScaling rope_scaling;  // needs rope_theta
+  RopeScaling rope_scaling{};  // needs rope_theta
   bool always_causal = false;
   int64_t sliding_window = 0;  // 0 = none; needs always_causal
 
