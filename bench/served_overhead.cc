@@ -10,7 +10,8 @@
 //             server, one caller;
 //   compute   the same forward pass on the layer directly (in process, no gRPC);
 //   protobuf  serializing and parsing the request and the answer messages.
-// Medians over the rounds are printed, with served - compute and served / compute.
+// Medians over the rounds after the untimed warm-up ones are printed, with served - compute
+// and served / compute.
 #include <algorithm>
 #include <cstdio>
 #include <random>
@@ -38,7 +39,7 @@ ABSL_FLAG(int64_t, tokens, 128, "tokens per sequence");
 ABSL_FLAG(int, rounds, 15, "interleaved rounds");
 ABSL_FLAG(int, warmup_rounds, 2,
           "untimed rounds first: a fresh server's first two large calls are the slowest "
-          "(S1 on Zen 4: 170 and 135 ms, then 110-135)");
+          "(S1 on Zen 4: 168-175 and 133-142 ms, then 110-135)");
 ABSL_FLAG(int, compute_threads, 0, "the server's --compute_threads (0: one per hardware thread)");
 ABSL_FLAG(int, batch_workers, 2, "the server's --batch_workers");
 ABSL_FLAG(bool, causal, false, "causal attention (S3: --batch=1 --tokens=2048 --causal)");
