@@ -67,7 +67,9 @@ __attribute__((target("avx2,fma"))) float ExpAndSumAvx2(float* values, int64_t c
 // (GCC 12 takes the reductions' and masked loads' undefined pass-through operands for
 // uninitialised reads.)
 #pragma GCC diagnostic push
+#if !defined(__clang__)  // a GCC-only warning
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #pragma GCC diagnostic ignored "-Wuninitialized"
 __attribute__((target("avx512f"))) inline __m512 ExpAvx512(__m512 x) {
   const __m512 lowest = _mm512_set1_ps(kExpLowest);

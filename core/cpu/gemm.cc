@@ -249,7 +249,9 @@ constexpr int64_t kRowChunk = 128;
 // 16 shuffles: pairs of rows, then quads within each 128-bit lane, then 128-bit lanes.
 // (GCC 12 takes the shuffles' undefined pass-through operand for an uninitialised read.)
 #pragma GCC diagnostic push
+#if !defined(__clang__)  // a GCC-only warning
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 __attribute__((target("avx512f"))) inline void Transpose16x16(__m512 row[16]) {
   __m512 t[16];
   for (int i = 0; i < 16; i += 2) {
