@@ -177,7 +177,8 @@ constexpr int64_t kKeyBlock = 1024;
 // reads the queries and probabilities in place where OpenBLAS would pack them too; so every
 // block of the online softmax does. attention_bench's BM_AttentionCpu against OpenBLAS per
 // CPU second: 1.15 at 1024 keys with the wide AVX-512 tiles on Intel (two FMA ports); on
-// Zen 4 the wide tiles at 1024 keys were 1.09 x the same code with 512 here.
+// Zen 4 the wide tiles at 1024 keys were 1.09 x the same code with 512 here, on Zen 3 (AVX2)
+// 1.02, within the noise.
 constexpr int64_t kTinyHeadKeys = kKeyBlock;
 
 // The packed keys or values of one head, reused by this thread's next head (the scores
