@@ -1,5 +1,5 @@
 // Attention over strided per-head views: the problem description every kernel takes, and
-// the double-precision reference (the oracle, never removed). Backends' kernels live in
+// the textbook loops that judge them (in double: the oracle, never removed). Backends' kernels live in
 // core/cpu/ and core/cuda/.
 #ifndef ATTENTION_CORE_ATTENTION_KERNELS_H_
 #define ATTENTION_CORE_ATTENTION_KERNELS_H_
@@ -38,23 +38,29 @@ struct HeadLayout {
   }
 };
 
-struct AttentionProblem {
+// Kernels take float problems; the textbook loops also take double ones.
+template <typename T>
+struct AttentionProblemOf {
   AttentionDims dims;
-  const float* query = nullptr;  // rows of dk
+  const T* query = nullptr;  // rows of dk
   HeadLayout query_layout;
-  const float* key = nullptr;  // rows of dk, Hkv heads
+  const T* key = nullptr;  // rows of dk, Hkv heads
   HeadLayout key_layout;
-  const float* value = nullptr;  // rows of dv, Hkv heads
+  const T* value = nullptr;  // rows of dv, Hkv heads
   HeadLayout value_layout;
-  float* output = nullptr;  // rows of dv, H heads
+  T* output = nullptr;  // rows of dv, H heads
   HeadLayout output_layout;
   // Null, or dense per-head attention weights [B, H, Nq, Nk] after masking and dropout.
-  float* weights = nullptr;
+  T* weights = nullptr;
   const AttentionOptions* options = nullptr;  // validated against dims; not owned
 };
+using AttentionProblem = AttentionProblemOf<float>;
 
-// Naive, double accumulation.
-void AttentionReference(const AttentionProblem& problem);
+// Naive loops with every product, sum and exp in T (float and double are compiled): in
+// double the oracle; in float the plain evaluation whose error bounds a fast path's
+// (FlashAttention's rule: max|fast - oracle| <= 2 max|float textbook - oracle| + floor).
+template <typename T>
+void AttentionTextbook(const AttentionProblemOf<T>& problem);
 
 // The key/value head that query head h reads (GQA: H / Hkv query heads share one).
 inline int64_t KvHead(const AttentionDims& dims, int64_t h) {
@@ -62,14 +68,51 @@ inline int64_t KvHead(const AttentionDims& dims, int64_t h) {
 }
 
 // [B, H, Nq, Nk] -> [B, Nq, Nk], mean over heads.
-std::vector<float> AverageHeads(absl::Span<const float> per_head, const AttentionDims& dims);
+template <typename T>
+std::vector<T> AverageHeads(absl::Span<const T> per_head, const AttentionDims& d) {
+  std::vector<T> averaged(d.batch * d.q_len * d.kv_len, T{0});
+  const int64_t plane = d.q_len * d.kv_len;
+  for (int64_t b = 0; b < d.batch; ++b) {
+    for (int64_t h = 0; h < d.num_heads; ++h) {
+      const T* src = per_head.data() + (b * d.num_heads + h) * plane;
+      T* dst = averaged.data() + b * plane;
+      for (int64_t e = 0; e < plane; ++e) dst[e] += src[e] / d.num_heads;
+    }
+  }
+  return averaged;
+}
 
 // Kernels write per-head weights; this averages them over heads when that was asked.
 void FinishWeights(AttentionResult& result, const AttentionDims& dims, NeedWeights need);
 
-// The problem of a scaled dot-product attention input ([B, heads, rows, width] tensors),
-// writing into `result`, whose output (and weights, when asked) are already sized.
-AttentionProblem SdpaProblem(const SdpaInput& input, AttentionResult& result);
+// The problem of scaled dot-product attention on [B, heads, rows, width] tensors in T
+// (`weights` may be null), with `input`'s dims and options.
+template <typename T>
+AttentionProblemOf<T> SdpaProblem(const SdpaInput& input, const T* query, const T* key,
+                                  const T* value, T* output, T* weights) {
+  const AttentionDims& d = input.dims;
+  AttentionProblemOf<T> p;
+  p.dims = d;
+  p.query = query;
+  p.query_layout = HeadLayout::BatchHeadRow(d.num_heads, d.q_len, d.head_dim);
+  p.key = key;
+  p.key_layout = HeadLayout::BatchHeadRow(d.num_kv_heads, d.kv_len, d.head_dim);
+  p.value = value;
+  p.value_layout = HeadLayout::BatchHeadRow(d.num_kv_heads, d.kv_len, d.v_head_dim);
+  p.output = output;
+  p.output_layout = HeadLayout::BatchHeadRow(d.num_heads, d.q_len, d.v_head_dim);
+  p.weights = weights;
+  p.options = &input.options;
+  return p;
+}
+
+// The problem of an input's own tensors, writing into `result`, whose output (and
+// weights, when asked) are already sized.
+inline AttentionProblem SdpaProblem(const SdpaInput& input, AttentionResult& result) {
+  return SdpaProblem(input, input.query.data(), input.key.data(), input.value.data(),
+                     result.output.data(),
+                     result.weights.empty() ? nullptr : result.weights.data());
+}
 
 }  // namespace attention::core
 

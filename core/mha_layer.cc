@@ -15,17 +15,19 @@ absl::Status Invalid(absl::string_view field, int64_t value, absl::string_view r
   return absl::InvalidArgumentError(absl::StrCat(field, " = ", value, " ", rule));
 }
 
-// Reference linear layer in double: y[r, o] = sum_i x[r, i] * w[o, i] + bias[o].
-std::vector<double> LinearReference(const double* x, int64_t rows, int64_t in_features,
-                                    absl::Span<const float> weight,
-                                    absl::Span<const float> bias, int64_t out_features) {
-  std::vector<double> y(rows * out_features);
+// Textbook linear layer in T: y[r, o] = sum_i x[r, i] * w[o, i] + bias[o], in order.
+template <typename T>
+std::vector<T> LinearTextbook(const T* x, int64_t rows, int64_t in_features,
+                              absl::Span<const float> weight, absl::Span<const float> bias,
+                              int64_t out_features) {
+  std::vector<T> y(rows * out_features);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t o = 0; o < out_features; ++o) {
-      double sum = bias.empty() ? 0.0 : bias[o];
+      T sum = 0;
       for (int64_t i = 0; i < in_features; ++i) {
-        sum += x[r * in_features + i] * static_cast<double>(weight[o * in_features + i]);
+        sum += x[r * in_features + i] * static_cast<T>(weight[o * in_features + i]);
       }
+      if (!bias.empty()) sum += bias[o];
       y[r * out_features + o] = sum;
     }
   }
@@ -65,25 +67,35 @@ absl::Status ValidateRopeScaling(const MhaConfig& c) {
   return absl::OkStatus();
 }
 
-void RotaryReference(std::vector<double>& data, int64_t rows, int64_t seq_len, int64_t heads,
-                     int64_t head_dim, double base, const RopeScaling& scaling) {
+// Rotary positions in T; the angles' cosines and sines in double, rounded to T (as the
+// tables of PyTorch models are).
+template <typename T>
+void RotaryTextbook(std::vector<T>& data, int64_t rows, int64_t seq_len, int64_t heads,
+                    int64_t head_dim, double base, const RopeScaling& scaling) {
   const int64_t half = head_dim / 2;
   for (int64_t r = 0; r < rows; ++r) {
     const double position = static_cast<double>(r % seq_len);
     for (int64_t h = 0; h < heads; ++h) {
-      double* x = data.data() + (r * heads + h) * head_dim;
+      T* x = data.data() + (r * heads + h) * head_dim;
       for (int64_t c = 0; c < half; ++c) {
         const double angle = position * RotaryInverseFrequency(c, head_dim, base, scaling);
-        const double x1 = x[c], x2 = x[c + half];
-        x[c] = x1 * std::cos(angle) - x2 * std::sin(angle);
-        x[c + half] = x2 * std::cos(angle) + x1 * std::sin(angle);
+        const T cos = static_cast<T>(std::cos(angle)), sin = static_cast<T>(std::sin(angle));
+        const T x1 = x[c], x2 = x[c + half];
+        x[c] = x1 * cos - x2 * sin;
+        x[c + half] = x2 * cos + x1 * sin;
       }
     }
   }
 }
 
-std::vector<float> ToFloat(const std::vector<double>& values) {
-  return std::vector<float>(values.begin(), values.end());
+template <typename T>
+std::vector<T> Converted(absl::Span<const float> values) {
+  return std::vector<T>(values.begin(), values.end());
+}
+
+AttentionResult Rounded(const TextbookResult<double>& result) {
+  return {std::vector<float>(result.output.begin(), result.output.end()),
+          std::vector<float>(result.weights.begin(), result.weights.end())};
 }
 
 }  // namespace
@@ -340,7 +352,8 @@ absl::Status MhaLayer::ValidateInput(const MhaInput& in) const {
   return in.options.Validate(Dims(in));
 }
 
-AttentionResult MhaLayer::ForwardReference(const MhaInput& input) const {
+template <typename T>
+TextbookResult<T> MhaLayer::ForwardTextbook(const MhaInput& input) const {
   std::deque<std::vector<float>> decoded;
   const MhaInput in = WithFloatInputs(input, &decoded);
   const MhaConfig& c = config_;
@@ -348,50 +361,53 @@ AttentionResult MhaLayer::ForwardReference(const MhaInput& input) const {
   const bool self_attention = in.key.empty();
   const int64_t q_rows = in.batch * in.q_len;
   const int64_t kv_rows = in.batch * in.kv_len;
-  const std::vector<double> x(in.query.begin(), in.query.end());
-  const std::vector<double> xk = self_attention ? x : std::vector<double>(in.key.begin(), in.key.end());
-  const std::vector<double> xv =
-      self_attention ? x : std::vector<double>(in.value.begin(), in.value.end());
-  std::vector<double> q = LinearReference(x.data(), q_rows, c.embed_dim, w.q_weight, w.q_bias, c.QWidth());
-  std::vector<double> k = LinearReference(xk.data(), kv_rows, c.kdim, w.k_weight, w.k_bias, c.KWidth());
-  const std::vector<double> v =
-      LinearReference(xv.data(), kv_rows, c.vdim, w.v_weight, w.v_bias, c.VWidth());
+  const std::vector<T> x = Converted<T>(in.query);
+  const std::vector<T> xk = self_attention ? x : Converted<T>(in.key);
+  const std::vector<T> xv = self_attention ? x : Converted<T>(in.value);
+  std::vector<T> q = LinearTextbook(x.data(), q_rows, c.embed_dim, w.q_weight, w.q_bias, c.QWidth());
+  std::vector<T> k = LinearTextbook(xk.data(), kv_rows, c.kdim, w.k_weight, w.k_bias, c.KWidth());
+  const std::vector<T> v =
+      LinearTextbook(xv.data(), kv_rows, c.vdim, w.v_weight, w.v_bias, c.VWidth());
   if (c.rope_theta > 0.0) {
     const double base = c.RotaryBaseFor(std::max(in.q_len, in.kv_len));
-    RotaryReference(q, q_rows, in.q_len, c.num_heads, c.head_dim, base, c.rope_scaling);
-    RotaryReference(k, kv_rows, in.kv_len, c.num_kv_heads, c.head_dim, base, c.rope_scaling);
+    RotaryTextbook(q, q_rows, in.q_len, c.num_heads, c.head_dim, base, c.rope_scaling);
+    RotaryTextbook(k, kv_rows, in.kv_len, c.num_kv_heads, c.head_dim, base, c.rope_scaling);
   }
-  // The attention oracle reads float inputs; projections are rounded once, like the fast path.
-  const std::vector<float> qf = ToFloat(q), kf = ToFloat(k), vf = ToFloat(v);
   const AttentionOptions options = c.LayerOptions(in.options);
   const AttentionDims dims = Dims(in);
-  std::vector<float> attended(q_rows * c.AttentionWidth());
-  AttentionResult result;
+  std::vector<T> attended(q_rows * c.AttentionWidth());
+  TextbookResult<T> result;
   if (in.options.need_weights != NeedWeights::kNone) {
     result.weights.resize(in.batch * c.num_heads * in.q_len * in.kv_len);
   }
-  AttentionProblem problem;
+  AttentionProblemOf<T> problem;
   problem.dims = dims;
-  problem.query = qf.data();
+  problem.query = q.data();
   problem.query_layout = HeadLayout::BatchRowHead(c.num_heads, in.q_len, c.head_dim);
-  problem.key = kf.data();
+  problem.key = k.data();
   problem.key_layout = HeadLayout::BatchRowHead(c.num_kv_heads, in.kv_len, c.head_dim);
-  problem.value = vf.data();
+  problem.value = v.data();
   problem.value_layout = HeadLayout::BatchRowHead(c.num_kv_heads, in.kv_len, c.v_head_dim);
   problem.output = attended.data();
   problem.output_layout = HeadLayout::BatchRowHead(c.num_heads, in.q_len, c.v_head_dim);
   problem.weights = result.weights.empty() ? nullptr : result.weights.data();
   problem.options = &options;
-  AttentionReference(problem);
-  if (c.output_projection) {
-    const std::vector<double> a(attended.begin(), attended.end());
-    result.output = ToFloat(LinearReference(a.data(), q_rows, c.AttentionWidth(), w.out_weight,
-                                            w.out_bias, c.output_dim));
-  } else {
-    result.output = std::move(attended);
+  AttentionTextbook(problem);
+  result.output = c.output_projection
+                      ? LinearTextbook(attended.data(), q_rows, c.AttentionWidth(),
+                                       w.out_weight, w.out_bias, c.output_dim)
+                      : std::move(attended);
+  if (in.options.need_weights == NeedWeights::kAveraged) {
+    result.weights = AverageHeads(absl::Span<const T>(result.weights), dims);
   }
-  FinishWeights(result, dims, in.options.need_weights);
   return result;
+}
+
+template TextbookResult<float> MhaLayer::ForwardTextbook<float>(const MhaInput&) const;
+template TextbookResult<double> MhaLayer::ForwardTextbook<double>(const MhaInput&) const;
+
+AttentionResult MhaLayer::ForwardReference(const MhaInput& input) const {
+  return Rounded(ForwardTextbook<double>(input));
 }
 
 absl::Status ValidateSdpaInput(const SdpaInput& in) {
@@ -409,16 +425,28 @@ absl::Status ValidateSdpaInput(const SdpaInput& in) {
   return in.options.Validate(d);
 }
 
-AttentionResult SdpaReference(const SdpaInput& in) {
-  AttentionResult result;
+template <typename T>
+TextbookResult<T> SdpaTextbook(const SdpaInput& in) {
   const AttentionDims& d = in.dims;
+  const std::vector<T> query = Converted<T>(in.query), key = Converted<T>(in.key),
+                       value = Converted<T>(in.value);
+  TextbookResult<T> result;
   result.output.resize(d.batch * d.num_heads * d.q_len * d.v_head_dim);
   if (in.options.need_weights != NeedWeights::kNone) {
     result.weights.resize(d.batch * d.num_heads * d.q_len * d.kv_len);
   }
-  AttentionReference(SdpaProblem(in, result));
-  FinishWeights(result, d, in.options.need_weights);
+  AttentionTextbook(SdpaProblem<T>(in, query.data(), key.data(), value.data(),
+                                   result.output.data(),
+                                   result.weights.empty() ? nullptr : result.weights.data()));
+  if (in.options.need_weights == NeedWeights::kAveraged) {
+    result.weights = AverageHeads(absl::Span<const T>(result.weights), d);
+  }
   return result;
 }
+
+template TextbookResult<float> SdpaTextbook<float>(const SdpaInput&);
+template TextbookResult<double> SdpaTextbook<double>(const SdpaInput&);
+
+AttentionResult SdpaReference(const SdpaInput& in) { return Rounded(SdpaTextbook<double>(in)); }
 
 }  // namespace attention::core

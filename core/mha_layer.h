@@ -18,6 +18,13 @@
 
 namespace attention::core {
 
+// What the textbook loops return, in their arithmetic type T (see AttentionTextbook).
+template <typename T>
+struct TextbookResult {
+  std::vector<T> output;   // as AttentionResult::output
+  std::vector<T> weights;  // as AttentionResult::weights
+};
+
 // Immutable once created; thread-safe.
 class MhaLayer {
  public:
@@ -46,7 +53,11 @@ class MhaLayer {
   // Checks shapes and options of `input`; errors name the request fields.
   absl::Status ValidateInput(const MhaInput& input) const;
 
-  // The oracle: naive loops with double accumulation, on the host weights.
+  // Naive loops on the host weights with every product and sum in T (float and double
+  // are compiled): projections, rotary positions, attention, output projection.
+  template <typename T>
+  TextbookResult<T> ForwardTextbook(const MhaInput& input) const;
+  // The oracle: ForwardTextbook<double>, rounded once to float.
   AttentionResult ForwardReference(const MhaInput& input) const;
 
   // Production path for validated inputs, on the layer's backend: the projections of all
@@ -76,7 +87,10 @@ class MhaLayer {
 };
 
 absl::Status ValidateSdpaInput(const SdpaInput& input);
-// The oracle for scaled dot-product attention.
+// Scaled dot-product attention in T, as ForwardTextbook.
+template <typename T>
+TextbookResult<T> SdpaTextbook(const SdpaInput& input);
+// The oracle for scaled dot-product attention: SdpaTextbook<double>, rounded once to float.
 AttentionResult SdpaReference(const SdpaInput& input);
 
 }  // namespace attention::core

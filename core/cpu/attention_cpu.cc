@@ -25,29 +25,36 @@ __attribute__((target("avx2,fma"))) float HorizontalSum(__m256 v) {
   return _mm_cvtss_f32(sum);
 }
 
-// exp(x - shift) in place for x - shift <= 0 (|relative error| < 2e-7; below -87, and -inf,
-// give exactly 0): 2^n * P(f) with n = round(x / ln2) and a degree-6 polynomial. Returns the sum.
-// The AVX2 and AVX-512 versions share these constants.
+// exp(x - shift) in place for x - shift <= 0 (within 2 ulp of std::exp; below -87, and
+// -inf, give exactly 0): 2^n * P(f) with n = round(x / ln2), f = x - n ln2 in two FMAs
+// (Cody-Waite: ln2 as a float alone put n's rounding, up to 2.6e-7, into f) and a degree-7
+// polynomial. Returns the sum. The AVX2 and AVX-512 versions share these constants.
 constexpr float kExpLowest = -87.0f;
 constexpr float kLog2e = 1.44269504088896341f;
-constexpr float kLn2 = 0.693147180559945309f;
-constexpr float kExpCoefficients[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6,
-                                      0.5f,       1.0f,       1.0f};
+constexpr float kLn2High = 0.693147182464599609375f;  // float(ln 2)
+constexpr float kLn2Low = -1.904654299957768e-09f;    // ln 2 - kLn2High
+constexpr float kExpCoefficients[] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24,
+                                      1.0f / 6,    0.5f,       1.0f,       1.0f};
+constexpr int kExpTerms = sizeof(kExpCoefficients) / sizeof(kExpCoefficients[0]);
 __attribute__((target("avx2,fma"))) float ExpAndSumAvx2(float* values, int64_t count,
                                                         float shift) {
   const __m256 shift_v = _mm256_set1_ps(shift), lowest = _mm256_set1_ps(kExpLowest);
   const __m256 log2e = _mm256_set1_ps(kLog2e);
-  const __m256 ln2 = _mm256_set1_ps(kLn2);
+  const __m256 minus_ln2_high = _mm256_set1_ps(-kLn2High);
+  const __m256 minus_ln2_low = _mm256_set1_ps(-kLn2Low);
   __m256 sum = _mm256_setzero_ps();
   int64_t j = 0;
   for (; j + 8 <= count; j += 8) {
     const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(values + j), shift_v);
     const __m256 in_range = _mm256_cmp_ps(x, lowest, _CMP_GE_OQ);
-    const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, lowest), log2e);
-    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), ln2);
+    const __m256 clamped = _mm256_max_ps(x, lowest);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(clamped, log2e),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_fmadd_ps(n, minus_ln2_low, _mm256_fmadd_ps(n, minus_ln2_high, clamped));
     __m256 p = _mm256_set1_ps(kExpCoefficients[0]);
-    for (int c = 1; c < 7; ++c) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExpCoefficients[c]));
+    for (int c = 1; c < kExpTerms; ++c) {
+      p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExpCoefficients[c]));
+    }
     const __m256i exponent =
         _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     const __m256 e = _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(exponent)), in_range);
@@ -74,11 +81,15 @@ __attribute__((target("avx2,fma"))) float ExpAndSumAvx2(float* values, int64_t c
 __attribute__((target("avx512f"))) inline __m512 ExpAvx512(__m512 x) {
   const __m512 lowest = _mm512_set1_ps(kExpLowest);
   const __mmask16 in_range = _mm512_cmp_ps_mask(x, lowest, _CMP_GE_OQ);
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, lowest), _mm512_set1_ps(kLog2e));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(kLn2));
+  const __m512 clamped = _mm512_max_ps(x, lowest);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(kLog2e)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Low),
+                                   _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2High), clamped));
   __m512 p = _mm512_set1_ps(kExpCoefficients[0]);
-  for (int c = 1; c < 7; ++c) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExpCoefficients[c]));
+  for (int c = 1; c < kExpTerms; ++c) {
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExpCoefficients[c]));
+  }
   const __m512i exponent =
       _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_maskz_mul_ps(in_range, p, _mm512_castsi512_ps(exponent));

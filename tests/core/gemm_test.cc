@@ -8,14 +8,18 @@
 #include <string>
 #include <vector>
 
+#include <cblas.h>
+
 #include "core/cpu/cpu_backend.h"
 #include "core/mha_layer.h"
 #include "gtest/gtest.h"
+#include "tests/core/fidelity.h"
 #include "tests/core/random_options.h"
 
 namespace attention::core {
 namespace {
 
+using testing::FidelityStats;
 using testing::TestSeed;
 
 std::vector<float> Uniform(std::mt19937_64& rng, int64_t count) {
@@ -26,11 +30,14 @@ std::vector<float> Uniform(std::mt19937_64& rng, int64_t count) {
 }
 
 // Expects c[r * ldc + j] == alpha * sum_k a[r][k] * b(k, j) + bias[j] for columns
-// [first, end), within float rounding of the sum of |terms|, and untouched elsewhere.
+// [first, end) within FlashAttention's rule (tests/core/fidelity.h: against the float64
+// sum, at most twice the error of the float32 sum in order), and untouched elsewhere.
 template <typename B>
 void ExpectGemm(const std::vector<float>& a, int64_t lda, int64_t rows, int64_t depth, B b,
                 int64_t first, int64_t end, int64_t ldc, float alpha, const float* bias,
-                const std::vector<float>& c, float untouched) {
+                const std::vector<float>& c, float untouched, FidelityStats& stats) {
+  std::vector<float> fast, textbook;
+  std::vector<double> oracle;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t j = 0; j < ldc; ++j) {
       const float got = c[r * ldc + j];
@@ -38,17 +45,19 @@ void ExpectGemm(const std::vector<float>& a, int64_t lda, int64_t rows, int64_t 
         ASSERT_EQ(got, untouched) << "row " << r << " column " << j << " was written";
         continue;
       }
-      double sum = 0, magnitude = 0;
+      double sum = 0;
+      float float_sum = 0;
       for (int64_t k = 0; k < depth; ++k) {
-        const double term = static_cast<double>(a[r * lda + k]) * b(k, j);
-        sum += term;
-        magnitude += std::abs(term);
+        sum += static_cast<double>(a[r * lda + k]) * b(k, j);
+        float_sum += a[r * lda + k] * b(k, j);
       }
-      const double expected = alpha * sum + (bias != nullptr ? bias[j] : 0.0);
-      ASSERT_NEAR(got, expected, 1e-5 * (1.0 + std::abs(alpha) * magnitude))
-          << "row " << r << " column " << j;
+      const float addend = bias != nullptr ? bias[j] : 0.0f;
+      fast.push_back(got);
+      textbook.push_back(alpha * float_sum + addend);
+      oracle.push_back(alpha * sum + addend);
     }
   }
+  EXPECT_TRUE(stats.Check(fast, textbook, oracle));
 }
 
 class GemmLevelTest : public ::testing::TestWithParam<SimdLevel> {
@@ -66,6 +75,7 @@ TEST_P(GemmLevelTest, TransposedPanelsMatchNaiveGemm) {
   const uint64_t seed = TestSeed(1501);
   SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
   std::mt19937_64 rng(seed);
+  FidelityStats stats(std::string("transposed panels, ") + SimdLevelName(GetParam()));
   for (int64_t rows : {1, 5, 7, 13, 16, 25, 200}) {
     for (int64_t columns : {1, 15, 16, 17, 32, 40, 64}) {  // 32, 64: AVX-512's wide tiles
       for (int64_t depth : {1, 3, 64, 767, 1031}) {
@@ -84,7 +94,7 @@ TEST_P(GemmLevelTest, TransposedPanelsMatchNaiveGemm) {
         GemmPanels(GetParam(), a.data(), lda, rows, panels.data(), depth, columns, 0,
                    PanelCount(columns), alpha, with_bias ? bias.data() : nullptr, c.data(), ldc);
         ExpectGemm(a, lda, rows, depth, [&](int64_t k, int64_t j) { return w[j * ldw + k]; }, 0,
-                   columns, ldc, alpha, with_bias ? bias.data() : nullptr, c, 7.0f);
+                   columns, ldc, alpha, with_bias ? bias.data() : nullptr, c, 7.0f, stats);
       }
     }
   }
@@ -95,6 +105,7 @@ TEST_P(GemmLevelTest, RowPanelsAndPanelRangesMatchNaiveGemm) {
   const uint64_t seed = TestSeed(1502);
   SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
   std::mt19937_64 rng(seed);
+  FidelityStats stats(std::string("row panels, ") + SimdLevelName(GetParam()));
   for (int64_t rows : {1, 6, 11, 32}) {
     for (int64_t columns : {3, 16, 49, 64, 80, 112}) {  // wide tiles from an odd panel on
       for (int64_t depth : {1, 16, 33}) {
@@ -114,7 +125,7 @@ TEST_P(GemmLevelTest, RowPanelsAndPanelRangesMatchNaiveGemm) {
                    end_panel, 1.0f, nullptr, c.data(), columns, accumulate);
         ExpectGemm(a, depth, rows, depth, [&](int64_t k, int64_t j) { return b[k * ldb + j]; },
                    first_panel * kPanelWidth, columns, columns, 1.0f,
-                   accumulate ? sevens.data() : nullptr, c, 7.0f);
+                   accumulate ? sevens.data() : nullptr, c, 7.0f, stats);
       }
     }
   }
@@ -126,6 +137,7 @@ TEST_P(GemmLevelTest, LinearForwardMatchesNaiveOnBothPaths) {
   const uint64_t seed = TestSeed(1503);
   SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
   std::mt19937_64 rng(seed);
+  FidelityStats stats(std::string("LinearForward, ") + SimdLevelName(GetParam()));
   for (int threads : {1, 2}) {
     ThreadPool pool(threads);
     for (int64_t rows : {1, 9, 40, 70, 300}) {  // 300: past a row chunk (128)
@@ -143,10 +155,48 @@ TEST_P(GemmLevelTest, LinearForwardMatchesNaiveOnBothPaths) {
                         packed.panels(), GetParam(), max_packed_rows);
           ExpectGemm(x, in_features, rows, in_features,
                      [&](int64_t k, int64_t j) { return w[j * in_features + k]; }, 0,
-                     out_features, out_features, 1.0f, bias.data(), y, 7.0f);
+                     out_features, out_features, 1.0f, bias.data(), y, 7.0f, stats);
         }
       }
     }
+  }
+}
+
+// Issue 23: one FMA chain over a whole projection row (depth 768) erred more than
+// OpenBLAS's sgemm on the same operands, which PyTorch's float32 error tracks. The
+// microkernel must be at least as accurate as OpenBLAS, measured in the same run.
+TEST_P(GemmLevelTest, AtLeastAsAccurateAsOpenBlasOnProjectionDepths) {
+  const uint64_t seed = TestSeed(2301);
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
+  std::mt19937_64 rng(seed);
+  const int64_t rows = 64, columns = 512;
+  for (int64_t depth : {256, 768, 1024}) {
+    SCOPED_TRACE("depth " + std::to_string(depth));
+    const std::vector<float> a = Uniform(rng, rows * depth);
+    std::vector<float> w = Uniform(rng, columns * depth);
+    for (float& v : w) v /= std::sqrt(static_cast<float>(depth));  // as nn.Linear's init
+    std::vector<float> panels(PanelFloats(depth, columns));
+    PackTransposed(w.data(), columns, depth, depth, panels.data(), GetParam());
+    std::vector<float> fast(rows * columns), openblas(rows * columns);
+    GemmPanels(GetParam(), a.data(), depth, rows, panels.data(), depth, columns, 0,
+               PanelCount(columns), 1.0f, nullptr, fast.data(), columns);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, columns, depth, 1.0f, a.data(),
+                depth, w.data(), depth, 0.0f, openblas.data(), columns);
+    std::vector<double> oracle(rows * columns);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t j = 0; j < columns; ++j) {
+        double sum = 0;
+        for (int64_t k = 0; k < depth; ++k) {
+          sum += static_cast<double>(a[r * depth + k]) * w[j * depth + k];
+        }
+        oracle[r * columns + j] = sum;
+      }
+    }
+    const double fast_error = testing::MaxError<float>(fast, oracle);
+    const double openblas_error = testing::MaxError<float>(openblas, oracle);
+    std::printf("depth %ld, %s: max error %.3g, OpenBLAS %.3g\n", static_cast<long>(depth),
+                SimdLevelName(GetParam()), fast_error, openblas_error);
+    EXPECT_LE(fast_error, openblas_error);
   }
 }
 
