@@ -4,6 +4,9 @@
 #include <limits>
 #include <set>
 
+#include "absl/algorithm/container.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
 #include "server/request_validation.h"
@@ -53,6 +56,45 @@ absl::StatusOr<int64_t> ElementCount(const InputTensor& input) {
   return count;
 }
 
+// INVALID_ARGUMENT when typed contents hold `given` values where the shape needs `count`.
+absl::Status CheckTypedCount(const InputTensor& input, int64_t given, int64_t count) {
+  if (given == count) return absl::OkStatus();
+  return Invalid("inputs[", Quoted(input.name()), "].contents holds ", given, " ",
+                 input.datatype(), " values; its shape needs ", count);
+}
+
+// The typed contents field that carries values of `datatype`; null for FP16 and BF16.
+const char* TypedContentsField(const std::string& datatype) {
+  if (datatype == "FP32") return "fp32_contents";
+  if (datatype == "BOOL") return "bool_contents";
+  if (datatype == "INT64") return "int64_contents";
+  if (datatype == "INT32") return "int_contents";
+  return nullptr;
+}
+
+// INVALID_ARGUMENT naming the typed contents field used when it is not the datatype's:
+// values in another field would otherwise read as an empty tensor.
+absl::Status CheckContentsField(const InputTensor& input) {
+  const char* expected = TypedContentsField(input.datatype());
+  const google::protobuf::Reflection* reflection = input.contents().GetReflection();
+  std::vector<const google::protobuf::FieldDescriptor*> fields;
+  reflection->ListFields(input.contents(), &fields);
+  for (const google::protobuf::FieldDescriptor* field : fields) {
+    if (expected != nullptr && field->name() == expected) continue;
+    const std::string given = absl::StrCat("contents.", field->name(), " holds ",
+                                           reflection->FieldSize(input.contents(), field),
+                                           " values");
+    if (expected == nullptr) {
+      return Invalid("inputs[", Quoted(input.name()), "] is ", input.datatype(),
+                     ", which has no typed contents in the protocol, but its ", given,
+                     "; send it in raw_input_contents");
+    }
+    return Invalid("inputs[", Quoted(input.name()), "] is ", input.datatype(), ", whose values go "
+                   "in contents.", expected, ", but its ", given);
+  }
+  return absl::OkStatus();
+}
+
 // A tokenizer's attention_mask (1 = attend, 0 = padding) as the bytes of a BOOL mask with
 // TRUE_ATTENDS polarity, from `raw` little-endian bytes when given, else from `typed`.
 template <typename Int>
@@ -66,9 +108,8 @@ absl::Status IntegerMaskToBool(const InputTensor& input, const std::string* raw,
                      " bytes; shape and ", input.datatype(), " need ", count, " x ",
                      sizeof(Int));
     }
-  } else if (typed.size() != count) {
-    return Invalid("inputs[", Quoted(input.name()), "].contents holds ", typed.size(), " ",
-                   input.datatype(), " values; its shape needs ", count);
+  } else {
+    RETURN_IF_ERROR(CheckTypedCount(input, typed.size(), count));
   }
   bytes->resize(static_cast<size_t>(count));
   for (int64_t n = 0; n < count; ++n) {
@@ -109,14 +150,20 @@ absl::Status CheckInputParameters(const InputTensor& input, const std::string* r
           absl::StrCat("inputs[", Quoted(input.name()), "].parameters[", Quoted(key),
                        "] is not supported (shared memory inputs are not); send the contents"));
     }
-    const bool is_integer = parameter.parameter_choice_case() == Parameter::kInt64Param ||
-                            parameter.parameter_choice_case() == Parameter::kUint64Param;
-    const uint64_t size = parameter.parameter_choice_case() == Parameter::kInt64Param
-                              ? static_cast<uint64_t>(parameter.int64_param())
-                              : parameter.uint64_param();
-    if (raw == nullptr || !is_integer || size != raw->size()) {
+    // Compared and printed as sent: a negative int64 is no size, not a 64-bit wrap-around.
+    std::string sent = "(not an integer)";
+    bool matches = false;
+    if (parameter.parameter_choice_case() == Parameter::kInt64Param) {
+      sent = absl::StrCat(parameter.int64_param());
+      matches = raw != nullptr && parameter.int64_param() >= 0 &&
+                static_cast<uint64_t>(parameter.int64_param()) == raw->size();
+    } else if (parameter.parameter_choice_case() == Parameter::kUint64Param) {
+      sent = absl::StrCat(parameter.uint64_param());
+      matches = raw != nullptr && parameter.uint64_param() == raw->size();
+    }
+    if (!matches) {
       return Invalid("inputs[", Quoted(input.name()), "].parameters[\"binary_data_size\"] = ",
-                     is_integer ? absl::StrCat(size) : std::string("(not an integer)"),
+                     sent,
                      " does not match its raw_input_contents entry (",
                      raw == nullptr ? std::string("none") : absl::StrCat(raw->size(), " bytes"),
                      ")");
@@ -130,6 +177,7 @@ absl::Status ConvertInput(const InputTensor& input, const std::string* raw,
                           const std::vector<std::string>& datatypes, v1::Tensor* tensor) {
   RETURN_IF_ERROR(CheckInputParameters(input, raw));
   ASSIGN_OR_RETURN(const v1::DataType dtype, ParseDatatype(input, datatypes));
+  if (raw == nullptr) RETURN_IF_ERROR(CheckContentsField(input));
   tensor->mutable_shape()->CopyFrom(input.shape());
   if (dtype == v1::DATA_TYPE_UNSPECIFIED) return ConvertIntegerMask(input, raw, tensor);
   tensor->set_dtype(dtype);
@@ -139,15 +187,14 @@ absl::Status ConvertInput(const InputTensor& input, const std::string* raw,
   }
   const inference::InferTensorContents& contents = input.contents();
   if (dtype == v1::FLOAT32) {
+    ASSIGN_OR_RETURN(const int64_t count, ElementCount(input));
+    RETURN_IF_ERROR(CheckTypedCount(input, contents.fp32_contents_size(), count));
     tensor->mutable_float_data()->CopyFrom(contents.fp32_contents());
     return absl::OkStatus();
   }
   if (dtype == v1::BOOL) {
     ASSIGN_OR_RETURN(const int64_t count, ElementCount(input));
-    if (contents.bool_contents_size() != count) {
-      return Invalid("inputs[", Quoted(input.name()), "].contents holds ",
-                     contents.bool_contents_size(), " BOOL values; its shape needs ", count);
-    }
+    RETURN_IF_ERROR(CheckTypedCount(input, contents.bool_contents_size(), count));
     std::string* bytes = tensor->mutable_raw_data();
     bytes->resize(static_cast<size_t>(count));
     for (int64_t n = 0; n < count; ++n) (*bytes)[n] = contents.bool_contents(n) ? 1 : 0;
@@ -338,6 +385,68 @@ absl::Status ToNativeRequest(const inference::ModelInferRequest& request,
   // JSON callers read fp32_contents; the protocol has no typed 16-bit field.
   if (!plan->binary_data) native->set_output_dtype(v1::FLOAT32);
   return PlanOutputs(request, need_weights, plan, options);
+}
+
+absl::Status ToKserveStatus(const absl::Status& status,
+                            const inference::ModelInferRequest& request) {
+  if (status.ok()) return status;
+  // Longer paths first: "query.raw_data" must not be read as "query" then ".raw_data".
+  std::vector<std::pair<std::string, std::string>> renames = {
+      {"layer", "model_name"},
+      {"request_id", "id"},
+      {"options.scale", "parameters[\"scale\"]"},
+      {"options.need_weights", "parameters[\"need_weights\"]"},
+      {"options.queue_timeout_us", "parameters[\"timeout\"]"},
+      {"options.key_padding_polarity", "parameters[\"bool_mask_polarity\"]"},
+      {"options.attn_mask_polarity", "parameters[\"bool_mask_polarity\"]"},
+      {"FLOAT32", "FP32"},
+      {"FLOAT16", "FP16"},
+      {"BFLOAT16", "BF16"}};
+  const std::pair<const char*, const char*> kTensors[] = {
+      {"query", kQuery}, {"key", kKey}, {"value", kValue},
+      {"options.key_padding_mask", kKeyPaddingMask}, {"options.attn_mask", kAttnMask}};
+  for (const auto& [native, name] : kTensors) {
+    const std::string input = absl::StrCat("inputs[\"", name, "\"]");
+    int index = -1;
+    for (int i = 0; i < request.inputs_size(); ++i) {
+      if (request.inputs(i).name() == name) index = i;
+    }
+    renames.emplace_back(absl::StrCat(native, ".raw_data"),
+                         index >= 0 && index < request.raw_input_contents_size()
+                             ? absl::StrCat("raw_input_contents[", index, "] (", input, ")")
+                             : absl::StrCat(input, ".contents"));
+    renames.emplace_back(absl::StrCat(native, ".float_data"),
+                         absl::StrCat(input, ".contents.fp32_contents"));
+    renames.emplace_back(absl::StrCat(native, ".dtype"), absl::StrCat(input, ".datatype"));
+    renames.emplace_back(native, input);
+  }
+  auto is_name_char = [](char c) { return absl::ascii_isalnum(c) || c == '_'; };
+  const absl::string_view message = status.message();
+  std::string renamed;
+  bool quoted = false;  // caller strings (layer names) are left as they are
+  for (size_t i = 0; i < message.size();) {
+    const bool starts_name =
+        !quoted && (i == 0 || (!is_name_char(message[i - 1]) && message[i - 1] != '.'));
+    const std::pair<std::string, std::string>* found = nullptr;
+    for (const auto& rename : renames) {
+      if (!starts_name || !absl::StartsWith(message.substr(i), rename.first)) continue;
+      const size_t end = i + rename.first.size();
+      const char next = end < message.size() ? message[end] : ' ';
+      // Plain words (query, key, value, layer) are fields only where a path stands.
+      const bool word = absl::c_all_of(rename.first, absl::ascii_islower);
+      if (is_name_char(next) || (word && i != 0 && next != '.' && next != '[')) continue;
+      found = &rename;
+      break;
+    }
+    if (found != nullptr) {
+      renamed += found->second;
+      i += found->first.size();
+      continue;
+    }
+    quoted ^= message[i] == '"';
+    renamed += message[i++];
+  }
+  return absl::Status(status.code(), renamed);
 }
 
 const char* DatatypeName(v1::DataType dtype) {

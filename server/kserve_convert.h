@@ -7,8 +7,9 @@
 //            for cross-attention; key_padding_mask [B, Nk] BOOL (polarity below) or INT64 /
 //            INT32 as a tokenizer's attention_mask (1 = attend, 0 = padding); attn_mask BOOL
 //            or FP32 (additive), broadcastable to [B, H, Nq, Nk].
-//            Contents in raw_input_contents (all inputs) or typed contents (FP32, BOOL,
-//            INT64, INT32; FP16 and BF16 have no typed field).
+//            Contents in raw_input_contents (all inputs) or the datatype's typed contents
+//            (fp32_contents, bool_contents, int64_contents, int_contents for INT32; FP16 and
+//            BF16 have none); values in another typed field are refused naming it.
 //   outputs  output [B, Nq, output_dim]; attention_weights [B, Nq, Nk] averaged over heads
 //            or [B, H, Nq, Nk] per head. Raw little-endian bytes unless binary_data_output
 //            is false (then FP32 in contents.fp32_contents, for JSON callers).
@@ -46,6 +47,13 @@ struct OutputPlan {
 // input, parameter or output and its values otherwise.
 absl::Status ToNativeRequest(const inference::ModelInferRequest& request,
                              v1::MultiHeadAttentionRequest* native, OutputPlan* plan);
+
+// `status` of the native request ToNativeRequest made from `request`, its message in the
+// protocol's names: query.raw_data -> raw_input_contents[0] (inputs["query"]),
+// options.attn_mask -> inputs["attn_mask"], layer -> model_name, request_id -> id,
+// FLOAT32 -> FP32. The code is kept.
+absl::Status ToKserveStatus(const absl::Status& status,
+                            const inference::ModelInferRequest& request);
 
 // Moves the native answer's tensors into `response` as `plan` says.
 void ToInferResponse(v1::MultiHeadAttentionResponse& native, const OutputPlan& plan,

@@ -75,8 +75,17 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::Answer(grpc::CallbackServerConte
 }
 
 absl::StatusOr<std::shared_ptr<const LayerSnapshot>> InferenceServiceImpl::FindModel(
-    const std::string& name, const std::string& version) const {
-  ASSIGN_OR_RETURN(std::shared_ptr<const LayerSnapshot> snapshot, registry_.Get(name));
+    absl::string_view field, const std::string& name, const std::string& version) const {
+  absl::StatusOr<std::shared_ptr<const LayerSnapshot>> found = registry_.Get(name);
+  if (found.status().code() == absl::StatusCode::kNotFound) {
+    // The registry's message names the native field (layer).
+    std::vector<std::string> loaded;
+    for (const auto& snapshot : registry_.List()) loaded.push_back(snapshot->name);
+    return absl::NotFoundError(absl::StrCat(field, " = ", Quoted(name),
+                                            " is not a loaded model (loaded: ",
+                                            ListForMessage(loaded), ")"));
+  }
+  ASSIGN_OR_RETURN(std::shared_ptr<const LayerSnapshot> snapshot, std::move(found));
   if (!version.empty() && version != absl::StrCat(snapshot->version)) {
     return absl::NotFoundError(absl::StrCat("model ", Quoted(name), " has version ",
                                             snapshot->version, ", not ", Quoted(version)));
@@ -109,7 +118,7 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelReady(
   metrics_.CallStarted();
   absl::Status status = CheckKnownFields(*request);
   if (status.ok()) {
-    const auto found = FindModel(request->name(), request->version());
+    const auto found = FindModel("name", request->name(), request->version());
     // Not ready is an answer, as in Triton; only a malformed request is an error.
     if (!found.ok() && found.status().code() != absl::StatusCode::kNotFound) {
       status = found.status();
@@ -138,7 +147,7 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelMetadata(
   metrics_.CallStarted();
   absl::Status status = CheckKnownFields(*request);
   if (status.ok()) {
-    const auto snapshot = FindModel(request->name(), request->version());
+    const auto snapshot = FindModel("name", request->name(), request->version());
     status = snapshot.status();
     if (status.ok()) {
       response->set_name((*snapshot)->name);
@@ -163,8 +172,8 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(
   };
   auto call = std::make_shared<Call>();
   absl::Status status = kserve::ToNativeRequest(*request, &call->request, &call->plan);
-  if (status.ok() && !request->model_version().empty()) {
-    status = FindModel(request->model_name(), request->model_version()).status();
+  if (status.ok()) {
+    status = FindModel("model_name", request->model_name(), request->model_version()).status();
   }
   if (status.ok()) {
     status = native_.SubmitMultiHeadAttention(
@@ -174,9 +183,11 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(
           if (result.ok()) {
             kserve::ToInferResponse(call->response, call->plan, request->model_name(), response);
           }
-          native_.Finish(reactor, "ModelInfer", start, result, request->id());
+          native_.Finish(reactor, "ModelInfer", start, kserve::ToKserveStatus(result, *request),
+                         request->id());
         },
         /*borrow_inputs=*/true);  // `call` holds the request until then
+    status = kserve::ToKserveStatus(status, *request);
   }
   if (!status.ok()) native_.Finish(reactor, "ModelInfer", start, status, request->id());
   return reactor;
@@ -192,7 +203,7 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelStatistics(
   if (status.ok() && request->name().empty()) {
     layers = registry_.List();
   } else if (status.ok()) {
-    auto snapshot = FindModel(request->name(), request->version());
+    auto snapshot = FindModel("name", request->name(), request->version());
     status = snapshot.status();
     if (status.ok()) layers.push_back(*std::move(snapshot));
   }

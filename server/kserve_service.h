@@ -52,8 +52,10 @@ class InferenceServiceImpl final : public inference::GRPCInferenceService::Callb
       inference::RepositoryModelUnloadResponse* response) override;
 
  private:
-  // The loaded layer `name` at `version` (empty: any); NOT_FOUND otherwise.
-  absl::StatusOr<std::shared_ptr<const LayerSnapshot>> FindModel(const std::string& name,
+  // The loaded layer `name` at `version` (empty: any); NOT_FOUND naming `field` (the
+  // request's field that holds the name) otherwise.
+  absl::StatusOr<std::shared_ptr<const LayerSnapshot>> FindModel(absl::string_view field,
+                                                                 const std::string& name,
                                                                  const std::string& version) const;
   // Answers a call that completes on the gRPC thread.
   grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* context, absl::string_view method,

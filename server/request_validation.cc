@@ -51,6 +51,49 @@ std::string Amount(int64_t value) {
   return value == kSaturated ? std::string("more than 2^63") : absl::StrCat(value);
 }
 
+void CollectUnknownFields(const google::protobuf::Message& message, const std::string& path,
+                          std::vector<std::string>* problems);
+
+// A map entry's key as a path shows it: parameters["timeout"], or a number unquoted.
+std::string MapKeyText(const google::protobuf::Message& entry) {
+  using google::protobuf::FieldDescriptor;
+  const google::protobuf::Reflection* reflection = entry.GetReflection();
+  const FieldDescriptor* key = entry.GetDescriptor()->map_key();
+  switch (key->cpp_type()) {
+    case FieldDescriptor::CPPTYPE_STRING: return Quoted(reflection->GetString(entry, key));
+    case FieldDescriptor::CPPTYPE_INT32: return absl::StrCat(reflection->GetInt32(entry, key));
+    case FieldDescriptor::CPPTYPE_INT64: return absl::StrCat(reflection->GetInt64(entry, key));
+    case FieldDescriptor::CPPTYPE_UINT32: return absl::StrCat(reflection->GetUInt32(entry, key));
+    case FieldDescriptor::CPPTYPE_UINT64: return absl::StrCat(reflection->GetUInt64(entry, key));
+    case FieldDescriptor::CPPTYPE_BOOL: return reflection->GetBool(entry, key) ? "true" : "false";
+    default: return "?";
+  }
+}
+
+// The values of `map` (a field of `message`, at `path`) with their keys in the path, e.g.
+// parameters["timeout"]: they hold unknown fields as any message does.
+void CollectUnknownFieldsInMap(const google::protobuf::Message& message,
+                               const google::protobuf::FieldDescriptor* map,
+                               const std::string& path, std::vector<std::string>* problems) {
+  const google::protobuf::FieldDescriptor* value = map->message_type()->map_value();
+  if (value->cpp_type() != google::protobuf::FieldDescriptor::CPPTYPE_MESSAGE) return;
+  // Weight tensors are walked in place: reflection's view of a map copies every entry, and
+  // protobuf 3.21 keeps its map iterators private.
+  if (const auto* weights = dynamic_cast<const v1::LayerWeights*>(&message)) {
+    for (const auto& [name, tensor] : weights->tensors()) {
+      CollectUnknownFields(tensor, absl::StrCat(path, "[", Quoted(name), "]"), problems);
+    }
+    return;
+  }
+  // Other maps are a request's few parameters: their {key, value} entries are small.
+  const google::protobuf::Reflection* reflection = message.GetReflection();
+  for (int i = 0; i < reflection->FieldSize(message, map); ++i) {
+    const google::protobuf::Message& entry = reflection->GetRepeatedMessage(message, map, i);
+    CollectUnknownFields(entry.GetReflection()->GetMessage(entry, value),
+                         absl::StrCat(path, "[", MapKeyText(entry), "]"), problems);
+  }
+}
+
 // Appends one line per message under `message` (at `path`) that holds unknown fields.
 void CollectUnknownFields(const google::protobuf::Message& message, const std::string& path,
                           std::vector<std::string>* problems) {
@@ -69,14 +112,7 @@ void CollectUnknownFields(const google::protobuf::Message& message, const std::s
     if (field->cpp_type() != google::protobuf::FieldDescriptor::CPPTYPE_MESSAGE) continue;
     const std::string name = path.empty() ? field->name() : absl::StrCat(path, ".", field->name());
     if (field->is_map()) {
-      // Reflection over a map syncs a mutable internal copy of a const message; the one map
-      // of the API is walked through its generated accessors instead.
-      if (const auto* weights = dynamic_cast<const v1::LayerWeights*>(&message)) {
-        for (const auto& [tensor_name, tensor] : weights->tensors()) {
-          CollectUnknownFields(tensor, absl::StrCat(name, "[", Quoted(tensor_name), "]"),
-                               problems);
-        }
-      }
+      CollectUnknownFieldsInMap(message, field, name, problems);
       continue;
     }
     if (!field->is_repeated()) {

@@ -77,9 +77,11 @@ absl::Status CheckInlineLayerBytes(int64_t weight_bytes, const RequestBudget& bu
 absl::Status CheckFinite(absl::Span<const float> values, absl::Span<const int64_t> shape,
                          absl::string_view field, bool allow_negative_infinity = false);
 
-// UNIMPLEMENTED naming the field numbers `request` (or any message inside it) carries that
-// this server does not know, e.g. a mask added by a newer client, and the message they sit
-// in: nothing a caller sends is silently ignored.
+// UNIMPLEMENTED naming the field numbers `request` (or any message inside it, map values
+// included, as parameters["timeout"]) carries that this server does not know, e.g. a mask
+// added by a newer client, and the message they sit in: nothing a caller sends is silently
+// ignored. (Fields beside key and value in a map entry itself never get here: protobuf's
+// parser drops them.)
 absl::Status CheckKnownFields(const google::protobuf::Message& request);
 
 // Whether `given` equals `expected`, in time that depends only on expected's length (for

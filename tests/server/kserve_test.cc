@@ -2,8 +2,10 @@
 // translation with its status and message, the mapping of inputs, parameters and outputs,
 // and calls through a real server (answers equal the native RPC's bitwise; repository loads
 // and unloads follow the admin token).
+#include <cmath>
 #include <cstring>
 #include <functional>
+#include <tuple>
 
 #include <grpcpp/create_channel.h>
 
@@ -90,6 +92,36 @@ std::vector<InferCase> InferCases() {
          (*r.mutable_inputs(0)->mutable_parameters())["binary_data_size"].set_int64_param(9216);
        },
        C::kInvalidArgument, "does not match its raw_input_contents entry (none)"},
+      {"negative binary_data_size", [](auto& r) {
+         (*r.mutable_inputs(0)->mutable_parameters())["binary_data_size"].set_int64_param(-5);
+       },
+       C::kInvalidArgument, "inputs[\"query\"].parameters[\"binary_data_size\"] = -5 does not "
+       "match its raw_input_contents entry (9216 bytes)"},
+      {"FP32 in int_contents", [](auto& r) {
+         r.clear_raw_input_contents();
+         for (int v : {1, 2, 3}) r.mutable_inputs(0)->mutable_contents()->add_int_contents(v);
+       },
+       C::kInvalidArgument, "inputs[\"query\"] is FP32, whose values go in "
+       "contents.fp32_contents, but its contents.int_contents holds 3 values"},
+      {"FP16 in fp32_contents", [](auto& r) {
+         r.clear_raw_input_contents();
+         r.mutable_inputs(0)->set_datatype("FP16");
+         r.mutable_inputs(0)->mutable_contents()->mutable_fp32_contents()->Resize(3 * 768, 0.0f);
+       },
+       C::kInvalidArgument, "inputs[\"query\"] is FP16, which has no typed contents in the "
+       "protocol, but its contents.fp32_contents holds 2304 values; send it in raw_input_contents"},
+      {"INT64 mask in int_contents", [](auto& r) {
+         r.clear_raw_input_contents();
+         r.mutable_inputs(0)->mutable_contents()->mutable_fp32_contents()->Resize(3 * 768, 0.0f);
+         AddInput(r, "key_padding_mask", "INT64", {1, 3})->mutable_contents()->add_int_contents(1);
+       },
+       C::kInvalidArgument, "inputs[\"key_padding_mask\"] is INT64, whose values go in "
+       "contents.int64_contents, but its contents.int_contents holds 1 values"},
+      {"typed FP32 count", [](auto& r) {
+         r.clear_raw_input_contents();
+         r.mutable_inputs(0)->mutable_contents()->add_fp32_contents(1);
+       },
+       C::kInvalidArgument, "inputs[\"query\"].contents holds 1 FP32 values; its shape needs 2304"},
       {"typed FP16", [](auto& r) {
          r.clear_raw_input_contents();
          r.mutable_inputs(0)->set_datatype("FP16");
@@ -393,6 +425,147 @@ TEST_F(KserveServerTest, RepositoryLoadRejections) {
     EXPECT_NE(status.error_message().find(test.message_part), std::string::npos)
         << status.error_message();
   }
+}
+
+// Issue 23: errors found after the translation name the protocol's fields (raw entries,
+// inputs, parameters, model_name, id, FP32), never the native ones they became.
+TEST_F(KserveServerTest, ErrorsNameTheProtocolsFields) {
+  using C = grpc::StatusCode;
+  const std::vector<std::tuple<std::string, std::function<void(ModelInferRequest&)>, C,
+                               std::string>>
+      cases = {
+          {"raw bytes short", [](auto& r) { r.mutable_raw_input_contents(0)->pop_back(); },
+           C::INVALID_ARGUMENT,
+           "raw_input_contents[0] (inputs[\"query\"]) has 9215 bytes; shape [1, 3, 768] of FP32 "
+           "needs 9216"},
+          {"unknown model", [](auto& r) { r.set_model_name("nope"); }, C::NOT_FOUND,
+           "model_name = \"nope\" is not a loaded model (loaded: demo-bert-base)"},
+          {"id too long", [](auto& r) { r.set_id(std::string(300, 'x')); }, C::INVALID_ARGUMENT,
+           "id has 300 bytes; at most 256"},
+          {"wrong embed dim", [](auto& r) {
+             r.mutable_inputs(0)->set_shape(1, 12);
+             r.mutable_inputs(0)->set_shape(2, 192);
+           },
+           C::INVALID_ARGUMENT, "inputs[\"query\"].shape[2] = 192 must equal the layer's embed_dim"},
+          {"zero dim", [](auto& r) {
+             r.mutable_inputs(0)->set_shape(1, 0);
+             r.mutable_raw_input_contents(0)->clear();
+           },
+           C::INVALID_ARGUMENT, "inputs[\"query\"].shape[1] = 0 must be >= 1"},
+          {"mask not broadcastable", [](auto& r) {
+             AddInput(r, "attn_mask", "BOOL", {2, 3});
+             r.add_raw_input_contents(std::string(6, '\0'));
+           },
+           C::INVALID_ARGUMENT, "inputs[\"attn_mask\"] shape [1, 1, 2, 3] is not broadcastable"},
+          {"padding mask shape", [](auto& r) {
+             AddInput(r, "key_padding_mask", "BOOL", {1, 2});
+             r.add_raw_input_contents(std::string(2, '\0'));
+           },
+           C::INVALID_ARGUMENT, "inputs[\"key_padding_mask\"].shape [1, 2] must be [B, Nk]"},
+          {"key without value", [](auto& r) {
+             *r.add_inputs() = r.inputs(0);
+             r.mutable_inputs(1)->set_name("key");
+             r.add_raw_input_contents(r.raw_input_contents(0));
+           },
+           C::INVALID_ARGUMENT, "inputs[\"key\"] is set but value is not"},
+          {"non-finite query", [](auto& r) {
+             const float nan = std::nanf("");
+             std::memcpy(r.mutable_raw_input_contents(0)->data() + 4, &nan, sizeof(nan));
+           },
+           C::INVALID_ARGUMENT, "inputs[\"query\"] holds NaN at [0, 0, 1]"},
+          {"infinite scale", [](auto& r) { (*r.mutable_parameters())["scale"].set_double_param(1e300); },
+           C::INVALID_ARGUMENT, "parameters[\"scale\"] = inf is not finite"},
+      };
+  for (const auto& [name, corrupt, code, message_part] : cases) {
+    SCOPED_TRACE(name);
+    std::mt19937_64 rng(13);
+    ModelInferRequest request = InferRequest(rng, 3);
+    corrupt(request);
+    grpc::ClientContext context;
+    inference::ModelInferResponse response;
+    const grpc::Status status = stub_->ModelInfer(&context, request, &response);
+    EXPECT_EQ(status.error_code(), code) << status.error_message();
+    EXPECT_NE(status.error_message().find(message_part), std::string::npos)
+        << status.error_message();
+    for (const char* native : {"raw_data", "float_data", "request_id", "options.", "FLOAT32",
+                               "layer \""}) {
+      EXPECT_EQ(status.error_message().find(native), std::string::npos)
+          << native << " in: " << status.error_message();
+    }
+  }
+}
+
+// Issue 23: a field the server does not know inside a parameters value (the request's, an
+// input's, an output's, RepositoryModelLoad's and Unload's) is refused, and nothing happens.
+TEST_F(KserveServerTest, UnknownFieldsInsideParameterMapsAreRefused) {
+  auto add_unknown = [](google::protobuf::Message& message) {
+    message.GetReflection()->MutableUnknownFields(&message)->AddVarint(99, 1);
+  };
+  const std::vector<std::pair<std::function<void(ModelInferRequest&)>, std::string>> infer = {
+      {[&](auto& r) { add_unknown((*r.mutable_parameters())["timeout"]); },
+       "parameters[\"timeout\"] (inference.InferParameter) field 99"},
+      {[&](auto& r) {
+         auto& size = (*r.mutable_inputs(0)->mutable_parameters())["binary_data_size"];
+         size.set_int64_param(static_cast<int64_t>(r.raw_input_contents(0).size()));
+         add_unknown(size);
+       },
+       "inputs[0].parameters[\"binary_data_size\"] (inference.InferParameter) field 99"},
+      {[&](auto& r) {
+         auto* output = r.add_outputs();
+         output->set_name("output");
+         add_unknown((*output->mutable_parameters())["binary_data"]);
+       },
+       "outputs[0].parameters[\"binary_data\"] (inference.InferParameter) field 99"},
+  };
+  for (const auto& [corrupt, message_part] : infer) {
+    SCOPED_TRACE(message_part);
+    std::mt19937_64 rng(17);
+    ModelInferRequest request = InferRequest(rng, 2);
+    corrupt(request);
+    grpc::ClientContext context;
+    inference::ModelInferResponse response;
+    const grpc::Status status = stub_->ModelInfer(&context, request, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::UNIMPLEMENTED) << status.error_message();
+    EXPECT_NE(status.error_message().find(message_part), std::string::npos)
+        << status.error_message();
+  }
+
+  inference::RepositoryModelLoadRequest load;
+  load.set_model_name("small");
+  auto& config = (*load.mutable_parameters())["config"];
+  config.set_string_param(
+      R"({"spec": {"config": {"embedDim": 8, "numHeads": 2}, "randomInit": {"seed": 5}}})");
+  add_unknown(config);
+  {
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", "Bearer s3cret");
+    inference::RepositoryModelLoadResponse loaded;
+    const grpc::Status status = stub_->RepositoryModelLoad(&context, load, &loaded);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::UNIMPLEMENTED) << status.error_message();
+    EXPECT_NE(status.error_message().find(
+                  "parameters[\"config\"] (inference.ModelRepositoryParameter) field 99"),
+              std::string::npos)
+        << status.error_message();
+  }
+  EXPECT_FALSE(server_->registry().Get("small").ok()) << "nothing was loaded";
+
+  inference::RepositoryModelUnloadRequest unload;
+  unload.set_model_name(kDemoLayerName);
+  auto& dependents = (*unload.mutable_parameters())["unload_dependents"];
+  dependents.set_bool_param(true);
+  add_unknown(dependents);
+  {
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", "Bearer s3cret");
+    inference::RepositoryModelUnloadResponse unloaded;
+    const grpc::Status status = stub_->RepositoryModelUnload(&context, unload, &unloaded);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::UNIMPLEMENTED) << status.error_message();
+    EXPECT_NE(status.error_message().find("parameters[\"unload_dependents\"] "
+                                          "(inference.ModelRepositoryParameter) field 99"),
+              std::string::npos)
+        << status.error_message();
+  }
+  EXPECT_TRUE(server_->registry().Get(kDemoLayerName).ok()) << "nothing was unloaded";
 }
 
 TEST_F(KserveServerTest, StatisticsCountComputedRequests) {

@@ -149,6 +149,16 @@ std::vector<MhaCase> MhaCases() {
        C::kInvalidArgument, "query.raw_data has 7679 bytes; shape [1, 5, 768] of FLOAT16 needs 7680"},
       {"request id too long", [](auto& r) { r.set_request_id(std::string(300, 'x')); },
        C::kInvalidArgument, "request_id has 300 bytes; at most 256"},
+      {"unknown field in an inline weight tensor", [](auto& r) {
+         r.clear_layer();
+         r.mutable_inline_layer()->mutable_config()->set_embed_dim(768);
+         r.mutable_inline_layer()->mutable_config()->set_num_heads(12);
+         v1::Tensor& tensor =
+             (*r.mutable_inline_layer()->mutable_inline_weights()->mutable_tensors())["q_proj.weight"];
+         tensor.GetReflection()->MutableUnknownFields(&tensor)->AddVarint(33, 1);
+       },
+       C::kUnimplemented,
+       "inline_layer.inline_weights.tensors[\"q_proj.weight\"] (attention.v1.Tensor) field 33"},
       {"safetensors inline layer", [](auto& r) {
          r.clear_layer();
          r.mutable_inline_layer()->mutable_config()->set_embed_dim(768);

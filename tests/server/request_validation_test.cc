@@ -1,7 +1,16 @@
 // Request costs from shapes, with overflow-checked arithmetic, and the budgets they meet.
 #include "server/request_validation.h"
 
+#include <functional>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "attention/v1/attention.pb.h"
+#include "google/protobuf/descriptor.h"
 #include "gtest/gtest.h"
+#include "inference/grpc_service.pb.h"
 
 namespace attention::server {
 namespace {
@@ -114,6 +123,115 @@ TEST(RequestBudgetTest, InlineLayerWeightsCountAsRequestMemory) {
   EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(status.message().find("inline_layer needs 1001 bytes of weights"), std::string::npos)
       << status;
+}
+
+void AddUnknownField(google::protobuf::Message* message, int number) {
+  message->GetReflection()->MutableUnknownFields(message)->AddVarint(number, 1);
+}
+
+// The map fields of every message reachable from a request of `service`'s methods.
+void CollectMaps(const google::protobuf::Descriptor* message,
+                 std::set<const google::protobuf::Descriptor*>* seen,
+                 std::set<std::string>* maps) {
+  if (!seen->insert(message).second) return;
+  for (int i = 0; i < message->field_count(); ++i) {
+    const google::protobuf::FieldDescriptor* field = message->field(i);
+    if (field->message_type() == nullptr) continue;
+    if (field->is_map()) maps->insert(field->full_name());
+    CollectMaps(field->message_type(), seen, maps);
+  }
+}
+
+// Issue 23: a field the server does not know inside a map value (an InferParameter, a
+// ModelRepositoryParameter, a weight Tensor) is refused as anywhere else, the map key in
+// the path; one case per map of every request either protocol accepts.
+TEST(CheckKnownFieldsTest, UnknownFieldsInsideEveryMapAreRefused) {
+  struct Case {
+    std::string map;  // the map field's full name
+    std::function<std::unique_ptr<google::protobuf::Message>()> make;
+    std::string message_part;
+  };
+  const std::vector<Case> cases = {
+      {"attention.v1.LayerWeights.tensors",
+       [] {
+         auto load = std::make_unique<v1::LoadLayerRequest>();
+         AddUnknownField(&(*load->mutable_spec()->mutable_inline_weights()
+                                ->mutable_tensors())["q_proj.weight"],
+                         33);
+         return load;
+       },
+       "spec.inline_weights.tensors[\"q_proj.weight\"] (attention.v1.Tensor) field 33"},
+      {"inference.ModelInferRequest.parameters",
+       [] {
+         auto infer = std::make_unique<inference::ModelInferRequest>();
+         AddUnknownField(&(*infer->mutable_parameters())["timeout"], 9);
+         return infer;
+       },
+       "parameters[\"timeout\"] (inference.InferParameter) field 9"},
+      {"inference.ModelInferRequest.InferInputTensor.parameters",
+       [] {
+         auto infer = std::make_unique<inference::ModelInferRequest>();
+         infer->add_inputs();
+         AddUnknownField(&(*infer->add_inputs()->mutable_parameters())["binary_data_size"], 10);
+         return infer;
+       },
+       "inputs[1].parameters[\"binary_data_size\"] (inference.InferParameter) field 10"},
+      {"inference.ModelInferRequest.InferRequestedOutputTensor.parameters",
+       [] {
+         auto infer = std::make_unique<inference::ModelInferRequest>();
+         AddUnknownField(&(*infer->add_outputs()->mutable_parameters())["classification"], 11);
+         return infer;
+       },
+       "outputs[0].parameters[\"classification\"] (inference.InferParameter) field 11"},
+      {"inference.RepositoryModelLoadRequest.parameters",
+       [] {
+         auto load = std::make_unique<inference::RepositoryModelLoadRequest>();
+         AddUnknownField(&(*load->mutable_parameters())["config"], 12);
+         return load;
+       },
+       "parameters[\"config\"] (inference.ModelRepositoryParameter) field 12"},
+      {"inference.RepositoryModelUnloadRequest.parameters",
+       [] {
+         auto unload = std::make_unique<inference::RepositoryModelUnloadRequest>();
+         AddUnknownField(&(*unload->mutable_parameters())["unload_dependents"], 13);
+         return unload;
+       },
+       "parameters[\"unload_dependents\"] (inference.ModelRepositoryParameter) field 13"},
+  };
+  std::set<std::string> tested;
+  for (const Case& test : cases) {
+    SCOPED_TRACE(test.map);
+    tested.insert(test.map);
+    const std::unique_ptr<google::protobuf::Message> message = test.make();
+    // Through the wire, as the server receives it.
+    std::unique_ptr<google::protobuf::Message> received(message->New());
+    ASSERT_TRUE(received->ParseFromString(message->SerializeAsString()));
+    const google::protobuf::Message& request = *received;  // the server's view is const
+    const absl::Status status = CheckKnownFields(request);
+    EXPECT_EQ(status.code(), absl::StatusCode::kUnimplemented) << status;
+    EXPECT_NE(status.message().find(test.message_part), std::string::npos) << status;
+  }
+  // Every map a request of either service reaches has its case; a new map needs one.
+  std::set<std::string> maps;
+  std::set<const google::protobuf::Descriptor*> seen;
+  for (const char* name : {"attention.v1.AttentionService", "inference.GRPCInferenceService"}) {
+    const google::protobuf::ServiceDescriptor* service =
+        google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(name);
+    ASSERT_NE(service, nullptr) << name;
+    for (int m = 0; m < service->method_count(); ++m) {
+      CollectMaps(service->method(m)->input_type(), &seen, &maps);
+    }
+  }
+  EXPECT_EQ(maps, tested);
+}
+
+TEST(CheckKnownFieldsTest, MapsWithoutUnknownFieldsPassAndStayIntact) {
+  inference::ModelInferRequest request;
+  (*request.mutable_parameters())["timeout"].set_int64_param(5);
+  (*request.add_inputs()->mutable_parameters())["binary_data_size"].set_int64_param(4);
+  EXPECT_TRUE(CheckKnownFields(request).ok());
+  EXPECT_EQ(request.parameters().at("timeout").int64_param(), 5);
+  EXPECT_EQ(request.inputs(0).parameters().at("binary_data_size").int64_param(), 4);
 }
 
 }  // namespace
