@@ -97,6 +97,11 @@ ABSL_FLAG(std::string, tokens, "16",
           "from [LO, HI] for each request");
 ABSL_FLAG(int64_t, embed_dim, 0,
           "E of the query; 0 = ask the server (GetLayer); set it to skip the lookup");
+ABSL_FLAG(int64_t, inline_layer_heads, 0,
+          "when > 0, every request carries an inline layer instead of naming --layer: "
+          "embed_dim --embed_dim (required), this many heads, random init seeded by "
+          "--inline_layer_seed (the same layer in every request)");
+ABSL_FLAG(uint64_t, inline_layer_seed, 1, "seed of the inline layer's random weights");
 ABSL_FLAG(std::string, dtype, "float32", "wire dtype: float32, float16 or bfloat16");
 ABSL_FLAG(bool, causal, false, "causal attention");
 ABSL_FLAG(double, duration, 10, "measured seconds");
@@ -161,6 +166,8 @@ struct Config {
   int64_t max_tokens = 16;
   std::string tokens_flag;
   int64_t embed_dim = 0;
+  int64_t inline_layer_heads = 0;  // > 0: requests carry an inline layer
+  uint64_t inline_layer_seed = 1;
   std::string dtype_name;
   attention::core::DType dtype = attention::core::DType::kFloat32;
   bool causal = false;
@@ -222,6 +229,14 @@ bool ReadConfig(Config* c) {
   }
   c->embed_dim = absl::GetFlag(FLAGS_embed_dim);
   if (c->embed_dim < 0) return fail(absl::StrCat("--embed_dim must be >= 0, not ", c->embed_dim));
+  c->inline_layer_heads = absl::GetFlag(FLAGS_inline_layer_heads);
+  c->inline_layer_seed = absl::GetFlag(FLAGS_inline_layer_seed);
+  if (c->inline_layer_heads < 0) {
+    return fail(absl::StrCat("--inline_layer_heads must be >= 0, not ", c->inline_layer_heads));
+  }
+  if (c->inline_layer_heads > 0 && c->embed_dim == 0) {
+    return fail("--inline_layer_heads needs --embed_dim (there is no layer to ask)");
+  }
   c->dtype_name = absl::GetFlag(FLAGS_dtype);
   if (c->dtype_name == "float32") {
     c->dtype = attention::core::DType::kFloat32;
@@ -282,7 +297,14 @@ class RequestFactory {
 
   std::unique_ptr<Request> Make(int64_t tokens) const {
     auto request = std::make_unique<Request>();
-    request->set_layer(config_.layer);
+    if (config_.inline_layer_heads > 0) {
+      v1::LayerSpec* spec = request->mutable_inline_layer();
+      spec->mutable_config()->set_embed_dim(config_.embed_dim);
+      spec->mutable_config()->set_num_heads(config_.inline_layer_heads);
+      spec->mutable_random_init()->set_seed(config_.inline_layer_seed);
+    } else {
+      request->set_layer(config_.layer);
+    }
     v1::Tensor* query = request->mutable_query();
     query->set_dtype(wire_dtype_);
     query->add_shape(config_.batch);

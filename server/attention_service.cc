@@ -219,63 +219,121 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::MultiHeadAttention(
   const absl::Time start = absl::Now();
   metrics_.CallStarted();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  auto submit = [this, context, request, response, reactor, start] {
+  auto submit = [this, context, request, response, reactor,
+                 start](std::shared_ptr<const LayerSnapshot> inline_layer) {
     return SubmitMultiHeadAttention(
         *request, Deadline(context), [context] { return context->IsCancelled(); }, response,
         [this, reactor, start, request](const absl::Status& result) {
           Finish(reactor, "MultiHeadAttention", start, result, request->request_id());
         },
-        /*borrow_inputs=*/true);  // gRPC holds the request until Finish
+        /*borrow_inputs=*/true,  // gRPC holds the request until Finish
+        std::move(inline_layer));
   };
   // A refused request is answered here; a queued one by its batch worker.
   auto answer_refusal = [this, reactor, start, request](const absl::Status& status) {
     if (!status.ok()) Finish(reactor, "MultiHeadAttention", start, status, request->request_id());
   };
-  // An inline layer is built on the loader pool, never on a gRPC thread.
   if (!request->has_inline_layer()) {
-    answer_refusal(submit());
-  } else if (!loader_.TrySubmit(std::move(submit), answer_refusal)) {
-    answer_refusal(LoaderBusy());
+    answer_refusal(submit(nullptr));
+    return reactor;
+  }
+  absl::StatusOr<InlineLayerLookup> lookup = LookUpInlineLayer(*request);
+  if (!lookup.ok()) {
+    answer_refusal(lookup.status());
+  } else if (lookup->cached != nullptr) {
+    answer_refusal(submit(std::move(lookup->cached)));  // a cached layer needs no build
+  } else {
+    // An inline layer is built on the loader pool, never on a gRPC thread.
+    LoaderJob job = CallJob(*request, Deadline(context), &request->options(),
+                            [context] { return context->IsCancelled(); });
+    job.work = [this, request, submit, key = std::move(lookup->key)] {
+      ASSIGN_OR_RETURN(std::shared_ptr<const LayerSnapshot> layer,
+                       BuildInlineLayer(request->inline_layer(), key));
+      return submit(std::move(layer));
+    };
+    job.done = answer_refusal;
+    answer_refusal(loader_.Submit(std::move(job)));
   }
   return reactor;
 }
 
-absl::Status AttentionServiceImpl::LoaderBusy() const {
-  return absl::ResourceExhaustedError(absl::StrCat(
-      loader_.max_jobs(), " layer builds (LoadLayer and inline layers) are already running, "
-      "the server's limit (--max_concurrent_loads); retry later"));
+absl::Status AttentionServiceImpl::LoaderBusy() const { return loader_.QueueFull(); }
+
+LoaderJob AttentionServiceImpl::CallJob(const google::protobuf::Message& request,
+                                        absl::Time deadline, const v1::AttentionOptions* options,
+                                        std::function<bool()> is_cancelled) {
+  LoaderJob job;
+  job.bytes = static_cast<int64_t>(request.ByteSizeLong());
+  job.deadline = deadline;
+  if (options != nullptr) {
+    // A bad queue_timeout_us is refused later, by the request's own validation.
+    job.deadline = QueueDeadline(*options, deadline, absl::Now()).value_or(deadline);
+  }
+  job.is_cancelled = std::move(is_cancelled);
+  return job;
+}
+
+absl::Status AttentionServiceImpl::CheckMultiHeadAttentionRequest(
+    const v1::MultiHeadAttentionRequest& request) const {
+  RETURN_IF_ERROR(CheckKnownFields(request));
+  RETURN_IF_ERROR(CheckRequestId(request.request_id()));
+  if (!request.layer().empty() && request.has_inline_layer()) {
+    return Invalid("layer = ", Quoted(request.layer()), " and inline_layer are both set; give one");
+  }
+  if (request.has_inline_layer() && !access_.allow_inline_layers) {
+    return absl::PermissionDeniedError(
+        "inline_layer is disabled on this server (--allow_inline_layers=false): name a "
+        "loaded layer (see ListLayers)");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<AttentionServiceImpl::InlineLayerLookup> AttentionServiceImpl::LookUpInlineLayer(
+    const v1::MultiHeadAttentionRequest& request) {
+  RETURN_IF_ERROR(CheckMultiHeadAttentionRequest(request));
+  InlineLayerLookup lookup;
+  lookup.key = InlineLayerCache::KeyOf(request.inline_layer());
+  if (lookup.key.has_value()) lookup.cached = inline_cache_.Find(*lookup.key);
+  return lookup;
+}
+
+absl::StatusOr<std::shared_ptr<const LayerSnapshot>> AttentionServiceImpl::BuildInlineLayer(
+    const v1::LayerSpec& spec, const std::optional<std::string>& key) {
+  auto build = [this, &spec]() -> absl::StatusOr<std::shared_ptr<const LayerSnapshot>> {
+    auto inline_snapshot = std::make_shared<LayerSnapshot>();
+    inline_snapshot->name = "(inline)";
+    // An inline layer's weights are this request's memory.
+    auto admit = [this](int64_t bytes) { return CheckInlineLayerBytes(bytes, budget_); };
+    auto built =
+        BuildLayer(spec, "inline_layer", default_backend_, registry_.repository(), admit);
+    // A shape the default device cannot compute falls back to the CPU.
+    if (built.status().code() == absl::StatusCode::kUnimplemented &&
+        default_backend_ != devices_.cpu()) {
+      built = BuildLayer(spec, "inline_layer", devices_.cpu(), registry_.repository(), admit);
+    }
+    ASSIGN_OR_RETURN(inline_snapshot->layer, std::move(built));
+    return inline_snapshot;
+  };
+  if (!key.has_value()) return build();
+  return inline_cache_.GetOrBuild(*key, build);
 }
 
 absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
     const v1::MultiHeadAttentionRequest& request, absl::Time deadline,
     std::function<bool()> is_cancelled, v1::MultiHeadAttentionResponse* response,
-    std::function<void(const absl::Status&)> finish, bool borrow_inputs) {
-  RETURN_IF_ERROR(CheckKnownFields(request));
-  RETURN_IF_ERROR(CheckRequestId(request.request_id()));
+    std::function<void(const absl::Status&)> finish, bool borrow_inputs,
+    std::shared_ptr<const LayerSnapshot> inline_layer) {
+  RETURN_IF_ERROR(CheckMultiHeadAttentionRequest(request));
   std::shared_ptr<const LayerSnapshot> snapshot;
-  if (!request.layer().empty() && request.has_inline_layer()) {
-    return Invalid("layer = ", Quoted(request.layer()), " and inline_layer are both set; give one");
-  }
   if (request.has_inline_layer()) {
-    if (!access_.allow_inline_layers) {
-      return absl::PermissionDeniedError(
-          "inline_layer is disabled on this server (--allow_inline_layers=false): name a "
-          "loaded layer (see ListLayers)");
+    if (inline_layer == nullptr) {
+      ASSIGN_OR_RETURN(InlineLayerLookup lookup, LookUpInlineLayer(request));
+      inline_layer = lookup.cached;
+      if (inline_layer == nullptr) {
+        ASSIGN_OR_RETURN(inline_layer, BuildInlineLayer(request.inline_layer(), lookup.key));
+      }
     }
-    auto inline_snapshot = std::make_shared<LayerSnapshot>();
-    inline_snapshot->name = "(inline)";
-    // An inline layer's weights are this request's memory.
-    auto admit = [this](int64_t bytes) { return CheckInlineLayerBytes(bytes, budget_); };
-    auto built = BuildLayer(request.inline_layer(), "inline_layer", default_backend_,
-                            registry_.repository(), admit);
-    // A shape the default device cannot compute falls back to the CPU.
-    if (built.status().code() == absl::StatusCode::kUnimplemented &&
-        default_backend_ != devices_.cpu()) {
-      built = BuildLayer(request.inline_layer(), "inline_layer", devices_.cpu(),
-                         registry_.repository(), admit);
-    }
-    ASSIGN_OR_RETURN(inline_snapshot->layer, std::move(built));
-    snapshot = std::move(inline_snapshot);
+    snapshot = std::move(inline_layer);
   } else if (request.layer().empty()) {
     return Invalid("layer is empty: name a loaded layer (see ListLayers) or give inline_layer");
   } else {
@@ -494,16 +552,18 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::LoadLayer(grpc::CallbackServerCo
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   absl::Status status = CheckAdmin(*context, "LoadLayer");
   // Reading files and building weights run on the loader pool, never on a gRPC thread.
-  if (status.ok() && !loader_.TrySubmit(
-                         [this, request, response] {
-                           const absl::Status loaded = DoLoadLayer(*request, response);
-                           RefreshLayerMetrics();
-                           return loaded;
-                         },
-                         [this, reactor, start](const absl::Status& loaded) {
-                           Finish(reactor, "LoadLayer", start, loaded);
-                         })) {
-    status = LoaderBusy();
+  if (status.ok()) {
+    LoaderJob job = CallJob(*request, Deadline(context), nullptr,
+                            [context] { return context->IsCancelled(); });
+    job.work = [this, request, response] {
+      const absl::Status loaded = DoLoadLayer(*request, response);
+      RefreshLayerMetrics();
+      return loaded;
+    };
+    job.done = [this, reactor, start](const absl::Status& loaded) {
+      Finish(reactor, "LoadLayer", start, loaded);
+    };
+    status = loader_.Submit(std::move(job));
   }
   if (!status.ok()) Finish(reactor, "LoadLayer", start, status);
   return reactor;
@@ -517,12 +577,14 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::InspectCheckpoint(
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   // The same reads as LoadLayer: the same access check, and file parsing on the loader pool.
   absl::Status status = CheckAdmin(*context, "InspectCheckpoint");
-  if (status.ok() && !loader_.TrySubmit(
-                         [this, request, response] { return DoInspectCheckpoint(*request, response); },
-                         [this, reactor, start](const absl::Status& listed) {
-                           Finish(reactor, "InspectCheckpoint", start, listed);
-                         })) {
-    status = LoaderBusy();
+  if (status.ok()) {
+    LoaderJob job = CallJob(*request, Deadline(context), nullptr,
+                            [context] { return context->IsCancelled(); });
+    job.work = [this, request, response] { return DoInspectCheckpoint(*request, response); };
+    job.done = [this, reactor, start](const absl::Status& listed) {
+      Finish(reactor, "InspectCheckpoint", start, listed);
+    };
+    status = loader_.Submit(std::move(job));
   }
   if (!status.ok()) Finish(reactor, "InspectCheckpoint", start, status);
   return reactor;
@@ -575,9 +637,16 @@ absl::Status AttentionServiceImpl::DoLoadLayer(const v1::LoadLayerRequest& reque
   ASSIGN_OR_RETURN(std::shared_ptr<const core::MhaLayer> layer,
                    BuildLayer(request.spec(), "spec", *std::move(backend), registry_.repository(),
                               [&](int64_t bytes) {
-                                return registry_.CheckBudget(
-                                    request.name(), LayerRegistry::EstimatedHostBytes(bytes, device),
-                                    bytes, device);
+                                auto check = [&] {
+                                  return registry_.CheckBudget(
+                                      request.name(),
+                                      LayerRegistry::EstimatedHostBytes(bytes, device), bytes,
+                                      device);
+                                };
+                                absl::Status budget = check();
+                                // Cached inline layers give way to a loaded one.
+                                if (!budget.ok() && inline_cache_.Clear() > 0) budget = check();
+                                return budget;
                               }));
   ASSIGN_OR_RETURN(
       std::shared_ptr<const LayerSnapshot> snapshot,
@@ -665,20 +734,29 @@ class MultiHeadAttentionStreamReactor final
       core::MutexLock lock(mu_);
       ++pending_;
     }
-    if (!request_.has_inline_layer()) {
-      const absl::Status status = Submit(request_, answer, start);
-      if (!status.ok()) Answer(answer, start, status);
+    absl::StatusOr<AttentionServiceImpl::InlineLayerLookup> lookup;
+    if (request_.has_inline_layer()) lookup = service_.LookUpInlineLayer(request_);
+    absl::Status status;
+    if (!request_.has_inline_layer() || (lookup.ok() && lookup->cached != nullptr)) {
+      status = Submit(request_, answer, start, lookup.ok() ? lookup->cached : nullptr);
+    } else if (!lookup.ok()) {
+      status = lookup.status();
     } else {
       // Built on the loader pool, from a copy: request_ is reused by the next read.
       auto request = std::make_shared<v1::MultiHeadAttentionRequest>(request_);
-      if (!service_.loader_.TrySubmit(
-              [this, request, answer, start] { return Submit(*request, answer, start); },
-              [this, answer, start](const absl::Status& status) {
-                if (!status.ok()) Answer(answer, start, status);
-              })) {
-        Answer(answer, start, service_.LoaderBusy());
-      }
+      LoaderJob job = service_.CallJob(*request, Deadline(context_), &request->options(),
+                                       [this] { return context_->IsCancelled(); });
+      job.work = [this, request, answer, start, key = std::move(lookup->key)] {
+        ASSIGN_OR_RETURN(std::shared_ptr<const LayerSnapshot> layer,
+                         service_.BuildInlineLayer(request->inline_layer(), key));
+        return Submit(*request, answer, start, std::move(layer));
+      };
+      job.done = [this, answer, start](const absl::Status& result) {
+        if (!result.ok()) Answer(answer, start, result);
+      };
+      status = service_.loader_.Submit(std::move(job));
     }
+    if (!status.ok()) Answer(answer, start, status);
     core::MutexLock lock(mu_);
     if (pending_ < kMaxPendingPerStream) {
       StartRead(&request_);
@@ -710,11 +788,13 @@ class MultiHeadAttentionStreamReactor final
   // Validates and queues one request; once queued, its answer comes back through Answer.
   // A refusal is returned for the caller to answer.
   absl::Status Submit(const v1::MultiHeadAttentionRequest& request,
-                      v1::MultiHeadAttentionStreamResponse* answer, absl::Time start) {
+                      v1::MultiHeadAttentionStreamResponse* answer, absl::Time start,
+                      std::shared_ptr<const LayerSnapshot> inline_layer) {
     return service_.SubmitMultiHeadAttention(
         request, Deadline(context_), [this] { return context_->IsCancelled(); },
         answer->mutable_response(),
-        [this, answer, start](const absl::Status& result) { Answer(answer, start, result); });
+        [this, answer, start](const absl::Status& result) { Answer(answer, start, result); },
+        /*borrow_inputs=*/false, std::move(inline_layer));
   }
 
   // Records the answer for one request (on a batch worker, or the reader on rejection).

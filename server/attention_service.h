@@ -5,10 +5,13 @@
 #define ATTENTION_SERVER_ATTENTION_SERVICE_H_
 
 #include <functional>
+#include <optional>
+#include <string>
 
 #include "attention/v1/attention.grpc.pb.h"
 #include "core/devices.h"
 #include "server/batcher.h"
+#include "server/inline_layer_cache.h"
 #include "server/layer_registry.h"
 #include "server/loader_pool.h"
 #include "server/metrics.h"
@@ -38,7 +41,8 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   AttentionServiceImpl(LayerRegistry& registry, Batcher& batcher, Metrics& metrics,
                        RequestLog& log, const RequestBudget& budget, core::Devices& devices,
                        std::shared_ptr<const core::Backend> default_backend,
-                       const AccessPolicy& access, LoaderPool& loader)
+                       const AccessPolicy& access, LoaderPool& loader,
+                       int64_t inline_layer_cache_bytes = kDefaultInlineLayerCacheBytes)
       : registry_(registry),
         batcher_(batcher),
         metrics_(metrics),
@@ -47,10 +51,12 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
         devices_(devices),
         default_backend_(std::move(default_backend)),
         access_(access),
-        loader_(loader) {}
+        loader_(loader),
+        inline_cache_(inline_layer_cache_bytes, registry, &metrics) {}
 
   // Sets the loaded-layer gauges from the registry.
   void RefreshLayerMetrics();
+  const InlineLayerCache& inline_layer_cache() const { return inline_cache_; }
 
   grpc::ServerUnaryReactor* MultiHeadAttention(grpc::CallbackServerContext* context,
                                                const v1::MultiHeadAttentionRequest* request,
@@ -84,11 +90,13 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   // error, `finish` is never called.
   // With `borrow_inputs`, FLOAT32 inputs are read in place from `request`, which must then
   // outlive the call to `finish` (a unary call's request does; a stream reuses its own).
-  absl::Status SubmitMultiHeadAttention(const v1::MultiHeadAttentionRequest& request,
-                                        absl::Time deadline, std::function<bool()> is_cancelled,
-                                        v1::MultiHeadAttentionResponse* response,
-                                        std::function<void(const absl::Status&)> finish,
-                                        bool borrow_inputs = false);
+  // A request's inline layer is `inline_layer` when given (looked up or built already),
+  // else it is taken from the cache or built on the calling thread.
+  absl::Status SubmitMultiHeadAttention(
+      const v1::MultiHeadAttentionRequest& request, absl::Time deadline,
+      std::function<bool()> is_cancelled, v1::MultiHeadAttentionResponse* response,
+      std::function<void(const absl::Status&)> finish, bool borrow_inputs = false,
+      std::shared_ptr<const LayerSnapshot> inline_layer = nullptr);
   // The same for scaled dot-product attention.
   absl::Status SubmitScaledDotProductAttention(
       const v1::ScaledDotProductAttentionRequest& request, absl::Time deadline,
@@ -106,8 +114,25 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   // The Open Inference Protocol's service shares the admin check, loader and call records.
   friend class InferenceServiceImpl;
 
-  // RESOURCE_EXHAUSTED: the loader pool is full.
+  // RESOURCE_EXHAUSTED: the loader pool's queue is full (by length).
   absl::Status LoaderBusy() const;
+  // The checks of a MultiHeadAttention request that come before its layer is found.
+  absl::Status CheckMultiHeadAttentionRequest(const v1::MultiHeadAttentionRequest& request) const;
+  // A request's inline layer before any build: `cached` when the cache holds it, else
+  // `key` (nullopt for layers that are never cached) to build it under.
+  struct InlineLayerLookup {
+    std::shared_ptr<const LayerSnapshot> cached;
+    std::optional<std::string> key;
+  };
+  absl::StatusOr<InlineLayerLookup> LookUpInlineLayer(
+      const v1::MultiHeadAttentionRequest& request);
+  // Builds an inline layer (through the cache under `key`, when given), on this thread.
+  absl::StatusOr<std::shared_ptr<const LayerSnapshot>> BuildInlineLayer(
+      const v1::LayerSpec& spec, const std::optional<std::string>& key);
+  // A loader job for a call: its request's bytes wait against --max_queued_bytes, and it
+  // waits no longer than the call's deadline (and the request's queue_timeout_us).
+  LoaderJob CallJob(const google::protobuf::Message& request, absl::Time deadline,
+                    const v1::AttentionOptions* options, std::function<bool()> is_cancelled);
   // OK, or why the caller may not call the management RPC `method`.
   absl::Status CheckAdmin(const grpc::CallbackServerContext& context,
                           absl::string_view method) const;
@@ -127,6 +152,7 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   const std::shared_ptr<const core::Backend> default_backend_;
   const AccessPolicy access_;
   LoaderPool& loader_;
+  InlineLayerCache inline_cache_;
 };
 
 // Fills `info` from a snapshot.

@@ -49,9 +49,11 @@ absl::Status BatchQueue::Push(std::unique_ptr<WorkItem>& item, absl::Time now) {
   const BatchLimits limits = LimitsFor(item->layer.get());
   Usage& usage = usage_[name];
   absl::Status status;
-  if (bytes_ + item->bytes > options_.max_queued_bytes && !items_.empty()) {
+  const int64_t held = bytes_ + reserved_bytes_;
+  const bool holding = !items_.empty() || reserved_bytes_ > 0;
+  if (held + item->bytes > options_.max_queued_bytes && holding) {
     status = absl::ResourceExhaustedError(absl::StrCat(
-        "the server's queued requests hold ", bytes_, " bytes and this one needs ",
+        "the server's queued requests hold ", held, " bytes and this one needs ",
         item->bytes, ", over the limit of ", options_.max_queued_bytes,
         " (--max_queued_bytes); retry later"));
   } else if (usage.requests >= limits.max_queue_requests) {
@@ -82,6 +84,18 @@ absl::Status BatchQueue::Push(std::unique_ptr<WorkItem>& item, absl::Time now) {
   tokens_ += item->tokens;
   bytes_ += item->bytes;
   items_.push_back(std::move(item));
+  return absl::OkStatus();
+}
+
+absl::Status BatchQueue::Reserve(int64_t bytes, absl::string_view what) {
+  const int64_t held = bytes_ + reserved_bytes_;
+  if (held + bytes > options_.max_queued_bytes && (!items_.empty() || reserved_bytes_ > 0)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the server's queued requests hold ", held, " bytes and this one needs ", bytes,
+        " to wait ", what, ", over the limit of ", options_.max_queued_bytes,
+        " (--max_queued_bytes); retry later"));
+  }
+  reserved_bytes_ += bytes;
   return absl::OkStatus();
 }
 
@@ -198,6 +212,16 @@ void Batcher::Shutdown() {
 int64_t Batcher::QueueDepth() const {
   core::MutexLock lock(mu_);
   return queue_.size();
+}
+
+absl::Status Batcher::ReserveQueuedBytes(int64_t bytes, absl::string_view what) {
+  core::MutexLock lock(mu_);
+  return queue_.Reserve(bytes, what);
+}
+
+void Batcher::ReleaseQueuedBytes(int64_t bytes) {
+  core::MutexLock lock(mu_);
+  queue_.Release(bytes);
 }
 
 void Batcher::WorkerLoop() {

@@ -17,6 +17,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "core/mha_layer.h"
 #include "core/mutex.h"
@@ -105,10 +106,17 @@ class BatchQueue {
   // delay (used when shutting down).
   std::vector<std::unique_ptr<WorkItem>> PopDue(absl::Time now, bool flush, absl::Time* due);
 
+  // Counts `bytes` of a request waiting elsewhere (the loader pool's queue) against
+  // max_queued_bytes, or returns RESOURCE_EXHAUSTED as Push would, naming `what` waits.
+  // Admitted whatever its size when nothing else is held.
+  absl::Status Reserve(int64_t bytes, absl::string_view what);
+  void Release(int64_t bytes) { reserved_bytes_ -= bytes; }
+
   // Requests and query tokens waiting, in all queues.
   int64_t size() const { return static_cast<int64_t>(items_.size()); }
   int64_t tokens() const { return tokens_; }
   int64_t bytes() const { return bytes_; }
+  int64_t reserved_bytes() const { return reserved_bytes_; }
   // Requests waiting in one layer's queue (see QueueName).
   int64_t size(const std::string& queue_name) const;
   // The limits a layer's requests are batched and queued under: the layer's own, else the
@@ -133,6 +141,7 @@ class BatchQueue {
   std::list<std::unique_ptr<WorkItem>> items_;  // arrival order
   int64_t tokens_ = 0;
   int64_t bytes_ = 0;  // of all queues
+  int64_t reserved_bytes_ = 0;  // of requests waiting outside the queues (Reserve)
   absl::flat_hash_map<std::string, Usage> usage_;  // by queue name; no zero entries
 };
 
@@ -152,6 +161,10 @@ class Batcher {
   void Shutdown();
 
   int64_t QueueDepth() const;
+  // BatchQueue::Reserve and Release, for requests waiting outside the batcher, so that
+  // every queue of the server shares one max_queued_bytes.
+  absl::Status ReserveQueuedBytes(int64_t bytes, absl::string_view what);
+  void ReleaseQueuedBytes(int64_t bytes);
   // The limits of layers that do not set their own.
   const BatchLimits& server_limits() const { return server_limits_; }
 

@@ -35,10 +35,12 @@ int64_t LayerRegistry::EstimatedHostBytes(int64_t weight_bytes, const std::strin
 absl::Status LayerRegistry::CheckBudget(const std::string& name, int64_t host_bytes,
                                         int64_t weight_bytes, const std::string& device) const {
   // The host budget counts every layer; a device's budget counts the layers placed on it.
-  int64_t in_use = 0, on_device = 0;
+  int64_t in_use = 0, on_device = 0, cached = 0;
   int others = 0, others_on_device = 0;
   {
     core::ReaderLock lock(mu_);
+    cached = cached_bytes_;
+    in_use = cached;
     for (const auto& [loaded_name, snapshot] : layers_) {
       if (loaded_name == name) continue;  // replaced by this load
       in_use += snapshot->layer->HostBytes();
@@ -55,8 +57,9 @@ absl::Status LayerRegistry::CheckBudget(const std::string& name, int64_t host_by
         " bytes of host memory for its weights",
         device == "cpu" ? " (with the CPU's packed copy)" : "", " but only ",
         std::max<int64_t>(0, max_weight_bytes_ - in_use), " of max_weight_bytes = ",
-        max_weight_bytes_, " are free (", in_use, " in use by ", others,
-        " other layer(s)); unload a layer or raise --max_weight_bytes"));
+        max_weight_bytes_, " are free (", in_use, " in use by ", others, " other layer(s)",
+        cached > 0 ? absl::StrCat(" and ", cached, " by cached inline layers") : "",
+        "); unload a layer or raise --max_weight_bytes"));
   }
   if (device != "cpu" && max_device_weight_bytes_ > 0 &&
       on_device + weight_bytes > max_device_weight_bytes_) {
@@ -142,6 +145,28 @@ int64_t LayerRegistry::weight_bytes() const {
   int64_t bytes = 0;
   for (const auto& [name, snapshot] : layers_) bytes += snapshot->layer->WeightBytes();
   return bytes;
+}
+
+absl::Status LayerRegistry::ReserveCachedBytes(int64_t host_bytes) {
+  // Not under update_mu_, which a Publish holds across its file I/O.
+  int64_t in_use = 0;
+  core::WriterLock lock(mu_);
+  if (max_weight_bytes_ > 0) {
+    for (const auto& [name, snapshot] : layers_) in_use += snapshot->layer->HostBytes();
+    if (in_use + cached_bytes_ + host_bytes > max_weight_bytes_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "caching an inline layer of ", host_bytes, " host bytes would pass max_weight_bytes = ",
+          max_weight_bytes_, " (", in_use, " in use by loaded layers, ", cached_bytes_,
+          " by cached inline layers)"));
+    }
+  }
+  cached_bytes_ += host_bytes;
+  return absl::OkStatus();
+}
+
+void LayerRegistry::ReleaseCachedBytes(int64_t host_bytes) {
+  core::WriterLock lock(mu_);
+  cached_bytes_ -= host_bytes;
 }
 
 std::vector<std::string> LayerRegistry::LoadPersisted(

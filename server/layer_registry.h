@@ -88,6 +88,10 @@ class LayerRegistry {
   static int64_t EstimatedHostBytes(int64_t weight_bytes, const std::string& device);
   // Bytes of weights of all published layers.
   int64_t weight_bytes() const;
+  // Host bytes of cached inline layers (InlineLayerCache), which count against
+  // max_weight_bytes as published layers do. Reserve is RESOURCE_EXHAUSTED past it.
+  absl::Status ReserveCachedBytes(int64_t host_bytes);
+  void ReleaseCachedBytes(int64_t host_bytes);
 
   // Publishes every persisted layer of the repository (marked persisted, files untouched).
   // Returns a description of each file skipped (corrupt, truncated, over budget); never
@@ -111,6 +115,7 @@ class LayerRegistry {
   mutable core::SharedMutex mu_;
   std::map<std::string, std::shared_ptr<const LayerSnapshot>> layers_ ABSL_GUARDED_BY(mu_);
   uint64_t next_version_ ABSL_GUARDED_BY(mu_) = 1;
+  int64_t cached_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // ReserveCachedBytes
   // Set by Configure before the registry is shared; read-only afterwards.
   int64_t max_weight_bytes_ = 0;
   int64_t max_device_weight_bytes_ = 0;

@@ -93,7 +93,14 @@ ABSL_FLAG(int64_t, max_request_memory_bytes,
           "larger ones get RESOURCE_EXHAUSTED before anything is allocated");
 ABSL_FLAG(int, max_concurrent_loads, 2,
           "layer builds (LoadLayer, inline layers) running at once on the loader threads; "
-          "more get RESOURCE_EXHAUSTED");
+          "more wait in a FIFO queue (--max_queued_loads), each within its deadline");
+ABSL_FLAG(int, max_queued_loads, 256,
+          "layer builds that may wait for a loader thread; past it, or past "
+          "--max_queued_bytes (their request messages count), they get RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, inline_layer_cache_bytes, attention::server::kDefaultInlineLayerCacheBytes,
+          "host bytes of recently built inline layers kept, keyed by a SHA-256 of their "
+          "config and weights, so the same inline layer is not built again; they count "
+          "against --max_weight_bytes; 0 = no cache");
 ABSL_FLAG(int, max_concurrent_streams, 1024, "concurrent calls (HTTP/2 streams) per connection");
 ABSL_FLAG(absl::Duration, keepalive_min_ping_interval, absl::Seconds(10),
           "clients sending keepalive pings more often than this get GOAWAY");
@@ -201,6 +208,8 @@ int main(int argc, char** argv) {
   options.drain_delay = absl::GetFlag(FLAGS_drain_delay);
   options.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
   options.max_concurrent_loads = absl::GetFlag(FLAGS_max_concurrent_loads);
+  options.max_queued_loads = absl::GetFlag(FLAGS_max_queued_loads);
+  options.inline_layer_cache_bytes = absl::GetFlag(FLAGS_inline_layer_cache_bytes);
   options.keepalive_min_ping_interval = absl::GetFlag(FLAGS_keepalive_min_ping_interval);
   options.max_connection_age = absl::GetFlag(FLAGS_max_connection_age);
   options.max_connection_age_grace = absl::GetFlag(FLAGS_max_connection_age_grace);

@@ -76,6 +76,29 @@ Metrics::Metrics(absl::string_view default_device, absl::string_view blas_core)
                         .Help("Bytes of weights held by loaded layers")
                         .Register(*registry_)
                         .Add({})),
+      inline_cache_hits_(prometheus::BuildCounter()
+                             .Name("attention_inline_layer_cache_hits_total")
+                             .Help("Requests whose inline layer was cached or built by a "
+                                   "concurrent request of the same layer")
+                             .Register(*registry_)
+                             .Add({})),
+      inline_cache_misses_(prometheus::BuildCounter()
+                               .Name("attention_inline_layer_cache_misses_total")
+                               .Help("Inline layers built (not found in the cache)")
+                               .Register(*registry_)
+                               .Add({})),
+      inline_cache_bytes_(prometheus::BuildGauge()
+                              .Name("attention_inline_layer_cache_bytes")
+                              .Help("Host bytes of cached inline layers (they count against "
+                                    "--max_weight_bytes)")
+                              .Register(*registry_)
+                              .Add({})),
+      loader_queue_depth_(prometheus::BuildGauge()
+                              .Name("attention_loader_queue_depth_jobs")
+                              .Help("Layer builds (LoadLayer, inline layers) waiting for a "
+                                    "loader thread")
+                              .Register(*registry_)
+                              .Add({})),
       device_memory_used_(prometheus::BuildGauge()
                               .Name("attention_device_memory_used_bytes")
                               .Help("Memory in use on an accelerator (all processes), by device")
@@ -147,6 +170,18 @@ void Metrics::SetQueueCapacity(absl::string_view layer, int64_t requests) {
 void Metrics::SetLayers(int64_t count, int64_t weight_bytes) {
   layers_loaded_.Set(static_cast<double>(count));
   weight_bytes_.Set(static_cast<double>(weight_bytes));
+}
+
+void Metrics::InlineLayerCacheLookup(bool hit) {
+  (hit ? inline_cache_hits_ : inline_cache_misses_).Increment();
+}
+
+void Metrics::SetInlineLayerCacheBytes(int64_t bytes) {
+  inline_cache_bytes_.Set(static_cast<double>(bytes));
+}
+
+void Metrics::SetLoaderQueueDepth(int64_t jobs) {
+  loader_queue_depth_.Set(static_cast<double>(jobs));
 }
 
 void Metrics::SetDeviceMemory(absl::string_view device, int64_t used_bytes,

@@ -53,6 +53,12 @@ class Metrics {
   // depth with it.
   void SetQueueCapacity(absl::string_view layer, int64_t requests);
   void SetLayers(int64_t count, int64_t weight_bytes);
+  // A request's inline layer was found in the cache or built by a concurrent caller (`hit`),
+  // or was built for it.
+  void InlineLayerCacheLookup(bool hit);
+  void SetInlineLayerCacheBytes(int64_t bytes);
+  // Jobs waiting for a layer-build thread (the loader pool's queue).
+  void SetLoaderQueueDepth(int64_t jobs);
   // Memory of an accelerator: bytes in use (by this process and others) and in total.
   void SetDeviceMemory(absl::string_view device, int64_t used_bytes, int64_t total_bytes);
 
@@ -89,6 +95,10 @@ class Metrics {
   prometheus::Gauge& in_flight_;
   prometheus::Gauge& layers_loaded_;
   prometheus::Gauge& weight_bytes_;
+  prometheus::Counter& inline_cache_hits_;
+  prometheus::Counter& inline_cache_misses_;
+  prometheus::Gauge& inline_cache_bytes_;
+  prometheus::Gauge& loader_queue_depth_;
   prometheus::Family<prometheus::Gauge>& device_memory_used_;
   prometheus::Family<prometheus::Gauge>& device_memory_total_;
   mutable core::Mutex layer_statistics_mutex_;

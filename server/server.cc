@@ -67,6 +67,14 @@ absl::Status ServerOptions::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("max_concurrent_loads = ", max_concurrent_loads, " must be >= 1"));
   }
+  if (max_queued_loads < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_queued_loads = ", max_queued_loads, " must be >= 0"));
+  }
+  if (inline_layer_cache_bytes < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "inline_layer_cache_bytes = ", inline_layer_cache_bytes, " must be >= 0 (0 = off)"));
+  }
   if (max_concurrent_streams < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_concurrent_streams = ", max_concurrent_streams, " must be >= 1"));
@@ -114,9 +122,10 @@ AttentionServer::AttentionServer(const ServerOptions& options,
       request_log_(options.request_log),
       drain_delay_(options.drain_delay),
       batcher_(options.batcher, &metrics_),
-      loader_(options.max_concurrent_loads),
+      loader_({options.max_concurrent_loads, options.max_queued_loads}, &batcher_, &metrics_),
       service_(registry_, batcher_, metrics_, request_log_, options.RequestBudgetWithMessageLimit(),
-               *devices_, default_backend_, options.access, loader_),
+               *devices_, default_backend_, options.access, loader_,
+               options.inline_layer_cache_bytes),
       kserve_service_(service_, registry_, metrics_, loader_, ready_) {}
 
 absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(

@@ -67,9 +67,17 @@ struct ServerOptions {
   bool demo_layer = false;
   // Weight budget (--max_weight_bytes) and model repository (--model_repository).
   LayerRegistryOptions registry;
-  // Layer builds (LoadLayer, inline layers) running at once on the loader pool; more are
-  // RESOURCE_EXHAUSTED. >= 1; default 2.
+  // Layer builds (LoadLayer, inline layers) running at once on the loader pool; more wait
+  // in its FIFO queue, within their deadlines. >= 1; default 2.
   int max_concurrent_loads = 2;
+  // Builds that may wait for a loader thread; past it (or past batcher.max_queued_bytes,
+  // which their request messages count against) they are RESOURCE_EXHAUSTED. >= 0;
+  // default 256.
+  int max_queued_loads = 256;
+  // Host bytes of recently built inline layers kept for requests that send the same layer
+  // again (counted against registry.max_weight_bytes). 0 disables the cache. >= 0;
+  // default 256 MiB.
+  int64_t inline_layer_cache_bytes = kDefaultInlineLayerCacheBytes;
   // Largest request or response message, bytes. >= 1 MiB; default 64 MiB.
   int64_t max_message_bytes = int64_t{64} << 20;
   // TLS or mutual TLS on the gRPC port (--tls_cert_file, --tls_key_file,
@@ -101,6 +109,9 @@ class AttentionServer {
   // Port of /metrics, 0 when disabled.
   int metrics_port() const { return metrics_.port(); }
   LayerRegistry& registry() { return registry_; }
+  Metrics& metrics() { return metrics_; }
+  LoaderPool& loader() { return loader_; }
+  const InlineLayerCache& inline_layer_cache() const { return service_.inline_layer_cache(); }
   // Files skipped while loading persisted layers at start-up (also printed to stderr).
   const std::vector<std::string>& startup_problems() const { return startup_problems_; }
 
