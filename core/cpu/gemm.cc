@@ -72,12 +72,25 @@ void TilePortable(const float* a, int64_t lda, const float* panel, int64_t depth
 #if defined(__x86_64__)
 // The accumulators are named variables, one tile row per macro line: GCC keeps an array of
 // vectors on the stack and stores it back every step, which halved the kernel's speed.
+// Past kSumBlock of depth, each block is summed into fresh accumulators (`block` in the
+// macros) and then added to the running ones (`sum`); depths up to kSumBlock (attention's
+// heads) run the plain loop alone.
 // 2 x R accumulators (R <= 6 leaves registers for B and the broadcast).
-#define AVX2_ROW(r)                                              \
+#define AVX2_ROW(acc, r)                                         \
   if constexpr (R > r) {                                         \
     const __m256 x = _mm256_broadcast_ss(a + r * lda + k);       \
-    low##r = _mm256_fmadd_ps(x, b0, low##r);                     \
-    high##r = _mm256_fmadd_ps(x, b1, high##r);                   \
+    acc##_low##r = _mm256_fmadd_ps(x, b0, acc##_low##r);         \
+    acc##_high##r = _mm256_fmadd_ps(x, b1, acc##_high##r);       \
+  }
+#define AVX2_ROWS(acc)                                                                \
+  const __m256 b0 = _mm256_loadu_ps(panel + k * kPanelWidth);                         \
+  const __m256 b1 = _mm256_loadu_ps(panel + k * kPanelWidth + 8);                     \
+  AVX2_ROW(acc, 0) AVX2_ROW(acc, 1) AVX2_ROW(acc, 2) AVX2_ROW(acc, 3) AVX2_ROW(acc, 4) \
+  AVX2_ROW(acc, 5)
+#define AVX2_ADD_BLOCK(r)                                        \
+  if constexpr (R > r) {                                         \
+    sum_low##r = _mm256_add_ps(sum_low##r, block_low##r);        \
+    sum_high##r = _mm256_add_ps(sum_high##r, block_high##r);     \
   }
 #define AVX2_STORE(r)                                                                        \
   if constexpr (R > r) {                                                                   \
@@ -86,49 +99,36 @@ void TilePortable(const float* a, int64_t lda, const float* panel, int64_t depth
       bias_low = _mm256_loadu_ps(row);                                                     \
       bias_high = _mm256_loadu_ps(row + 8);                                                \
     }                                                                                      \
-    _mm256_storeu_ps(row, _mm256_fmadd_ps(low##r, alpha, bias_low));                       \
-    _mm256_storeu_ps(row + 8, _mm256_fmadd_ps(high##r, alpha, bias_high));                 \
-  }
-#define AVX2_FOLD(r)                                             \
-  if constexpr (R > r) {                                         \
-    total_low##r = _mm256_add_ps(total_low##r, low##r);          \
-    total_high##r = _mm256_add_ps(total_high##r, high##r);       \
-    low##r = high##r = _mm256_setzero_ps();                      \
-  }
-#define AVX2_UNFOLD(r)                                           \
-  if constexpr (R > r) {                                         \
-    low##r = _mm256_add_ps(total_low##r, low##r);                \
-    high##r = _mm256_add_ps(total_high##r, high##r);             \
+    _mm256_storeu_ps(row, _mm256_fmadd_ps(sum_low##r, alpha, bias_low));                   \
+    _mm256_storeu_ps(row + 8, _mm256_fmadd_ps(sum_high##r, alpha, bias_high));             \
   }
 #define AVX2_SPILL(r)                                            \
   if constexpr (R > r) {                                         \
-    _mm256_storeu_ps(acc + r * kPanelWidth, low##r);             \
-    _mm256_storeu_ps(acc + r * kPanelWidth + 8, high##r);        \
+    _mm256_storeu_ps(acc + r * kPanelWidth, sum_low##r);         \
+    _mm256_storeu_ps(acc + r * kPanelWidth + 8, sum_high##r);    \
   }
 template <int R>
 __attribute__((target("avx2,fma"))) void TileAvx2(const float* a, int64_t lda,
                                                   const float* panel, int64_t depth,
                                                   const TileOutput& out) {
-  __m256 low0 = _mm256_setzero_ps(), low1 = low0, low2 = low0, low3 = low0, low4 = low0,
-         low5 = low0;
-  __m256 high0 = low0, high1 = low0, high2 = low0, high3 = low0, high4 = low0, high5 = low0;
-  // The sums of the blocks before the current one (see kSumBlock).
-  __m256 total_low0 = low0, total_low1 = low0, total_low2 = low0, total_low3 = low0,
-         total_low4 = low0, total_low5 = low0;
-  __m256 total_high0 = low0, total_high1 = low0, total_high2 = low0, total_high3 = low0,
-         total_high4 = low0, total_high5 = low0;
-  for (int64_t k0 = 0;; k0 += kSumBlock) {
-    const int64_t block_end = std::min(depth, k0 + kSumBlock);
-    for (int64_t k = k0; k < block_end; ++k) {
-      const __m256 b0 = _mm256_loadu_ps(panel + k * kPanelWidth);
-      const __m256 b1 = _mm256_loadu_ps(panel + k * kPanelWidth + 8);
-      AVX2_ROW(0) AVX2_ROW(1) AVX2_ROW(2) AVX2_ROW(3) AVX2_ROW(4) AVX2_ROW(5)
+  __m256 sum_low0 = _mm256_setzero_ps(), sum_low1 = sum_low0, sum_low2 = sum_low0,
+         sum_low3 = sum_low0, sum_low4 = sum_low0, sum_low5 = sum_low0;
+  __m256 sum_high0 = sum_low0, sum_high1 = sum_low0, sum_high2 = sum_low0,
+         sum_high3 = sum_low0, sum_high4 = sum_low0, sum_high5 = sum_low0;
+  int64_t k = 0;
+  while (depth > kSumBlock && k < depth) {
+    __m256 block_low0 = _mm256_setzero_ps(), block_low1 = block_low0, block_low2 = block_low0,
+           block_low3 = block_low0, block_low4 = block_low0, block_low5 = block_low0;
+    __m256 block_high0 = block_low0, block_high1 = block_low0, block_high2 = block_low0,
+           block_high3 = block_low0, block_high4 = block_low0, block_high5 = block_low0;
+    for (const int64_t end = std::min(depth, k + kSumBlock); k < end; ++k) {
+      AVX2_ROWS(block)
     }
-    if (block_end == depth) break;
-    AVX2_FOLD(0) AVX2_FOLD(1) AVX2_FOLD(2) AVX2_FOLD(3) AVX2_FOLD(4) AVX2_FOLD(5)
+    AVX2_ADD_BLOCK(0) AVX2_ADD_BLOCK(1) AVX2_ADD_BLOCK(2) AVX2_ADD_BLOCK(3) AVX2_ADD_BLOCK(4)
+    AVX2_ADD_BLOCK(5)
   }
-  if (depth > kSumBlock) {
-    AVX2_UNFOLD(0) AVX2_UNFOLD(1) AVX2_UNFOLD(2) AVX2_UNFOLD(3) AVX2_UNFOLD(4) AVX2_UNFOLD(5)
+  for (; k < depth; ++k) {
+    AVX2_ROWS(sum)
   }
   if (out.width < kPanelWidth) {  // the last panel of a width not a multiple of 16
     alignas(32) float acc[R * kPanelWidth];
@@ -145,22 +145,22 @@ __attribute__((target("avx2,fma"))) void TileAvx2(const float* a, int64_t lda,
   AVX2_STORE(0) AVX2_STORE(1) AVX2_STORE(2) AVX2_STORE(3) AVX2_STORE(4) AVX2_STORE(5)
 }
 #undef AVX2_ROW
+#undef AVX2_ROWS
+#undef AVX2_ADD_BLOCK
 #undef AVX2_STORE
 #undef AVX2_SPILL
-#undef AVX2_FOLD
-#undef AVX2_UNFOLD
 
-// One accumulator per row (R <= 12 of the 32 registers). Masked loads and stores cover a
-// panel narrower than 16 columns.
-#define AVX512_ROW(r)                                                             \
-  if constexpr (R > r) sum##r = _mm512_fmadd_ps(_mm512_set1_ps(a[r * lda + k]), b, sum##r);
-#define AVX512_FOLD(r)                                        \
-  if constexpr (R > r) {                                      \
-    total##r = _mm512_add_ps(total##r, sum##r);               \
-    sum##r = _mm512_setzero_ps();                             \
-  }
-#define AVX512_UNFOLD(r) \
-  if constexpr (R > r) sum##r = _mm512_add_ps(total##r, sum##r);
+// One accumulator per row (R <= 12 of the 32 registers; 24 with the block's). Masked loads
+// and stores cover a panel narrower than 16 columns.
+#define AVX512_ROW(acc, r) \
+  if constexpr (R > r) acc##r = _mm512_fmadd_ps(_mm512_set1_ps(a[r * lda + k]), b, acc##r);
+#define AVX512_ROWS(acc)                                                                  \
+  const __m512 b = _mm512_loadu_ps(panel + k * kPanelWidth);                              \
+  AVX512_ROW(acc, 0) AVX512_ROW(acc, 1) AVX512_ROW(acc, 2) AVX512_ROW(acc, 3)              \
+  AVX512_ROW(acc, 4) AVX512_ROW(acc, 5) AVX512_ROW(acc, 6) AVX512_ROW(acc, 7)              \
+  AVX512_ROW(acc, 8) AVX512_ROW(acc, 9) AVX512_ROW(acc, 10) AVX512_ROW(acc, 11)
+#define AVX512_ADD_BLOCK(r) \
+  if constexpr (R > r) sum##r = _mm512_add_ps(sum##r, block##r);
 #define AVX512_STORE(r)                                                                     \
   if constexpr (R > r) {                                                                  \
     float* row = out.c + r * out.ldc;                                                     \
@@ -179,25 +179,20 @@ __attribute__((target("avx512f"))) void TileAvx512(const float* a, int64_t lda,
   __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0, sum2 = sum0, sum3 = sum0, sum4 = sum0,
          sum5 = sum0, sum6 = sum0, sum7 = sum0, sum8 = sum0, sum9 = sum0, sum10 = sum0,
          sum11 = sum0;
-  // The sums of the blocks before the current one (see kSumBlock).
-  __m512 total0 = sum0, total1 = sum0, total2 = sum0, total3 = sum0, total4 = sum0,
-         total5 = sum0, total6 = sum0, total7 = sum0, total8 = sum0, total9 = sum0,
-         total10 = sum0, total11 = sum0;
-  for (int64_t k0 = 0;; k0 += kSumBlock) {
-    const int64_t block_end = std::min(depth, k0 + kSumBlock);
-    for (int64_t k = k0; k < block_end; ++k) {
-      const __m512 b = _mm512_loadu_ps(panel + k * kPanelWidth);
-      AVX512_ROW(0) AVX512_ROW(1) AVX512_ROW(2) AVX512_ROW(3) AVX512_ROW(4) AVX512_ROW(5)
-      AVX512_ROW(6) AVX512_ROW(7) AVX512_ROW(8) AVX512_ROW(9) AVX512_ROW(10) AVX512_ROW(11)
+  int64_t k = 0;
+  while (depth > kSumBlock && k < depth) {
+    __m512 block0 = _mm512_setzero_ps(), block1 = block0, block2 = block0, block3 = block0,
+           block4 = block0, block5 = block0, block6 = block0, block7 = block0, block8 = block0,
+           block9 = block0, block10 = block0, block11 = block0;
+    for (const int64_t end = std::min(depth, k + kSumBlock); k < end; ++k) {
+      AVX512_ROWS(block)
     }
-    if (block_end == depth) break;
-    AVX512_FOLD(0) AVX512_FOLD(1) AVX512_FOLD(2) AVX512_FOLD(3) AVX512_FOLD(4) AVX512_FOLD(5)
-    AVX512_FOLD(6) AVX512_FOLD(7) AVX512_FOLD(8) AVX512_FOLD(9) AVX512_FOLD(10) AVX512_FOLD(11)
+    AVX512_ADD_BLOCK(0) AVX512_ADD_BLOCK(1) AVX512_ADD_BLOCK(2) AVX512_ADD_BLOCK(3)
+    AVX512_ADD_BLOCK(4) AVX512_ADD_BLOCK(5) AVX512_ADD_BLOCK(6) AVX512_ADD_BLOCK(7)
+    AVX512_ADD_BLOCK(8) AVX512_ADD_BLOCK(9) AVX512_ADD_BLOCK(10) AVX512_ADD_BLOCK(11)
   }
-  if (depth > kSumBlock) {
-    AVX512_UNFOLD(0) AVX512_UNFOLD(1) AVX512_UNFOLD(2) AVX512_UNFOLD(3) AVX512_UNFOLD(4)
-    AVX512_UNFOLD(5) AVX512_UNFOLD(6) AVX512_UNFOLD(7) AVX512_UNFOLD(8) AVX512_UNFOLD(9)
-    AVX512_UNFOLD(10) AVX512_UNFOLD(11)
+  for (; k < depth; ++k) {
+    AVX512_ROWS(sum)
   }
   // Masked stores are slow on some CPUs (Zen 4): full panels take plain ones.
   const bool full_width = out.width == kPanelWidth;
@@ -210,76 +205,74 @@ __attribute__((target("avx512f"))) void TileAvx512(const float* a, int64_t lda,
   AVX512_STORE(10) AVX512_STORE(11)
 }
 #undef AVX512_ROW
-#undef AVX512_FOLD
-#undef AVX512_UNFOLD
+#undef AVX512_ROWS
+#undef AVX512_ADD_BLOCK
 #undef AVX512_STORE
 
 // Two adjacent full panels (32 columns) per tile, 2 x R accumulators (R <= 12): each
 // broadcast of A feeds two FMAs. TileAvx512 needs a load per FMA, which holds back CPUs
-// with two 512-bit FMA ports (Intel); `panel_stride` floats separate the two panels.
-#define AVX512_WIDE_ROW(r)                                  \
+// with two 512-bit FMA ports (Intel); `panel_stride` floats separate the two panels. With
+// a block's accumulators too, the running sums live on the stack, touched once a block.
+#define AVX512_WIDE_ROW(acc, r)                             \
   if constexpr (R > r) {                                    \
     const __m512 x = _mm512_set1_ps(a[r * lda + k]);        \
-    left##r = _mm512_fmadd_ps(x, b0, left##r);              \
-    right##r = _mm512_fmadd_ps(x, b1, right##r);            \
+    acc##_left##r = _mm512_fmadd_ps(x, b0, acc##_left##r);  \
+    acc##_right##r = _mm512_fmadd_ps(x, b1, acc##_right##r); \
   }
-#define AVX512_WIDE_FOLD(r)                                   \
-  if constexpr (R > r) {                                      \
-    total_left##r = _mm512_add_ps(total_left##r, left##r);    \
-    total_right##r = _mm512_add_ps(total_right##r, right##r); \
-    left##r = right##r = _mm512_setzero_ps();                 \
-  }
-#define AVX512_WIDE_UNFOLD(r)                                 \
-  if constexpr (R > r) {                                      \
-    left##r = _mm512_add_ps(total_left##r, left##r);          \
-    right##r = _mm512_add_ps(total_right##r, right##r);       \
+#define AVX512_WIDE_ROWS(acc)                                                     \
+  const __m512 b0 = _mm512_loadu_ps(panel + k * kPanelWidth);                     \
+  const __m512 b1 = _mm512_loadu_ps(second + k * kPanelWidth);                    \
+  AVX512_WIDE_ROW(acc, 0) AVX512_WIDE_ROW(acc, 1) AVX512_WIDE_ROW(acc, 2)          \
+  AVX512_WIDE_ROW(acc, 3) AVX512_WIDE_ROW(acc, 4) AVX512_WIDE_ROW(acc, 5)          \
+  AVX512_WIDE_ROW(acc, 6) AVX512_WIDE_ROW(acc, 7) AVX512_WIDE_ROW(acc, 8)          \
+  AVX512_WIDE_ROW(acc, 9) AVX512_WIDE_ROW(acc, 10) AVX512_WIDE_ROW(acc, 11)
+#define AVX512_WIDE_ADD_BLOCK(r)                                 \
+  if constexpr (R > r) {                                         \
+    sum_left##r = _mm512_add_ps(sum_left##r, block_left##r);     \
+    sum_right##r = _mm512_add_ps(sum_right##r, block_right##r);  \
   }
 #define AVX512_WIDE_STORE(r)                                                               \
   if constexpr (R > r) {                                                                 \
     float* row = out.c + r * out.ldc;                                                    \
     const __m512 left_addend = out.accumulate ? _mm512_loadu_ps(row) : bias_left;        \
     const __m512 right_addend = out.accumulate ? _mm512_loadu_ps(row + 16) : bias_right; \
-    _mm512_storeu_ps(row, _mm512_fmadd_ps(left##r, alpha, left_addend));                 \
-    _mm512_storeu_ps(row + 16, _mm512_fmadd_ps(right##r, alpha, right_addend));          \
+    _mm512_storeu_ps(row, _mm512_fmadd_ps(sum_left##r, alpha, left_addend));             \
+    _mm512_storeu_ps(row + 16, _mm512_fmadd_ps(sum_right##r, alpha, right_addend));      \
   }
 template <int R>
 __attribute__((target("avx512f"))) void TileAvx512Wide(const float* a, int64_t lda,
                                                        const float* panel, int64_t panel_stride,
                                                        int64_t depth, const TileOutput& out) {
-  __m512 left0 = _mm512_setzero_ps(), left1 = left0, left2 = left0, left3 = left0,
-         left4 = left0, left5 = left0, left6 = left0, left7 = left0, left8 = left0,
-         left9 = left0, left10 = left0, left11 = left0;
-  __m512 right0 = left0, right1 = left0, right2 = left0, right3 = left0, right4 = left0,
-         right5 = left0, right6 = left0, right7 = left0, right8 = left0, right9 = left0,
-         right10 = left0, right11 = left0;
-  // The sums of the blocks before the current one (see kSumBlock); past 32 registers
-  // they live on the stack, touched once a block.
-  __m512 total_left0 = left0, total_left1 = left0, total_left2 = left0, total_left3 = left0,
-         total_left4 = left0, total_left5 = left0, total_left6 = left0, total_left7 = left0,
-         total_left8 = left0, total_left9 = left0, total_left10 = left0, total_left11 = left0;
-  __m512 total_right0 = left0, total_right1 = left0, total_right2 = left0,
-         total_right3 = left0, total_right4 = left0, total_right5 = left0,
-         total_right6 = left0, total_right7 = left0, total_right8 = left0,
-         total_right9 = left0, total_right10 = left0, total_right11 = left0;
+  __m512 sum_left0 = _mm512_setzero_ps(), sum_left1 = sum_left0, sum_left2 = sum_left0,
+         sum_left3 = sum_left0, sum_left4 = sum_left0, sum_left5 = sum_left0,
+         sum_left6 = sum_left0, sum_left7 = sum_left0, sum_left8 = sum_left0,
+         sum_left9 = sum_left0, sum_left10 = sum_left0, sum_left11 = sum_left0;
+  __m512 sum_right0 = sum_left0, sum_right1 = sum_left0, sum_right2 = sum_left0,
+         sum_right3 = sum_left0, sum_right4 = sum_left0, sum_right5 = sum_left0,
+         sum_right6 = sum_left0, sum_right7 = sum_left0, sum_right8 = sum_left0,
+         sum_right9 = sum_left0, sum_right10 = sum_left0, sum_right11 = sum_left0;
   const float* second = panel + panel_stride;
-  for (int64_t k0 = 0;; k0 += kSumBlock) {
-    const int64_t block_end = std::min(depth, k0 + kSumBlock);
-    for (int64_t k = k0; k < block_end; ++k) {
-      const __m512 b0 = _mm512_loadu_ps(panel + k * kPanelWidth);
-      const __m512 b1 = _mm512_loadu_ps(second + k * kPanelWidth);
-      AVX512_WIDE_ROW(0) AVX512_WIDE_ROW(1) AVX512_WIDE_ROW(2) AVX512_WIDE_ROW(3)
-      AVX512_WIDE_ROW(4) AVX512_WIDE_ROW(5) AVX512_WIDE_ROW(6) AVX512_WIDE_ROW(7)
-      AVX512_WIDE_ROW(8) AVX512_WIDE_ROW(9) AVX512_WIDE_ROW(10) AVX512_WIDE_ROW(11)
+  int64_t k = 0;
+  while (depth > kSumBlock && k < depth) {
+    __m512 block_left0 = _mm512_setzero_ps(), block_left1 = block_left0,
+           block_left2 = block_left0, block_left3 = block_left0, block_left4 = block_left0,
+           block_left5 = block_left0, block_left6 = block_left0, block_left7 = block_left0,
+           block_left8 = block_left0, block_left9 = block_left0, block_left10 = block_left0,
+           block_left11 = block_left0;
+    __m512 block_right0 = block_left0, block_right1 = block_left0, block_right2 = block_left0,
+           block_right3 = block_left0, block_right4 = block_left0, block_right5 = block_left0,
+           block_right6 = block_left0, block_right7 = block_left0, block_right8 = block_left0,
+           block_right9 = block_left0, block_right10 = block_left0, block_right11 = block_left0;
+    for (const int64_t end = std::min(depth, k + kSumBlock); k < end; ++k) {
+      AVX512_WIDE_ROWS(block)
     }
-    if (block_end == depth) break;
-    AVX512_WIDE_FOLD(0) AVX512_WIDE_FOLD(1) AVX512_WIDE_FOLD(2) AVX512_WIDE_FOLD(3)
-    AVX512_WIDE_FOLD(4) AVX512_WIDE_FOLD(5) AVX512_WIDE_FOLD(6) AVX512_WIDE_FOLD(7)
-    AVX512_WIDE_FOLD(8) AVX512_WIDE_FOLD(9) AVX512_WIDE_FOLD(10) AVX512_WIDE_FOLD(11)
+    AVX512_WIDE_ADD_BLOCK(0) AVX512_WIDE_ADD_BLOCK(1) AVX512_WIDE_ADD_BLOCK(2)
+    AVX512_WIDE_ADD_BLOCK(3) AVX512_WIDE_ADD_BLOCK(4) AVX512_WIDE_ADD_BLOCK(5)
+    AVX512_WIDE_ADD_BLOCK(6) AVX512_WIDE_ADD_BLOCK(7) AVX512_WIDE_ADD_BLOCK(8)
+    AVX512_WIDE_ADD_BLOCK(9) AVX512_WIDE_ADD_BLOCK(10) AVX512_WIDE_ADD_BLOCK(11)
   }
-  if (depth > kSumBlock) {
-    AVX512_WIDE_UNFOLD(0) AVX512_WIDE_UNFOLD(1) AVX512_WIDE_UNFOLD(2) AVX512_WIDE_UNFOLD(3)
-    AVX512_WIDE_UNFOLD(4) AVX512_WIDE_UNFOLD(5) AVX512_WIDE_UNFOLD(6) AVX512_WIDE_UNFOLD(7)
-    AVX512_WIDE_UNFOLD(8) AVX512_WIDE_UNFOLD(9) AVX512_WIDE_UNFOLD(10) AVX512_WIDE_UNFOLD(11)
+  for (; k < depth; ++k) {
+    AVX512_WIDE_ROWS(sum)
   }
   const __m512 alpha = _mm512_set1_ps(out.alpha);
   const __m512 bias_left = out.bias == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(out.bias);
@@ -290,8 +283,8 @@ __attribute__((target("avx512f"))) void TileAvx512Wide(const float* a, int64_t l
   AVX512_WIDE_STORE(8) AVX512_WIDE_STORE(9) AVX512_WIDE_STORE(10) AVX512_WIDE_STORE(11)
 }
 #undef AVX512_WIDE_ROW
-#undef AVX512_WIDE_FOLD
-#undef AVX512_WIDE_UNFOLD
+#undef AVX512_WIDE_ROWS
+#undef AVX512_WIDE_ADD_BLOCK
 #undef AVX512_WIDE_STORE
 #endif
 
