@@ -4,6 +4,7 @@
 // packed limit), head sizes 1 to 256 with odd ones, E up to 1024, kdim / vdim != E, key
 // counts past 1024 (OpenBLAS and the online softmax), causal, masks, GQA, RoPE.
 #include <algorithm>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -45,6 +46,41 @@ void ExpectFidelity(const MhaLayer& layer, const MhaInput& input, const std::str
 struct Shape {
   int64_t batch, q_len, kv_len;
 };
+
+// A layer of `config` with seeded weights on `backend`, and a seeded input of `shape`
+// (cross-attention when `cross`) whose tensors live here too.
+struct LayerAndInput {
+  std::shared_ptr<const MhaLayer> layer;
+  std::vector<float> query, key, value;
+  MhaInput input;
+};
+
+std::unique_ptr<LayerAndInput> MakeLayerAndInput(const MhaConfig& config, const Shape& shape,
+                                                 bool cross, std::shared_ptr<const Backend> backend,
+                                                 std::mt19937_64& rng) {
+  auto resolved = MhaConfig::Resolve(config);
+  EXPECT_TRUE(resolved.ok()) << resolved.status();
+  if (!resolved.ok()) return nullptr;
+  auto layer = MhaLayer::Create(*resolved, MhaWeights::Random(*resolved, rng()), backend);
+  EXPECT_TRUE(layer.ok()) << layer.status();
+  if (!layer.ok()) return nullptr;
+  auto made = std::make_unique<LayerAndInput>();
+  made->layer = *std::move(layer);
+  const MhaConfig& c = made->layer->config();
+  MhaInput& input = made->input;
+  input.batch = shape.batch;
+  input.q_len = shape.q_len;
+  input.kv_len = shape.kv_len;
+  made->query = RandomFloats(rng, input.batch * input.q_len * c.embed_dim);
+  made->key = RandomFloats(rng, input.batch * input.kv_len * c.kdim);
+  made->value = RandomFloats(rng, input.batch * input.kv_len * c.vdim);
+  input.query = made->query;
+  if (cross) {
+    input.key = made->key;
+    input.value = made->value;
+  }
+  return made;
+}
 
 // Batch and sequence lengths whose B * Nq or B * Nk is `rows` (>= 2048: 16 sequences of 128,
 // or 64 queries against 2100 keys, past two 1024-key blocks).
@@ -99,23 +135,11 @@ TEST_P(FidelityTest, MhaKernelPathsHoldTheRule) {
     config.output_projection = coin(0.9);
     if (config.output_projection && coin(0.3)) config.output_dim = uniform(1, 1024);
     if (config.head_dim % 2 == 0 && coin(0.3)) config.rope_theta = 10000.0;
-    auto resolved = MhaConfig::Resolve(config);
-    ASSERT_TRUE(resolved.ok()) << resolved.status();
-    auto layer = MhaLayer::Create(*resolved, MhaWeights::Random(*resolved, rng()), backend_);
-    ASSERT_TRUE(layer.ok()) << layer.status();
-    const MhaConfig& c = (*layer)->config();
-    MhaInput input;
-    input.batch = shape.batch;
-    input.q_len = shape.q_len;
-    input.kv_len = shape.kv_len;
-    const std::vector<float> query = RandomFloats(rng, input.batch * input.q_len * c.embed_dim);
-    const std::vector<float> key = RandomFloats(rng, input.batch * input.kv_len * c.kdim);
-    const std::vector<float> value = RandomFloats(rng, input.batch * input.kv_len * c.vdim);
-    input.query = query;
-    if (cross) {
-      input.key = key;
-      input.value = value;
-    }
+    const std::unique_ptr<LayerAndInput> made =
+        MakeLayerAndInput(config, shape, cross, backend_, rng);
+    ASSERT_NE(made, nullptr);
+    const MhaConfig& c = made->layer->config();
+    MhaInput& input = made->input;
     const AttentionDims dims{input.batch, c.num_heads, c.num_kv_heads, input.q_len,
                              input.kv_len, c.head_dim, c.v_head_dim};
     input.options = RandomOptions(rng, dims);
@@ -125,7 +149,7 @@ TEST_P(FidelityTest, MhaKernelPathsHoldTheRule) {
                              " vdim=" + std::to_string(c.vdim) + " out=" +
                              std::to_string(c.output_dim) + " rope=" +
                              std::to_string(c.rope_theta) + " " + Describe(dims, input.options);
-    ExpectFidelity(**layer, input, what, outputs, weights);
+    ExpectFidelity(*made->layer, input, what, outputs, weights);
     if (HasFailure()) return;
   }
 }
@@ -157,28 +181,16 @@ TEST_P(FidelityTest, IssueConfigurationsHoldTheRule) {
     config.vdim = k.vdim;
     config.qkv_bias = k.qkv_bias;
     config.output_bias = k.output_bias;
-    auto resolved = MhaConfig::Resolve(config);
-    ASSERT_TRUE(resolved.ok()) << resolved.status();
-    auto layer = MhaLayer::Create(*resolved, MhaWeights::Random(*resolved, rng()), backend_);
-    ASSERT_TRUE(layer.ok()) << layer.status();
-    const MhaConfig& c = (*layer)->config();
-    MhaInput input;
-    input.batch = k.batch;
-    input.q_len = input.kv_len = k.len;
-    const std::vector<float> query = RandomFloats(rng, k.batch * k.len * c.embed_dim);
-    const std::vector<float> key = RandomFloats(rng, k.batch * k.len * c.kdim);
-    const std::vector<float> value = RandomFloats(rng, k.batch * k.len * c.vdim);
-    input.query = query;
-    if (k.kdim != 0) {
-      input.key = key;
-      input.value = value;
-    }
+    const std::unique_ptr<LayerAndInput> made =
+        MakeLayerAndInput(config, {k.batch, k.len, k.len}, k.kdim != 0, backend_, rng);
+    ASSERT_NE(made, nullptr);
+    MhaInput& input = made->input;
     input.options.causal = k.causal;
     input.options.need_weights = k.need_weights;
     if (k.scale > 0) input.options.scale = k.scale;
     input.options.attn_mask_dims = {1, 1, k.len, k.len};
     input.options.attn_mask_bias = RandomFloats(rng, k.len * k.len);
-    ExpectFidelity(**layer, input, "E=" + std::to_string(k.embed_dim) + " dk=" +
+    ExpectFidelity(*made->layer, input, "E=" + std::to_string(k.embed_dim) + " dk=" +
                                        std::to_string(k.head_dim) + " rows=" +
                                        std::to_string(k.batch * k.len),
                    outputs, weights);

@@ -1,5 +1,7 @@
 #!/usr/bin/python3
-"""Parity of attention-service with PyTorch (torch 1.13, float32, eval mode, dropout 0).
+"""Parity of attention-service with PyTorch (float32, eval mode, dropout 0): Debian's torch
+1.13 under /usr/bin/python3 (test_torch_parity), PyPI's torch 2.x in build/hf-venv
+(test_torch_parity_torch2).
 
 usage: test_torch_parity.py PATH/TO/attention-server [--configs=N] [--seed=S]
 
@@ -719,7 +721,7 @@ def main():
         "%s: %d" % kv for kv in sorted(p.coverage.items())))
     print("%d configurations compared by FlashAttention's rule: max|service - float64| <= "
           "2 max|torch float32 - float64| + %g" % (p.configs, FLOOR))
-    print("error ratios service / torch float32: " + p.summary())
+    print("error ratios service / torch %s float32: %s" % (torch.__version__, p.summary()))
     if p.failed_configs:
         print("mismatching configurations: " + ", ".join(p.failed_configs))
     t.finish(server)
