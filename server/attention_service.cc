@@ -12,6 +12,7 @@
 #include "core/half_bits.h"
 #include "core/status_macros.h"
 #include "server/hf_checkpoint.h"
+#include "server/layer_builder.h"
 #include "server/status_util.h"
 #include "server/wire_convert.h"
 

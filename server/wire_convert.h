@@ -55,17 +55,6 @@ v1::BatchingPolicy BatchingPolicyToProto(const BatchLimitOverrides& overrides);
 // Every field.
 v1::BatchingPolicy BatchingPolicyToProto(const BatchLimits& limits);
 
-class ModelRepository;
-
-// Resolves the config and builds the weights named in `spec`: inline tensors, a safetensors
-// file of `repository` (FAILED_PRECONDITION when it is null), or seeded random init, and
-// prepares the layer on `backend`. `admit_weight_bytes`, when given, is asked with the
-// weights' size before any is allocated, and its error is returned.
-absl::StatusOr<std::shared_ptr<const core::MhaLayer>> BuildLayer(
-    const v1::LayerSpec& spec, absl::string_view field,
-    std::shared_ptr<const core::Backend> backend, const ModelRepository* repository = nullptr,
-    const std::function<absl::Status(int64_t weight_bytes)>& admit_weight_bytes = {});
-
 // Layer names: 1-128 characters from [A-Za-z0-9._-].
 absl::Status ValidateLayerName(absl::string_view name, absl::string_view field);
 
