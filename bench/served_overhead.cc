@@ -30,8 +30,8 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "attention/v1/attention.grpc.pb.h"
-#include "server/malloc_tuning.h"
-#include "server/server.h"
+#include "server/app/malloc_tuning.h"
+#include "server/app/server.h"
 #include "tensor_codec.h"
 
 ABSL_FLAG(int64_t, batch, 32, "sequences per request");

@@ -15,7 +15,7 @@ overlay is covered without editing this file):
     the Deployment and Service they scrape.
   - Cross-object checks no schema makes: Service, PDB, NetworkPolicy and HPA point at the
     Deployment; the HPA's custom metric is the one the prometheus-adapter rule serves,
-    from a metric server/metrics.cc registers; the memory bounds in the server's flags add
+    from a metric server/observability/metrics.cc registers; the memory bounds in the server's flags add
     up to less than the container's memory limit (the arithmetic in deployment.yaml).
 Before that, the validator is shown to reject a Deployment with an unknown field, so this
 test can fail. Runs under the venv of scripts/deploy-venv (re-executes itself there);
@@ -148,7 +148,7 @@ def check_monitor(t, where, monitor, deployment, services):
 
 
 def registered_metrics():
-    with open(os.path.join(REPO, "server", "metrics.cc")) as f:
+    with open(os.path.join(REPO, "server", "observability", "metrics.cc")) as f:
         return set(re.findall(r'\.Name\("(attention_[a-z_]+)"\)', f.read()))
 
 
@@ -171,7 +171,7 @@ def check_adapter_rule(t, where, hpas):
         if not t.check(metric in served, "%s: no adapter rule serves %r" % (where, metric)):
             continue
         series = re.match(r"\s*([a-z_:]+)", served[metric]["seriesQuery"]).group(1)
-        t.check(series in known, "%s: adapter rule reads %r, which server/metrics.cc does not "
+        t.check(series in known, "%s: adapter rule reads %r, which server/observability/metrics.cc does not "
                 "register" % (where, series))
         print("  adapter rule: %s <- %s" % (metric, series))
 

@@ -3,7 +3,8 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "server/wire_convert.h"
+#include "server/models/layer_config.h"
+#include "server/validation/wire_convert.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   attention::v1::BatchingPolicy policy;

@@ -9,8 +9,8 @@
 #include <future>
 
 #include "absl/time/clock.h"
-#include "server/attention_service.h"
-#include "server/kserve_convert.h"
+#include "server/native/attention_service.h"
+#include "server/kserve/kserve_convert.h"
 
 namespace attention::server {
 namespace {

@@ -16,7 +16,7 @@ What the test asserts:
   * no health Check returns SERVING once the Watch said NOT_SERVING;
   * once a Check is refused, a new attention call is refused too (UNAVAILABLE);
   * the second SIGTERM neither kills the process nor cuts the drain short (it used to: see
-    ForwardToMainThread in server/main.cc);
+    ForwardToMainThread in server/app/main.cc);
   * the process exits 0 and logs the drain.
 
 What gRPC C++ 1.51 lets a client observe (documented, not wished for): Shutdown() refuses

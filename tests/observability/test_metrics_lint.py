@@ -7,7 +7,7 @@ The server runs on port 0 with /metrics on 127.0.0.1:0. Before the scrape it ans
 calls (OK, NOT_FOUND, INVALID_ARGUMENT) so the labelled families (requests by code, request
 duration by method, tokens by layer) have series. Also checks that the families issue 7 asks
 for are present, that an unknown layer name in a request did not create a series, and that
-the server logs its configuration at start-up (every flag of server/main.cc, with its value).
+the server logs its configuration at start-up (every flag of server/app/main.cc, with its value).
 """
 
 import os
@@ -93,9 +93,9 @@ def main():
 
 
 def check_startup_line(t, stderr):
-    with open(os.path.join(obs.REPO, "server", "main.cc")) as f:
+    with open(os.path.join(obs.REPO, "server", "app", "main.cc")) as f:
         flags = re.findall(r"ABSL_FLAG\(\s*[\w:]+\s*,\s*(\w+)\s*,", f.read())
-    t.check(len(flags) >= 10, "found only %d flags in server/main.cc" % len(flags))
+    t.check(len(flags) >= 10, "found only %d flags in server/app/main.cc" % len(flags))
     lines = [l for l in stderr.splitlines() if l.startswith("attention-service: starting with")]
     if not t.check(len(lines) == 1, "want one start-up configuration line on stderr:\n%s" % stderr):
         return

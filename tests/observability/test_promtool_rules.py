@@ -9,7 +9,7 @@ usage: test_promtool_rules.py
   promtool check config prometheus-kubernetes.yml with its kubernetes_sd_configs block swapped
                         for a static target (Debian's Prometheus has no Kubernetes discovery)
 and that every attention_* metric the rules and the Grafana dashboard use is one that
-server/metrics.cc registers, so renaming a metric breaks this test, not a dashboard.
+server/observability/metrics.cc registers, so renaming a metric breaks this test, not a dashboard.
 """
 
 import os
@@ -39,9 +39,9 @@ def promtool(t, *args, cwd=None):
 
 
 def registered_metrics():
-    """Metric family names in server/metrics.cc, with the _bucket/_sum/_count series of the
+    """Metric family names in server/observability/metrics.cc, with the _bucket/_sum/_count series of the
     histograms."""
-    with open(os.path.join(obs.REPO, "server", "metrics.cc")) as f:
+    with open(os.path.join(obs.REPO, "server", "observability", "metrics.cc")) as f:
         source = f.read()
     names = set()
     for builder, name in re.findall(r'Build(Counter|Gauge|Histogram)\(\)\s*\.Name\("([^"]+)"\)',
@@ -56,7 +56,7 @@ def check_names(t, where, text, known):
     used = set(METRIC_NAME.findall(text))
     t.check(used, "%s uses no attention_* metric" % where)
     unknown = sorted(used - known)
-    t.check(not unknown, "%s uses metrics server/metrics.cc does not register: %s"
+    t.check(not unknown, "%s uses metrics server/observability/metrics.cc does not register: %s"
             % (where, unknown))
     return used
 
@@ -80,7 +80,7 @@ def main():
             promtool(t, "check", "config", os.path.join(tmp, "prometheus-kubernetes.yml"))
 
     known = registered_metrics()
-    t.check(len(known) >= 20, "found only %d metric names in server/metrics.cc" % len(known))
+    t.check(len(known) >= 20, "found only %d metric names in server/observability/metrics.cc" % len(known))
     with open(RULES) as f:
         check_names(t, "attention-service.rules.yml", f.read(), known | {"up"})
 

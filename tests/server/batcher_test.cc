@@ -1,6 +1,6 @@
 // Batcher policy on its own: queue bound, deadlines, cancellation, priority, packing.
 // Workers are held with notifications, never with sleeps.
-#include "server/batcher.h"
+#include "server/batching/batcher.h"
 
 #include <map>
 #include <random>

@@ -9,7 +9,7 @@
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/support/byte_buffer.h>
 
-#include "server/status_util.h"
+#include "server/common/status_util.h"
 #include "tests/server/test_server.h"
 
 namespace attention::server::testing {

@@ -1,6 +1,6 @@
 // Hugging Face config.json parsing, agreement with a sent config, and layer prefixes: every
 // supported model family, both transformers 4 and 5 spellings, and every refusal.
-#include "server/hf_checkpoint.h"
+#include "server/models/hf_checkpoint.h"
 
 #include <gtest/gtest.h>
 

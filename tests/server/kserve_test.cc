@@ -10,7 +10,7 @@
 #include <grpcpp/create_channel.h>
 
 #include "inference/grpc_service.grpc.pb.h"
-#include "server/kserve_convert.h"
+#include "server/kserve/kserve_convert.h"
 #include "tests/server/test_server.h"
 
 namespace attention::server::testing {

@@ -1,6 +1,6 @@
 // The loader pool's queue: jobs past max_jobs wait in FIFO order, within their deadlines; only a
 // full queue (its length, or max_queued_bytes) refuses, naming the bound.
-#include "server/loader_pool.h"
+#include "server/batching/loader_pool.h"
 
 #include <atomic>
 #include <string>

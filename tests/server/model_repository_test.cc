@@ -15,8 +15,9 @@
 #include "core/devices.h"
 #include "core/safetensors.h"
 #include "absl/strings/match.h"
-#include "server/model_repository.h"
-#include "server/wire_convert.h"
+#include "server/models/model_repository.h"
+#include "server/models/layer_config.h"
+#include "server/validation/wire_convert.h"
 #include "tests/server/test_server.h"
 
 namespace attention::server::testing {

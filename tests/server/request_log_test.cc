@@ -1,4 +1,4 @@
-#include "server/request_log.h"
+#include "server/observability/request_log.h"
 
 #include <sstream>
 

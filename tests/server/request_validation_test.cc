@@ -1,5 +1,5 @@
 // Request costs from shapes, with overflow-checked arithmetic, and the budgets they meet.
-#include "server/request_validation.h"
+#include "server/validation/request_validation.h"
 
 #include <functional>
 #include <memory>

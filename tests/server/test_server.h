@@ -9,7 +9,7 @@
 
 #include "client/attention_client.h"
 #include "gtest/gtest.h"
-#include "server/server.h"
+#include "server/app/server.h"
 #include "tensor_codec.h"
 
 namespace attention::server::testing {

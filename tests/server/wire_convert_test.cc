@@ -1,6 +1,7 @@
 // Conversions from the wire that need no server: the queue deadline of a request, a layer's
 // batching policy.
-#include "server/wire_convert.h"
+#include "server/models/layer_config.h"
+#include "server/validation/wire_convert.h"
 
 #include "gtest/gtest.h"
 

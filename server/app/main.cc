@@ -1,0 +1,254 @@
+// attention-service: the gRPC server binary. The only file with flags.
+#include <pthread.h>
+
+#include <algorithm>
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/commandlineflag.h"
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "attention_version.h"
+#include "server/app/malloc_tuning.h"
+#include "server/app/server.h"
+
+ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "host:port to serve gRPC on; port 0 picks one");
+ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9464",
+          "host:port for Prometheus /metrics; port 0 picks one; empty disables");
+ABSL_FLAG(int, compute_threads, 0, "CPU compute threads; 0 = one per hardware thread");
+ABSL_FLAG(std::string, device, "auto",
+          "default device of layers and of scaled dot-product attention: auto (the first GPU "
+          "if one is visible, else the CPU), cpu, cuda or cuda:N");
+ABSL_FLAG(int, batch_workers, 2,
+          "threads taking batches off the queue; two overlap one batch's encoding with "
+          "another's compute");
+// The batch and queue limits below (to --queue_timeout) are defaults; a layer may set its
+// own at LoadLayer.
+ABSL_FLAG(int64_t, max_batch_requests, 64, "most requests packed into one forward pass");
+ABSL_FLAG(int64_t, max_batch_tokens, 16384, "most query tokens packed into one forward pass");
+ABSL_FLAG(absl::Duration, max_queue_delay, absl::ZeroDuration(),
+          "longest a request waits for a fuller batch, e.g. 2ms; 0 = run as soon as a worker "
+          "is free");
+ABSL_FLAG(int64_t, max_queue_requests, 1024,
+          "queued requests of one layer beyond which new ones for it get RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_queue_tokens, int64_t{1} << 20,
+          "queued query tokens of one layer beyond which new requests for it get "
+          "RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_queued_bytes, int64_t{256} << 20,
+          "bytes all queued requests may hold together (inputs, buffers, answers); past it "
+          "new requests get RESOURCE_EXHAUSTED, so a burst stays inside the memory limit");
+ABSL_FLAG(absl::Duration, queue_timeout, absl::ZeroDuration(),
+          "a request still queued this long is answered DEADLINE_EXCEEDED without being "
+          "computed, e.g. 500ms; 0 = no limit beyond the caller's deadline");
+ABSL_FLAG(absl::Duration, starvation_limit, absl::Milliseconds(100),
+          "a request queued longer than this runs before younger ones of any priority");
+ABSL_FLAG(bool, reject_non_finite, true,
+          "refuse query, key, value and attn_mask tensors holding NaN or infinities (an "
+          "additive mask may hold -inf) with INVALID_ARGUMENT naming the index");
+ABSL_FLAG(std::string, tls_cert_file, "",
+          "PEM certificate chain for TLS on the gRPC port (with --tls_key_file); empty = "
+          "plaintext; re-read when it changes");
+ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file");
+ABSL_FLAG(std::string, tls_client_ca_file, "",
+          "PEM CA bundle: clients must present a certificate it signed (mutual TLS)");
+ABSL_FLAG(absl::Duration, tls_reload_interval, absl::Seconds(10),
+          "how often the TLS files are checked for a rotated certificate");
+ABSL_FLAG(std::string, admin_token_file, "",
+          "file holding a bearer token that LoadLayer and UnloadLayer callers must send as "
+          "'authorization: Bearer <token>' metadata; empty = layer management is open to "
+          "every caller");
+ABSL_FLAG(bool, allow_inline_layers, true,
+          "accept MultiHeadAttention requests carrying an inline_layer (built per request)");
+ABSL_FLAG(bool, reflection, true, "offer the gRPC server reflection service");
+ABSL_FLAG(bool, demo_layer, false,
+          "load the seeded BERT-base-shaped layer 'demo-bert-base' at start-up (scripts/run-demo "
+          "does); off by default, so a server serves only the layers its operator loads");
+ABSL_FLAG(std::string, model_repository, "",
+          "directory of safetensors checkpoints for LoadLayer and of persisted layers "
+          "(persisted/<name>.safetensors, loaded at start-up); empty = none");
+ABSL_FLAG(int64_t, max_weight_bytes, 0,
+          "budget for the host memory of all loaded layers' weights, bytes (a CPU layer also "
+          "holds a packed copy of its weights, about as large, which counts); loads past it "
+          "get RESOURCE_EXHAUSTED; 0 = unlimited");
+ABSL_FLAG(int64_t, max_device_weight_bytes, 0,
+          "budget for the weights held on each GPU, bytes; loads past it get "
+          "RESOURCE_EXHAUSTED; 0 = the device's memory");
+ABSL_FLAG(int64_t, max_message_bytes, int64_t{64} << 20, "largest gRPC message, bytes");
+ABSL_FLAG(int64_t, max_request_flops, attention::server::RequestBudget{}.max_request_flops,
+          "most floating-point operations one request may ask for (projections plus "
+          "attention); larger ones get RESOURCE_EXHAUSTED before they are queued");
+ABSL_FLAG(int64_t, max_request_memory_bytes,
+          attention::server::RequestBudget{}.max_request_memory_bytes,
+          "most working memory one request's forward pass (or inline layer) may take, bytes; "
+          "larger ones get RESOURCE_EXHAUSTED before anything is allocated");
+ABSL_FLAG(int, max_concurrent_loads, 2,
+          "layer builds (LoadLayer, inline layers) running at once on the loader threads; "
+          "more wait in a FIFO queue (--max_queued_loads), each within its deadline");
+ABSL_FLAG(int, max_queued_loads, 256,
+          "layer builds that may wait for a loader thread; past it, or past "
+          "--max_queued_bytes (their request messages count), they get RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, inline_layer_cache_bytes, attention::server::kDefaultInlineLayerCacheBytes,
+          "host bytes of recently built inline layers kept, keyed by a SHA-256 of their "
+          "config and weights, so the same inline layer is not built again; they count "
+          "against --max_weight_bytes; 0 = no cache");
+ABSL_FLAG(int, max_concurrent_streams, 1024, "concurrent calls (HTTP/2 streams) per connection");
+ABSL_FLAG(absl::Duration, keepalive_min_ping_interval, absl::Seconds(10),
+          "clients sending keepalive pings more often than this get GOAWAY");
+ABSL_FLAG(absl::Duration, max_connection_age, absl::Minutes(10),
+          "connections older than this are asked to reconnect (GOAWAY), so clients "
+          "rebalance across replicas; 0 = never");
+ABSL_FLAG(absl::Duration, max_connection_age_grace, absl::Seconds(30),
+          "after max_connection_age, how long calls in flight may take");
+ABSL_FLAG(int64_t, max_metadata_bytes, 16 << 10, "largest request metadata (headers), bytes");
+ABSL_FLAG(double, shutdown_grace_seconds, 10.0,
+          "on SIGTERM/SIGINT, how long calls in flight may take to finish");
+ABSL_FLAG(absl::Duration, drain_delay, absl::ZeroDuration(),
+          "on SIGTERM/SIGINT, how long health answers NOT_SERVING while calls are still "
+          "accepted, before the listener closes (e.g. 5s behind a load balancer)");
+ABSL_FLAG(bool, log_errors, true, "one stderr line for every call that fails");
+ABSL_FLAG(double, access_log_sample, 0.0,
+          "fraction of successful calls logged on stderr, in [0, 1]");
+ABSL_FLAG(bool, log_json, false, "request log lines as JSON objects");
+
+namespace {
+
+pthread_t main_thread;
+
+// Threads started before main() (OpenBLAS's pool, from a library constructor) do not block
+// SIGINT/SIGTERM, and the kernel hands a process-directed signal to such a thread whenever
+// the main thread is not inside sigwait(): during start-up, or a second signal while
+// draining. Without a handler the default action then kills the process (exit 143); this
+// one passes the signal on to the main thread, where it waits for sigwait() (or is ignored
+// once the drain has begun). pthread_kill is async-signal-safe.
+void ForwardToMainThread(int signal_number) { pthread_kill(main_thread, signal_number); }
+
+// The admin token: the file's contents without surrounding whitespace (a Kubernetes Secret
+// or `echo` adds a newline). At least 16 bytes, so that it cannot be guessed.
+absl::StatusOr<std::string> ReadAdminToken(const std::string& path) {
+  std::ifstream file(path);
+  if (!file) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  std::stringstream contents;
+  contents << file.rdbuf();
+  const std::string token(absl::StripAsciiWhitespace(contents.str()));
+  constexpr size_t kMinTokenBytes = 16;
+  if (token.size() < kMinTokenBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(path, " holds a token of ", token.size(),
+                                                   " bytes; use at least ", kMinTokenBytes));
+  }
+  return token;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  attention::server::KeepLargeBuffersInHeap(size_t{256} << 20);
+  absl::SetProgramUsageMessage("Serves multi-head attention over gRPC (attention.v1).");
+  attention::SetVersionFlagOutput("attention-server");
+  absl::ParseCommandLine(argc, argv);
+  // Start-up configuration, one line on stderr: every flag defined in this file, sorted.
+  // (Filename() is __FILE__ with its leading slashes stripped.)
+  std::vector<std::string> settings;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    const std::string file = flag->Filename();
+    if (!file.empty() && absl::EndsWith(__FILE__, file)) {
+      settings.push_back("--" + std::string(name) + "=" + flag->CurrentValue());
+    }
+  }
+  std::sort(settings.begin(), settings.end());
+  std::string config_line = "attention-service: starting with";
+  for (const std::string& setting : settings) config_line += " " + setting;
+  std::cerr << config_line << std::endl;
+
+  // Block the stop signals in every thread; the main thread waits for them below.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  main_thread = pthread_self();
+  struct sigaction forward = {};
+  forward.sa_handler = ForwardToMainThread;
+  sigemptyset(&forward.sa_mask);
+  sigaction(SIGINT, &forward, nullptr);
+  sigaction(SIGTERM, &forward, nullptr);
+
+  attention::server::ServerOptions options;
+  options.listen_address = absl::GetFlag(FLAGS_listen);
+  options.metrics_address = absl::GetFlag(FLAGS_metrics_listen);
+  options.compute_threads = absl::GetFlag(FLAGS_compute_threads);
+  options.device = absl::GetFlag(FLAGS_device);
+  options.batcher.num_workers = absl::GetFlag(FLAGS_batch_workers);
+  options.batcher.limits.max_batch_requests = absl::GetFlag(FLAGS_max_batch_requests);
+  options.batcher.limits.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  options.batcher.limits.max_queue_requests = absl::GetFlag(FLAGS_max_queue_requests);
+  options.batcher.limits.max_queue_delay = absl::GetFlag(FLAGS_max_queue_delay);
+  options.batcher.limits.max_queue_tokens = absl::GetFlag(FLAGS_max_queue_tokens);
+  options.batcher.limits.queue_timeout = absl::GetFlag(FLAGS_queue_timeout);
+  options.batcher.max_queued_bytes = absl::GetFlag(FLAGS_max_queued_bytes);
+  options.batcher.starvation_limit = absl::GetFlag(FLAGS_starvation_limit);
+  options.demo_layer = absl::GetFlag(FLAGS_demo_layer);
+  options.registry.model_repository = absl::GetFlag(FLAGS_model_repository);
+  options.registry.max_weight_bytes = absl::GetFlag(FLAGS_max_weight_bytes);
+  options.registry.max_device_weight_bytes = absl::GetFlag(FLAGS_max_device_weight_bytes);
+  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options.request_budget.max_request_flops = absl::GetFlag(FLAGS_max_request_flops);
+  options.request_budget.max_request_memory_bytes =
+      absl::GetFlag(FLAGS_max_request_memory_bytes);
+  options.request_budget.reject_non_finite = absl::GetFlag(FLAGS_reject_non_finite);
+  options.drain_delay = absl::GetFlag(FLAGS_drain_delay);
+  options.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
+  options.max_concurrent_loads = absl::GetFlag(FLAGS_max_concurrent_loads);
+  options.max_queued_loads = absl::GetFlag(FLAGS_max_queued_loads);
+  options.inline_layer_cache_bytes = absl::GetFlag(FLAGS_inline_layer_cache_bytes);
+  options.keepalive_min_ping_interval = absl::GetFlag(FLAGS_keepalive_min_ping_interval);
+  options.max_connection_age = absl::GetFlag(FLAGS_max_connection_age);
+  options.max_connection_age_grace = absl::GetFlag(FLAGS_max_connection_age_grace);
+  options.max_metadata_bytes = absl::GetFlag(FLAGS_max_metadata_bytes);
+  options.request_log.errors = absl::GetFlag(FLAGS_log_errors);
+  options.request_log.access_sample = absl::GetFlag(FLAGS_access_log_sample);
+  options.request_log.json = absl::GetFlag(FLAGS_log_json);
+
+  options.tls.cert_file = absl::GetFlag(FLAGS_tls_cert_file);
+  options.tls.key_file = absl::GetFlag(FLAGS_tls_key_file);
+  options.tls.client_ca_file = absl::GetFlag(FLAGS_tls_client_ca_file);
+  options.tls.reload_interval = absl::GetFlag(FLAGS_tls_reload_interval);
+  options.access.allow_inline_layers = absl::GetFlag(FLAGS_allow_inline_layers);
+  options.reflection = absl::GetFlag(FLAGS_reflection);
+  if (const std::string path = absl::GetFlag(FLAGS_admin_token_file); !path.empty()) {
+    auto token = ReadAdminToken(path);
+    if (!token.ok()) {
+      std::cerr << "attention-service: --admin_token_file: " << token.status() << std::endl;
+      return 1;
+    }
+    options.access.admin_token = *std::move(token);
+  }
+  auto server = attention::server::AttentionServer::Start(options);
+  if (!server.ok()) {
+    std::cerr << "attention-service: " << server.status() << std::endl;
+    return 1;
+  }
+  std::cerr << "attention-service: default device " << (*server)->default_backend().name()
+            << ", OpenBLAS core " << attention::core::CpuBackend::BlasCore() << std::endl;
+  // Scripts and tests read the port from this line.
+  std::cout << "attention-service listening on port " << (*server)->port() << std::endl;
+  if ((*server)->metrics_port() != 0) {
+    std::cout << "attention-service metrics on port " << (*server)->metrics_port() << std::endl;
+  }
+
+  int signal_number = 0;
+  sigwait(&stop_signals, &signal_number);
+  std::cerr << "attention-service: signal " << signal_number << ", draining" << std::endl;
+  (*server)->Shutdown(absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_seconds)));
+  std::cerr << "attention-service: stopped" << std::endl;
+  return 0;
+}

@@ -1,0 +1,225 @@
+#include "server/app/server.h"
+
+#include <algorithm>
+#include <climits>
+#include <iostream>
+#include <thread>
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/impl/server_builder_option.h>
+#include <grpcpp/server_builder.h>
+
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+#include "grpc/health/v1/health.pb.h"
+
+namespace attention::server {
+namespace {
+
+constexpr char kServiceName[] = "attention.v1.AttentionService";
+
+// Turns the reflection service on or off for one server. Linking gRPC's reflection library
+// registers its plugin for every server of the process at static initialization, so "off"
+// removes it and "on" adds it where it is missing.
+class ReflectionOption final : public grpc::ServerBuilderOption {
+ public:
+  explicit ReflectionOption(bool enabled) : enabled_(enabled) {}
+  void UpdateArguments(grpc::ChannelArguments* /*arguments*/) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    const std::string name = grpc::reflection::ProtoServerReflectionPlugin().name();
+    const auto is_reflection = [&name](const auto& plugin) { return plugin->name() == name; };
+    const bool present = std::any_of(plugins->begin(), plugins->end(), is_reflection);
+    if (!enabled_) {
+      plugins->erase(std::remove_if(plugins->begin(), plugins->end(), is_reflection),
+                     plugins->end());
+    } else if (!present) {
+      plugins->push_back(std::make_unique<grpc::reflection::ProtoServerReflectionPlugin>());
+    }
+  }
+
+ private:
+  const bool enabled_;
+};
+
+// gRPC duration arguments are int milliseconds; longer durations are capped there.
+int MillisecondsArgument(absl::Duration duration) {
+  return static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(duration), INT_MAX));
+}
+
+int ComputeThreads(int requested) {
+  if (requested > 0) return requested;
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+}  // namespace
+
+absl::Status ServerOptions::Validate() const {
+  if (compute_threads < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("compute_threads = ", compute_threads, " must be >= 0"));
+  }
+  if (max_message_bytes < (1 << 20) || max_message_bytes > (int64_t{1} << 31) - 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_message_bytes = ", max_message_bytes, " must be in [1 MiB, 2 GiB)"));
+  }
+  if (max_concurrent_loads < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_concurrent_loads = ", max_concurrent_loads, " must be >= 1"));
+  }
+  if (max_queued_loads < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_queued_loads = ", max_queued_loads, " must be >= 0"));
+  }
+  if (inline_layer_cache_bytes < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "inline_layer_cache_bytes = ", inline_layer_cache_bytes, " must be >= 0 (0 = off)"));
+  }
+  if (max_concurrent_streams < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_concurrent_streams = ", max_concurrent_streams, " must be >= 1"));
+  }
+  if (keepalive_min_ping_interval <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "keepalive_min_ping_interval = ", absl::FormatDuration(keepalive_min_ping_interval),
+        " must be > 0"));
+  }
+  for (auto [name, value] : {std::pair<const char*, absl::Duration>{"max_connection_age",
+                                                                    max_connection_age},
+                             {"max_connection_age_grace", max_connection_age_grace}}) {
+    if (value < absl::ZeroDuration()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, " = ", absl::FormatDuration(value), " must be >= 0"));
+    }
+  }
+  if (max_metadata_bytes < 1024 || max_metadata_bytes > (int64_t{1} << 31) - 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_metadata_bytes = ", max_metadata_bytes, " must be in [1 KiB, 2 GiB)"));
+  }
+  if (drain_delay < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("drain_delay = ", absl::FormatDuration(drain_delay), " must be >= 0"));
+  }
+  RETURN_IF_ERROR(RequestBudgetWithMessageLimit().Validate());
+  RETURN_IF_ERROR(tls.Validate());
+  RETURN_IF_ERROR(registry.Validate());
+  RETURN_IF_ERROR(request_log.Validate());
+  return batcher.Validate();
+}
+
+RequestBudget ServerOptions::RequestBudgetWithMessageLimit() const {
+  RequestBudget budget = request_budget;
+  budget.max_response_bytes = max_message_bytes;
+  return budget;
+}
+
+AttentionServer::AttentionServer(const ServerOptions& options,
+                                 std::unique_ptr<core::Devices> devices,
+                                 std::shared_ptr<const core::Backend> default_backend)
+    : devices_(std::move(devices)),
+      default_backend_(std::move(default_backend)),
+      metrics_(default_backend_->name(), core::CpuBackend::BlasCore()),
+      request_log_(options.request_log),
+      drain_delay_(options.drain_delay),
+      batcher_(options.batcher, &metrics_),
+      loader_({options.max_concurrent_loads, options.max_queued_loads}, &batcher_, &metrics_),
+      service_(registry_, batcher_, metrics_, request_log_, options.RequestBudgetWithMessageLimit(),
+               *devices_, default_backend_, options.access, loader_,
+               options.inline_layer_cache_bytes),
+      kserve_service_(service_, registry_, metrics_, loader_, ready_) {}
+
+absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
+    const ServerOptions& options) {
+  RETURN_IF_ERROR(options.Validate());
+  auto devices = std::make_unique<core::Devices>(ComputeThreads(options.compute_threads));
+  absl::StatusOr<std::shared_ptr<const core::Backend>> default_backend =
+      devices->Get(options.device);
+  if (!default_backend.ok()) {
+    return absl::Status(default_backend.status().code(),
+                        absl::StrCat("--device: ", default_backend.status().message()));
+  }
+  std::unique_ptr<AttentionServer> server(
+      new AttentionServer(options, std::move(devices), *std::move(default_backend)));
+  RETURN_IF_ERROR(server->registry_.Configure(options.registry));
+  if (!options.metrics_address.empty()) {
+    RETURN_IF_ERROR(server->metrics_.Expose(options.metrics_address));
+  }
+  grpc::EnableDefaultHealthCheckService(true);
+  // gRPC's built-in health service carries no descriptor; naming the generated one links
+  // it in, so reflection can describe grpc.health.v1.Health (grpcurl, Postman).
+  grpc::health::v1::HealthCheckRequest::descriptor();
+  grpc::ServerBuilder builder;
+  builder.SetOption(std::make_unique<ReflectionOption>(options.reflection));
+  builder.AddListeningPort(options.listen_address, ServerCredentials(options.tls),
+                           &server->port_);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, options.max_concurrent_streams);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+                             MillisecondsArgument(options.keepalive_min_ping_interval));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  if (options.max_connection_age > absl::ZeroDuration()) {
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS,
+                               MillisecondsArgument(options.max_connection_age));
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS,
+                               MillisecondsArgument(options.max_connection_age_grace));
+  }
+  builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE,
+                             static_cast<int>(options.max_metadata_bytes));
+  builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  builder.RegisterService(&server->service_);
+  builder.RegisterService(&server->kserve_service_);
+  server->server_ = builder.BuildAndStart();
+  if (server->server_ == nullptr || server->port_ == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("could not listen on ", options.listen_address, " (address in use?)"));
+  }
+  // The port is open, but health says NOT_SERVING until every layer is loaded, so probes
+  // and load balancers can tell "starting" from "down" during a long repository load.
+  grpc::HealthCheckServiceInterface* health = server->server_->GetHealthCheckService();
+  health->SetServingStatus(false);
+  health->SetServingStatus(kServiceName, false);
+  // Persisted layers load before the demo layer, so one persisted under its name wins.
+  server->startup_problems_ = server->registry_.LoadPersisted(*server->devices_, server->default_backend_);
+  if (options.demo_layer && !server->registry_.Get(kDemoLayerName).ok()) {
+    core::MhaConfig config;
+    config.embed_dim = kDemoEmbedDim;
+    config.num_heads = kDemoNumHeads;
+    ASSIGN_OR_RETURN(const core::MhaConfig resolved, core::MhaConfig::Resolve(config));
+    ASSIGN_OR_RETURN(auto layer,
+                     core::MhaLayer::Create(resolved, core::MhaWeights::Random(resolved, kDemoSeed),
+                                            server->default_backend_));
+    auto published = server->registry_.Publish(kDemoLayerName, std::move(layer));
+    if (!published.ok()) {
+      server->startup_problems_.push_back(absl::StrCat(
+          "demo layer \"", kDemoLayerName, "\": ", published.status().message(), "; skipped"));
+    }
+  }
+  for (const std::string& problem : server->startup_problems_) {
+    std::cerr << "attention-service: " << problem << std::endl;
+  }
+  server->service_.RefreshLayerMetrics();
+  health->SetServingStatus(true);
+  health->SetServingStatus(kServiceName, true);
+  server->ready_ = true;
+  return server;
+}
+
+AttentionServer::~AttentionServer() { Shutdown(absl::ZeroDuration()); }
+
+void AttentionServer::Shutdown(absl::Duration grace) {
+  if (shut_down_) return;
+  shut_down_ = true;
+  if (server_ != nullptr) {
+    server_->GetHealthCheckService()->SetServingStatus(false);
+    ready_ = false;
+    // Health Check and Watch answer NOT_SERVING while calls are still accepted.
+    absl::SleepFor(drain_delay_);
+    // In-flight calls finish on batcher workers, which keep running until after this.
+    server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+    server_->Wait();
+  }
+  loader_.Shutdown();  // builds taken before the drain finish; their calls are answered
+  batcher_.Shutdown();
+}
+
+}  // namespace attention::server

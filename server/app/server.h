@@ -1,0 +1,146 @@
+// The whole service in one object: compute pool, batcher, layer registry, gRPC server with
+// health and reflection. main.cc and the in-process tests both start it through here.
+#ifndef ATTENTION_SERVER_APP_SERVER_H_
+#define ATTENTION_SERVER_APP_SERVER_H_
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <grpcpp/server.h>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "core/devices.h"
+#include "server/native/attention_service.h"
+#include "server/batching/batcher.h"
+#include "server/kserve/kserve_service.h"
+#include "server/models/layer_registry.h"
+#include "server/observability/metrics.h"
+#include "server/observability/request_log.h"
+#include "server/validation/request_validation.h"
+#include "server/app/tls.h"
+
+namespace attention::server {
+
+// Name, shape and seed of the built-in demo layer (BERT-base attention, as seed 000).
+inline constexpr char kDemoLayerName[] = "demo-bert-base";
+inline constexpr int64_t kDemoEmbedDim = 768;
+inline constexpr int64_t kDemoNumHeads = 12;
+inline constexpr uint64_t kDemoSeed = 0;
+
+struct ServerOptions {
+  // host:port to listen on; port 0 picks a free port (see AttentionServer::port()).
+  std::string listen_address = "0.0.0.0:50051";
+  // host:port serving Prometheus /metrics; port 0 picks one; empty disables the endpoint.
+  std::string metrics_address = "0.0.0.0:9464";
+  // Compute threads of the CPU backend; 0 means one per hardware thread.
+  int compute_threads = 0;
+  // Where layers compute unless LoadLayerRequest.device says otherwise, and where scaled
+  // dot-product attention runs: "auto" (the first GPU if one is visible, else the CPU),
+  // "cpu", "cuda" or "cuda:N". A GPU that is not there fails Start with
+  // FAILED_PRECONDITION.
+  std::string device = "auto";
+  BatcherOptions batcher;
+  // Error lines and the sampled access log on stderr.
+  RequestLogOptions request_log;
+  // On Shutdown, how long health reports NOT_SERVING while calls are still accepted, so
+  // load balancers and probes see the drain before the listener closes. >= 0; default 0.
+  absl::Duration drain_delay = absl::ZeroDuration();
+  // Per-connection limits (gRPC channel arguments):
+  // Concurrent calls (HTTP/2 streams) on one connection. >= 1; default 1024, a layer's
+  // default queue bound, so that one connection can still fill a queue and see it shed
+  // (RESOURCE_EXHAUSTED) rather than wait in HTTP/2 flow control.
+  int max_concurrent_streams = 1024;
+  // Clients pinging more often than this (keepalive) are sent GOAWAY. > 0; default 10 s.
+  absl::Duration keepalive_min_ping_interval = absl::Seconds(10);
+  // A connection older than this is asked to go away (GOAWAY), so clients reconnect and
+  // rebalance across replicas behind a Kubernetes Service; calls in flight then get
+  // max_connection_age_grace to finish. Zero = no limit. >= 0; defaults 10 min and 30 s.
+  absl::Duration max_connection_age = absl::Minutes(10);
+  absl::Duration max_connection_age_grace = absl::Seconds(30);
+  // Largest request metadata (headers) accepted, bytes. >= 1 KiB; default 16 KiB.
+  int64_t max_metadata_bytes = 16 << 10;
+  // Load kDemoLayerName with seeded weights at start-up (unless a persisted layer has its
+  // name). Default off (--demo_layer): a server serves only what its operator loads.
+  bool demo_layer = false;
+  // Weight budget (--max_weight_bytes) and model repository (--model_repository).
+  LayerRegistryOptions registry;
+  // Layer builds (LoadLayer, inline layers) running at once on the loader pool; more wait
+  // in its FIFO queue, within their deadlines. >= 1; default 2.
+  int max_concurrent_loads = 2;
+  // Builds that may wait for a loader thread; past it (or past batcher.max_queued_bytes,
+  // which their request messages count against) they are RESOURCE_EXHAUSTED. >= 0;
+  // default 256.
+  int max_queued_loads = 256;
+  // Host bytes of recently built inline layers kept for requests that send the same layer
+  // again (counted against registry.max_weight_bytes). 0 disables the cache. >= 0;
+  // default 256 MiB.
+  int64_t inline_layer_cache_bytes = kDefaultInlineLayerCacheBytes;
+  // Largest request or response message, bytes. >= 1 MiB; default 64 MiB.
+  int64_t max_message_bytes = int64_t{64} << 20;
+  // TLS or mutual TLS on the gRPC port (--tls_cert_file, --tls_key_file,
+  // --tls_client_ca_file); plaintext by default.
+  TlsOptions tls;
+  // Restricted layer management and inline layers (--admin_token_file,
+  // --allow_inline_layers).
+  AccessPolicy access;
+  // Offer the gRPC reflection service (--reflection); default on.
+  bool reflection = true;
+  // Per-request work and memory limits (--max_request_flops, --max_request_memory_bytes);
+  // its max_response_bytes is ignored: answers are bounded by max_message_bytes.
+  RequestBudget request_budget;
+
+  absl::Status Validate() const;
+  // request_budget with max_response_bytes = max_message_bytes.
+  RequestBudget RequestBudgetWithMessageLimit() const;
+};
+
+// Thread-safe.
+class AttentionServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<AttentionServer>> Start(const ServerOptions& options);
+  ~AttentionServer();  // Shutdown(absl::ZeroDuration())
+
+  int port() const { return port_; }
+  // The default device's backend ("cpu", "cuda:0").
+  const core::Backend& default_backend() const { return *default_backend_; }
+  // Port of /metrics, 0 when disabled.
+  int metrics_port() const { return metrics_.port(); }
+  LayerRegistry& registry() { return registry_; }
+  Metrics& metrics() { return metrics_; }
+  LoaderPool& loader() { return loader_; }
+  const InlineLayerCache& inline_layer_cache() const { return service_.inline_layer_cache(); }
+  // Files skipped while loading persisted layers at start-up (also printed to stderr).
+  const std::vector<std::string>& startup_problems() const { return startup_problems_; }
+
+  // Health turns NOT_SERVING, new calls are refused, calls in flight get up to `grace` to
+  // finish, then the batcher drains and stops. Idempotent.
+  void Shutdown(absl::Duration grace);
+
+ private:
+  AttentionServer(const ServerOptions& options, std::unique_ptr<core::Devices> devices,
+                  std::shared_ptr<const core::Backend> default_backend);
+
+  const std::unique_ptr<core::Devices> devices_;
+  const std::shared_ptr<const core::Backend> default_backend_;
+  Metrics metrics_;
+  RequestLog request_log_;
+  const absl::Duration drain_delay_;
+  Batcher batcher_;
+  LayerRegistry registry_;
+  LoaderPool loader_;
+  AttentionServiceImpl service_;
+  // What the health service says, for the Open Inference Protocol's ServerReady.
+  std::atomic<bool> ready_{false};
+  InferenceServiceImpl kserve_service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+  std::vector<std::string> startup_problems_;
+  bool shut_down_ = false;
+};
+
+}  // namespace attention::server
+
+#endif  // ATTENTION_SERVER_APP_SERVER_H_

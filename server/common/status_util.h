@@ -1,0 +1,46 @@
+// The one place where absl::Status becomes a gRPC status, and the bounds on what error
+// messages echo: a default gRPC client cannot read a status past 16 KiB of metadata, and
+// messages must never grow with caller input or server state.
+#ifndef ATTENTION_SERVER_COMMON_STATUS_UTIL_H_
+#define ATTENTION_SERVER_COMMON_STATUS_UTIL_H_
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include <grpcpp/support/status.h>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+
+namespace attention::server {
+
+// Longest message a caller receives, bytes; longer ones are cut with a note of the length.
+inline constexpr size_t kMaxErrorMessageBytes = 2048;
+// Longest caller string an error message quotes, bytes.
+inline constexpr size_t kMaxQuotedBytes = 128;
+// Most items of a list (e.g. loaded layers) an error message names.
+inline constexpr size_t kMaxListedItems = 10;
+
+// `text` in double quotes, cut to kMaxQuotedBytes with "..." and its length when longer.
+std::string Quoted(absl::string_view text);
+
+// The first kMaxListedItems of `items`, comma-separated, each cut as Quoted would, then
+// "and N more" when there are more; "none" when empty.
+std::string ListForMessage(const std::vector<std::string>& items);
+// The same with each item Quoted (tensor names and prefixes, which end in dots).
+std::string QuotedListForMessage(const std::vector<std::string>& items);
+
+// `message` cut to kMaxErrorMessageBytes.
+std::string BoundedMessage(absl::string_view message);
+
+// absl and gRPC share the canonical code numbering, so the code carries over unchanged.
+inline grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
+                      BoundedMessage(status.message()));
+}
+
+}  // namespace attention::server
+
+#endif  // ATTENTION_SERVER_COMMON_STATUS_UTIL_H_

@@ -1,0 +1,504 @@
+#include "server/kserve/kserve_convert.h"
+
+#include <cstring>
+#include <limits>
+#include <set>
+
+#include "absl/algorithm/container.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+#include "server/validation/request_validation.h"
+#include "server/common/status_util.h"
+#include "server/validation/wire_convert.h"
+
+namespace attention::server::kserve {
+namespace {
+
+using Parameter = inference::InferParameter;
+using InputTensor = inference::ModelInferRequest::InferInputTensor;
+
+constexpr char kQuery[] = "query";
+constexpr char kKey[] = "key";
+constexpr char kValue[] = "value";
+constexpr char kKeyPaddingMask[] = "key_padding_mask";
+constexpr char kAttnMask[] = "attn_mask";
+// Triton's priority levels start at 1 (first); they map below this native priority.
+constexpr int64_t kTritonPriorityBase = 1'000'000;
+
+// The native dtype of a protocol datatype among `allowed`, or INVALID_ARGUMENT listing them.
+absl::StatusOr<v1::DataType> ParseDatatype(const InputTensor& input,
+                                           const std::vector<std::string>& allowed) {
+  static const std::pair<const char*, v1::DataType> kNames[] = {
+      {"FP32", v1::FLOAT32}, {"FP16", v1::FLOAT16}, {"BF16", v1::BFLOAT16}, {"BOOL", v1::BOOL}};
+  for (const std::string& name : allowed) {
+    if (input.datatype() != name) continue;
+    for (const auto& [known, dtype] : kNames) {
+      if (name == known) return dtype;
+    }
+    return v1::DATA_TYPE_UNSPECIFIED;  // an integer mask, converted below
+  }
+  return Invalid("inputs[", Quoted(input.name()), "].datatype = ", Quoted(input.datatype()),
+                 " is not accepted; expected one of ", ListForMessage(allowed));
+}
+
+// The element count of `input`'s shape, or INVALID_ARGUMENT for a negative dimension.
+absl::StatusOr<int64_t> ElementCount(const InputTensor& input) {
+  int64_t count = 1;
+  for (int i = 0; i < input.shape_size(); ++i) {
+    if (input.shape(i) < 0) {
+      return Invalid("inputs[", Quoted(input.name()), "].shape[", i, "] = ", input.shape(i),
+                     " is negative");
+    }
+    count = CheckedProduct({count, input.shape(i)});
+  }
+  return count;
+}
+
+// INVALID_ARGUMENT when typed contents hold `given` values where the shape needs `count`.
+absl::Status CheckTypedCount(const InputTensor& input, int64_t given, int64_t count) {
+  if (given == count) return absl::OkStatus();
+  return Invalid("inputs[", Quoted(input.name()), "].contents holds ", given, " ",
+                 input.datatype(), " values; its shape needs ", count);
+}
+
+// The typed contents field that carries values of `datatype`; null for FP16 and BF16.
+const char* TypedContentsField(const std::string& datatype) {
+  if (datatype == "FP32") return "fp32_contents";
+  if (datatype == "BOOL") return "bool_contents";
+  if (datatype == "INT64") return "int64_contents";
+  if (datatype == "INT32") return "int_contents";
+  return nullptr;
+}
+
+// INVALID_ARGUMENT naming the typed contents field used when it is not the datatype's:
+// values in another field would otherwise read as an empty tensor.
+absl::Status CheckContentsField(const InputTensor& input) {
+  const char* expected = TypedContentsField(input.datatype());
+  const google::protobuf::Reflection* reflection = input.contents().GetReflection();
+  std::vector<const google::protobuf::FieldDescriptor*> fields;
+  reflection->ListFields(input.contents(), &fields);
+  for (const google::protobuf::FieldDescriptor* field : fields) {
+    if (expected != nullptr && field->name() == expected) continue;
+    const std::string given = absl::StrCat("contents.", field->name(), " holds ",
+                                           reflection->FieldSize(input.contents(), field),
+                                           " values");
+    if (expected == nullptr) {
+      return Invalid("inputs[", Quoted(input.name()), "] is ", input.datatype(),
+                     ", which has no typed contents in the protocol, but its ", given,
+                     "; send it in raw_input_contents");
+    }
+    return Invalid("inputs[", Quoted(input.name()), "] is ", input.datatype(), ", whose values go "
+                   "in contents.", expected, ", but its ", given);
+  }
+  return absl::OkStatus();
+}
+
+// A tokenizer's attention_mask (1 = attend, 0 = padding) as the bytes of a BOOL mask with
+// TRUE_ATTENDS polarity, from `raw` little-endian bytes when given, else from `typed`.
+template <typename Int>
+absl::Status IntegerMaskToBool(const InputTensor& input, const std::string* raw,
+                               const google::protobuf::RepeatedField<Int>& typed,
+                               std::string* bytes) {
+  ASSIGN_OR_RETURN(const int64_t count, ElementCount(input));
+  if (raw != nullptr) {
+    if (count == kSaturated || raw->size() != static_cast<size_t>(count) * sizeof(Int)) {
+      return Invalid("raw_input_contents of ", Quoted(input.name()), " has ", raw->size(),
+                     " bytes; shape and ", input.datatype(), " need ", count, " x ",
+                     sizeof(Int));
+    }
+  } else {
+    RETURN_IF_ERROR(CheckTypedCount(input, typed.size(), count));
+  }
+  bytes->resize(static_cast<size_t>(count));
+  for (int64_t n = 0; n < count; ++n) {
+    Int value;
+    if (raw != nullptr) {
+      // Copied out, as raw bytes need not be aligned for the integer type.
+      std::memcpy(&value, raw->data() + n * sizeof(Int), sizeof(Int));
+    } else {
+      value = typed.Get(static_cast<int>(n));
+    }
+    if (value != 0 && value != 1) {
+      return Invalid("inputs[", Quoted(input.name()), "] element ", n, " = ",
+                     static_cast<int64_t>(value),
+                     "; an integer mask holds 1 (attend) or 0 (padding)");
+    }
+    (*bytes)[n] = static_cast<char>(value);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ConvertIntegerMask(const InputTensor& input, const std::string* raw,
+                                v1::Tensor* tensor) {
+  std::string bytes;
+  RETURN_IF_ERROR(input.datatype() == "INT64"
+                      ? IntegerMaskToBool(input, raw, input.contents().int64_contents(), &bytes)
+                      : IntegerMaskToBool(input, raw, input.contents().int_contents(), &bytes));
+  tensor->set_dtype(v1::BOOL);
+  *tensor->mutable_raw_data() = std::move(bytes);
+  return absl::OkStatus();
+}
+
+// An input's parameters: binary_data_size, which the KServe SDK sends with every raw
+// input, must be its raw entry's size; shared memory and anything else are not supported.
+absl::Status CheckInputParameters(const InputTensor& input, const std::string* raw) {
+  for (const auto& [key, parameter] : input.parameters()) {
+    if (key != "binary_data_size") {
+      return absl::UnimplementedError(
+          absl::StrCat("inputs[", Quoted(input.name()), "].parameters[", Quoted(key),
+                       "] is not supported (shared memory inputs are not); send the contents"));
+    }
+    // Compared and printed as sent: a negative int64 is no size, not a 64-bit wrap-around.
+    std::string sent = "(not an integer)";
+    bool matches = false;
+    if (parameter.parameter_choice_case() == Parameter::kInt64Param) {
+      sent = absl::StrCat(parameter.int64_param());
+      matches = raw != nullptr && parameter.int64_param() >= 0 &&
+                static_cast<uint64_t>(parameter.int64_param()) == raw->size();
+    } else if (parameter.parameter_choice_case() == Parameter::kUint64Param) {
+      sent = absl::StrCat(parameter.uint64_param());
+      matches = raw != nullptr && parameter.uint64_param() == raw->size();
+    }
+    if (!matches) {
+      return Invalid("inputs[", Quoted(input.name()), "].parameters[\"binary_data_size\"] = ",
+                     sent,
+                     " does not match its raw_input_contents entry (",
+                     raw == nullptr ? std::string("none") : absl::StrCat(raw->size(), " bytes"),
+                     ")");
+    }
+  }
+  return absl::OkStatus();
+}
+
+// One input into its native tensor; `raw` is its raw_input_contents entry, if used.
+absl::Status ConvertInput(const InputTensor& input, const std::string* raw,
+                          const std::vector<std::string>& datatypes, v1::Tensor* tensor) {
+  RETURN_IF_ERROR(CheckInputParameters(input, raw));
+  ASSIGN_OR_RETURN(const v1::DataType dtype, ParseDatatype(input, datatypes));
+  if (raw == nullptr) RETURN_IF_ERROR(CheckContentsField(input));
+  tensor->mutable_shape()->CopyFrom(input.shape());
+  if (dtype == v1::DATA_TYPE_UNSPECIFIED) return ConvertIntegerMask(input, raw, tensor);
+  tensor->set_dtype(dtype);
+  if (raw != nullptr) {
+    tensor->set_raw_data(*raw);
+    return absl::OkStatus();
+  }
+  const inference::InferTensorContents& contents = input.contents();
+  if (dtype == v1::FLOAT32) {
+    ASSIGN_OR_RETURN(const int64_t count, ElementCount(input));
+    RETURN_IF_ERROR(CheckTypedCount(input, contents.fp32_contents_size(), count));
+    tensor->mutable_float_data()->CopyFrom(contents.fp32_contents());
+    return absl::OkStatus();
+  }
+  if (dtype == v1::BOOL) {
+    ASSIGN_OR_RETURN(const int64_t count, ElementCount(input));
+    RETURN_IF_ERROR(CheckTypedCount(input, contents.bool_contents_size(), count));
+    std::string* bytes = tensor->mutable_raw_data();
+    bytes->resize(static_cast<size_t>(count));
+    for (int64_t n = 0; n < count; ++n) (*bytes)[n] = contents.bool_contents(n) ? 1 : 0;
+    return absl::OkStatus();
+  }
+  return Invalid("inputs[", Quoted(input.name()), "] is ", input.datatype(),
+                 ", which has no typed contents in the protocol; send it in raw_input_contents");
+}
+
+absl::Status ParameterTypeError(absl::string_view name, absl::string_view expected) {
+  return Invalid("parameters[", Quoted(name), "] must be a ", expected, " parameter");
+}
+
+absl::StatusOr<v1::NeedWeights> ParseNeedWeights(const Parameter& parameter) {
+  if (parameter.parameter_choice_case() == Parameter::kBoolParam) {
+    return parameter.bool_param() ? v1::NEED_WEIGHTS_AVERAGED : v1::NEED_WEIGHTS_NONE;
+  }
+  if (parameter.parameter_choice_case() != Parameter::kStringParam) {
+    return ParameterTypeError("need_weights", "string or bool");
+  }
+  const std::string& value = parameter.string_param();
+  if (value == "none") return v1::NEED_WEIGHTS_NONE;
+  if (value == "averaged") return v1::NEED_WEIGHTS_AVERAGED;
+  if (value == "per_head") return v1::NEED_WEIGHTS_PER_HEAD;
+  return Invalid("parameters[\"need_weights\"] = ", Quoted(value),
+                 "; expected \"none\", \"averaged\" or \"per_head\"");
+}
+
+// An integer parameter given as int64 or uint64 (tritonclient sends priority as uint64).
+absl::StatusOr<int64_t> IntegerParameter(absl::string_view name, const Parameter& parameter) {
+  if (parameter.parameter_choice_case() == Parameter::kInt64Param) return parameter.int64_param();
+  if (parameter.parameter_choice_case() == Parameter::kUint64Param) {
+    if (parameter.uint64_param() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      return Invalid("parameters[", Quoted(name), "] = ", parameter.uint64_param(),
+                     " is too large");
+    }
+    return static_cast<int64_t>(parameter.uint64_param());
+  }
+  return ParameterTypeError(name, "int64 or uint64");
+}
+
+// Request parameters into the native options; need_weights is returned apart, as the
+// requested outputs also decide it.
+absl::Status ConvertParameters(const inference::ModelInferRequest& request,
+                               v1::AttentionOptions* options,
+                               std::optional<v1::NeedWeights>* need_weights, bool* binary_data) {
+  static const std::vector<std::string> kKnown = {
+      "causal",   "scale",   "need_weights", "bool_mask_polarity", "binary_data_output",
+      "timeout", "priority"};
+  for (const auto& [name, parameter] : request.parameters()) {
+    const auto choice = parameter.parameter_choice_case();
+    if (name == "causal" || name == "binary_data_output") {
+      if (choice != Parameter::kBoolParam) return ParameterTypeError(name, "bool");
+      if (name == "causal") {
+        options->set_causal(parameter.bool_param());
+      } else {
+        *binary_data = parameter.bool_param();
+      }
+    } else if (name == "scale") {
+      if (choice != Parameter::kDoubleParam) return ParameterTypeError(name, "double");
+      options->set_scale(static_cast<float>(parameter.double_param()));
+    } else if (name == "need_weights") {
+      ASSIGN_OR_RETURN(*need_weights, ParseNeedWeights(parameter));
+    } else if (name == "bool_mask_polarity") {
+      if (choice != Parameter::kStringParam) return ParameterTypeError(name, "string");
+      v1::BoolMaskPolarity polarity;
+      if (parameter.string_param() == "true_masks_out") {
+        polarity = v1::TRUE_MASKS_OUT;
+      } else if (parameter.string_param() == "true_attends") {
+        polarity = v1::TRUE_ATTENDS;
+      } else {
+        return Invalid("parameters[\"bool_mask_polarity\"] = ", Quoted(parameter.string_param()),
+                       "; expected \"true_masks_out\" or \"true_attends\"");
+      }
+      options->set_key_padding_polarity(polarity);
+      options->set_attn_mask_polarity(polarity);
+    } else if (name == "timeout") {
+      ASSIGN_OR_RETURN(const int64_t timeout_us, IntegerParameter(name, parameter));
+      if (timeout_us < 0) {
+        return Invalid("parameters[\"timeout\"] = ", timeout_us, " µs must be >= 0");
+      }
+      options->set_queue_timeout_us(timeout_us);
+    } else if (name == "priority") {
+      ASSIGN_OR_RETURN(const int64_t level, IntegerParameter(name, parameter));
+      if (level < 0 || level >= kTritonPriorityBase) {
+        return Invalid("parameters[\"priority\"] = ", level, " must be in [0, ",
+                       kTritonPriorityBase, ")");
+      }
+      options->set_priority(level == 0 ? 0 : static_cast<int32_t>(kTritonPriorityBase - level));
+    } else {
+      return Invalid("parameters[", Quoted(name), "] is not a parameter of this server; known: ",
+                     ListForMessage(kKnown));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PlanOutputs(const inference::ModelInferRequest& request,
+                         std::optional<v1::NeedWeights> need_weights, OutputPlan* plan,
+                         v1::AttentionOptions* options) {
+  bool weights_requested = false;
+  for (const auto& output : request.outputs()) {
+    if (output.name() != kOutputName && output.name() != kWeightsName) {
+      return Invalid("outputs[", Quoted(output.name()), "] is not an output; expected \"",
+                     kOutputName, "\" or \"", kWeightsName, "\"");
+    }
+    if (!output.parameters().empty()) {
+      return absl::UnimplementedError(absl::StrCat(
+          "outputs[", Quoted(output.name()), "].parameters[",
+          Quoted(output.parameters().begin()->first),
+          "] is not supported (no classification or shared memory outputs)"));
+    }
+    for (const std::string& earlier : plan->names) {
+      if (earlier == output.name()) {
+        return Invalid("outputs[", Quoted(output.name()), "] is requested twice");
+      }
+    }
+    plan->names.push_back(output.name());
+    weights_requested |= output.name() == kWeightsName;
+  }
+  if (weights_requested && need_weights == v1::NEED_WEIGHTS_NONE) {
+    return Invalid("outputs asks for \"attention_weights\" but parameters[\"need_weights\"] "
+                   "is \"none\"");
+  }
+  const v1::NeedWeights need =
+      need_weights.value_or(weights_requested ? v1::NEED_WEIGHTS_AVERAGED : v1::NEED_WEIGHTS_NONE);
+  options->set_need_weights(need);
+  if (plan->names.empty()) {
+    plan->names.push_back(kOutputName);
+    if (need != v1::NEED_WEIGHTS_NONE) plan->names.push_back(kWeightsName);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ToNativeRequest(const inference::ModelInferRequest& request,
+                             v1::MultiHeadAttentionRequest* native, OutputPlan* plan) {
+  RETURN_IF_ERROR(CheckKnownFields(request));
+  if (request.model_name().empty()) {
+    return Invalid("model_name is empty: name a loaded layer (see RepositoryIndex)");
+  }
+  native->set_layer(request.model_name());
+  native->set_request_id(request.id());
+  const bool raw = request.raw_input_contents_size() > 0;
+  if (raw && request.raw_input_contents_size() != request.inputs_size()) {
+    return Invalid("raw_input_contents has ", request.raw_input_contents_size(),
+                   " entries for ", request.inputs_size(), " inputs; give one per input");
+  }
+  static const std::vector<std::string> kFloatTypes = {"FP32", "FP16", "BF16"};
+  static const std::vector<std::string> kPaddingMaskTypes = {"BOOL", "INT64", "INT32"};
+  static const std::vector<std::string> kAttnMaskTypes = {"BOOL", "FP32"};
+  std::set<std::string> seen;
+  v1::AttentionOptions* options = native->mutable_options();
+  // An integer padding mask is a tokenizer's: 1 attends, whatever bool_mask_polarity says.
+  bool tokenizer_mask = false;
+  for (int i = 0; i < request.inputs_size(); ++i) {
+    const InputTensor& input = request.inputs(i);
+    if (raw && input.has_contents()) {
+      return Invalid("inputs[", Quoted(input.name()),
+                     "] has contents while raw_input_contents is used; use one form");
+    }
+    if (!seen.insert(input.name()).second) {
+      return Invalid("inputs[", Quoted(input.name()), "] is given twice");
+    }
+    const std::string* bytes = raw ? &request.raw_input_contents(i) : nullptr;
+    if (input.name() == kQuery) {
+      RETURN_IF_ERROR(ConvertInput(input, bytes, kFloatTypes, native->mutable_query()));
+    } else if (input.name() == kKey) {
+      RETURN_IF_ERROR(ConvertInput(input, bytes, kFloatTypes, native->mutable_key()));
+    } else if (input.name() == kValue) {
+      RETURN_IF_ERROR(ConvertInput(input, bytes, kFloatTypes, native->mutable_value()));
+    } else if (input.name() == kKeyPaddingMask) {
+      RETURN_IF_ERROR(
+          ConvertInput(input, bytes, kPaddingMaskTypes, options->mutable_key_padding_mask()));
+      tokenizer_mask = input.datatype() != "BOOL";
+    } else if (input.name() == kAttnMask) {
+      RETURN_IF_ERROR(ConvertInput(input, bytes, kAttnMaskTypes, options->mutable_attn_mask()));
+    } else {
+      return Invalid("inputs[", Quoted(input.name()), "] is not an input; expected query, key, "
+                     "value, key_padding_mask or attn_mask");
+    }
+  }
+  if (!seen.count(kQuery)) return Invalid("inputs has no \"query\"");
+  std::optional<v1::NeedWeights> need_weights;
+  RETURN_IF_ERROR(ConvertParameters(request, options, &need_weights, &plan->binary_data));
+  if (tokenizer_mask) options->set_key_padding_polarity(v1::TRUE_ATTENDS);
+  // JSON callers read fp32_contents; the protocol has no typed 16-bit field.
+  if (!plan->binary_data) native->set_output_dtype(v1::FLOAT32);
+  return PlanOutputs(request, need_weights, plan, options);
+}
+
+absl::Status ToKserveStatus(const absl::Status& status,
+                            const inference::ModelInferRequest& request) {
+  if (status.ok()) return status;
+  // Longer paths first: "query.raw_data" must not be read as "query" then ".raw_data".
+  std::vector<std::pair<std::string, std::string>> renames = {
+      {"layer", "model_name"},
+      {"request_id", "id"},
+      {"options.scale", "parameters[\"scale\"]"},
+      {"options.need_weights", "parameters[\"need_weights\"]"},
+      {"options.queue_timeout_us", "parameters[\"timeout\"]"},
+      {"options.key_padding_polarity", "parameters[\"bool_mask_polarity\"]"},
+      {"options.attn_mask_polarity", "parameters[\"bool_mask_polarity\"]"},
+      {"FLOAT32", "FP32"},
+      {"FLOAT16", "FP16"},
+      {"BFLOAT16", "BF16"}};
+  const std::pair<const char*, const char*> kTensors[] = {
+      {"query", kQuery}, {"key", kKey}, {"value", kValue},
+      {"options.key_padding_mask", kKeyPaddingMask}, {"options.attn_mask", kAttnMask}};
+  for (const auto& [native, name] : kTensors) {
+    const std::string input = absl::StrCat("inputs[\"", name, "\"]");
+    int index = -1;
+    for (int i = 0; i < request.inputs_size(); ++i) {
+      if (request.inputs(i).name() == name) index = i;
+    }
+    renames.emplace_back(absl::StrCat(native, ".raw_data"),
+                         index >= 0 && index < request.raw_input_contents_size()
+                             ? absl::StrCat("raw_input_contents[", index, "] (", input, ")")
+                             : absl::StrCat(input, ".contents"));
+    renames.emplace_back(absl::StrCat(native, ".float_data"),
+                         absl::StrCat(input, ".contents.fp32_contents"));
+    renames.emplace_back(absl::StrCat(native, ".dtype"), absl::StrCat(input, ".datatype"));
+    renames.emplace_back(native, input);
+  }
+  auto is_name_char = [](char c) { return absl::ascii_isalnum(c) || c == '_'; };
+  const absl::string_view message = status.message();
+  std::string renamed;
+  bool quoted = false;  // caller strings (layer names) are left as they are
+  for (size_t i = 0; i < message.size();) {
+    const bool starts_name =
+        !quoted && (i == 0 || (!is_name_char(message[i - 1]) && message[i - 1] != '.'));
+    const std::pair<std::string, std::string>* found = nullptr;
+    for (const auto& rename : renames) {
+      if (!starts_name || !absl::StartsWith(message.substr(i), rename.first)) continue;
+      const size_t end = i + rename.first.size();
+      const char next = end < message.size() ? message[end] : ' ';
+      // Plain words (query, key, value, layer) are fields only where a path stands.
+      const bool word = absl::c_all_of(rename.first, absl::ascii_islower);
+      if (is_name_char(next) || (word && i != 0 && next != '.' && next != '[')) continue;
+      found = &rename;
+      break;
+    }
+    if (found != nullptr) {
+      renamed += found->second;
+      i += found->first.size();
+      continue;
+    }
+    quoted ^= message[i] == '"';
+    renamed += message[i++];
+  }
+  return absl::Status(status.code(), renamed);
+}
+
+const char* DatatypeName(v1::DataType dtype) {
+  switch (dtype) {
+    case v1::FLOAT32: return "FP32";
+    case v1::FLOAT16: return "FP16";
+    case v1::BFLOAT16: return "BF16";
+    case v1::BOOL: return "BOOL";
+    default: return "";
+  }
+}
+
+void ToInferResponse(v1::MultiHeadAttentionResponse& native, const OutputPlan& plan,
+                     const std::string& model_name, inference::ModelInferResponse* response) {
+  response->set_model_name(model_name);
+  response->set_model_version(absl::StrCat(native.layer_version()));
+  response->set_id(native.request_id());
+  for (const std::string& name : plan.names) {
+    v1::Tensor& tensor =
+        name == kOutputName ? *native.mutable_output() : *native.mutable_attention_weights();
+    auto* output = response->add_outputs();
+    output->set_name(name);
+    output->set_datatype(DatatypeName(tensor.dtype()));
+    output->mutable_shape()->CopyFrom(tensor.shape());
+    if (plan.binary_data) {
+      response->add_raw_output_contents()->swap(*tensor.mutable_raw_data());
+    } else {
+      // FLOAT32, as ToNativeRequest asked for.
+      RawToFloatData(&tensor);
+      output->mutable_contents()->mutable_fp32_contents()->Swap(tensor.mutable_float_data());
+    }
+  }
+}
+
+void DescribeModel(const core::MhaConfig& config, inference::ModelMetadataResponse* metadata) {
+  metadata->set_platform("attention-service");
+  auto add = [](auto* list, const char* name, const char* datatype,
+                std::initializer_list<int64_t> shape) {
+    auto* tensor = list->Add();
+    tensor->set_name(name);
+    tensor->set_datatype(datatype);
+    for (int64_t dim : shape) tensor->add_shape(dim);
+  };
+  auto* inputs = metadata->mutable_inputs();
+  add(inputs, kQuery, "FP32", {-1, -1, config.embed_dim});
+  add(inputs, kKey, "FP32", {-1, -1, config.kdim});
+  add(inputs, kValue, "FP32", {-1, -1, config.vdim});
+  add(inputs, kKeyPaddingMask, "BOOL", {-1, -1});
+  add(inputs, kAttnMask, "BOOL", {-1, -1});
+  auto* outputs = metadata->mutable_outputs();
+  add(outputs, kOutputName, "FP32", {-1, -1, config.output_dim});
+  add(outputs, kWeightsName, "FP32", {-1, -1, -1});
+}
+
+}  // namespace attention::server::kserve

@@ -1,0 +1,70 @@
+// Translation between the Open Inference Protocol (KServe v2) and the native API: a
+// ModelInferRequest becomes a MultiHeadAttentionRequest, so both protocols share one
+// validation, batcher and error mapping, and the native answer becomes a ModelInferResponse.
+//
+// Mapping (each loaded layer is a model; its version is the layer version):
+//   inputs   query [B, Nq, E] FP32 | FP16 | BF16; key [B, Nk, kdim] and value [B, Nk, vdim]
+//            for cross-attention; key_padding_mask [B, Nk] BOOL (polarity below) or INT64 /
+//            INT32 as a tokenizer's attention_mask (1 = attend, 0 = padding); attn_mask BOOL
+//            or FP32 (additive), broadcastable to [B, H, Nq, Nk].
+//            Contents in raw_input_contents (all inputs) or the datatype's typed contents
+//            (fp32_contents, bool_contents, int64_contents, int_contents for INT32; FP16 and
+//            BF16 have none); values in another typed field are refused naming it.
+//   outputs  output [B, Nq, output_dim]; attention_weights [B, Nq, Nk] averaged over heads
+//            or [B, H, Nq, Nk] per head. Raw little-endian bytes unless binary_data_output
+//            is false (then FP32 in contents.fp32_contents, for JSON callers).
+//   request parameters
+//            causal (bool), scale (double), need_weights ("none" | "averaged" |
+//            "per_head", or bool), bool_mask_polarity ("true_masks_out", the default as
+//            PyTorch's MultiheadAttention, or "true_attends" as SDPA), binary_data_output
+//            (bool, default true), timeout (int64 µs in the queue, Triton's), priority
+//            (Triton's: 0 = none, 1 = first; any priority runs before requests without one).
+//   input parameters
+//            binary_data_size only (the KServe SDK sends it): the raw entry's size.
+#ifndef ATTENTION_SERVER_KSERVE_KSERVE_CONVERT_H_
+#define ATTENTION_SERVER_KSERVE_KSERVE_CONVERT_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "attention/v1/attention.pb.h"
+#include "core/mha_layer.h"
+#include "inference/grpc_service.pb.h"
+
+namespace attention::server::kserve {
+
+inline constexpr char kOutputName[] = "output";
+inline constexpr char kWeightsName[] = "attention_weights";
+
+// Which outputs a ModelInfer call answers with, in order, and how.
+struct OutputPlan {
+  std::vector<std::string> names;
+  bool binary_data = true;
+};
+
+// Fills `native` (and `plan`) from `request`; INVALID_ARGUMENT or UNIMPLEMENTED naming the
+// input, parameter or output and its values otherwise.
+absl::Status ToNativeRequest(const inference::ModelInferRequest& request,
+                             v1::MultiHeadAttentionRequest* native, OutputPlan* plan);
+
+// `status` of the native request ToNativeRequest made from `request`, its message in the
+// protocol's names: query.raw_data -> raw_input_contents[0] (inputs["query"]),
+// options.attn_mask -> inputs["attn_mask"], layer -> model_name, request_id -> id,
+// FLOAT32 -> FP32. The code is kept.
+absl::Status ToKserveStatus(const absl::Status& status,
+                            const inference::ModelInferRequest& request);
+
+// Moves the native answer's tensors into `response` as `plan` says.
+void ToInferResponse(v1::MultiHeadAttentionResponse& native, const OutputPlan& plan,
+                     const std::string& model_name, inference::ModelInferResponse* response);
+
+// The protocol's datatype name of a native dtype ("FP32", "FP16", "BF16", "BOOL").
+const char* DatatypeName(v1::DataType dtype);
+
+// Inputs and outputs of a layer as ModelMetadata lists them.
+void DescribeModel(const core::MhaConfig& config, inference::ModelMetadataResponse* metadata);
+
+}  // namespace attention::server::kserve
+
+#endif  // ATTENTION_SERVER_KSERVE_KSERVE_CONVERT_H_

@@ -1,0 +1,310 @@
+#include "server/kserve/kserve_service.h"
+
+#include <google/protobuf/util/json_util.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "core/status_macros.h"
+#include "server/kserve/kserve_convert.h"
+#include "server/common/status_util.h"
+
+namespace attention::server {
+namespace {
+
+// The server's one repository: requests may leave repository_name empty or name this.
+constexpr char kRepositoryName[] = "attention";
+
+absl::Status CheckRepositoryName(const std::string& name) {
+  if (name.empty() || name == kRepositoryName) return absl::OkStatus();
+  return absl::NotFoundError(absl::StrCat("repository_name = ", Quoted(name),
+                                          " is not a repository of this server; leave it empty "
+                                          "or give \"", kRepositoryName, "\""));
+}
+
+uint64_t Nanoseconds(absl::Duration duration) {
+  return static_cast<uint64_t>(absl::ToInt64Nanoseconds(duration));
+}
+
+// The load request a RepositoryModelLoad describes: its "config" parameter, an
+// attention.v1.LoadLayerRequest in protobuf JSON, named model_name.
+absl::StatusOr<v1::LoadLayerRequest> LoadRequestFor(
+    const inference::RepositoryModelLoadRequest& request) {
+  RETURN_IF_ERROR(CheckKnownFields(request));
+  RETURN_IF_ERROR(CheckRepositoryName(request.repository_name()));
+  const inference::ModelRepositoryParameter* config = nullptr;
+  for (const auto& [key, parameter] : request.parameters()) {
+    if (key != "config") {
+      return absl::UnimplementedError(absl::StrCat(
+          "parameters[", Quoted(key), "] is not supported: give the layer in parameters"
+          "[\"config\"] as an attention.v1.LoadLayerRequest in JSON (model files are read from "
+          "the server's model repository, not uploaded)"));
+    }
+    config = &parameter;
+  }
+  if (config == nullptr) {
+    return Invalid("parameters[\"config\"] is missing: RepositoryModelLoad needs the layer as "
+                   "an attention.v1.LoadLayerRequest in JSON, e.g. {\"spec\": {\"config\": "
+                   "{\"embedDim\": 768, \"numHeads\": 12}, \"randomInit\": {\"seed\": 1}}}");
+  }
+  if (config->parameter_choice_case() != inference::ModelRepositoryParameter::kStringParam) {
+    return Invalid("parameters[\"config\"] must be a string parameter (JSON)");
+  }
+  v1::LoadLayerRequest load;
+  const auto parsed = google::protobuf::util::JsonStringToMessage(config->string_param(), &load);
+  if (!parsed.ok()) {
+    return Invalid("parameters[\"config\"] is not an attention.v1.LoadLayerRequest in JSON: ",
+                   BoundedMessage(parsed.message().as_string()));
+  }
+  if (!load.name().empty() && load.name() != request.model_name()) {
+    return Invalid("parameters[\"config\"] names the layer ", Quoted(load.name()),
+                   " but model_name is ", Quoted(request.model_name()));
+  }
+  load.set_name(request.model_name());
+  return load;
+}
+
+}  // namespace
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::Answer(grpc::CallbackServerContext* context,
+                                                       absl::string_view method,
+                                                       absl::Time start,
+                                                       const absl::Status& status) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  native_.Finish(reactor, method, start, status);
+  return reactor;
+}
+
+absl::StatusOr<std::shared_ptr<const LayerSnapshot>> InferenceServiceImpl::FindModel(
+    absl::string_view field, const std::string& name, const std::string& version) const {
+  absl::StatusOr<std::shared_ptr<const LayerSnapshot>> found = registry_.Get(name);
+  if (found.status().code() == absl::StatusCode::kNotFound) {
+    // The registry's message names the native field (layer).
+    std::vector<std::string> loaded;
+    for (const auto& snapshot : registry_.List()) loaded.push_back(snapshot->name);
+    return absl::NotFoundError(absl::StrCat(field, " = ", Quoted(name),
+                                            " is not a loaded model (loaded: ",
+                                            ListForMessage(loaded), ")"));
+  }
+  ASSIGN_OR_RETURN(std::shared_ptr<const LayerSnapshot> snapshot, std::move(found));
+  if (!version.empty() && version != absl::StrCat(snapshot->version)) {
+    return absl::NotFoundError(absl::StrCat("model ", Quoted(name), " has version ",
+                                            snapshot->version, ", not ", Quoted(version)));
+  }
+  return snapshot;
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::ServerLive(
+    grpc::CallbackServerContext* context, const inference::ServerLiveRequest* request,
+    inference::ServerLiveResponse* response) {
+  const absl::Time start = absl::Now();
+  metrics_.CallStarted();
+  response->set_live(true);
+  return Answer(context, "ServerLive", start, CheckKnownFields(*request));
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::ServerReady(
+    grpc::CallbackServerContext* context, const inference::ServerReadyRequest* request,
+    inference::ServerReadyResponse* response) {
+  const absl::Time start = absl::Now();
+  metrics_.CallStarted();
+  response->set_ready(ready_.load());
+  return Answer(context, "ServerReady", start, CheckKnownFields(*request));
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::ModelReady(
+    grpc::CallbackServerContext* context, const inference::ModelReadyRequest* request,
+    inference::ModelReadyResponse* response) {
+  const absl::Time start = absl::Now();
+  metrics_.CallStarted();
+  absl::Status status = CheckKnownFields(*request);
+  if (status.ok()) {
+    const auto found = FindModel("name", request->name(), request->version());
+    // Not ready is an answer, as in Triton; only a malformed request is an error.
+    if (!found.ok() && found.status().code() != absl::StatusCode::kNotFound) {
+      status = found.status();
+    }
+    response->set_ready(found.ok() && ready_.load());
+  }
+  return Answer(context, "ModelReady", start, status);
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::ServerMetadata(
+    grpc::CallbackServerContext* context, const inference::ServerMetadataRequest* request,
+    inference::ServerMetadataResponse* response) {
+  const absl::Time start = absl::Now();
+  metrics_.CallStarted();
+  response->set_name("attention-service");
+  response->set_version(ATTENTION_VERSION);
+  response->add_extensions("model_repository");
+  response->add_extensions("statistics");
+  return Answer(context, "ServerMetadata", start, CheckKnownFields(*request));
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::ModelMetadata(
+    grpc::CallbackServerContext* context, const inference::ModelMetadataRequest* request,
+    inference::ModelMetadataResponse* response) {
+  const absl::Time start = absl::Now();
+  metrics_.CallStarted();
+  absl::Status status = CheckKnownFields(*request);
+  if (status.ok()) {
+    const auto snapshot = FindModel("name", request->name(), request->version());
+    status = snapshot.status();
+    if (status.ok()) {
+      response->set_name((*snapshot)->name);
+      response->add_versions(absl::StrCat((*snapshot)->version));
+      kserve::DescribeModel((*snapshot)->layer->config(), response);
+    }
+  }
+  return Answer(context, "ModelMetadata", start, status);
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(
+    grpc::CallbackServerContext* context, const inference::ModelInferRequest* request,
+    inference::ModelInferResponse* response) {
+  const absl::Time start = absl::Now();
+  metrics_.CallStarted();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  // The native request and answer live until the batch worker finishes the call.
+  struct Call {
+    v1::MultiHeadAttentionRequest request;
+    v1::MultiHeadAttentionResponse response;
+    kserve::OutputPlan plan;
+  };
+  auto call = std::make_shared<Call>();
+  absl::Status status = kserve::ToNativeRequest(*request, &call->request, &call->plan);
+  if (status.ok()) {
+    status = FindModel("model_name", request->model_name(), request->model_version()).status();
+  }
+  if (status.ok()) {
+    status = native_.SubmitMultiHeadAttention(
+        call->request, absl::FromChrono(context->deadline()),
+        [context] { return context->IsCancelled(); }, &call->response,
+        [this, reactor, start, call, request, response](const absl::Status& result) {
+          if (result.ok()) {
+            kserve::ToInferResponse(call->response, call->plan, request->model_name(), response);
+          }
+          native_.Finish(reactor, "ModelInfer", start, kserve::ToKserveStatus(result, *request),
+                         request->id());
+        },
+        /*borrow_inputs=*/true);  // `call` holds the request until then
+    status = kserve::ToKserveStatus(status, *request);
+  }
+  if (!status.ok()) native_.Finish(reactor, "ModelInfer", start, status, request->id());
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::ModelStatistics(
+    grpc::CallbackServerContext* context, const inference::ModelStatisticsRequest* request,
+    inference::ModelStatisticsResponse* response) {
+  const absl::Time start = absl::Now();
+  metrics_.CallStarted();
+  absl::Status status = CheckKnownFields(*request);
+  std::vector<std::shared_ptr<const LayerSnapshot>> layers;
+  if (status.ok() && request->name().empty()) {
+    layers = registry_.List();
+  } else if (status.ok()) {
+    auto snapshot = FindModel("name", request->name(), request->version());
+    status = snapshot.status();
+    if (status.ok()) layers.push_back(*std::move(snapshot));
+  }
+  const auto statistics = metrics_.LayerStatisticsByName();
+  for (const auto& snapshot : layers) {
+    inference::ModelStatistics* model = response->add_model_stats();
+    model->set_name(snapshot->name);
+    model->set_version(absl::StrCat(snapshot->version));
+    const auto found = statistics.find(snapshot->name);
+    if (found == statistics.end()) continue;
+    const Metrics::LayerStatistics& layer = found->second;
+    if (layer.last_batch != absl::InfinitePast()) {
+      model->set_last_inference(static_cast<uint64_t>(absl::ToUnixMillis(layer.last_batch)));
+    }
+    model->set_inference_count(static_cast<uint64_t>(layer.requests));
+    model->set_execution_count(static_cast<uint64_t>(layer.batches));
+    inference::InferStatistics* stats = model->mutable_inference_stats();
+    const int64_t succeeded = layer.requests - layer.failed_requests;
+    stats->mutable_success()->set_count(static_cast<uint64_t>(succeeded));
+    stats->mutable_fail()->set_count(static_cast<uint64_t>(layer.failed_requests));
+    // Queue and compute time of every computed request; success time is their sum for the
+    // requests that succeeded, apportioned by count.
+    stats->mutable_queue()->set_count(static_cast<uint64_t>(layer.requests));
+    stats->mutable_queue()->set_ns(Nanoseconds(layer.queued));
+    stats->mutable_compute_infer()->set_count(static_cast<uint64_t>(layer.requests));
+    stats->mutable_compute_infer()->set_ns(Nanoseconds(layer.computed));
+    if (layer.requests > 0) {
+      stats->mutable_success()->set_ns(
+          Nanoseconds((layer.queued + layer.computed) * succeeded / layer.requests));
+      stats->mutable_fail()->set_ns(Nanoseconds((layer.queued + layer.computed) *
+                                                layer.failed_requests / layer.requests));
+    }
+  }
+  return Answer(context, "ModelStatistics", start, status);
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::RepositoryIndex(
+    grpc::CallbackServerContext* context, const inference::RepositoryIndexRequest* request,
+    inference::RepositoryIndexResponse* response) {
+  const absl::Time start = absl::Now();
+  metrics_.CallStarted();
+  absl::Status status = CheckKnownFields(*request);
+  if (status.ok()) status = CheckRepositoryName(request->repository_name());
+  if (status.ok()) {
+    // Every layer the repository index knows is loaded, so `ready` changes nothing.
+    for (const auto& snapshot : registry_.List()) {
+      auto* model = response->add_models();
+      model->set_name(snapshot->name);
+      model->set_version(absl::StrCat(snapshot->version));
+      model->set_state("READY");
+    }
+  }
+  return Answer(context, "RepositoryIndex", start, status);
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::RepositoryModelLoad(
+    grpc::CallbackServerContext* context, const inference::RepositoryModelLoadRequest* request,
+    inference::RepositoryModelLoadResponse* /*response*/) {
+  const absl::Time start = absl::Now();
+  metrics_.CallStarted();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::Status status = native_.CheckAdmin(*context, "RepositoryModelLoad");
+  absl::StatusOr<v1::LoadLayerRequest> load =
+      status.ok() ? LoadRequestFor(*request) : absl::StatusOr<v1::LoadLayerRequest>(status);
+  status = load.status();
+  // Reading files and building weights run on the loader pool, as LoadLayer's.
+  if (status.ok() &&
+      !loader_.TrySubmit(
+          [this, load = *std::move(load)] {
+            v1::LoadLayerResponse loaded;
+            const absl::Status result = native_.DoLoadLayer(load, &loaded);
+            native_.RefreshLayerMetrics();
+            return result;
+          },
+          [this, reactor, start](const absl::Status& loaded) {
+            native_.Finish(reactor, "RepositoryModelLoad", start, loaded);
+          })) {
+    status = native_.LoaderBusy();
+  }
+  if (!status.ok()) native_.Finish(reactor, "RepositoryModelLoad", start, status);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::RepositoryModelUnload(
+    grpc::CallbackServerContext* context, const inference::RepositoryModelUnloadRequest* request,
+    inference::RepositoryModelUnloadResponse* /*response*/) {
+  const absl::Time start = absl::Now();
+  metrics_.CallStarted();
+  absl::Status status = native_.CheckAdmin(*context, "RepositoryModelUnload");
+  if (status.ok()) status = CheckKnownFields(*request);
+  if (status.ok()) status = CheckRepositoryName(request->repository_name());
+  for (const auto& [key, parameter] : request->parameters()) {
+    // A layer has no dependents, so unloading them is a no-op; nothing else is known.
+    if (status.ok() && key != "unload_dependents") {
+      status = absl::UnimplementedError(absl::StrCat(
+          "parameters[", Quoted(key), "] is not supported; only \"unload_dependents\""));
+    }
+  }
+  if (status.ok()) status = registry_.Remove(request->model_name());
+  native_.RefreshLayerMetrics();
+  return Answer(context, "RepositoryModelUnload", start, status);
+}
+
+}  // namespace attention::server

@@ -1,0 +1,164 @@
+// The attention.v1.AttentionService implementation on gRPC's callback API. Handlers parse
+// and validate on the gRPC thread, hand compute to the batcher and return; a batch worker
+// finishes the call.
+#ifndef ATTENTION_SERVER_NATIVE_ATTENTION_SERVICE_H_
+#define ATTENTION_SERVER_NATIVE_ATTENTION_SERVICE_H_
+
+#include <functional>
+#include <optional>
+#include <string>
+
+#include "attention/v1/attention.grpc.pb.h"
+#include "core/devices.h"
+#include "server/batching/batcher.h"
+#include "server/models/inline_layer_cache.h"
+#include "server/models/layer_registry.h"
+#include "server/batching/loader_pool.h"
+#include "server/observability/metrics.h"
+#include "server/observability/request_log.h"
+#include "server/validation/request_validation.h"
+
+namespace attention::server {
+
+// Thread-safe.
+class MultiHeadAttentionStreamReactor;
+
+// Who may do what (issue 13's restricted management, as Triton's restricted protocols).
+struct AccessPolicy {
+  // When non-empty, LoadLayer, UnloadLayer and InspectCheckpoint need "authorization: Bearer <admin_token>"
+  // metadata: UNAUTHENTICATED without it, PERMISSION_DENIED for another token.
+  std::string admin_token;
+  // Whether MultiHeadAttention may carry an inline_layer (built per request); when not,
+  // such requests are PERMISSION_DENIED.
+  bool allow_inline_layers = true;
+};
+
+class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
+ public:
+  // Requests past `budget` are refused before anything is allocated or queued. Layers are
+  // placed on `devices` (`default_backend` unless LoadLayerRequest.device says otherwise);
+  // inline layers and scaled dot-product attention run on `default_backend`.
+  AttentionServiceImpl(LayerRegistry& registry, Batcher& batcher, Metrics& metrics,
+                       RequestLog& log, const RequestBudget& budget, core::Devices& devices,
+                       std::shared_ptr<const core::Backend> default_backend,
+                       const AccessPolicy& access, LoaderPool& loader,
+                       int64_t inline_layer_cache_bytes = kDefaultInlineLayerCacheBytes)
+      : registry_(registry),
+        batcher_(batcher),
+        metrics_(metrics),
+        log_(log),
+        budget_(budget),
+        devices_(devices),
+        default_backend_(std::move(default_backend)),
+        access_(access),
+        loader_(loader),
+        inline_cache_(inline_layer_cache_bytes, registry, &metrics) {}
+
+  // Sets the loaded-layer gauges from the registry.
+  void RefreshLayerMetrics();
+  const InlineLayerCache& inline_layer_cache() const { return inline_cache_; }
+
+  grpc::ServerUnaryReactor* MultiHeadAttention(grpc::CallbackServerContext* context,
+                                               const v1::MultiHeadAttentionRequest* request,
+                                               v1::MultiHeadAttentionResponse* response) override;
+  grpc::ServerBidiReactor<v1::MultiHeadAttentionRequest, v1::MultiHeadAttentionStreamResponse>*
+  MultiHeadAttentionStream(grpc::CallbackServerContext* context) override;
+  grpc::ServerUnaryReactor* ScaledDotProductAttention(
+      grpc::CallbackServerContext* context, const v1::ScaledDotProductAttentionRequest* request,
+      v1::ScaledDotProductAttentionResponse* response) override;
+  grpc::ServerUnaryReactor* LoadLayer(grpc::CallbackServerContext* context,
+                                      const v1::LoadLayerRequest* request,
+                                      v1::LoadLayerResponse* response) override;
+  grpc::ServerUnaryReactor* UnloadLayer(grpc::CallbackServerContext* context,
+                                        const v1::UnloadLayerRequest* request,
+                                        v1::UnloadLayerResponse* response) override;
+  grpc::ServerUnaryReactor* ListLayers(grpc::CallbackServerContext* context,
+                                       const v1::ListLayersRequest* request,
+                                       v1::ListLayersResponse* response) override;
+  grpc::ServerUnaryReactor* GetLayer(grpc::CallbackServerContext* context,
+                                     const v1::GetLayerRequest* request,
+                                     v1::GetLayerResponse* response) override;
+  grpc::ServerUnaryReactor* InspectCheckpoint(grpc::CallbackServerContext* context,
+                                              const v1::InspectCheckpointRequest* request,
+                                              v1::InspectCheckpointResponse* response) override;
+
+  // In-process entry points: the gRPC handlers (unary and stream) and the request fuzzer
+  // share them, so every path validates and completes alike.
+  //
+  // Validates `request` and queues it. When queued, `finish` is called exactly once, on a
+  // batch worker, after `response` is filled (OK) or with the error; when this returns an
+  // error, `finish` is never called.
+  // With `borrow_inputs`, FLOAT32 inputs are read in place from `request`, which must then
+  // outlive the call to `finish` (a unary call's request does; a stream reuses its own).
+  // A request's inline layer is `inline_layer` when given (looked up or built already),
+  // else it is taken from the cache or built on the calling thread.
+  absl::Status SubmitMultiHeadAttention(
+      const v1::MultiHeadAttentionRequest& request, absl::Time deadline,
+      std::function<bool()> is_cancelled, v1::MultiHeadAttentionResponse* response,
+      std::function<void(const absl::Status&)> finish, bool borrow_inputs = false,
+      std::shared_ptr<const LayerSnapshot> inline_layer = nullptr);
+  // The same for scaled dot-product attention.
+  absl::Status SubmitScaledDotProductAttention(
+      const v1::ScaledDotProductAttentionRequest& request, absl::Time deadline,
+      std::function<bool()> is_cancelled, v1::ScaledDotProductAttentionResponse* response,
+      std::function<void(const absl::Status&)> finish);
+  // Builds and publishes a layer, on the calling thread (the handler runs it on the loader
+  // pool, after the admin check).
+  absl::Status DoLoadLayer(const v1::LoadLayerRequest& request, v1::LoadLayerResponse* response);
+  // Lists a checkpoint of the model repository, on the calling thread.
+  absl::Status DoInspectCheckpoint(const v1::InspectCheckpointRequest& request,
+                                   v1::InspectCheckpointResponse* response);
+
+ private:
+  friend class MultiHeadAttentionStreamReactor;
+  // The Open Inference Protocol's service shares the admin check, loader and call records.
+  friend class InferenceServiceImpl;
+
+  // RESOURCE_EXHAUSTED: the loader pool's queue is full (by length).
+  absl::Status LoaderBusy() const;
+  // The checks of a MultiHeadAttention request that come before its layer is found.
+  absl::Status CheckMultiHeadAttentionRequest(const v1::MultiHeadAttentionRequest& request) const;
+  // A request's inline layer before any build: `cached` when the cache holds it, else
+  // `key` (nullopt for layers that are never cached) to build it under.
+  struct InlineLayerLookup {
+    std::shared_ptr<const LayerSnapshot> cached;
+    std::optional<std::string> key;
+  };
+  absl::StatusOr<InlineLayerLookup> LookUpInlineLayer(
+      const v1::MultiHeadAttentionRequest& request);
+  // Builds an inline layer (through the cache under `key`, when given), on this thread.
+  absl::StatusOr<std::shared_ptr<const LayerSnapshot>> BuildInlineLayer(
+      const v1::LayerSpec& spec, const std::optional<std::string>& key);
+  // A loader job for a call: its request's bytes wait against --max_queued_bytes, and it
+  // waits no longer than the call's deadline (and the request's queue_timeout_us).
+  LoaderJob CallJob(const google::protobuf::Message& request, absl::Time deadline,
+                    const v1::AttentionOptions* options, std::function<bool()> is_cancelled);
+  // OK, or why the caller may not call the management RPC `method`.
+  absl::Status CheckAdmin(const grpc::CallbackServerContext& context,
+                          absl::string_view method) const;
+  // Counts the call in the metrics and the request log.
+  void RecordCall(absl::string_view method, absl::Time start, const absl::Status& status,
+                  absl::string_view request_id);
+  // RecordCall, then finishes the call.
+  void Finish(grpc::ServerUnaryReactor* reactor, absl::string_view method, absl::Time start,
+              const absl::Status& status, absl::string_view request_id = "");
+
+  LayerRegistry& registry_;
+  Batcher& batcher_;
+  Metrics& metrics_;
+  RequestLog& log_;
+  const RequestBudget budget_;
+  core::Devices& devices_;
+  const std::shared_ptr<const core::Backend> default_backend_;
+  const AccessPolicy access_;
+  LoaderPool& loader_;
+  InlineLayerCache inline_cache_;
+};
+
+// Fills `info` from a snapshot.
+void DescribeLayer(const LayerSnapshot& snapshot, const BatchLimits& server_limits,
+                   v1::LayerInfo* info);
+
+}  // namespace attention::server
+
+#endif  // ATTENTION_SERVER_NATIVE_ATTENTION_SERVICE_H_
