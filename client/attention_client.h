@@ -13,12 +13,13 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "attention/v1/attention.grpc.pb.h"
+#include "tensor_codec.h"
 
 namespace attention::client {
 
 struct ClientOptions {
-  // Largest message sent or received, bytes; default 64 MiB as the server's.
-  int64_t max_message_bytes = int64_t{64} << 20;
+  // Largest message sent or received, bytes; the server's default.
+  int64_t max_message_bytes = wire::kDefaultMaxMessageBytes;
   // When non-empty, sent as "authorization: Bearer <admin_token>" with LoadLayer,
   // UnloadLayer and InspectCheckpoint (for a server started with --admin_token_file).
   std::string admin_token;
@@ -50,7 +51,7 @@ class AttentionClient {
   // `target` is a gRPC target such as "localhost:50051". Unreadable TLS files make every
   // call fail with the reason (see ChannelCredentials).
   explicit AttentionClient(const std::string& target,
-                           int64_t max_message_bytes = int64_t{64} << 20);
+                           int64_t max_message_bytes = wire::kDefaultMaxMessageBytes);
   AttentionClient(const std::string& target, const ClientOptions& options);
 
   absl::StatusOr<v1::MultiHeadAttentionResponse> MultiHeadAttention(

@@ -122,8 +122,6 @@ using TimePoint = Clock::time_point;
 using Request = v1::MultiHeadAttentionRequest;
 using StreamResponse = v1::MultiHeadAttentionStreamResponse;
 
-constexpr int64_t kMaxMessageBytes = int64_t{64} << 20;
-
 // google.rpc.Code names, indexed by code.
 const char* StatusCodeName(int code) {
   static const char* const kNames[] = {
@@ -203,7 +201,7 @@ bool ReadConfig(Config* c) {
   auto connection = attention::client::ClientOptionsFromFlags();
   if (!connection.ok()) return fail(std::string(connection.status().message()));
   c->connection = *std::move(connection);
-  c->connection.max_message_bytes = kMaxMessageBytes;
+  c->connection.max_message_bytes = attention::wire::kDefaultMaxMessageBytes;
   auto credentials = attention::client::ChannelCredentials(c->connection);
   if (!credentials.ok()) return fail(std::string(credentials.status().message()));
   c->credentials = *std::move(credentials);
@@ -491,7 +489,7 @@ class Transport {
 std::vector<std::shared_ptr<grpc::Channel>> MakeChannels(const Config& config) {
   std::vector<std::shared_ptr<grpc::Channel>> channels;
   for (int i = 0; i < config.connections; ++i) {
-    // Message limits (kMaxMessageBytes), TLS name and --lb_policy.
+    // Message limits (wire::kDefaultMaxMessageBytes), TLS name and --lb_policy.
     grpc::ChannelArguments arguments = attention::client::ChannelArgumentsFor(config.connection);
     // A private subchannel pool per channel, so that each one is its own TCP connection.
     arguments.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);

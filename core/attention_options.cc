@@ -9,6 +9,14 @@
 
 namespace attention::core {
 
+absl::Status CheckHeadGroups(int64_t heads, int64_t kv_heads, absl::string_view heads_field,
+                             absl::string_view kv_heads_field) {
+  if (kv_heads >= 1 && heads % kv_heads == 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(kv_heads_field, " = ", kv_heads,
+                                                 " must be >= 1 and divide ", heads_field,
+                                                 " = ", heads));
+}
+
 absl::Status AttentionOptions::Validate(const AttentionDims& dims) const {
   if (!key_lengths.empty()) {
     if (static_cast<int64_t>(key_lengths.size()) != dims.batch) {

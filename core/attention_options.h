@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "core/attention_math.h"
 
 namespace attention::core {
@@ -25,6 +26,11 @@ struct AttentionDims {
   int64_t head_dim = 1;      // dk
   int64_t v_head_dim = 1;    // dv
 };
+
+// Grouped-query attention's rule, for layer configs and SDPA inputs alike: kv_heads >= 1
+// key/value heads divide the `heads` query heads. The error names both as the fields say.
+absl::Status CheckHeadGroups(int64_t heads, int64_t kv_heads, absl::string_view heads_field,
+                             absl::string_view kv_heads_field);
 
 // Thread-compatible. Field names match the wire API so validation messages name them.
 struct AttentionOptions {

@@ -11,10 +11,6 @@
 namespace attention::core {
 namespace {
 
-absl::Status Invalid(absl::string_view field, int64_t value, absl::string_view rule) {
-  return absl::InvalidArgumentError(absl::StrCat(field, " = ", value, " ", rule));
-}
-
 // Textbook linear layer in T: y[r, o] = sum_i x[r, i] * w[o, i] + bias[o], in order.
 template <typename T>
 std::vector<T> LinearTextbook(const T* x, int64_t rows, int64_t in_features,
@@ -101,14 +97,11 @@ AttentionResult Rounded(const TextbookResult<double>& result) {
 }  // namespace
 
 absl::StatusOr<MhaConfig> MhaConfig::Resolve(MhaConfig c) {
-  if (c.embed_dim < 1) return Invalid("config.embed_dim", c.embed_dim, "must be >= 1");
-  if (c.num_heads < 1) return Invalid("config.num_heads", c.num_heads, "must be >= 1");
+  if (c.embed_dim < 1) return Invalid("config.embed_dim = ", c.embed_dim, " must be >= 1");
+  if (c.num_heads < 1) return Invalid("config.num_heads = ", c.num_heads, " must be >= 1");
   if (c.num_kv_heads == 0) c.num_kv_heads = c.num_heads;
-  if (c.num_kv_heads < 1 || c.num_heads % c.num_kv_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("config.num_kv_heads = ", c.num_kv_heads,
-                                                   " must be >= 1 and divide config.num_heads = ",
-                                                   c.num_heads));
-  }
+  RETURN_IF_ERROR(
+      CheckHeadGroups(c.num_heads, c.num_kv_heads, "config.num_heads", "config.num_kv_heads"));
   if (c.head_dim == 0) {
     if (c.embed_dim % c.num_heads != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -117,15 +110,15 @@ absl::StatusOr<MhaConfig> MhaConfig::Resolve(MhaConfig c) {
     }
     c.head_dim = c.embed_dim / c.num_heads;
   }
-  if (c.head_dim < 1) return Invalid("config.head_dim", c.head_dim, "must be >= 1");
+  if (c.head_dim < 1) return Invalid("config.head_dim = ", c.head_dim, " must be >= 1");
   if (c.v_head_dim == 0) c.v_head_dim = c.head_dim;
-  if (c.v_head_dim < 1) return Invalid("config.v_head_dim", c.v_head_dim, "must be >= 1");
+  if (c.v_head_dim < 1) return Invalid("config.v_head_dim = ", c.v_head_dim, " must be >= 1");
   if (c.kdim == 0) c.kdim = c.embed_dim;
-  if (c.kdim < 1) return Invalid("config.kdim", c.kdim, "must be >= 1");
+  if (c.kdim < 1) return Invalid("config.kdim = ", c.kdim, " must be >= 1");
   if (c.vdim == 0) c.vdim = c.embed_dim;
-  if (c.vdim < 1) return Invalid("config.vdim", c.vdim, "must be >= 1");
+  if (c.vdim < 1) return Invalid("config.vdim = ", c.vdim, " must be >= 1");
   if (c.output_dim == 0) c.output_dim = c.output_projection ? c.embed_dim : c.AttentionWidth();
-  if (c.output_dim < 1) return Invalid("config.output_dim", c.output_dim, "must be >= 1");
+  if (c.output_dim < 1) return Invalid("config.output_dim = ", c.output_dim, " must be >= 1");
   if (!c.output_projection && c.output_dim != c.AttentionWidth()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "config.output_dim = ", c.output_dim,
@@ -138,7 +131,7 @@ absl::StatusOr<MhaConfig> MhaConfig::Resolve(MhaConfig c) {
         absl::StrCat("config.rope_theta = ", c.rope_theta, " must be finite and >= 0"));
   }
   if (c.rope_theta > 0.0 && c.head_dim % 2 != 0) {
-    return Invalid("config.head_dim", c.head_dim, "must be even when config.rope_theta is set");
+    return Invalid("config.head_dim = ", c.head_dim, " must be even when config.rope_theta is set");
   }
   RETURN_IF_ERROR(ValidateRopeScaling(c));
   if (c.sliding_window < 0 || (c.sliding_window > 0 && !c.always_causal)) {
@@ -153,7 +146,7 @@ absl::StatusOr<MhaConfig> MhaConfig::Resolve(MhaConfig c) {
         {"config.num_heads", c.num_heads}, {"config.head_dim", c.head_dim},
         {"config.v_head_dim", c.v_head_dim}, {"config.kdim", c.kdim}, {"config.vdim", c.vdim},
         {"config.output_dim", c.output_dim}}) {
-    if (value > kMaxDim) return Invalid(name, value, absl::StrCat("exceeds ", kMaxDim));
+    if (value > kMaxDim) return Invalid(name, " = ", value, " exceeds ", kMaxDim);
   }
   return c;
 }
@@ -415,13 +408,9 @@ absl::Status ValidateSdpaInput(const SdpaInput& in) {
   for (auto [name, value] : {std::pair<const char*, int64_t>{"B", d.batch}, {"H", d.num_heads},
                              {"Hkv", d.num_kv_heads}, {"Nq", d.q_len}, {"Nk", d.kv_len},
                              {"dk", d.head_dim}, {"dv", d.v_head_dim}}) {
-    if (value < 1) return Invalid(name, value, "must be >= 1");
+    if (value < 1) return Invalid(name, " = ", value, " must be >= 1");
   }
-  if (d.num_heads % d.num_kv_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("key heads (", d.num_kv_heads,
-                                                   ") must divide query heads (", d.num_heads,
-                                                   ")"));
-  }
+  RETURN_IF_ERROR(CheckHeadGroups(d.num_heads, d.num_kv_heads, "H", "Hkv"));
   return in.options.Validate(d);
 }
 

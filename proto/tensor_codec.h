@@ -18,6 +18,10 @@ namespace attention::wire {
 // Largest tensor accepted, in elements; keeps size arithmetic far from overflow.
 inline constexpr int64_t kMaxTensorElements = int64_t{1} << 31;
 
+// The gRPC message limit both sides use unless told otherwise (--max_message_bytes, the
+// clients' max_message_bytes): 64 MiB.
+inline constexpr int64_t kDefaultMaxMessageBytes = int64_t{64} << 20;
+
 struct FloatTensor {
   std::vector<int64_t> shape;
   std::vector<float> values;

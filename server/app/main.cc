@@ -83,7 +83,8 @@ ABSL_FLAG(int64_t, max_weight_bytes, 0,
 ABSL_FLAG(int64_t, max_device_weight_bytes, 0,
           "budget for the weights held on each GPU, bytes; loads past it get "
           "RESOURCE_EXHAUSTED; 0 = the device's memory");
-ABSL_FLAG(int64_t, max_message_bytes, int64_t{64} << 20, "largest gRPC message, bytes");
+ABSL_FLAG(int64_t, max_message_bytes, attention::wire::kDefaultMaxMessageBytes,
+          "largest gRPC message, bytes");
 ABSL_FLAG(int64_t, max_request_flops, attention::server::RequestBudget{}.max_request_flops,
           "most floating-point operations one request may ask for (projections plus "
           "attention); larger ones get RESOURCE_EXHAUSTED before they are queued");

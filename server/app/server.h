@@ -79,7 +79,7 @@ struct ServerOptions {
   // default 256 MiB.
   int64_t inline_layer_cache_bytes = kDefaultInlineLayerCacheBytes;
   // Largest request or response message, bytes. >= 1 MiB; default 64 MiB.
-  int64_t max_message_bytes = int64_t{64} << 20;
+  int64_t max_message_bytes = wire::kDefaultMaxMessageBytes;
   // TLS or mutual TLS on the gRPC port (--tls_cert_file, --tls_key_file,
   // --tls_client_ca_file); plaintext by default.
   TlsOptions tls;

@@ -490,10 +490,8 @@ absl::Status AttentionServiceImpl::SubmitScaledDotProductAttention(
   RETURN_IF_ERROR(CheckDim(value, 1, key.shape[1], "value", "key heads Hkv"));
   RETURN_IF_ERROR(CheckDim(value, 2, key.shape[2], "value", "key length Nk"));
   RETURN_IF_ERROR(CheckDim(key, 3, query.shape[3], "key", "query head size dk"));
-  if (query.shape[1] % key.shape[1] != 0) {
-    return Invalid("key.shape[1] = ", key.shape[1], " (Hkv) must divide query.shape[1] = ",
-                   query.shape[1], " (H)");
-  }
+  RETURN_IF_ERROR(core::CheckHeadGroups(query.shape[1], key.shape[1], "query.shape[1] (H)",
+                                         "key.shape[1] (Hkv)"));
   auto item = std::make_unique<WorkItem>();
   core::SdpaInput input;
   input.dims = {query.shape[0], query.shape[1], key.shape[1], query.shape[2],

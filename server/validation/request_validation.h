@@ -11,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "tensor_codec.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "google/protobuf/message.h"
@@ -29,8 +30,8 @@ int64_t CheckedSum(std::initializer_list<int64_t> terms);
 // Limits on one request, whatever the queue holds.
 struct RequestBudget {
   // Largest answer (output plus attention weights, at the reply's dtype), bytes: the gRPC
-  // message limit. >= 1; default 64 MiB.
-  int64_t max_response_bytes = int64_t{64} << 20;
+  // message limit. >= 1.
+  int64_t max_response_bytes = wire::kDefaultMaxMessageBytes;
   // Most floating-point operations one request may ask for (projections plus attention,
   // causal not discounted, softmax counted as 8 per score). >= 1; default 1e13, about 100 s of this project's
   // 2-core CPU and a 1 GiB answer's worth of BERT-base work.

@@ -206,7 +206,7 @@ TEST_F(ServerTest, MalformedScaledDotProductAttentionRequestsAreRejected) {
          EncodeTensor(RandomValues(rng, 2 * 3 * 5 * 6), std::vector<int64_t>{2, 3, 5, 6},
                       core::DType::kFloat32, r.mutable_value());
        },
-       "key.shape[1] = 3 (Hkv) must divide query.shape[1] = 4 (H)"},
+       "key.shape[1] (Hkv) = 3 must be >= 1 and divide query.shape[1] (H) = 4"},
       {"head size mismatch",
        [&](auto& r) {
          EncodeTensor(RandomValues(rng, 2 * 2 * 5 * 7), std::vector<int64_t>{2, 2, 5, 7},
