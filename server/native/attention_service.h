@@ -20,8 +20,10 @@
 
 namespace attention::server {
 
-// Thread-safe.
-class MultiHeadAttentionStreamReactor;
+class MultiHeadAttentionStreamReactor;  // stream_reactor.cc
+
+// The call's deadline (infinite when the caller set none).
+absl::Time Deadline(const grpc::CallbackServerContext* context);
 
 // Who may do what (issue 13's restricted management, as Triton's restricted protocols).
 struct AccessPolicy {
@@ -33,6 +35,7 @@ struct AccessPolicy {
   bool allow_inline_layers = true;
 };
 
+// Thread-safe.
 class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
  public:
   // Requests past `budget` are refused before anything is allocated or queued. Layers are
@@ -110,7 +113,7 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
                                    v1::InspectCheckpointResponse* response);
 
  private:
-  friend class MultiHeadAttentionStreamReactor;
+  friend class MultiHeadAttentionStreamReactor;  // stream_reactor.cc
   // The Open Inference Protocol's service shares the admin check, loader and call records.
   friend class InferenceServiceImpl;
 
