@@ -54,14 +54,6 @@ absl::Status LoaderPool::Submit(LoaderJob job) {
   return status;
 }
 
-bool LoaderPool::TrySubmit(std::function<absl::Status()> work,
-                           std::function<void(const absl::Status&)> done) {
-  LoaderJob job;
-  job.work = std::move(work);
-  job.done = std::move(done);
-  return Submit(std::move(job)).ok();
-}
-
 int LoaderPool::queued() const {
   core::MutexLock lock(mu_);
   return static_cast<int>(jobs_.size());

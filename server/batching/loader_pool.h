@@ -59,8 +59,6 @@ class LoaderPool {
   // RESOURCE_EXHAUSTED naming the bound when the queue is full (its length, or max_queued_bytes),
   // UNAVAILABLE after Shutdown.
   absl::Status Submit(LoaderJob job);
-  // Submit without bytes or deadline; false when refused (QueueFull() says why).
-  bool TrySubmit(std::function<absl::Status()> work, std::function<void(const absl::Status&)> done);
 
   // The RESOURCE_EXHAUSTED of a queue full by length.
   absl::Status QueueFull() const;

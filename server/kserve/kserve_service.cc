@@ -269,19 +269,20 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::RepositoryModelLoad(
   absl::StatusOr<v1::LoadLayerRequest> load =
       status.ok() ? LoadRequestFor(*request) : absl::StatusOr<v1::LoadLayerRequest>(status);
   status = load.status();
-  // Reading files and building weights run on the loader pool, as LoadLayer's.
-  if (status.ok() &&
-      !loader_.TrySubmit(
-          [this, load = *std::move(load)] {
-            v1::LoadLayerResponse loaded;
-            const absl::Status result = native_.DoLoadLayer(load, &loaded);
-            native_.RefreshLayerMetrics();
-            return result;
-          },
-          [this, reactor, start](const absl::Status& loaded) {
-            native_.Finish(reactor, "RepositoryModelLoad", start, loaded);
-          })) {
-    status = native_.LoaderBusy();
+  // Reading files and building weights queue on the loader pool, as LoadLayer's.
+  if (status.ok()) {
+    LoaderJob job = native_.CallJob(*request, Deadline(context), nullptr,
+                                    [context] { return context->IsCancelled(); });
+    job.work = [this, load = *std::move(load)] {
+      v1::LoadLayerResponse loaded;
+      const absl::Status result = native_.DoLoadLayer(load, &loaded);
+      native_.RefreshLayerMetrics();
+      return result;
+    };
+    job.done = [this, reactor, start](const absl::Status& loaded) {
+      native_.Finish(reactor, "RepositoryModelLoad", start, loaded);
+    };
+    status = loader_.Submit(std::move(job));
   }
   if (!status.ok()) native_.Finish(reactor, "RepositoryModelLoad", start, status);
   return reactor;

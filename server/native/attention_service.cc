@@ -259,8 +259,6 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::MultiHeadAttention(
   return reactor;
 }
 
-absl::Status AttentionServiceImpl::LoaderBusy() const { return loader_.QueueFull(); }
-
 LoaderJob AttentionServiceImpl::CallJob(const google::protobuf::Message& request,
                                         absl::Time deadline, const v1::AttentionOptions* options,
                                         std::function<bool()> is_cancelled) {

@@ -117,8 +117,6 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   // The Open Inference Protocol's service shares the admin check, loader and call records.
   friend class InferenceServiceImpl;
 
-  // RESOURCE_EXHAUSTED: the loader pool's queue is full (by length).
-  absl::Status LoaderBusy() const;
   // The checks of a MultiHeadAttention request that come before its layer is found.
   absl::Status CheckMultiHeadAttentionRequest(const v1::MultiHeadAttentionRequest& request) const;
   // A request's inline layer before any build: `cached` when the cache holds it, else

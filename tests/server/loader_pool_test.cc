@@ -72,7 +72,6 @@ TEST(LoaderPoolTest, AFullQueueRefusesNamingItsLength) {
             "the layer-build queue is full: 1 builds (LoadLayer and inline layers) are running "
             "(--max_concurrent_loads = 1) and 1 are waiting (--max_queued_loads = 1); retry "
             "later");
-  EXPECT_FALSE(pool.TrySubmit([] { return absl::OkStatus(); }, [](const absl::Status&) {}));
   running.release.Notify();
   waiting.release.Notify();
   waiting.finished.WaitForNotification();
@@ -153,8 +152,10 @@ TEST(LoaderPoolTest, ShutdownRunsEveryJobTakenAndRefusesLaterOnes) {
   std::atomic<int> runs{0};
   LoaderPool pool(LoaderPoolOptions{2, 8});
   for (int i = 0; i < 6; ++i) {
-    EXPECT_TRUE(
-        pool.TrySubmit([] { return absl::OkStatus(); }, [&runs](const absl::Status&) { ++runs; }));
+    LoaderJob counted;
+    counted.work = [] { return absl::OkStatus(); };
+    counted.done = [&runs](const absl::Status&) { ++runs; };
+    EXPECT_TRUE(pool.Submit(std::move(counted)).ok());
   }
   pool.Shutdown();
   EXPECT_EQ(runs.load(), 6);
