@@ -273,9 +273,7 @@ absl::Status ConvertParameters(const inference::ModelInferRequest& request,
       options->set_attn_mask_polarity(polarity);
     } else if (name == "timeout") {
       ASSIGN_OR_RETURN(const int64_t timeout_us, IntegerParameter(name, parameter));
-      if (timeout_us < 0) {
-        return Invalid("parameters[\"timeout\"] = ", timeout_us, " µs must be >= 0");
-      }
+      RETURN_IF_ERROR(CheckQueueTimeout(timeout_us, "parameters[\"timeout\"]", " µs"));
       options->set_queue_timeout_us(timeout_us);
     } else if (name == "priority") {
       ASSIGN_OR_RETURN(const int64_t level, IntegerParameter(name, parameter));
