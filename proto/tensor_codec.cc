@@ -26,22 +26,30 @@ absl::StatusOr<DType> ConvertDType(v1::DataType dtype, absl::string_view field) 
   }
 }
 
-// Checks the shape and returns its element count.
-absl::StatusOr<int64_t> CheckShape(const v1::Tensor& tensor, absl::string_view field) {
-  if (tensor.shape_size() == 0) {
+absl::StatusOr<int64_t> ElementCount(absl::Span<const int64_t> shape, absl::string_view field,
+                                     ShapeRule rule) {
+  if (shape.empty() && rule == ShapeRule::kPositive) {
     return Invalid(field, ".shape is empty: the tensor is missing or has rank 0");
   }
+  const int64_t min_dim = rule == ShapeRule::kPositive ? 1 : 0;
   int64_t count = 1;
-  for (int d = 0; d < tensor.shape_size(); ++d) {
-    const int64_t dim = tensor.shape(d);
-    if (dim < 1) return Invalid(field, ".shape[", d, "] = ", dim, " must be >= 1");
-    if (dim > kMaxTensorElements || count > kMaxTensorElements / dim) {
-      return Invalid(field, ".shape [", absl::StrJoin(tensor.shape(), ", "), "] has more than ",
-                     kMaxTensorElements, " elements");
+  for (size_t d = 0; d < shape.size(); ++d) {
+    const int64_t dim = shape[d];
+    if (dim < min_dim) {
+      return Invalid(field, ".shape[", d, "] = ", dim,
+                     rule == ShapeRule::kPositive ? " must be >= 1" : " is negative");
+    }
+    if (dim > kMaxTensorElements || (dim > 0 && count > kMaxTensorElements / dim)) {
+      return Invalid(field, ".shape ", ShapeString(shape), " has more than ", kMaxTensorElements,
+                     " elements");
     }
     count *= dim;
   }
   return count;
+}
+
+absl::StatusOr<int64_t> CheckShape(const v1::Tensor& tensor, absl::string_view field) {
+  return ElementCount(tensor.shape(), field);
 }
 
 absl::Status CheckByteCount(const v1::Tensor& tensor, DType dtype, int64_t count,

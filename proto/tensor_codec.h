@@ -28,7 +28,19 @@ struct FloatTensor {
 };
 
 absl::StatusOr<core::DType> ConvertDType(v1::DataType dtype, absl::string_view field);
-// Checks every dimension is >= 1 and returns the element count.
+
+// Which shapes a caller may send. kPositive, the native API's: rank >= 1 and every
+// dimension >= 1. kNonNegative, a KServe input's: a scalar (rank 0) or a zero dimension
+// passes the protocol conversion (the native decode then refuses it); only a negative
+// dimension is refused there.
+enum class ShapeRule { kPositive, kNonNegative };
+
+// The one shape rule: the element count of `shape`, or INVALID_ARGUMENT naming `field`
+// (e.g. "query", "inputs[\"query\"]") when `rule` refuses it or it holds more than
+// kMaxTensorElements, so that no size derived from it can overflow.
+absl::StatusOr<int64_t> ElementCount(absl::Span<const int64_t> shape, absl::string_view field,
+                                     ShapeRule rule = ShapeRule::kPositive);
+// ElementCount of a wire tensor's shape under kPositive.
 absl::StatusOr<int64_t> CheckShape(const v1::Tensor& tensor, absl::string_view field);
 absl::Status CheckByteCount(const v1::Tensor& tensor, core::DType dtype, int64_t count,
                             absl::string_view field);

@@ -43,17 +43,11 @@ absl::StatusOr<v1::DataType> ParseDatatype(const InputTensor& input,
                  " is not accepted; expected one of ", ListForMessage(allowed));
 }
 
-// The element count of `input`'s shape, or INVALID_ARGUMENT for a negative dimension.
+// The element count of `input`'s shape under the protocol's shape rule (zero dimensions
+// pass here; the native decode refuses them after conversion).
 absl::StatusOr<int64_t> ElementCount(const InputTensor& input) {
-  int64_t count = 1;
-  for (int i = 0; i < input.shape_size(); ++i) {
-    if (input.shape(i) < 0) {
-      return Invalid("inputs[", Quoted(input.name()), "].shape[", i, "] = ", input.shape(i),
-                     " is negative");
-    }
-    count = CheckedProduct({count, input.shape(i)});
-  }
-  return count;
+  return wire::ElementCount(input.shape(), absl::StrCat("inputs[", Quoted(input.name()), "]"),
+                            wire::ShapeRule::kNonNegative);
 }
 
 // INVALID_ARGUMENT when typed contents hold `given` values where the shape needs `count`.
@@ -103,7 +97,7 @@ absl::Status IntegerMaskToBool(const InputTensor& input, const std::string* raw,
                                std::string* bytes) {
   ASSIGN_OR_RETURN(const int64_t count, ElementCount(input));
   if (raw != nullptr) {
-    if (count == kSaturated || raw->size() != static_cast<size_t>(count) * sizeof(Int)) {
+    if (raw->size() != static_cast<size_t>(count) * sizeof(Int)) {
       return Invalid("raw_input_contents of ", Quoted(input.name()), " has ", raw->size(),
                      " bytes; shape and ", input.datatype(), " need ", count, " x ",
                      sizeof(Int));

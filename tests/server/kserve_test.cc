@@ -211,6 +211,24 @@ TEST(KserveConvertTest, EveryRejectionNamesTheFieldAndValues) {
   }
 }
 
+// The shape rule caps the element count (wire::ElementCount): an INT64 mask of 2^61
+// elements needs 2^64 bytes, which wraps to the 0 sent in size_t, and is refused before
+// any buffer is sized from it.
+TEST(KserveConvertTest, MaskCountsPastTheCapAreRefused) {
+  std::mt19937_64 rng(7);
+  ModelInferRequest request = InferRequest(rng, 3);
+  AddInput(request, "key_padding_mask", "INT64", {int64_t{1} << 61});
+  request.add_raw_input_contents("");
+  v1::MultiHeadAttentionRequest native;
+  kserve::OutputPlan plan;
+  const absl::Status status = kserve::ToNativeRequest(request, &native, &plan);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_NE(status.message().find("inputs[\"key_padding_mask\"].shape [2305843009213693952] has "
+                                  "more than 2147483648 elements"),
+            std::string::npos)
+      << status.message();
+}
+
 TEST(KserveConvertTest, MapsInputsParametersAndOutputs) {
   std::mt19937_64 rng(11);
   ModelInferRequest request = InferRequest(rng, 3);
