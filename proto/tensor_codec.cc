@@ -52,15 +52,22 @@ absl::StatusOr<int64_t> CheckShape(const v1::Tensor& tensor, absl::string_view f
   return ElementCount(tensor.shape(), field);
 }
 
+absl::Status CheckByteCount(size_t bytes, int64_t count, int64_t element_size,
+                            absl::string_view bytes_field,
+                            absl::FunctionRef<std::string(int64_t expected)> needs) {
+  const int64_t expected = count * element_size;
+  if (bytes == static_cast<uint64_t>(expected)) return absl::OkStatus();
+  return Invalid(bytes_field, " has ", bytes, " bytes; ", needs(expected));
+}
+
 absl::Status CheckByteCount(const v1::Tensor& tensor, DType dtype, int64_t count,
                             absl::string_view field) {
-  const int64_t expected = count * core::ElementSize(dtype);
-  if (static_cast<int64_t>(tensor.raw_data().size()) != expected) {
-    return Invalid(field, ".raw_data has ", tensor.raw_data().size(), " bytes; shape [",
-                   absl::StrJoin(tensor.shape(), ", "), "] of ", core::DTypeName(dtype), " needs ",
-                   expected);
-  }
-  return absl::OkStatus();
+  return CheckByteCount(
+      tensor.raw_data().size(), count, core::ElementSize(dtype), absl::StrCat(field, ".raw_data"),
+      [&](int64_t expected) {
+        return absl::StrCat("shape ", ShapeString(tensor.shape()), " of ", core::DTypeName(dtype),
+                            " needs ", expected);
+      });
 }
 
 bool HasContent(const v1::Tensor& tensor) {
@@ -71,11 +78,11 @@ std::string ShapeString(absl::Span<const int64_t> shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
-absl::StatusOr<FloatTensor> DecodeFloatTensor(const v1::Tensor& tensor, absl::string_view field) {
+absl::StatusOr<int64_t> CheckFloatTensor(const v1::Tensor& tensor, absl::string_view field,
+                                         DType* dtype) {
   if (!HasContent(tensor)) return Invalid(field, " is missing");
-  FloatTensor result;
   ASSIGN_OR_RETURN(const int64_t count, CheckShape(tensor, field));
-  result.shape.assign(tensor.shape().begin(), tensor.shape().end());
+  DType values_dtype = DType::kFloat32;
   if (tensor.float_data_size() > 0) {
     if (!tensor.raw_data().empty()) {
       return Invalid(field, " has both raw_data and float_data; give exactly one");
@@ -86,17 +93,29 @@ absl::StatusOr<FloatTensor> DecodeFloatTensor(const v1::Tensor& tensor, absl::st
     }
     if (tensor.float_data_size() != count) {
       return Invalid(field, ".float_data has ", tensor.float_data_size(), " values; shape ",
-                     ShapeString(result.shape), " needs ", count);
+                     ShapeString(tensor.shape()), " needs ", count);
     }
+  } else {
+    ASSIGN_OR_RETURN(values_dtype, ConvertDType(tensor.dtype(), absl::StrCat(field, ".dtype")));
+    if (values_dtype == DType::kBool) {
+      return Invalid(field, ".dtype is BOOL; expected FLOAT32, FLOAT16 or BFLOAT16");
+    }
+    RETURN_IF_ERROR(CheckByteCount(tensor, values_dtype, count, field));
+  }
+  if (dtype != nullptr) *dtype = values_dtype;
+  return count;
+}
+
+absl::StatusOr<FloatTensor> DecodeFloatTensor(const v1::Tensor& tensor, absl::string_view field) {
+  DType dtype;
+  RETURN_IF_ERROR(CheckFloatTensor(tensor, field, &dtype).status());
+  FloatTensor result;
+  result.shape.assign(tensor.shape().begin(), tensor.shape().end());
+  if (tensor.float_data_size() > 0) {
     result.values.assign(tensor.float_data().begin(), tensor.float_data().end());
-    return result;
+  } else {
+    ASSIGN_OR_RETURN(result.values, core::DecodeFloats(tensor.raw_data(), dtype, field));
   }
-  ASSIGN_OR_RETURN(const DType dtype, ConvertDType(tensor.dtype(), absl::StrCat(field, ".dtype")));
-  if (dtype == DType::kBool) {
-    return Invalid(field, ".dtype is BOOL; expected FLOAT32, FLOAT16 or BFLOAT16");
-  }
-  RETURN_IF_ERROR(CheckByteCount(tensor, dtype, count, field));
-  ASSIGN_OR_RETURN(result.values, core::DecodeFloats(tensor.raw_data(), dtype, field));
   return result;
 }
 

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
@@ -42,14 +43,30 @@ absl::StatusOr<int64_t> ElementCount(absl::Span<const int64_t> shape, absl::stri
                                      ShapeRule rule = ShapeRule::kPositive);
 // ElementCount of a wire tensor's shape under kPositive.
 absl::StatusOr<int64_t> CheckShape(const v1::Tensor& tensor, absl::string_view field);
+// The one byte-count rule: OK when `bytes` are exactly `count` elements (an ElementCount,
+// so the product cannot overflow) of `element_size` bytes; else INVALID_ARGUMENT
+// "<bytes_field> has <bytes> bytes; <needs(expected bytes)>", each front-end naming its
+// field and what the bytes needed are.
+absl::Status CheckByteCount(size_t bytes, int64_t count, int64_t element_size,
+                            absl::string_view bytes_field,
+                            absl::FunctionRef<std::string(int64_t expected)> needs);
+// The same for a wire tensor's raw_data of `dtype`: "<field>.raw_data has 3 bytes; shape
+// [1, 2] of FLOAT32 needs 8".
 absl::Status CheckByteCount(const v1::Tensor& tensor, core::DType dtype, int64_t count,
                             absl::string_view field);
 // True when any part of the tensor is set.
 bool HasContent(const v1::Tensor& tensor);
 std::string ShapeString(absl::Span<const int64_t> shape);
 
-// Checks dtype, shape and byte count of `tensor` and returns its float32 values.
-// `field` is the request field name used in error messages, e.g. "query".
+// Every check DecodeFloatTensor makes, without decoding (for callers that read the values
+// in place or keep 16-bit ones): present, shape, values in exactly one of float_data and
+// raw_data, a float dtype, as many as the shape needs. Returns the element count and sets
+// `*dtype` (when given) to the dtype the values are in (kFloat32 for float_data).
+absl::StatusOr<int64_t> CheckFloatTensor(const v1::Tensor& tensor, absl::string_view field,
+                                         core::DType* dtype = nullptr);
+
+// Checks dtype, shape and byte count of `tensor` (CheckFloatTensor) and returns its float32
+// values. `field` is the request field name used in error messages, e.g. "query".
 absl::StatusOr<FloatTensor> DecodeFloatTensor(const v1::Tensor& tensor, absl::string_view field);
 
 // Writes `values` with `shape` as little-endian raw bytes of `dtype`.

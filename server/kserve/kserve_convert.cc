@@ -97,11 +97,11 @@ absl::Status IntegerMaskToBool(const InputTensor& input, const std::string* raw,
                                std::string* bytes) {
   ASSIGN_OR_RETURN(const int64_t count, ElementCount(input));
   if (raw != nullptr) {
-    if (raw->size() != static_cast<size_t>(count) * sizeof(Int)) {
-      return Invalid("raw_input_contents of ", Quoted(input.name()), " has ", raw->size(),
-                     " bytes; shape and ", input.datatype(), " need ", count, " x ",
-                     sizeof(Int));
-    }
+    RETURN_IF_ERROR(wire::CheckByteCount(
+        raw->size(), count, sizeof(Int),
+        absl::StrCat("raw_input_contents of ", Quoted(input.name())), [&](int64_t) {
+          return absl::StrCat("shape and ", input.datatype(), " need ", count, " x ", sizeof(Int));
+        }));
   } else {
     RETURN_IF_ERROR(CheckTypedCount(input, typed.size(), count));
   }

@@ -1,8 +1,11 @@
 // The wire codec's rules, each checked once for every front-end: shapes (the native API's
-// and KServe's flavours of the one rule).
+// and KServe's flavours of the one rule) and byte counts.
 #include "tensor_codec.h"
 
+#include <string>
 #include <vector>
+
+#include "absl/strings/str_cat.h"
 
 #include "gtest/gtest.h"
 
@@ -49,6 +52,52 @@ TEST(ElementCountTest, BothFlavoursRefuseMoreThanTheMaximumElements) {
                 .status()
                 .code(),
             StatusCode::kInvalidArgument);
+}
+
+TEST(CheckByteCountTest, EachFrontEndNamesItsFieldAndNeed) {
+  auto needs = [](int64_t expected) { return absl::StrCat("needs ", expected); };
+  EXPECT_TRUE(CheckByteCount(24, 3, 8, "raw", needs).ok());
+  const absl::Status status = CheckByteCount(8, 3, 4, "raw_input_contents of \"m\"", needs);
+  EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(status.message(), "raw_input_contents of \"m\" has 8 bytes; needs 12");
+
+  v1::Tensor tensor;
+  tensor.add_shape(1);
+  tensor.add_shape(3);
+  tensor.set_dtype(v1::FLOAT32);
+  tensor.set_raw_data(std::string(8, '\0'));
+  EXPECT_EQ(CheckByteCount(tensor, core::DType::kFloat32, 3, "query").message(),
+            "query.raw_data has 8 bytes; shape [1, 3] of FLOAT32 needs 12");
+}
+
+// What DecodeFloatTensor checks, for callers that read the values in place or keep 16-bit
+// ones (the native service's DecodeMhaInput): the same answers, the count and the dtype.
+TEST(CheckFloatTensorTest, ChecksWhatDecodeFloatTensorChecks) {
+  v1::Tensor tensor;
+  EXPECT_EQ(CheckFloatTensor(tensor, "key").status().message(), "key is missing");
+  tensor.add_shape(2);
+  tensor.add_shape(3);
+  tensor.set_dtype(v1::BFLOAT16);
+  tensor.set_raw_data(std::string(12, '\0'));
+  core::DType dtype = core::DType::kFloat32;
+  EXPECT_EQ(*CheckFloatTensor(tensor, "key", &dtype), 6);
+  EXPECT_EQ(dtype, core::DType::kBFloat16);
+  tensor.mutable_raw_data()->pop_back();
+  EXPECT_EQ(CheckFloatTensor(tensor, "key").status().message(),
+            "key.raw_data has 11 bytes; shape [2, 3] of BFLOAT16 needs 12");
+  EXPECT_EQ(CheckFloatTensor(tensor, "key").status(), DecodeFloatTensor(tensor, "key").status());
+  tensor.clear_raw_data();
+  for (int i = 0; i < 6; ++i) tensor.add_float_data(1.0f);
+  EXPECT_EQ(CheckFloatTensor(tensor, "key").status().message(),
+            "key.float_data needs dtype FLOAT32, not BFLOAT16");
+  tensor.set_dtype(v1::FLOAT32);
+  EXPECT_EQ(*CheckFloatTensor(tensor, "key", &dtype), 6);
+  EXPECT_EQ(dtype, core::DType::kFloat32);
+  tensor.set_dtype(v1::BOOL);
+  tensor.clear_float_data();
+  tensor.set_raw_data(std::string(6, '\1'));
+  EXPECT_EQ(CheckFloatTensor(tensor, "key").status().message(),
+            "key.dtype is BOOL; expected FLOAT32, FLOAT16 or BFLOAT16");
 }
 
 }  // namespace
