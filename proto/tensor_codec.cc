@@ -10,20 +10,20 @@ namespace attention::wire {
 using core::DType;
 
 absl::StatusOr<DType> ConvertDType(v1::DataType dtype, absl::string_view field) {
-  switch (dtype) {
-    case v1::FLOAT32:
-      return DType::kFloat32;
-    case v1::FLOAT16:
-      return DType::kFloat16;
-    case v1::BFLOAT16:
-      return DType::kBFloat16;
-    case v1::BOOL:
-      return DType::kBool;
-    case v1::DATA_TYPE_UNSPECIFIED:
-      return Invalid(field, " is DATA_TYPE_UNSPECIFIED; expected FLOAT32, FLOAT16 or BFLOAT16");
-    default:
-      return Invalid(field, " = ", static_cast<int>(dtype), " is not a known DataType");
+  if (dtype == v1::DATA_TYPE_UNSPECIFIED) {
+    return Invalid(field, " is DATA_TYPE_UNSPECIFIED; expected FLOAT32, FLOAT16 or BFLOAT16");
   }
+  const core::DTypeInfo* info = core::FindDType(v1::DataType_Name(dtype), &core::DTypeInfo::name);
+  if (info == nullptr) {
+    return Invalid(field, " = ", static_cast<int>(dtype), " is not a known DataType");
+  }
+  return info->dtype;
+}
+
+v1::DataType WireDType(DType dtype) {
+  v1::DataType wire = v1::DATA_TYPE_UNSPECIFIED;
+  v1::DataType_Parse(core::Info(dtype).name, &wire);
+  return wire;
 }
 
 absl::StatusOr<int64_t> ElementCount(absl::Span<const int64_t> shape, absl::string_view field,
@@ -121,16 +121,7 @@ absl::StatusOr<FloatTensor> DecodeFloatTensor(const v1::Tensor& tensor, absl::st
 
 void EncodeTensor(absl::Span<const float> values, absl::Span<const int64_t> shape,
                   core::DType dtype, v1::Tensor* tensor) {
-  switch (dtype) {
-    case DType::kFloat16:
-      tensor->set_dtype(v1::FLOAT16);
-      break;
-    case DType::kBFloat16:
-      tensor->set_dtype(v1::BFLOAT16);
-      break;
-    default:
-      tensor->set_dtype(v1::FLOAT32);
-  }
+  tensor->set_dtype(WireDType(dtype));
   tensor->mutable_shape()->Assign(shape.begin(), shape.end());
   tensor->set_raw_data(core::EncodeFloats(values, dtype));
 }

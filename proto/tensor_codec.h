@@ -28,7 +28,9 @@ struct FloatTensor {
   std::vector<float> values;
 };
 
+// The wire's dtypes are core's (core::kDTypes), each DataType value named as its dtype.
 absl::StatusOr<core::DType> ConvertDType(v1::DataType dtype, absl::string_view field);
+v1::DataType WireDType(core::DType dtype);
 
 // Which shapes a caller may send. kPositive, the native API's: rank >= 1 and every
 // dimension >= 1. kNonNegative, a KServe input's: a scalar (rank 0) or a zero dimension

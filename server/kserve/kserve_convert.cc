@@ -30,14 +30,11 @@ constexpr int64_t kTritonPriorityBase = 1'000'000;
 // The native dtype of a protocol datatype among `allowed`, or INVALID_ARGUMENT listing them.
 absl::StatusOr<v1::DataType> ParseDatatype(const InputTensor& input,
                                            const std::vector<std::string>& allowed) {
-  static const std::pair<const char*, v1::DataType> kNames[] = {
-      {"FP32", v1::FLOAT32}, {"FP16", v1::FLOAT16}, {"BF16", v1::BFLOAT16}, {"BOOL", v1::BOOL}};
   for (const std::string& name : allowed) {
     if (input.datatype() != name) continue;
-    for (const auto& [known, dtype] : kNames) {
-      if (name == known) return dtype;
-    }
-    return v1::DATA_TYPE_UNSPECIFIED;  // an integer mask, converted below
+    const core::DTypeInfo* info = core::FindDType(name, &core::DTypeInfo::kserve_name);
+    // Not a core dtype: an integer mask, converted below.
+    return info != nullptr ? wire::WireDType(info->dtype) : v1::DATA_TYPE_UNSPECIFIED;
   }
   return Invalid("inputs[", Quoted(input.name()), "].datatype = ", Quoted(input.datatype()),
                  " is not accepted; expected one of ", ListForMessage(allowed));
@@ -390,10 +387,12 @@ absl::Status ToKserveStatus(const absl::Status& status,
       {"options.need_weights", "parameters[\"need_weights\"]"},
       {"options.queue_timeout_us", "parameters[\"timeout\"]"},
       {"options.key_padding_polarity", "parameters[\"bool_mask_polarity\"]"},
-      {"options.attn_mask_polarity", "parameters[\"bool_mask_polarity\"]"},
-      {"FLOAT32", "FP32"},
-      {"FLOAT16", "FP16"},
-      {"BFLOAT16", "BF16"}};
+      {"options.attn_mask_polarity", "parameters[\"bool_mask_polarity\"]"}};
+  for (const core::DTypeInfo& info : core::kDTypes) {
+    if (absl::string_view(info.name) != info.kserve_name) {
+      renames.emplace_back(info.name, info.kserve_name);
+    }
+  }
   const std::pair<const char*, const char*> kTensors[] = {
       {"query", kQuery}, {"key", kKey}, {"value", kValue},
       {"options.key_padding_mask", kKeyPaddingMask}, {"options.attn_mask", kAttnMask}};
@@ -442,13 +441,8 @@ absl::Status ToKserveStatus(const absl::Status& status,
 }
 
 const char* DatatypeName(v1::DataType dtype) {
-  switch (dtype) {
-    case v1::FLOAT32: return "FP32";
-    case v1::FLOAT16: return "FP16";
-    case v1::BFLOAT16: return "BF16";
-    case v1::BOOL: return "BOOL";
-    default: return "";
-  }
+  const core::DTypeInfo* info = core::FindDType(v1::DataType_Name(dtype), &core::DTypeInfo::name);
+  return info != nullptr ? info->kserve_name : "";
 }
 
 void ToInferResponse(v1::MultiHeadAttentionResponse& native, const OutputPlan& plan,

@@ -229,6 +229,14 @@ TEST(KserveConvertTest, MaskCountsPastTheCapAreRefused) {
       << status.message();
 }
 
+// KServe's datatype names come from core's dtype table, both ways.
+TEST(KserveConvertTest, DatatypeNamesAreCoresTable) {
+  for (const core::DTypeInfo& info : core::kDTypes) {
+    EXPECT_STREQ(kserve::DatatypeName(wire::WireDType(info.dtype)), info.kserve_name);
+  }
+  EXPECT_STREQ(kserve::DatatypeName(v1::DATA_TYPE_UNSPECIFIED), "");
+}
+
 TEST(KserveConvertTest, MapsInputsParametersAndOutputs) {
   std::mt19937_64 rng(11);
   ModelInferRequest request = InferRequest(rng, 3);

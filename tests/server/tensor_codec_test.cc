@@ -1,5 +1,5 @@
 // The wire codec's rules, each checked once for every front-end: shapes (the native API's
-// and KServe's flavours of the one rule) and byte counts.
+// and KServe's flavours of the one rule), byte counts, and the wire's dtypes as core's.
 #include "tensor_codec.h"
 
 #include <string>
@@ -98,6 +98,25 @@ TEST(CheckFloatTensorTest, ChecksWhatDecodeFloatTensorChecks) {
   tensor.set_raw_data(std::string(6, '\1'));
   EXPECT_EQ(CheckFloatTensor(tensor, "key").status().message(),
             "key.dtype is BOOL; expected FLOAT32, FLOAT16 or BFLOAT16");
+}
+
+// Every DataType value is the core dtype of the same name (core::kDTypes), both ways.
+TEST(WireDTypeTest, EveryDTypeMapsByName) {
+  for (const core::DTypeInfo& info : core::kDTypes) {
+    const v1::DataType wire = WireDType(info.dtype);
+    EXPECT_EQ(v1::DataType_Name(wire), info.name);
+    EXPECT_EQ(*ConvertDType(wire, "t"), info.dtype);
+  }
+  EXPECT_EQ(ConvertDType(v1::DATA_TYPE_UNSPECIFIED, "query.dtype").status().message(),
+            "query.dtype is DATA_TYPE_UNSPECIFIED; expected FLOAT32, FLOAT16 or BFLOAT16");
+  EXPECT_EQ(ConvertDType(static_cast<v1::DataType>(99), "query.dtype").status().message(),
+            "query.dtype = 99 is not a known DataType");
+  // Every value the enum has is a core dtype (or unspecified).
+  const auto* values = v1::DataType_descriptor();
+  for (int i = 0; i < values->value_count(); ++i) {
+    const auto wire = static_cast<v1::DataType>(values->value(i)->number());
+    if (wire != v1::DATA_TYPE_UNSPECIFIED) EXPECT_TRUE(ConvertDType(wire, "t").ok()) << wire;
+  }
 }
 
 }  // namespace
