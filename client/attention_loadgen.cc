@@ -281,16 +281,7 @@ class RequestFactory {
     for (float& v : values) v = normal(rng);
     payload_ = attention::core::EncodeFloats(values, config.dtype);
     element_size_ = attention::core::ElementSize(config.dtype);
-    switch (config.dtype) {
-      case attention::core::DType::kFloat16:
-        wire_dtype_ = v1::FLOAT16;
-        break;
-      case attention::core::DType::kBFloat16:
-        wire_dtype_ = v1::BFLOAT16;
-        break;
-      default:
-        wire_dtype_ = v1::FLOAT32;
-    }
+    wire_dtype_ = attention::wire::WireDType(config.dtype);
   }
 
   std::unique_ptr<Request> Make(int64_t tokens) const {

@@ -83,9 +83,8 @@ absl::StatusOr<InputTensor> DecodeMhaInput(const v1::Tensor& tensor, absl::strin
                                            bool borrow) {
   InputTensor input;
   if (!keep_half && borrow && CanBorrow(tensor)) {
-    // The checks DecodeFloatTensor makes of FLOAT32 raw_data, without its copy.
-    ASSIGN_OR_RETURN(const int64_t count, wire::CheckShape(tensor, field));
-    RETURN_IF_ERROR(wire::CheckByteCount(tensor, core::DType::kFloat32, count, field));
+    // The checks DecodeFloatTensor makes, without its copy.
+    ASSIGN_OR_RETURN(const int64_t count, wire::CheckFloatTensor(tensor, field));
     input.shape.assign(tensor.shape().begin(), tensor.shape().end());
     input.borrowed = absl::MakeConstSpan(
         reinterpret_cast<const float*>(tensor.raw_data().data()), static_cast<size_t>(count));
@@ -99,8 +98,7 @@ absl::StatusOr<InputTensor> DecodeMhaInput(const v1::Tensor& tensor, absl::strin
     return input;
   }
   const core::DType dtype = HalfDType(tensor);
-  ASSIGN_OR_RETURN(const int64_t count, wire::CheckShape(tensor, field));
-  RETURN_IF_ERROR(wire::CheckByteCount(tensor, dtype, count, field));
+  ASSIGN_OR_RETURN(const int64_t count, wire::CheckFloatTensor(tensor, field));
   input.shape.assign(tensor.shape().begin(), tensor.shape().end());
   input.half.resize(count);
   std::memcpy(input.half.data(), tensor.raw_data().data(), count * sizeof(uint16_t));

@@ -156,6 +156,14 @@ std::vector<InferCase> InferCases() {
          r.add_raw_input_contents("");
        },
        C::kInvalidArgument, "inputs[\"key_padding_mask\"].shape[1] = -3 is negative"},
+      // The shape rule caps the count (wire::ElementCount): 2^61 INT64 elements need 2^64
+      // bytes, which wrap to the 0 sent, and are refused before a buffer is sized from them.
+      {"mask count past the cap", [](auto& r) {
+         AddInput(r, "key_padding_mask", "INT64", {int64_t{1} << 61});
+         r.add_raw_input_contents("");
+       },
+       C::kInvalidArgument, "inputs[\"key_padding_mask\"].shape [2305843009213693952] has more "
+       "than 2147483648 elements"},
       {"attn_mask datatype", [](auto& r) {
          AddInput(r, "attn_mask", "INT64", {3, 3});
          r.add_raw_input_contents(std::string(72, '\0'));
@@ -209,6 +217,14 @@ TEST(KserveConvertTest, EveryRejectionNamesTheFieldAndValues) {
     EXPECT_EQ(status.code(), test.code) << status;
     EXPECT_NE(status.message().find(test.message_part), std::string::npos) << status.message();
   }
+}
+
+// KServe's datatype names come from core's dtype table, both ways.
+TEST(KserveConvertTest, DatatypeNamesAreCoresTable) {
+  for (const core::DTypeInfo& info : core::kDTypes) {
+    EXPECT_STREQ(kserve::DatatypeName(wire::WireDType(info.dtype)), info.kserve_name);
+  }
+  EXPECT_STREQ(kserve::DatatypeName(v1::DATA_TYPE_UNSPECIFIED), "");
 }
 
 TEST(KserveConvertTest, MapsInputsParametersAndOutputs) {
