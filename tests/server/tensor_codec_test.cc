@@ -115,7 +115,9 @@ TEST(WireDTypeTest, EveryDTypeMapsByName) {
   const auto* values = v1::DataType_descriptor();
   for (int i = 0; i < values->value_count(); ++i) {
     const auto wire = static_cast<v1::DataType>(values->value(i)->number());
-    if (wire != v1::DATA_TYPE_UNSPECIFIED) EXPECT_TRUE(ConvertDType(wire, "t").ok()) << wire;
+    if (wire != v1::DATA_TYPE_UNSPECIFIED) {
+      EXPECT_TRUE(ConvertDType(wire, "t").ok()) << wire;
+    }
   }
 }
 
