@@ -13,8 +13,8 @@ ForwardPlan PlanForward(const MhaConfig& c, absl::Span<const MhaInput* const> in
     ForwardPlan::Input& planned = plan.inputs[n];
     planned.q_row = plan.q_rows;
     planned.kv_row = plan.kv_rows;
-    planned.dims = {in.batch, c.num_heads, c.num_kv_heads, in.q_len, in.kv_len, c.head_dim,
-                    c.v_head_dim};
+    planned.dims = {in.batch,  c.num_heads, c.num_kv_heads, in.q_len,
+                    in.kv_len, c.head_dim,  c.v_head_dim};
     planned.options = c.LayerOptions(in.options);
     // Dynamic RoPE scaling depends on the longer of the two sequences.
     if (c.rope_theta > 0.0) planned.rotary_base = c.RotaryBaseFor(std::max(in.q_len, in.kv_len));
@@ -30,8 +30,8 @@ ForwardPlan PlanForward(const MhaConfig& c, absl::Span<const MhaInput* const> in
   return plan;
 }
 
-AttentionProblem ForwardPlan::Attention(size_t n, const float* q, const float* k,
-                                        const float* v, float* attended) const {
+AttentionProblem ForwardPlan::Attention(size_t n, const float* q, const float* k, const float* v,
+                                        float* attended) const {
   const Input& in = inputs[n];
   const AttentionDims& d = in.dims;
   AttentionProblem p;

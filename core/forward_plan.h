@@ -18,9 +18,9 @@ namespace attention::core {
 struct ForwardPlan {
   // One input of the batch.
   struct Input {
-    int64_t q_row = 0;   // its first query row in the packed query tokens
-    int64_t kv_row = 0;  // its first key/value row in the packed key and value tokens
-    AttentionDims dims;  // the layer's heads over the input's sequences
+    int64_t q_row = 0;         // its first query row in the packed query tokens
+    int64_t kv_row = 0;        // its first key/value row in the packed key and value tokens
+    AttentionDims dims;        // the layer's heads over the input's sequences
     AttentionOptions options;  // the request's, with the layer's causal flag and window
     double rotary_base = 0.0;  // 0 when the layer has no rotary embedding
 
@@ -54,8 +54,8 @@ ForwardPlan PlanForward(const MhaConfig& config, absl::Span<const MhaInput* cons
 // Copies float32 input `in`, planned as `input`, into the packed token matrices: its query
 // rows into `x` ([q_rows, E]), its key and value rows (its query rows for self-attention)
 // into `key_input` ([kv_rows, kdim]) and `value_input` ([kv_rows, vdim]); null skips one.
-void PackInputTokens(const MhaConfig& config, const ForwardPlan::Input& input,
-                     const MhaInput& in, float* x, float* key_input, float* value_input);
+void PackInputTokens(const MhaConfig& config, const ForwardPlan::Input& input, const MhaInput& in,
+                     float* x, float* key_input, float* value_input);
 
 }  // namespace attention::core
 

@@ -62,12 +62,11 @@ absl::Status CheckByteCount(size_t bytes, int64_t count, int64_t element_size,
 
 absl::Status CheckByteCount(const v1::Tensor& tensor, DType dtype, int64_t count,
                             absl::string_view field) {
-  return CheckByteCount(
-      tensor.raw_data().size(), count, core::ElementSize(dtype), absl::StrCat(field, ".raw_data"),
-      [&](int64_t expected) {
-        return absl::StrCat("shape ", ShapeString(tensor.shape()), " of ", core::DTypeName(dtype),
-                            " needs ", expected);
-      });
+  return CheckByteCount(tensor.raw_data().size(), count, core::ElementSize(dtype),
+                        absl::StrCat(field, ".raw_data"), [&](int64_t expected) {
+                          return absl::StrCat("shape ", ShapeString(tensor.shape()), " of ",
+                                              core::DTypeName(dtype), " needs ", expected);
+                        });
 }
 
 bool HasContent(const v1::Tensor& tensor) {

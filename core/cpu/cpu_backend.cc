@@ -110,12 +110,10 @@ absl::StatusOr<std::vector<AttentionResult>> CpuPreparedLayer::ForwardBatch(
   // value inputs are the query rows themselves for self-attention.
   const bool pack_queries = inputs.size() != 1;
   float* packed_x = pack_queries ? scratch.Get(ForwardScratch::kX, q_rows * c.embed_dim) : nullptr;
-  float* xk = plan.all_self_attention
-                  ? nullptr
-                  : scratch.Get(ForwardScratch::kKeyInput, kv_rows * c.kdim);
-  float* xv = plan.all_self_attention
-                  ? nullptr
-                  : scratch.Get(ForwardScratch::kValueInput, kv_rows * c.vdim);
+  float* xk =
+      plan.all_self_attention ? nullptr : scratch.Get(ForwardScratch::kKeyInput, kv_rows * c.kdim);
+  float* xv = plan.all_self_attention ? nullptr
+                                      : scratch.Get(ForwardScratch::kValueInput, kv_rows * c.vdim);
   for (size_t n = 0; n < inputs.size(); ++n) {
     PackInputTokens(c, plan.inputs[n], *inputs[n], packed_x, xk, xv);
   }
@@ -143,8 +141,8 @@ absl::StatusOr<std::vector<AttentionResult>> CpuPreparedLayer::ForwardBatch(
   }
   if (c.rope_theta > 0.0) {
     for (const ForwardPlan::Input& in : plan.inputs) {
-      ApplyRotary(q + in.q_row * plan.q_stride, in.q_rows(), in.dims.q_len, c.num_heads,
-                  c.head_dim, in.rotary_base, plan.q_stride, c.rope_scaling);
+      ApplyRotary(q + in.q_row * plan.q_stride, in.q_rows(), in.dims.q_len, c.num_heads, c.head_dim,
+                  in.rotary_base, plan.q_stride, c.rope_scaling);
       ApplyRotary(k + in.kv_row * plan.k_stride, in.kv_rows(), in.dims.kv_len, c.num_kv_heads,
                   c.head_dim, in.rotary_base, plan.k_stride, c.rope_scaling);
     }

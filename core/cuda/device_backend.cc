@@ -46,8 +46,7 @@ std::optional<DeviceMemory> CudaBackend::Memory() const {
                       static_cast<int64_t>(total_bytes)};
 }
 
-absl::Status CudaBackend::Attend(const DeviceAttentionProblem& problem,
-                                 cudaStream_t stream) const {
+absl::Status CudaBackend::Attend(const DeviceAttentionProblem& problem, cudaStream_t stream) const {
   RETURN_IF_ERROR(KernelSupports(problem.shape));
   const FlashLaunchPlan plan = PlanFlashAttention(problem.shape, problem.weights != nullptr);
   return CudaStatus(LaunchAttention(problem, plan, stream), "attention kernel launch");

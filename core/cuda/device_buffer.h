@@ -29,8 +29,8 @@ class GrowingBuffer {
     Free();
     void* data = nullptr;
     const cudaError_t error = kPinnedHost ? cudaMallocHost(&data, bytes) : cudaMalloc(&data, bytes);
-    RETURN_IF_ERROR(CudaStatus(error, absl::StrCat(kPinnedHost ? "cudaMallocHost(" : "cudaMalloc(",
-                                                   bytes, " bytes)")));
+    RETURN_IF_ERROR(CudaStatus(
+        error, absl::StrCat(kPinnedHost ? "cudaMallocHost(" : "cudaMalloc(", bytes, " bytes)")));
     data_ = static_cast<char*>(data);
     capacity_ = bytes;
     return data_;

@@ -25,8 +25,8 @@ absl::Status Linear(const StreamContext& context, const float* x, int64_t rows, 
   const float one = 1.0f, zero = 0.0f;
   RETURN_IF_ERROR(CublasStatus(
       cublasSgemm(context.cublas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(out),
-                  static_cast<int>(rows), static_cast<int>(in), &one, weight,
-                  static_cast<int>(in), x, static_cast<int>(in), &zero, y, static_cast<int>(ldy)),
+                  static_cast<int>(rows), static_cast<int>(in), &one, weight, static_cast<int>(in),
+                  x, static_cast<int>(in), &zero, y, static_cast<int>(ldy)),
       "cublasSgemm"));
   if (bias == nullptr) return absl::OkStatus();
   return CudaStatus(LaunchAddBias(y, rows, out, ldy, bias, context.stream), "bias kernel");

@@ -34,14 +34,18 @@ absl::Status CudaPreparedLayer::Upload(const MhaWeightsView& w) {
     const float** device;
     int64_t offset = 0;
   };
-  std::vector<Part> parts = {{w.out_weight, &weights_.out_weight}, {w.out_bias, &weights_.out_bias}};
+  std::vector<Part> parts = {{w.out_weight, &weights_.out_weight},
+                             {w.out_bias, &weights_.out_bias}};
   if (fused) {
     parts.push_back({w.fused_qkv_weight, &weights_.fused_qkv_weight});
     parts.push_back({w.fused_qkv_bias, &weights_.fused_qkv_bias});
   } else {
-    for (auto [host, device] : {std::pair{w.q_weight, &weights_.q_weight}, {w.k_weight, &weights_.k_weight},
-                                {w.v_weight, &weights_.v_weight}, {w.q_bias, &weights_.q_bias},
-                                {w.k_bias, &weights_.k_bias}, {w.v_bias, &weights_.v_bias}}) {
+    for (auto [host, device] : {std::pair{w.q_weight, &weights_.q_weight},
+                                {w.k_weight, &weights_.k_weight},
+                                {w.v_weight, &weights_.v_weight},
+                                {w.q_bias, &weights_.q_bias},
+                                {w.k_bias, &weights_.k_bias},
+                                {w.v_bias, &weights_.v_bias}}) {
       parts.push_back({host, device});
     }
   }
@@ -84,8 +88,8 @@ absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::ForwardBatch(
   // Memory: inputs (copied in at once), scratch, outputs (copied out at once). 16-bit
   // inputs are copied as sent and converted into the float32 token matrices on the device;
   // when every input is 16-bit, those matrices are scratch and are not copied at all.
-  const bool all_half = std::all_of(inputs.begin(), inputs.end(),
-                                    [](const MhaInput* in) { return in->is_half(); });
+  const bool all_half =
+      std::all_of(inputs.begin(), inputs.end(), [](const MhaInput* in) { return in->is_half(); });
   Arena arena;
   auto plan_tokens = [&] {
     return std::array<int64_t, 3>{
@@ -129,7 +133,7 @@ absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::ForwardBatch(
   }
   staged.output_bytes = arena.size() - staged.output_offset;
 
-  ASSIGN_OR_RETURN(StreamContext* context, backend_.Context());
+  ASSIGN_OR_RETURN(StreamContext * context, backend_.Context());
   ASSIGN_OR_RETURN(char* device, context->device.Reserve(arena.size()));
   ASSIGN_OR_RETURN(char* staging, context->staging.Reserve(arena.size()));
   auto host = [staging](int64_t at) { return reinterpret_cast<float*>(staging + at); };
@@ -138,20 +142,20 @@ absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::ForwardBatch(
   for (size_t n = 0; n < count; ++n) {
     const MhaInput& in = *inputs[n];
     if (in.is_half()) {
-      for (auto [at, bits] : {std::pair{half_at[n][0], in.query_half}, {half_at[n][1], in.key_half},
+      for (auto [at, bits] : {std::pair{half_at[n][0], in.query_half},
+                              {half_at[n][1], in.key_half},
                               {half_at[n][2], in.value_half}}) {
         if (at >= 0) std::memcpy(staging + at, bits.data(), bits.size() * sizeof(uint16_t));
       }
     } else {
-      PackInputTokens(c, plan.inputs[n], in, host(x_at),
-                      all_self_attention ? nullptr : host(xk_at),
+      PackInputTokens(c, plan.inputs[n], in, host(x_at), all_self_attention ? nullptr : host(xk_at),
                       all_self_attention ? nullptr : host(xv_at));
     }
     masks[n].Stage(in.options, staging);
   }
-  RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(device, staging, staged.input_bytes,
-                                             cudaMemcpyHostToDevice, context->stream),
-                             "cudaMemcpyAsync(inputs)"));
+  RETURN_IF_ERROR(CudaStatus(
+      cudaMemcpyAsync(device, staging, staged.input_bytes, cudaMemcpyHostToDevice, context->stream),
+      "cudaMemcpyAsync(inputs)"));
   for (size_t n = 0; n < count; ++n) {
     const MhaInput& in = *inputs[n];
     if (!in.is_half()) continue;
@@ -200,15 +204,15 @@ absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::ForwardBatch(
   for (size_t n = 0; n < count; ++n) {
     const ForwardPlan::Input& planned = plan.inputs[n];
     if (c.rope_theta > 0.0) {
+      RETURN_IF_ERROR(
+          CudaStatus(LaunchRotary(q + planned.q_row * plan.q_stride, planned.q_rows(),
+                                  planned.dims.q_len, c.num_heads, c.head_dim, planned.rotary_base,
+                                  c.rope_scaling, plan.q_stride, context->stream),
+                     "rotary kernel"));
       RETURN_IF_ERROR(CudaStatus(
-          LaunchRotary(q + planned.q_row * plan.q_stride, planned.q_rows(), planned.dims.q_len,
-                       c.num_heads, c.head_dim, planned.rotary_base, c.rope_scaling,
-                       plan.q_stride, context->stream),
-          "rotary kernel"));
-      RETURN_IF_ERROR(CudaStatus(
-          LaunchRotary(k + planned.kv_row * plan.k_stride, planned.kv_rows(),
-                       planned.dims.kv_len, c.num_kv_heads, c.head_dim, planned.rotary_base,
-                       c.rope_scaling, plan.k_stride, context->stream),
+          LaunchRotary(k + planned.kv_row * plan.k_stride, planned.kv_rows(), planned.dims.kv_len,
+                       c.num_kv_heads, c.head_dim, planned.rotary_base, c.rope_scaling,
+                       plan.k_stride, context->stream),
           "rotary kernel"));
     }
     RETURN_IF_ERROR(backend_.Attend(
@@ -219,10 +223,10 @@ absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::ForwardBatch(
     RETURN_IF_ERROR(Linear(*context, attended, q_rows, c.AttentionWidth(), weights_.out_weight,
                            weights_.out_bias, c.output_dim, on_device(output_at), c.output_dim));
   }
-  RETURN_IF_ERROR(CudaStatus(
-      cudaMemcpyAsync(staging + staged.output_offset, device + staged.output_offset,
-                      staged.output_bytes, cudaMemcpyDeviceToHost, context->stream),
-      "cudaMemcpyAsync(outputs)"));
+  RETURN_IF_ERROR(
+      CudaStatus(cudaMemcpyAsync(staging + staged.output_offset, device + staged.output_offset,
+                                 staged.output_bytes, cudaMemcpyDeviceToHost, context->stream),
+                 "cudaMemcpyAsync(outputs)"));
   RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(context->stream), "forward pass"));
 
   std::vector<AttentionResult> results(count);

@@ -17,8 +17,7 @@ class CudaBackend;
 
 // Device copies of a layer's weights: one allocation, views into it (null when absent).
 struct DeviceWeights {
-  const float *q_weight = nullptr, *k_weight = nullptr, *v_weight = nullptr,
-              *out_weight = nullptr;
+  const float *q_weight = nullptr, *k_weight = nullptr, *v_weight = nullptr, *out_weight = nullptr;
   const float *q_bias = nullptr, *k_bias = nullptr, *v_bias = nullptr, *out_bias = nullptr;
   const float *fused_qkv_weight = nullptr, *fused_qkv_bias = nullptr;
 };

@@ -30,25 +30,24 @@ absl::StatusOr<AttentionResult> CudaBackend::ScaledDotProductAttention(const Sdp
   weights.PlanOutput(d, in.options.need_weights, arena);
   staged.output_bytes = arena.size() - staged.output_offset;
 
-  ASSIGN_OR_RETURN(StreamContext* context, Context());
+  ASSIGN_OR_RETURN(StreamContext * context, Context());
   ASSIGN_OR_RETURN(char* device, context->device.Reserve(arena.size()));
   ASSIGN_OR_RETURN(char* staging, context->staging.Reserve(arena.size()));
   std::memcpy(staging + q_at, in.query.data(), in.query.size() * sizeof(float));
   std::memcpy(staging + k_at, in.key.data(), in.key.size() * sizeof(float));
   std::memcpy(staging + v_at, in.value.data(), in.value.size() * sizeof(float));
   mask.Stage(in.options, staging);
-  RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(device, staging, staged.input_bytes,
-                                             cudaMemcpyHostToDevice, context->stream),
-                             "cudaMemcpyAsync(inputs)"));
-  auto on_device = [device](int64_t at) { return reinterpret_cast<float*>(device + at); };
-  const AttentionProblem problem = SdpaProblem<float>(in, on_device(q_at), on_device(k_at),
-                                                      on_device(v_at), on_device(output_at),
-                                                      nullptr);
-  RETURN_IF_ERROR(Attend(ToDeviceProblem(problem, mask, weights, device), context->stream));
   RETURN_IF_ERROR(CudaStatus(
-      cudaMemcpyAsync(staging + staged.output_offset, device + staged.output_offset,
-                      staged.output_bytes, cudaMemcpyDeviceToHost, context->stream),
-      "cudaMemcpyAsync(outputs)"));
+      cudaMemcpyAsync(device, staging, staged.input_bytes, cudaMemcpyHostToDevice, context->stream),
+      "cudaMemcpyAsync(inputs)"));
+  auto on_device = [device](int64_t at) { return reinterpret_cast<float*>(device + at); };
+  const AttentionProblem problem = SdpaProblem<float>(
+      in, on_device(q_at), on_device(k_at), on_device(v_at), on_device(output_at), nullptr);
+  RETURN_IF_ERROR(Attend(ToDeviceProblem(problem, mask, weights, device), context->stream));
+  RETURN_IF_ERROR(
+      CudaStatus(cudaMemcpyAsync(staging + staged.output_offset, device + staged.output_offset,
+                                 staged.output_bytes, cudaMemcpyDeviceToHost, context->stream),
+                 "cudaMemcpyAsync(outputs)"));
   RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(context->stream), "attention"));
   AttentionResult result;
   const float* output = reinterpret_cast<const float*>(staging + output_at);

@@ -21,8 +21,8 @@ absl::StatusOr<StreamContext*> StreamContexts::ForThisThread() const {
   std::unique_ptr<StreamContext>& context = contexts_[std::this_thread::get_id()];
   if (context == nullptr) {
     auto created = std::make_unique<StreamContext>();
-    RETURN_IF_ERROR(CudaStatus(
-        cudaStreamCreateWithFlags(&created->stream, cudaStreamNonBlocking), "cudaStreamCreate"));
+    RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&created->stream, cudaStreamNonBlocking),
+                               "cudaStreamCreate"));
     const cublasStatus_t status = cublasCreate(&created->cublas);
     if (status != CUBLAS_STATUS_SUCCESS) {
       cudaStreamDestroy(created->stream);

@@ -39,8 +39,7 @@ class StreamContexts {
  private:
   const int device_;
   mutable Mutex mu_;  // see core/mutex.h
-  mutable std::map<std::thread::id, std::unique_ptr<StreamContext>> contexts_
-      ABSL_GUARDED_BY(mu_);
+  mutable std::map<std::thread::id, std::unique_ptr<StreamContext>> contexts_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace attention::core::cuda

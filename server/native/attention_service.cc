@@ -8,8 +8,8 @@
 #include "core/half_bits.h"
 #include "core/input_shapes.h"
 #include "core/status_macros.h"
-#include "server/models/layer_builder.h"
 #include "server/common/status_util.h"
+#include "server/models/layer_builder.h"
 #include "server/validation/wire_convert.h"
 
 namespace attention::server {
@@ -181,8 +181,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::MultiHeadAttention(
 
 void AttentionServiceImpl::SubmitWithInlineLayer(
     const v1::MultiHeadAttentionRequest& request, absl::Time deadline,
-    std::function<bool()> is_cancelled, SubmitWithLayer submit,
-    std::function<void(const absl::Status&)> refused, bool copy_to_build) {
+    std::function<bool()> is_cancelled, const SubmitWithLayer& submit,
+    const std::function<void(const absl::Status&)>& refused, bool copy_to_build) {
   if (!request.has_inline_layer()) {
     const absl::Status submitted = submit(request, nullptr);
     if (!submitted.ok()) refused(submitted);
@@ -272,15 +272,15 @@ namespace {
 // the layer's backend converts them on its device and all three share one 16-bit dtype;
 // with `borrow`, FLOAT32 raw_data is read in place.
 absl::Status DecodeMhaInputs(const v1::MultiHeadAttentionRequest& request,
-                             const core::MhaLayer& layer, const RequestBudget& budget,
-                             bool borrow, LayerWorkItem* item) {
+                             const core::MhaLayer& layer, const RequestBudget& budget, bool borrow,
+                             LayerWorkItem* item) {
   const core::MhaConfig& config = layer.config();
   const bool has_key = request.has_key(), has_value = request.has_value();
   const core::DType half_dtype = HalfDType(request.query());
-  const bool keep_half = layer.backend().ConvertsHalfInputs() &&
-                         half_dtype != core::DType::kFloat32 &&
-                         (!has_key || (HalfDType(request.key()) == half_dtype &&
-                                       HalfDType(request.value()) == half_dtype));
+  const bool keep_half =
+      layer.backend().ConvertsHalfInputs() && half_dtype != core::DType::kFloat32 &&
+      (!has_key ||
+       (HalfDType(request.key()) == half_dtype && HalfDType(request.value()) == half_dtype));
   ASSIGN_OR_RETURN(InputTensor query,
                    DecodeMhaInput(request.query(), "query", budget, keep_half, borrow));
   RETURN_IF_ERROR(core::CheckMhaQueryShape(config, query.shape));
@@ -327,8 +327,8 @@ absl::Status DecodeMhaInputs(const v1::MultiHeadAttentionRequest& request,
 std::function<void(absl::StatusOr<core::AttentionResult>)> MhaAnswer(
     const v1::MultiHeadAttentionRequest& request, v1::MultiHeadAttentionResponse* response,
     std::function<void(const absl::Status&)> finish, const core::AttentionDims& dims,
-    int64_t output_dim, core::NeedWeights need, core::DType output_dtype,
-    bool output_in_response, uint64_t layer_version) {
+    int64_t output_dim, core::NeedWeights need, core::DType output_dtype, bool output_in_response,
+    uint64_t layer_version) {
   return [finish = std::move(finish), response, dims, output_dim, need, output_dtype,
           output_in_response, layer_version, float_data = request.float_data_output(),
           request_id = request.request_id()](absl::StatusOr<core::AttentionResult> result) {
@@ -378,13 +378,12 @@ absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
   auto item = std::make_unique<LayerWorkItem>();
   RETURN_IF_ERROR(DecodeMhaInputs(request, *snapshot->layer, budget_, borrow_inputs, item.get()));
   core::MhaInput& input = item->input;
-  const core::AttentionDims dims{input.batch,  config.num_heads, config.num_kv_heads,
-                                 input.q_len,  input.kv_len,     config.head_dim,
-                                 config.v_head_dim};
+  const core::AttentionDims dims{input.batch,  config.num_heads, config.num_kv_heads, input.q_len,
+                                 input.kv_len, config.head_dim,  config.v_head_dim};
   ASSIGN_OR_RETURN(input.options, ConvertCheckedOptions(request.options(), dims, budget_));
-  ASSIGN_OR_RETURN(const core::DType output_dtype,
-                   OutputDType(request.output_dtype(), request.query().dtype(),
-                               request.float_data_output()));
+  ASSIGN_OR_RETURN(
+      const core::DType output_dtype,
+      OutputDType(request.output_dtype(), request.query().dtype(), request.float_data_output()));
   const RequestCost cost =
       MultiHeadAttentionCost(config, dims, input.options.need_weights, output_dtype);
   RETURN_IF_ERROR(CheckRequestBudget(cost, budget_));
@@ -394,15 +393,15 @@ absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
   // A FLOAT32 answer in raw_data is computed straight into the response.
   const bool output_in_response =
       output_dtype == core::DType::kFloat32 && !request.float_data_output();
-  item->done = MhaAnswer(request, response, std::move(finish), dims, config.output_dim,
-                         input.options.need_weights, output_dtype, output_in_response,
-                         snapshot->version);
+  item->done =
+      MhaAnswer(request, response, std::move(finish), dims, config.output_dim,
+                input.options.need_weights, output_dtype, output_in_response, snapshot->version);
   if (output_in_response) {
     input.output_destination = wire::ResizeFloat32Tensor(
         {dims.batch, dims.q_len, config.output_dim}, response->mutable_output());
   }
   item->snapshot = std::move(snapshot);
-  const absl::Status submitted = batcher_.Submit(std::move(item));
+  absl::Status submitted = batcher_.Submit(std::move(item));
   if (!submitted.ok()) response->clear_output();
   return submitted;
 }
@@ -414,8 +413,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ScaledDotProductAttention(
   auto answer = [call, request](const absl::Status& status) {
     call.Answer(status, request->request_id());
   };
-  const absl::Status status = SubmitScaledDotProductAttention(
-      *request, call.deadline(), call.cancelled(), response, answer);
+  const absl::Status status = SubmitScaledDotProductAttention(*request, call.deadline(),
+                                                              call.cancelled(), response, answer);
   if (!status.ok()) answer(status);
   return call.reactor();
 }
@@ -453,9 +452,8 @@ absl::Status AttentionServiceImpl::SubmitScaledDotProductAttention(
   }
   item->device_name = backend->name();
   // The closure owns the decoded tensors; spans are set where they can no longer move.
-  item->run = [backend = std::move(backend), input = std::move(input),
-                     q = std::move(query.values), k = std::move(key.values),
-                     v = std::move(value.values)]() mutable {
+  item->run = [backend = std::move(backend), input = std::move(input), q = std::move(query.values),
+               k = std::move(key.values), v = std::move(value.values)]() mutable {
     input.query = q;
     input.key = k;
     input.value = v;

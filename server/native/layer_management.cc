@@ -68,9 +68,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::InspectCheckpoint(
   if (!allowed.ok()) {
     call.Answer(allowed);
   } else {
-    AnswerFromLoader(loader_, call, *request, [this, request, response] {
-      return DoInspectCheckpoint(*request, response);
-    });
+    AnswerFromLoader(loader_, call, *request,
+                     [this, request, response] { return DoInspectCheckpoint(*request, response); });
   }
   return call.reactor();
 }
@@ -91,14 +90,14 @@ absl::Status AttentionServiceImpl::CheckAdmin(const grpc::CallbackServerContext&
   const auto& metadata = context.client_metadata();
   const auto found = metadata.find("authorization");
   if (found == metadata.end()) {
-    return absl::UnauthenticatedError(absl::StrCat(
-        method, " needs \"authorization: Bearer <token>\" metadata: this server restricts "
-        "layer management (--admin_token_file)"));
+    return absl::UnauthenticatedError(
+        absl::StrCat(method,
+                     " needs \"authorization: Bearer <token>\" metadata: this server restricts "
+                     "layer management (--admin_token_file)"));
   }
   absl::string_view token(found->second.data(), found->second.size());
   if (!absl::ConsumePrefix(&token, "Bearer ")) {
-    return absl::UnauthenticatedError(
-        "the authorization metadata must be \"Bearer <token>\"");
+    return absl::UnauthenticatedError("the authorization metadata must be \"Bearer <token>\"");
   }
   if (!ConstantTimeEquals(token, access_.admin_token)) {
     return absl::PermissionDeniedError(
@@ -109,13 +108,13 @@ absl::Status AttentionServiceImpl::CheckAdmin(const grpc::CallbackServerContext&
 
 absl::Status AttentionServiceImpl::DoLoadLayer(const v1::LoadLayerRequest& request,
                                                v1::LoadLayerResponse* response) {
-  const absl::Status loaded = PublishLayer(request, response);
+  absl::Status loaded = PublishLayer(request, response);
   RefreshLayerMetrics();  // also after a failure, which may have freed device memory
   return loaded;
 }
 
 absl::Status AttentionServiceImpl::DoUnloadLayer(const std::string& name) {
-  const absl::Status removed = registry_.Remove(name);
+  absl::Status removed = registry_.Remove(name);
   RefreshLayerMetrics();
   return removed;
 }
@@ -129,34 +128,33 @@ absl::Status AttentionServiceImpl::PublishLayer(const v1::LoadLayerRequest& requ
   absl::StatusOr<std::shared_ptr<const core::Backend>> backend =
       request.device().empty() ? default_backend_ : devices_.Get(request.device());
   if (!backend.ok()) {
-    return absl::Status(backend.status().code(), absl::StrCat("device: ", backend.status().message()));
+    return absl::Status(backend.status().code(),
+                        absl::StrCat("device: ", backend.status().message()));
   }
   const std::string device = (*backend)->name();
-  ASSIGN_OR_RETURN(std::shared_ptr<const core::MhaLayer> layer,
-                   BuildLayer(request.spec(), "spec", *std::move(backend), registry_.repository(),
-                              [&](int64_t bytes) {
-                                auto check = [&] {
-                                  return registry_.CheckBudget(
-                                      request.name(),
-                                      LayerRegistry::EstimatedHostBytes(bytes, device), bytes,
-                                      device);
-                                };
-                                absl::Status budget = check();
-                                // Cached inline layers give way to a loaded one.
-                                if (!budget.ok() && inline_cache_.Clear() > 0) budget = check();
-                                return budget;
-                              }));
   ASSIGN_OR_RETURN(
-      std::shared_ptr<const LayerSnapshot> snapshot,
-      registry_.Publish(request.name(), std::move(layer), request.persist(), batching,
-                        request.device()));
+      std::shared_ptr<const core::MhaLayer> layer,
+      BuildLayer(
+          request.spec(), "spec", *std::move(backend), registry_.repository(), [&](int64_t bytes) {
+            auto check = [&] {
+              return registry_.CheckBudget(
+                  request.name(), LayerRegistry::EstimatedHostBytes(bytes, device), bytes, device);
+            };
+            absl::Status budget = check();
+            // Cached inline layers give way to a loaded one.
+            if (!budget.ok() && inline_cache_.Clear() > 0) budget = check();
+            return budget;
+          }));
+  ASSIGN_OR_RETURN(std::shared_ptr<const LayerSnapshot> snapshot,
+                   registry_.Publish(request.name(), std::move(layer), request.persist(), batching,
+                                     request.device()));
   DescribeLayer(*snapshot, batcher_.server_limits(), response->mutable_layer());
   return absl::OkStatus();
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::UnloadLayer(
-    grpc::CallbackServerContext* context, const v1::UnloadLayerRequest* request,
-    v1::UnloadLayerResponse* /*response*/) {
+grpc::ServerUnaryReactor* AttentionServiceImpl::UnloadLayer(grpc::CallbackServerContext* context,
+                                                            const v1::UnloadLayerRequest* request,
+                                                            v1::UnloadLayerResponse* /*response*/) {
   const UnaryCall call = StartCall(context, "UnloadLayer");
   absl::Status status = CheckAdmin(*context, "UnloadLayer");
   if (status.ok()) status = CheckKnownFields(*request);
@@ -165,9 +163,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::UnloadLayer(
   return call.reactor();
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::ListLayers(
-    grpc::CallbackServerContext* context, const v1::ListLayersRequest* request,
-    v1::ListLayersResponse* response) {
+grpc::ServerUnaryReactor* AttentionServiceImpl::ListLayers(grpc::CallbackServerContext* context,
+                                                           const v1::ListLayersRequest* request,
+                                                           v1::ListLayersResponse* response) {
   const UnaryCall call = StartCall(context, "ListLayers");
   const absl::Status status = CheckKnownFields(*request);
   if (status.ok()) {

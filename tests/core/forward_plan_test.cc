@@ -29,8 +29,7 @@ MhaInput SelfInput(int64_t batch, int64_t len) {
   return in;
 }
 
-MhaInput CrossInput(int64_t batch, int64_t q_len, int64_t kv_len,
-                    const std::vector<float>& key) {
+MhaInput CrossInput(int64_t batch, int64_t q_len, int64_t kv_len, const std::vector<float>& key) {
   MhaInput in = SelfInput(batch, q_len);
   in.kv_len = kv_len;
   in.key = key;
