@@ -26,7 +26,23 @@ absl::Status BatcherOptions::Validate() const {
 }
 
 std::string QueueName(const WorkItem& item) {
-  return item.layer == nullptr ? kScaledDotProductAttentionQueue : item.layer->name;
+  return item.layer() == nullptr ? kScaledDotProductAttentionQueue : item.layer()->name;
+}
+
+absl::StatusOr<std::vector<core::AttentionResult>> LayerWorkItem::Compute(
+    absl::Span<WorkItem* const> batch) {
+  std::vector<const core::MhaInput*> inputs;
+  // Items of one batch_key() share this snapshot, so they are all LayerWorkItems.
+  for (WorkItem* item : batch) inputs.push_back(&static_cast<LayerWorkItem*>(item)->input);
+  return snapshot->layer->ForwardBatch(inputs);
+}
+
+absl::StatusOr<std::vector<core::AttentionResult>> SoloWorkItem::Compute(
+    absl::Span<WorkItem* const> /*batch*/) {
+  ASSIGN_OR_RETURN(core::AttentionResult result, run());
+  std::vector<core::AttentionResult> results;
+  results.push_back(std::move(result));
+  return results;
 }
 
 bool BatchQueue::Rank::operator>(const Rank& other) const {
@@ -46,7 +62,7 @@ int64_t BatchQueue::size(const std::string& queue_name) const {
 
 absl::Status BatchQueue::Push(std::unique_ptr<WorkItem>& item, absl::Time now) {
   const std::string name = QueueName(*item);
-  const BatchLimits limits = LimitsFor(item->layer.get());
+  const BatchLimits limits = LimitsFor(item->layer());
   Usage& usage = usage_[name];
   absl::Status status;
   const int64_t held = bytes_ + reserved_bytes_;
@@ -102,7 +118,7 @@ absl::Status BatchQueue::Reserve(int64_t bytes, absl::string_view what) {
 std::vector<std::unique_ptr<WorkItem>> BatchQueue::PopDue(absl::Time now, bool flush,
                                                           absl::Time* due) {
   *due = absl::InfiniteFuture();
-  // Group the queue by what can share a forward pass: one layer snapshot, or a lone item.
+  // Group the queue by what can share a batch: one batch_key(), or a lone item.
   struct Entry {
     Rank rank;
     Iterator item;
@@ -111,8 +127,7 @@ std::vector<std::unique_ptr<WorkItem>> BatchQueue::PopDue(absl::Time now, bool f
   int64_t arrival = 0;
   for (Iterator it = items_.begin(); it != items_.end(); ++it, ++arrival) {
     const WorkItem& item = **it;
-    const void* group = item.layer != nullptr ? static_cast<const void*>(item.layer.get())
-                                              : static_cast<const void*>(&item);
+    const void* group = item.batch_key() != nullptr ? item.batch_key() : &item;
     groups[group].push_back(
         {{now - item.enqueued > options_.starvation_limit, item.priority, arrival}, it});
   }
@@ -125,8 +140,8 @@ std::vector<std::unique_ptr<WorkItem>> BatchQueue::PopDue(absl::Time now, bool f
     std::vector<Iterator> members;
     int64_t tokens = 0;
     absl::Time oldest = absl::InfiniteFuture();
-    const BatchLimits limits = LimitsFor((*entries.front().item)->layer.get());  // one layer
-    bool full = (*entries.front().item)->layer == nullptr;  // runs alone
+    const BatchLimits limits = LimitsFor((*entries.front().item)->layer());  // one layer
+    bool full = (*entries.front().item)->batch_key() == nullptr;             // runs alone
     for (const Entry& entry : entries) {
       const WorkItem& item = **entry.item;
       if (!members.empty() &&
@@ -151,7 +166,7 @@ std::vector<std::unique_ptr<WorkItem>> BatchQueue::PopDue(absl::Time now, bool f
   }
   std::vector<std::unique_ptr<WorkItem>> batch;
   if (best.empty()) return batch;
-  // A batch is one layer snapshot (or one item), so it leaves one layer's queue.
+  // A batch is one batch_key() (or one item), so it leaves one layer's queue.
   const std::string name = QueueName(**best.front());
   Usage& usage = usage_[name];
   for (Iterator it : best) {
@@ -179,8 +194,8 @@ absl::Status Batcher::Submit(std::unique_ptr<WorkItem> item) {
     if (stopping_) return absl::UnavailableError("the server is shutting down");
     const std::string name = QueueName(*item);
     // Push moves the item into the queue, which keeps its snapshot alive while mu_ is held.
-    const LayerSnapshot* layer = item->layer.get();
-    const absl::Status status = queue_.Push(item, absl::Now());
+    const LayerSnapshot* layer = item->layer();
+    absl::Status status = queue_.Push(item, absl::Now());
     if (!status.ok()) return status;
     if (metrics_ != nullptr) {
       const int64_t depth = queue_.size(name);
@@ -269,29 +284,21 @@ void Batcher::Run(std::vector<std::unique_ptr<WorkItem>> batch) {
   int64_t tokens = 0;
   for (const auto& item : live) tokens += item->tokens;
   const absl::Time start = absl::Now();
-  if (live.front()->layer == nullptr) {
-    absl::StatusOr<core::AttentionResult> result = live.front()->run_alone();
-    if (metrics_ != nullptr) {
-      metrics_->BatchComputed(QueueName(*live.front()), live.front()->run_alone_device, 1,
-                              tokens, absl::Now() - start);
-    }
-    live.front()->done(std::move(result));
-    return;
-  }
-  std::vector<const core::MhaInput*> inputs;
-  for (const auto& item : live) inputs.push_back(&item->input);
-  const LayerSnapshot& snapshot = *live.front()->layer;
-  absl::StatusOr<std::vector<core::AttentionResult>> results =
-      snapshot.layer->ForwardBatch(inputs);
+  std::vector<WorkItem*> items;
+  for (const auto& item : live) items.push_back(item.get());
+  absl::StatusOr<std::vector<core::AttentionResult>> results = live.front()->Compute(items);
   if (metrics_ != nullptr) {
     const absl::Duration compute = absl::Now() - start;
-    metrics_->BatchComputed(snapshot.name, snapshot.layer->device(),
-                            static_cast<int64_t>(live.size()), tokens, compute);
-    if (results.ok()) metrics_->TokensProcessed(snapshot.name, tokens);
-    absl::Duration queued;
-    for (const auto& item : live) queued += start - item->enqueued;
-    metrics_->LayerBatchFinished(snapshot.name, static_cast<int64_t>(live.size()), queued,
-                                 compute, results.ok());
+    const std::string name = QueueName(*live.front());
+    metrics_->BatchComputed(name, live.front()->device(), static_cast<int64_t>(live.size()), tokens,
+                            compute);
+    if (live.front()->layer() != nullptr) {
+      if (results.ok()) metrics_->TokensProcessed(name, tokens);
+      absl::Duration queued;
+      for (const auto& item : live) queued += start - item->enqueued;
+      metrics_->LayerBatchFinished(name, static_cast<int64_t>(live.size()), queued, compute,
+                                   results.ok());
+    }
   }
   for (size_t n = 0; n < live.size(); ++n) {
     // A backend error (e.g. the device ran out of memory) fails the whole batch.

@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "core/mha_layer.h"
 #include "core/mutex.h"
 #include "server/models/batch_limits.h"
@@ -50,18 +51,26 @@ struct BatcherOptions {
   absl::Status Validate() const;
 };
 
-// One request waiting for compute.
-struct WorkItem {
-  // For multi-head attention: the layer snapshot and the input, packable with other items
-  // of the same snapshot. The input's spans point into `storage`, which the item owns.
-  std::shared_ptr<const LayerSnapshot> layer;
-  core::MhaInput input;
-  std::vector<std::vector<float>> storage;
-  std::vector<std::vector<uint16_t>> half_storage;  // 16-bit inputs kept for the device
-  // For work that runs alone (layer is null), e.g. scaled dot-product attention, and the
-  // device it runs on (for the compute metrics).
-  std::function<absl::StatusOr<core::AttentionResult>()> run_alone;
-  std::string run_alone_device;
+// One request waiting for compute, in the manner of TF Serving's BatchTask: the queue sees
+// only what every kind of work shares (size, priority, deadline, answer); each kind says
+// what it may share a batch with and how a batch of its kind runs. Multi-head attention
+// through a layer is a LayerWorkItem; work that runs alone is a SoloWorkItem.
+class WorkItem {
+ public:
+  virtual ~WorkItem() = default;
+
+  // The layer whose queue and limits the item counts against; null for work without a
+  // layer (kScaledDotProductAttentionQueue, the server's limits).
+  virtual const LayerSnapshot* layer() const = 0;
+  // Items with the same key may share a batch; null runs alone.
+  virtual const void* batch_key() const = 0;
+  // The device a batch of this item computes on, for the compute metrics.
+  virtual std::string device() const = 0;
+  // Computes `batch`: this item first, then others of its batch_key(). One result per
+  // item, in order, or one error for the whole batch.
+  virtual absl::StatusOr<std::vector<core::AttentionResult>> Compute(
+      absl::Span<WorkItem* const> batch) = 0;
+
   // Query tokens, for the batch and queue token limits.
   int64_t tokens = 0;
   // Memory the item holds while queued and computing (inputs, the answer), for
@@ -79,6 +88,36 @@ struct WorkItem {
   std::function<void(absl::StatusOr<core::AttentionResult>)> done;
 };
 
+// Multi-head attention through a layer snapshot: packs with the other items of the same
+// snapshot into one forward pass.
+class LayerWorkItem final : public WorkItem {
+ public:
+  const LayerSnapshot* layer() const override { return snapshot.get(); }
+  const void* batch_key() const override { return snapshot.get(); }
+  std::string device() const override { return snapshot->layer->device(); }
+  absl::StatusOr<std::vector<core::AttentionResult>> Compute(
+      absl::Span<WorkItem* const> batch) override;
+
+  std::shared_ptr<const LayerSnapshot> snapshot;
+  // The input's spans point into `storage`, which the item owns.
+  core::MhaInput input;
+  std::vector<std::vector<float>> storage;
+  std::vector<std::vector<uint16_t>> half_storage;  // 16-bit inputs kept for the device
+};
+
+// Work that runs alone, e.g. scaled dot-product attention, on `device_name`.
+class SoloWorkItem final : public WorkItem {
+ public:
+  const LayerSnapshot* layer() const override { return nullptr; }
+  const void* batch_key() const override { return nullptr; }
+  std::string device() const override { return device_name; }
+  absl::StatusOr<std::vector<core::AttentionResult>> Compute(
+      absl::Span<WorkItem* const> batch) override;
+
+  std::function<absl::StatusOr<core::AttentionResult>()> run;
+  std::string device_name;
+};
+
 // The queue a request counts against for the queue limits: its layer's name ("(inline)" for
 // inline layers), or kScaledDotProductAttentionQueue for work without a layer.
 inline constexpr char kScaledDotProductAttentionQueue[] = "(scaled_dot_product_attention)";
@@ -88,8 +127,8 @@ std::string QueueName(const WorkItem& item);
 // server's, or the layer's own: LayerSnapshot::batching), so a flood
 // of calls to one layer never makes another layer's calls RESOURCE_EXHAUSTED, and its own
 // batch timing, so a layer still waiting out max_queue_delay never holds back another
-// layer's batch that is due. Requests pack only with requests of the same layer snapshot;
-// work without a layer runs alone. Thread-compatible.
+// layer's batch that is due. Requests pack only with requests of the same batch_key();
+// work without one runs alone. Thread-compatible.
 class BatchQueue {
  public:
   explicit BatchQueue(const BatcherOptions& options) : options_(options) {}
@@ -149,7 +188,7 @@ class BatchQueue {
 class Batcher {
  public:
   // `options` must be valid; `metrics` (may be null) must outlive the batcher. Batches
-  // compute on their layer's backend, work without a layer in its run_alone.
+  // compute through their items' Compute.
   explicit Batcher(const BatcherOptions& options, Metrics* metrics = nullptr);
   ~Batcher();  // Shutdown()
 

@@ -65,15 +65,6 @@ absl::StatusOr<v1::LoadLayerRequest> LoadRequestFor(
 
 }  // namespace
 
-grpc::ServerUnaryReactor* InferenceServiceImpl::Answer(grpc::CallbackServerContext* context,
-                                                       absl::string_view method,
-                                                       absl::Time start,
-                                                       const absl::Status& status) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  native_.Finish(reactor, method, start, status);
-  return reactor;
-}
-
 absl::StatusOr<std::shared_ptr<const LayerSnapshot>> InferenceServiceImpl::FindModel(
     absl::string_view field, const std::string& name, const std::string& version) const {
   absl::StatusOr<std::shared_ptr<const LayerSnapshot>> found = registry_.Get(name);
@@ -96,26 +87,25 @@ absl::StatusOr<std::shared_ptr<const LayerSnapshot>> InferenceServiceImpl::FindM
 grpc::ServerUnaryReactor* InferenceServiceImpl::ServerLive(
     grpc::CallbackServerContext* context, const inference::ServerLiveRequest* request,
     inference::ServerLiveResponse* response) {
-  const absl::Time start = absl::Now();
-  metrics_.CallStarted();
+  const UnaryCall call = native_.StartCall(context, "ServerLive");
   response->set_live(true);
-  return Answer(context, "ServerLive", start, CheckKnownFields(*request));
+  call.Answer(CheckKnownFields(*request));
+  return call.reactor();
 }
 
 grpc::ServerUnaryReactor* InferenceServiceImpl::ServerReady(
     grpc::CallbackServerContext* context, const inference::ServerReadyRequest* request,
     inference::ServerReadyResponse* response) {
-  const absl::Time start = absl::Now();
-  metrics_.CallStarted();
+  const UnaryCall call = native_.StartCall(context, "ServerReady");
   response->set_ready(ready_.load());
-  return Answer(context, "ServerReady", start, CheckKnownFields(*request));
+  call.Answer(CheckKnownFields(*request));
+  return call.reactor();
 }
 
 grpc::ServerUnaryReactor* InferenceServiceImpl::ModelReady(
     grpc::CallbackServerContext* context, const inference::ModelReadyRequest* request,
     inference::ModelReadyResponse* response) {
-  const absl::Time start = absl::Now();
-  metrics_.CallStarted();
+  const UnaryCall call = native_.StartCall(context, "ModelReady");
   absl::Status status = CheckKnownFields(*request);
   if (status.ok()) {
     const auto found = FindModel("name", request->name(), request->version());
@@ -125,26 +115,26 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelReady(
     }
     response->set_ready(found.ok() && ready_.load());
   }
-  return Answer(context, "ModelReady", start, status);
+  call.Answer(status);
+  return call.reactor();
 }
 
 grpc::ServerUnaryReactor* InferenceServiceImpl::ServerMetadata(
     grpc::CallbackServerContext* context, const inference::ServerMetadataRequest* request,
     inference::ServerMetadataResponse* response) {
-  const absl::Time start = absl::Now();
-  metrics_.CallStarted();
+  const UnaryCall call = native_.StartCall(context, "ServerMetadata");
   response->set_name("attention-service");
   response->set_version(ATTENTION_VERSION);
   response->add_extensions("model_repository");
   response->add_extensions("statistics");
-  return Answer(context, "ServerMetadata", start, CheckKnownFields(*request));
+  call.Answer(CheckKnownFields(*request));
+  return call.reactor();
 }
 
 grpc::ServerUnaryReactor* InferenceServiceImpl::ModelMetadata(
     grpc::CallbackServerContext* context, const inference::ModelMetadataRequest* request,
     inference::ModelMetadataResponse* response) {
-  const absl::Time start = absl::Now();
-  metrics_.CallStarted();
+  const UnaryCall call = native_.StartCall(context, "ModelMetadata");
   absl::Status status = CheckKnownFields(*request);
   if (status.ok()) {
     const auto snapshot = FindModel("name", request->name(), request->version());
@@ -155,49 +145,46 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelMetadata(
       kserve::DescribeModel((*snapshot)->layer->config(), response);
     }
   }
-  return Answer(context, "ModelMetadata", start, status);
+  call.Answer(status);
+  return call.reactor();
 }
 
 grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(
     grpc::CallbackServerContext* context, const inference::ModelInferRequest* request,
     inference::ModelInferResponse* response) {
-  const absl::Time start = absl::Now();
-  metrics_.CallStarted();
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  const UnaryCall call = native_.StartCall(context, "ModelInfer");
   // The native request and answer live until the batch worker finishes the call.
   struct Call {
     v1::MultiHeadAttentionRequest request;
     v1::MultiHeadAttentionResponse response;
     kserve::OutputPlan plan;
   };
-  auto call = std::make_shared<Call>();
-  absl::Status status = kserve::ToNativeRequest(*request, &call->request, &call->plan);
+  auto native = std::make_shared<Call>();
+  absl::Status status = kserve::ToNativeRequest(*request, &native->request, &native->plan);
   if (status.ok()) {
     status = FindModel("model_name", request->model_name(), request->model_version()).status();
   }
   if (status.ok()) {
     status = native_.SubmitMultiHeadAttention(
-        call->request, absl::FromChrono(context->deadline()),
-        [context] { return context->IsCancelled(); }, &call->response,
-        [this, reactor, start, call, request, response](const absl::Status& result) {
+        native->request, call.deadline(), call.cancelled(), &native->response,
+        [call, native, request, response](const absl::Status& result) {
           if (result.ok()) {
-            kserve::ToInferResponse(call->response, call->plan, request->model_name(), response);
+            kserve::ToInferResponse(native->response, native->plan, request->model_name(),
+                                    response);
           }
-          native_.Finish(reactor, "ModelInfer", start, kserve::ToKserveStatus(result, *request),
-                         request->id());
+          call.Answer(kserve::ToKserveStatus(result, *request), request->id());
         },
-        /*borrow_inputs=*/true);  // `call` holds the request until then
+        /*borrow_inputs=*/true);  // `native` holds the request until then
     status = kserve::ToKserveStatus(status, *request);
   }
-  if (!status.ok()) native_.Finish(reactor, "ModelInfer", start, status, request->id());
-  return reactor;
+  if (!status.ok()) call.Answer(status, request->id());
+  return call.reactor();
 }
 
 grpc::ServerUnaryReactor* InferenceServiceImpl::ModelStatistics(
     grpc::CallbackServerContext* context, const inference::ModelStatisticsRequest* request,
     inference::ModelStatisticsResponse* response) {
-  const absl::Time start = absl::Now();
-  metrics_.CallStarted();
+  const UnaryCall call = native_.StartCall(context, "ModelStatistics");
   absl::Status status = CheckKnownFields(*request);
   std::vector<std::shared_ptr<const LayerSnapshot>> layers;
   if (status.ok() && request->name().empty()) {
@@ -237,14 +224,14 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelStatistics(
                                                 layer.failed_requests / layer.requests));
     }
   }
-  return Answer(context, "ModelStatistics", start, status);
+  call.Answer(status);
+  return call.reactor();
 }
 
 grpc::ServerUnaryReactor* InferenceServiceImpl::RepositoryIndex(
     grpc::CallbackServerContext* context, const inference::RepositoryIndexRequest* request,
     inference::RepositoryIndexResponse* response) {
-  const absl::Time start = absl::Now();
-  metrics_.CallStarted();
+  const UnaryCall call = native_.StartCall(context, "RepositoryIndex");
   absl::Status status = CheckKnownFields(*request);
   if (status.ok()) status = CheckRepositoryName(request->repository_name());
   if (status.ok()) {
@@ -256,43 +243,33 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::RepositoryIndex(
       model->set_state("READY");
     }
   }
-  return Answer(context, "RepositoryIndex", start, status);
+  call.Answer(status);
+  return call.reactor();
 }
 
 grpc::ServerUnaryReactor* InferenceServiceImpl::RepositoryModelLoad(
     grpc::CallbackServerContext* context, const inference::RepositoryModelLoadRequest* request,
     inference::RepositoryModelLoadResponse* /*response*/) {
-  const absl::Time start = absl::Now();
-  metrics_.CallStarted();
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  const UnaryCall call = native_.StartCall(context, "RepositoryModelLoad");
   absl::Status status = native_.CheckAdmin(*context, "RepositoryModelLoad");
   absl::StatusOr<v1::LoadLayerRequest> load =
       status.ok() ? LoadRequestFor(*request) : absl::StatusOr<v1::LoadLayerRequest>(status);
-  status = load.status();
-  // Reading files and building weights queue on the loader pool, as LoadLayer's.
-  if (status.ok()) {
-    LoaderJob job = native_.CallJob(*request, Deadline(context), nullptr,
-                                    [context] { return context->IsCancelled(); });
-    job.work = [this, load = *std::move(load)] {
+  if (!load.ok()) {
+    call.Answer(load.status());
+  } else {
+    // Reading files and building weights queue on the loader pool, as LoadLayer's.
+    AnswerFromLoader(loader_, call, *request, [this, load = *std::move(load)] {
       v1::LoadLayerResponse loaded;
-      const absl::Status result = native_.DoLoadLayer(load, &loaded);
-      native_.RefreshLayerMetrics();
-      return result;
-    };
-    job.done = [this, reactor, start](const absl::Status& loaded) {
-      native_.Finish(reactor, "RepositoryModelLoad", start, loaded);
-    };
-    status = loader_.Submit(std::move(job));
+      return native_.DoLoadLayer(load, &loaded);
+    });
   }
-  if (!status.ok()) native_.Finish(reactor, "RepositoryModelLoad", start, status);
-  return reactor;
+  return call.reactor();
 }
 
 grpc::ServerUnaryReactor* InferenceServiceImpl::RepositoryModelUnload(
     grpc::CallbackServerContext* context, const inference::RepositoryModelUnloadRequest* request,
     inference::RepositoryModelUnloadResponse* /*response*/) {
-  const absl::Time start = absl::Now();
-  metrics_.CallStarted();
+  const UnaryCall call = native_.StartCall(context, "RepositoryModelUnload");
   absl::Status status = native_.CheckAdmin(*context, "RepositoryModelUnload");
   if (status.ok()) status = CheckKnownFields(*request);
   if (status.ok()) status = CheckRepositoryName(request->repository_name());
@@ -303,9 +280,9 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::RepositoryModelUnload(
           "parameters[", Quoted(key), "] is not supported; only \"unload_dependents\""));
     }
   }
-  if (status.ok()) status = registry_.Remove(request->model_name());
-  native_.RefreshLayerMetrics();
-  return Answer(context, "RepositoryModelUnload", start, status);
+  if (status.ok()) status = native_.DoUnloadLayer(request->model_name());
+  call.Answer(status);
+  return call.reactor();
 }
 
 }  // namespace attention::server

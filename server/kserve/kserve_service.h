@@ -57,9 +57,6 @@ class InferenceServiceImpl final : public inference::GRPCInferenceService::Callb
   absl::StatusOr<std::shared_ptr<const LayerSnapshot>> FindModel(absl::string_view field,
                                                                  const std::string& name,
                                                                  const std::string& version) const;
-  // Answers a call that completes on the gRPC thread.
-  grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* context, absl::string_view method,
-                                   absl::Time start, const absl::Status& status);
 
   AttentionServiceImpl& native_;
   LayerRegistry& registry_;

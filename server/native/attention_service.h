@@ -11,11 +11,12 @@
 #include "attention/v1/attention.grpc.pb.h"
 #include "core/devices.h"
 #include "server/batching/batcher.h"
+#include "server/batching/loader_pool.h"
 #include "server/models/inline_layer_cache.h"
 #include "server/models/layer_registry.h"
-#include "server/batching/loader_pool.h"
 #include "server/observability/metrics.h"
 #include "server/observability/request_log.h"
+#include "server/rpc/call.h"
 #include "server/validation/request_validation.h"
 
 namespace attention::server {
@@ -106,17 +107,40 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
       std::function<bool()> is_cancelled, v1::ScaledDotProductAttentionResponse* response,
       std::function<void(const absl::Status&)> finish);
   // Builds and publishes a layer, on the calling thread (the handler runs it on the loader
-  // pool, after the admin check).
+  // pool, after the admin check), and refreshes the layer gauges.
   absl::Status DoLoadLayer(const v1::LoadLayerRequest& request, v1::LoadLayerResponse* response);
+  // Unpublishes a layer and refreshes the layer gauges.
+  absl::Status DoUnloadLayer(const std::string& name);
   // Lists a checkpoint of the model repository, on the calling thread.
   absl::Status DoInspectCheckpoint(const v1::InspectCheckpointRequest& request,
                                    v1::InspectCheckpointResponse* response);
 
  private:
   friend class MultiHeadAttentionStreamReactor;  // stream_reactor.cc
-  // The Open Inference Protocol's service shares the admin check, loader and call records.
+  // The Open Inference Protocol's service shares the admin check and call starts.
   friend class InferenceServiceImpl;
 
+  // A unary call of `method` (a string literal) starting now.
+  UnaryCall StartCall(grpc::CallbackServerContext* context, absl::string_view method);
+
+  // Submits a request with its inline layer (null without one).
+  using SubmitWithLayer = std::function<absl::Status(const v1::MultiHeadAttentionRequest&,
+                                                     std::shared_ptr<const LayerSnapshot>)>;
+  // Calls `submit` at once when the request has no inline layer or the cache holds it,
+  // else after building the layer on the loader pool; `refused` answers a request refused
+  // at any step. `request` must outlive the call, unless `copy_to_build` (a stream reuses
+  // its request): then the build keeps a copy.
+  void SubmitWithInlineLayer(const v1::MultiHeadAttentionRequest& request, absl::Time deadline,
+                             std::function<bool()> is_cancelled, const SubmitWithLayer& submit,
+                             const std::function<void(const absl::Status&)>& refused,
+                             bool copy_to_build);
+  // The layer a request names, or its inline layer: `inline_layer` when found or built
+  // already, else from the cache or built on this thread.
+  absl::StatusOr<std::shared_ptr<const LayerSnapshot>> ResolveLayer(
+      const v1::MultiHeadAttentionRequest& request,
+      std::shared_ptr<const LayerSnapshot> inline_layer);
+  // DoLoadLayer without the gauges.
+  absl::Status PublishLayer(const v1::LoadLayerRequest& request, v1::LoadLayerResponse* response);
   // The checks of a MultiHeadAttention request that come before its layer is found.
   absl::Status CheckMultiHeadAttentionRequest(const v1::MultiHeadAttentionRequest& request) const;
   // A request's inline layer before any build: `cached` when the cache holds it, else
@@ -130,19 +154,9 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   // Builds an inline layer (through the cache under `key`, when given), on this thread.
   absl::StatusOr<std::shared_ptr<const LayerSnapshot>> BuildInlineLayer(
       const v1::LayerSpec& spec, const std::optional<std::string>& key);
-  // A loader job for a call: its request's bytes wait against --max_queued_bytes, and it
-  // waits no longer than the call's deadline (and the request's queue_timeout_us).
-  LoaderJob CallJob(const google::protobuf::Message& request, absl::Time deadline,
-                    const v1::AttentionOptions* options, std::function<bool()> is_cancelled);
   // OK, or why the caller may not call the management RPC `method`.
   absl::Status CheckAdmin(const grpc::CallbackServerContext& context,
                           absl::string_view method) const;
-  // Counts the call in the metrics and the request log.
-  void RecordCall(absl::string_view method, absl::Time start, const absl::Status& status,
-                  absl::string_view request_id);
-  // RecordCall, then finishes the call.
-  void Finish(grpc::ServerUnaryReactor* reactor, absl::string_view method, absl::Time start,
-              const absl::Status& status, absl::string_view request_id = "");
 
   LayerRegistry& registry_;
   Batcher& batcher_;

@@ -34,37 +34,21 @@ class MultiHeadAttentionStreamReactor final
       MaybeFinishLocked();
       return;
     }
-    const absl::Time start = absl::Now();
-    service_.metrics_.CallStarted();
+    const CallRecord record(service_.metrics_, service_.log_, "MultiHeadAttentionStream");
     auto* answer = new v1::MultiHeadAttentionStreamResponse();  // owned by write_queue_ later
     answer->set_request_id(request_.request_id());
     {
       core::MutexLock lock(mu_);
       ++pending_;
     }
-    absl::StatusOr<AttentionServiceImpl::InlineLayerLookup> lookup;
-    if (request_.has_inline_layer()) lookup = service_.LookUpInlineLayer(request_);
-    absl::Status status;
-    if (!request_.has_inline_layer() || (lookup.ok() && lookup->cached != nullptr)) {
-      status = Submit(request_, answer, start, lookup.ok() ? lookup->cached : nullptr);
-    } else if (!lookup.ok()) {
-      status = lookup.status();
-    } else {
-      // Built on the loader pool, from a copy: request_ is reused by the next read.
-      auto request = std::make_shared<v1::MultiHeadAttentionRequest>(request_);
-      LoaderJob job = service_.CallJob(*request, Deadline(context_), &request->options(),
-                                       [this] { return context_->IsCancelled(); });
-      job.work = [this, request, answer, start, key = std::move(lookup->key)] {
-        ASSIGN_OR_RETURN(std::shared_ptr<const LayerSnapshot> layer,
-                         service_.BuildInlineLayer(request->inline_layer(), key));
-        return Submit(*request, answer, start, std::move(layer));
-      };
-      job.done = [this, answer, start](const absl::Status& result) {
-        if (!result.ok()) Answer(answer, start, result);
-      };
-      status = service_.loader_.Submit(std::move(job));
-    }
-    if (!status.ok()) Answer(answer, start, status);
+    service_.SubmitWithInlineLayer(
+        request_, Deadline(context_), [this] { return context_->IsCancelled(); },
+        [this, answer, record](const v1::MultiHeadAttentionRequest& request,
+                               std::shared_ptr<const LayerSnapshot> inline_layer) {
+          return Submit(request, answer, record, std::move(inline_layer));
+        },
+        [this, answer, record](const absl::Status& status) { Answer(answer, record, status); },
+        /*copy_to_build=*/true);  // request_ is reused by the next read
     core::MutexLock lock(mu_);
     if (pending_ < kMaxPendingPerStream) {
       StartRead(&request_);
@@ -96,19 +80,19 @@ class MultiHeadAttentionStreamReactor final
   // Validates and queues one request; once queued, its answer comes back through Answer.
   // A refusal is returned for the caller to answer.
   absl::Status Submit(const v1::MultiHeadAttentionRequest& request,
-                      v1::MultiHeadAttentionStreamResponse* answer, absl::Time start,
+                      v1::MultiHeadAttentionStreamResponse* answer, const CallRecord& record,
                       std::shared_ptr<const LayerSnapshot> inline_layer) {
     return service_.SubmitMultiHeadAttention(
         request, Deadline(context_), [this] { return context_->IsCancelled(); },
         answer->mutable_response(),
-        [this, answer, start](const absl::Status& result) { Answer(answer, start, result); },
+        [this, answer, record](const absl::Status& result) { Answer(answer, record, result); },
         /*borrow_inputs=*/false, std::move(inline_layer));
   }
 
   // Records the answer for one request (on a batch worker, or the reader on rejection).
-  void Answer(v1::MultiHeadAttentionStreamResponse* answer, absl::Time start,
+  void Answer(v1::MultiHeadAttentionStreamResponse* answer, const CallRecord& record,
               const absl::Status& result) {
-    service_.RecordCall("MultiHeadAttentionStream", start, result, answer->request_id());
+    record.Finished(result, answer->request_id());
     if (!result.ok()) {
       answer->clear_response();
       answer->set_error_code(static_cast<int>(result.code()));

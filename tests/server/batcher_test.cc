@@ -13,20 +13,25 @@
 namespace attention::server {
 namespace {
 
+// Records `tag` (or minus the error code) when the item is answered.
+void RecordTagWhenDone(WorkItem& item, int tag, std::vector<int>* order, absl::Mutex* mu) {
+  item.done = [=](const absl::StatusOr<core::AttentionResult>& result) {
+    absl::MutexLock lock(mu);
+    order->push_back(result.ok() ? tag : -static_cast<int>(result.status().code()));
+  };
+}
+
 // An item that runs alone, records its tag, and can hold the worker until released.
 std::unique_ptr<WorkItem> TaggedItem(int tag, std::vector<int>* order, absl::Mutex* mu,
                                      absl::Notification* started = nullptr,
                                      absl::Notification* release = nullptr) {
-  auto item = std::make_unique<WorkItem>();
-  item->run_alone = [=]() -> absl::StatusOr<core::AttentionResult> {
+  auto item = std::make_unique<SoloWorkItem>();
+  item->run = [=]() -> absl::StatusOr<core::AttentionResult> {
     if (started != nullptr) started->Notify();
     if (release != nullptr) release->WaitForNotification();
     return core::AttentionResult{};
   };
-  item->done = [=](absl::StatusOr<core::AttentionResult> result) {
-    absl::MutexLock lock(mu);
-    order->push_back(result.ok() ? tag : -static_cast<int>(result.status().code()));
-  };
+  RecordTagWhenDone(*item, tag, order, mu);
   return item;
 }
 
@@ -101,8 +106,9 @@ std::shared_ptr<LayerSnapshot> SmallLayer(const std::string& name) {
 
 std::unique_ptr<WorkItem> LayerItem(std::shared_ptr<LayerSnapshot> layer, int tag,
                                     std::vector<int>* order, absl::Mutex* mu) {
-  auto item = TaggedItem(tag, order, mu);
-  item->layer = std::move(layer);
+  auto item = std::make_unique<LayerWorkItem>();
+  RecordTagWhenDone(*item, tag, order, mu);
+  item->snapshot = std::move(layer);
   item->input.batch = item->input.q_len = item->input.kv_len = 1;
   item->storage.push_back(std::vector<float>(8, 0.5f));
   item->input.query = item->storage.back();
@@ -212,8 +218,8 @@ TEST_F(BatcherTest, PacksRequestsOfOneLayerAndMatchesEachAlone) {
   std::vector<std::vector<float>> outputs(5);
   std::vector<core::AttentionResult> alone(5), alone_fast(5);
   for (int n = 0; n < 5; ++n) {
-    auto item = std::make_unique<WorkItem>();
-    item->layer = snapshot;
+    auto item = std::make_unique<LayerWorkItem>();
+    item->snapshot = snapshot;
     item->input.batch = 1 + n % 2;
     item->input.q_len = item->input.kv_len = 1 + 3 * n;
     std::uniform_real_distribution<float> uniform(-1, 1);
@@ -287,11 +293,11 @@ TEST_F(BatcherTest, BackendErrorFailsEveryRequestOfItsBatchAndTheWorkerGoesOn) {
   started.WaitForNotification();  // the next three are packed into one batch
   const std::vector<float> query(4, 0.5f);
   for (int tag = 1; tag <= 3; ++tag) {
-    auto item = std::make_unique<WorkItem>();
-    item->layer = snapshot;
+    auto item = std::make_unique<LayerWorkItem>();
+    item->snapshot = snapshot;
     item->input.query = query;
     item->tokens = 1;
-    item->done = [this, tag](absl::StatusOr<core::AttentionResult> result) {
+    item->done = [this, tag](const absl::StatusOr<core::AttentionResult>& result) {
       absl::MutexLock lock(&mu_);
       order_.push_back(result.ok() ? tag : -static_cast<int>(result.status().code()));
     };
@@ -322,8 +328,8 @@ class BatchQueueTest : public ::testing::Test {
 
   std::unique_ptr<WorkItem> Item(int tag, int64_t tokens, int priority = 0,
                                  bool other_layer = false) {
-    auto item = std::make_unique<WorkItem>();
-    item->layer = other_layer ? other_layer_ : layer_;
+    auto item = std::make_unique<LayerWorkItem>();
+    item->snapshot = other_layer ? other_layer_ : layer_;
     item->tokens = tokens;
     item->priority = priority;
     tags_[item.get()] = tag;
