@@ -6,6 +6,7 @@
 #ifndef ATTENTION_CORE_CPU_EXP_POLY_H_
 #define ATTENTION_CORE_CPU_EXP_POLY_H_
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -23,21 +24,33 @@ inline constexpr float kExpCoefficients[] = {1.383680850e-03f, 8.374815807e-03f,
                                              4.166822508e-02f, 1.666641980e-01f,
                                              4.999999106e-01f, 1.0f, 1.0f};
 inline constexpr int kExpTerms = sizeof(kExpCoefficients) / sizeof(kExpCoefficients[0]);
+static_assert(kExpTerms == 7, "ExpOfNonPositive spells out 7 terms");
 
-// Branch-free, so a loop of it vectorizes (std::exp's does not). NaN stays NaN, so a read
-// of poisoned memory shows in the result.
-__attribute__((always_inline)) inline float ExpOfNonPositive(float x) {
-  const float clamped = x < kExpLowest ? kExpLowest : x;
+// exp(x) for kExpLowest <= x <= 0, or NaN (which stays NaN, so a read of poisoned memory
+// shows in the result). Branch-free so that a loop of it vectorizes; clamp in a loop of its
+// own first: a clamp here let GCC fold the clamped case to a constant and branch around the
+// FMAs, which no compiler vectorizes.
+__attribute__((always_inline)) inline float ExpOfClamped(float x) {
   // Round to nearest by the 1.5 * 2^23 trick: a plain add, unlike std::nearbyint.
   constexpr float kRoundShift = 12582912.0f;
-  const float n = (clamped * kLog2e + kRoundShift) - kRoundShift;
-  const float f = std::fma(n, -kLn2Low, std::fma(n, -kLn2High, clamped));
-  float p = kExpCoefficients[0];
-  for (int c = 1; c < kExpTerms; ++c) p = std::fma(p, f, kExpCoefficients[c]);
+  const float n = (x * kLog2e + kRoundShift) - kRoundShift;
+  const float f = std::fma(n, -kLn2Low, std::fma(n, -kLn2High, x));
+  // Horner spelled out: a loop here kept GCC from vectorizing the caller's loop.
+  const float* k = kExpCoefficients;
+  const float p = std::fma(
+      std::fma(std::fma(std::fma(std::fma(std::fma(k[0], f, k[1]), f, k[2]), f, k[3]), f, k[4]),
+               f, k[5]),
+      f, k[6]);
   const int32_t exponent_bits = (static_cast<int32_t>(n) + 127) * (1 << 23);
   float power;
   std::memcpy(&power, &exponent_bits, sizeof(power));
-  return x < kExpLowest ? 0.0f : p * power;
+  return p * power;
+}
+
+// exp(x) for x <= 0; below kExpLowest, and for -inf, exp(kExpLowest) = 1.6e-38, which a
+// softmax sum of at least 1 cannot tell from 0.
+__attribute__((always_inline)) inline float ExpOfNonPositive(float x) {
+  return ExpOfClamped(std::max(x, kExpLowest));  // std::max keeps a NaN x
 }
 
 }  // namespace attention::core

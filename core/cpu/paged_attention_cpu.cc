@@ -71,7 +71,8 @@ PAGED_INLINE float MaxGeneric(const float* values, int64_t count) {
 
 // values[j] = exp(values[j] - shift) for values <= shift; returns their sum.
 PAGED_INLINE float ExpAndSumGeneric(float* values, int64_t count, float shift) {
-  for (int64_t j = 0; j < count; ++j) values[j] = ExpOfNonPositive(values[j] - shift);
+  for (int64_t j = 0; j < count; ++j) values[j] = std::max(values[j] - shift, kExpLowest);
+  for (int64_t j = 0; j < count; ++j) values[j] = ExpOfClamped(values[j]);
   float lanes[8] = {};
   int64_t j = 0;
   for (; j + 8 <= count; j += 8) {
@@ -83,16 +84,12 @@ PAGED_INLINE float ExpAndSumGeneric(float* values, int64_t count, float shift) {
   return sum;
 }
 
-// `rows` rows of `dim` bfloat16 values, `stride` elements apart, to packed float32.
-PAGED_INLINE void WidenBFloat16Generic(const uint16_t* source, int64_t stride, int64_t rows,
-                                       int64_t dim, float* __restrict destination) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint16_t* row = source + r * stride;
-    float* out = destination + r * dim;
-    for (int64_t c = 0; c < dim; ++c) {
-      const uint32_t bits = static_cast<uint32_t>(row[c]) << 16;
-      std::memcpy(&out[c], &bits, sizeof(float));
-    }
+// `count` bfloat16 values to float32.
+PAGED_INLINE void WidenBFloat16Generic(const uint16_t* __restrict source, int64_t count,
+                                       float* __restrict destination) {
+  for (int64_t i = 0; i < count; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(source[i]) << 16;
+    std::memcpy(&destination[i], &bits, sizeof(float));
   }
 }
 
@@ -101,7 +98,7 @@ struct RowKernels {
   void (*accumulate)(float*, const float*, const float*, int64_t, int64_t, int64_t);
   float (*max)(const float*, int64_t);
   float (*exp_and_sum)(float*, int64_t, float);
-  void (*widen_bfloat16)(const uint16_t*, int64_t, int64_t, int64_t, float*);
+  void (*widen_bfloat16)(const uint16_t*, int64_t, float*);
 };
 
 // One copy of the generic kernels per target: the dot products and value sums, and the
@@ -122,9 +119,8 @@ struct RowKernels {
   Target float ExpAndSum##Suffix(float* values, int64_t count, float shift) {               \
     return ExpAndSumGeneric(values, count, shift);                                           \
   }                                                                                          \
-  Target void WidenBFloat16##Suffix(const uint16_t* s, int64_t stride, int64_t rows,        \
-                                    int64_t dim, float* d) {                                 \
-    WidenBFloat16Generic(s, stride, rows, dim, d);                                           \
+  Target void WidenBFloat16##Suffix(const uint16_t* s, int64_t count, float* d) {          \
+    WidenBFloat16Generic(s, count, d);                                                       \
   }
 
 PAGED_ROW_KERNELS(Portable, )
@@ -263,25 +259,45 @@ void AttendSplit(const RowKernels& kernels, const PagedDecodeBatch& batch,
     state[kStateSum] = 0.0f;
     std::fill_n(state + kStateAccumulator, value_dim, 0.0f);
   }
-  for (int64_t first = key_begin; first < key_end;) {
+  // A tile: up to kTileKeys keys of one block, from `first`.
+  struct Tile {
+    const char* keys;
+    const char* values;
+    int64_t count;
+  };
+  const auto tile_at = [&](int64_t first) {
     const int64_t slot = first % tokens_per_block;
-    const int64_t count = std::min({key_end - first, tokens_per_block - slot, kTileKeys});
     const char* block = static_cast<const char*>(batch.storage.data) +
                         sequence.block_table[first / tokens_per_block] * batch.storage.block_bytes;
-    const char* key_bytes = block + kv_cache::KeyOffset(layout, slot, kv_head) * element_bytes;
-    const char* value_bytes =
-        block + kv_cache::ValueOffset(layout, tokens_per_block, slot, kv_head) * element_bytes;
+    const int64_t key = kv_cache::KeyOffset(layout, tokens_per_block, slot, kv_head);
+    const int64_t value = kv_cache::ValueOffset(layout, tokens_per_block, slot, kv_head);
+    return Tile{block + key * element_bytes, block + value * element_bytes,
+                std::min({key_end - first, tokens_per_block - slot, kTileKeys})};
+  };
+  for (int64_t first = key_begin; first < key_end;) {
+    const Tile tile = tile_at(first);
+    const int64_t count = tile.count;
+    // The next tile's bytes, requested while this one computes: the hardware prefetchers
+    // alone left the loads waiting on memory most of the time.
+    if (first + count < key_end) {
+      const Tile next = tile_at(first + count);
+      for (int64_t offset = 0; offset < next.count * key_dim * element_bytes; offset += 64) {
+        __builtin_prefetch(next.keys + offset, 0, 2);  // to L2
+      }
+      for (int64_t offset = 0; offset < next.count * value_dim * element_bytes; offset += 64) {
+        __builtin_prefetch(next.values + offset, 0, 2);
+      }
+    }
+    const char* key_bytes = tile.keys;
+    const char* value_bytes = tile.values;
     const float* keys = reinterpret_cast<const float*>(key_bytes);
     const float* values = reinterpret_cast<const float*>(value_bytes);
-    int64_t key_stride = layout.num_kv_heads * key_dim;
-    int64_t value_stride = layout.num_kv_heads * value_dim;
     if (bfloat16) {  // widened once per tile, read by every row of the group
-      kernels.widen_bfloat16(reinterpret_cast<const uint16_t*>(key_bytes), key_stride, count,
-                             key_dim, tile_keys);
-      kernels.widen_bfloat16(reinterpret_cast<const uint16_t*>(value_bytes), value_stride, count,
-                             value_dim, tile_values);
+      kernels.widen_bfloat16(reinterpret_cast<const uint16_t*>(key_bytes), count * key_dim,
+                             tile_keys);
+      kernels.widen_bfloat16(reinterpret_cast<const uint16_t*>(value_bytes), count * value_dim,
+                             tile_values);
       keys = tile_keys, values = tile_values;
-      key_stride = key_dim, value_stride = value_dim;
     }
     for (int64_t i = 0; i < n; ++i) {
       // Bottom-right causal: query i sits at position L - n + i.
@@ -291,7 +307,7 @@ void AttendSplit(const RowKernels& kernels, const PagedDecodeBatch& batch,
         const float* query =
             sequence.query + (i * batch.num_heads + kv_head * group + g) * key_dim;
         float* state = states + (i * group + g) * state_floats;
-        kernels.scores(query, keys, key_stride, visible, key_dim, batch.scale, scores);
+        kernels.scores(query, keys, key_dim, visible, key_dim, batch.scale, scores);
         const float new_max = std::max(state[kStateMax], kernels.max(scores, visible));
         const float correction = ExpOfNonPositive(state[kStateMax] - new_max);  // 0 at first
         const float sum = kernels.exp_and_sum(scores, visible, new_max);
@@ -300,7 +316,7 @@ void AttendSplit(const RowKernels& kernels, const PagedDecodeBatch& batch,
         if (correction != 1.0f) {
           for (int64_t c = 0; c < value_dim; ++c) state[kStateAccumulator + c] *= correction;
         }
-        kernels.accumulate(state + kStateAccumulator, scores, values, value_stride, visible,
+        kernels.accumulate(state + kStateAccumulator, scores, values, value_dim, visible,
                            value_dim);
       }
     }

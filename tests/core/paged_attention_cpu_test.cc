@@ -121,7 +121,7 @@ class PagedPool {
       const int64_t block = s.table[t / tpb], slot = t % tpb;
       for (int64_t h = 0; h < shape_.kv_heads; ++h) {
         for (int64_t c = 0; c < shape_.key_dim; ++c) {
-          Put(block, kv_cache::KeyOffset(layout_, slot, h) + c,
+          Put(block, kv_cache::KeyOffset(layout_, tpb, slot, h) + c,
               s.keys[(t * shape_.kv_heads + h) * shape_.key_dim + c]);
         }
         for (int64_t c = 0; c < shape_.value_dim; ++c) {
