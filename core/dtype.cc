@@ -1,6 +1,7 @@
 #include "core/dtype.h"
 
 #include <cstring>
+#include <iterator>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -11,32 +12,26 @@ namespace attention::core {
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
               "wire tensors are little-endian; a big-endian port must byte-swap");
 
-int64_t ElementSize(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return 4;
-    case DType::kFloat16:
-    case DType::kBFloat16:
-      return 2;
-    case DType::kBool:
-      return 1;
+constexpr bool InDTypeOrder() {
+  for (size_t i = 0; i < std::size(kDTypes); ++i) {
+    if (static_cast<size_t>(kDTypes[i].dtype) != i) return false;
   }
-  return 0;
+  return true;
+}
+static_assert(InDTypeOrder(), "kDTypes is indexed by DType");
+
+const DTypeInfo& Info(DType dtype) { return kDTypes[static_cast<size_t>(dtype)]; }
+
+const DTypeInfo* FindDType(absl::string_view name, const char* DTypeInfo::*column) {
+  for (const DTypeInfo& info : kDTypes) {
+    if (name == info.*column) return &info;
+  }
+  return nullptr;
 }
 
-absl::string_view DTypeName(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return "FLOAT32";
-    case DType::kFloat16:
-      return "FLOAT16";
-    case DType::kBFloat16:
-      return "BFLOAT16";
-    case DType::kBool:
-      return "BOOL";
-  }
-  return "?";
-}
+int64_t ElementSize(DType dtype) { return Info(dtype).size; }
+
+absl::string_view DTypeName(DType dtype) { return Info(dtype).name; }
 
 float HalfToFloat(uint16_t bits) { return HalfBitsToFloat(bits); }
 

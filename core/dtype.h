@@ -14,8 +14,31 @@ namespace attention::core {
 
 enum class DType { kFloat32, kFloat16, kBFloat16, kBool };
 
+// The one dtype table: every dtype once, with its size and its names in each format that
+// carries it. Everything that sizes or names a dtype reads it; the wire (attention.v1
+// DataType, whose value names are `name`), KServe and safetensors map their names from it.
+struct DTypeInfo {
+  DType dtype;
+  int64_t size;                  // bytes per element
+  const char* name;              // attention.v1.DataType: "FLOAT32"
+  const char* kserve_name;       // KServe v2 protocol datatype: "FP32"
+  const char* safetensors_name;  // safetensors header dtype: "F32"
+};
+// In DType's order (dtype.cc asserts it).
+inline constexpr DTypeInfo kDTypes[] = {
+    {DType::kFloat32, 4, "FLOAT32", "FP32", "F32"},
+    {DType::kFloat16, 2, "FLOAT16", "FP16", "F16"},
+    {DType::kBFloat16, 2, "BFLOAT16", "BF16", "BF16"},
+    {DType::kBool, 1, "BOOL", "BOOL", "BOOL"},
+};
+
+const DTypeInfo& Info(DType dtype);
+// The dtype whose `column` (e.g. &DTypeInfo::kserve_name) is `name`; null when none is.
+const DTypeInfo* FindDType(absl::string_view name, const char* DTypeInfo::*column);
+
 // Bytes per element.
 int64_t ElementSize(DType dtype);
+// Its attention.v1.DataType name, e.g. "FLOAT32".
 absl::string_view DTypeName(DType dtype);
 
 float HalfToFloat(uint16_t bits);

@@ -11,8 +11,8 @@ namespace {
 absl::Status CheckRank(Shape shape, size_t rank, absl::string_view field,
                        absl::string_view layout) {
   if (shape.size() != rank) {
-    return Invalid(field, ".shape ", ShapeString(shape), " has rank ", shape.size(),
-                   "; expected ", layout);
+    return Invalid(field, ".shape ", ShapeString(shape), " has rank ", shape.size(), "; expected ",
+                   layout);
   }
   return absl::OkStatus();
 }
@@ -42,8 +42,8 @@ absl::Status CheckMhaKeyValuePresence(const MhaConfig& config, bool has_key, boo
   }
   if (!has_key && (config.kdim != config.embed_dim || config.vdim != config.embed_dim)) {
     return Invalid("key and value are required: the layer has kdim = ", config.kdim,
-                   " and vdim = ", config.vdim, ", so it cannot self-attend with embed_dim = ",
-                   config.embed_dim);
+                   " and vdim = ", config.vdim,
+                   ", so it cannot self-attend with embed_dim = ", config.embed_dim);
   }
   return absl::OkStatus();
 }

@@ -27,8 +27,7 @@ absl::Status CheckMhaQueryShape(const MhaConfig& config, Shape query);
 // can self-attend (kdim = vdim = embed_dim);
 absl::Status CheckMhaKeyValuePresence(const MhaConfig& config, bool has_key, bool has_value);
 // key [B, Nk, kdim] and value [B, Nk, vdim] with the query's batch size B.
-absl::Status CheckMhaKeyValueShapes(const MhaConfig& config, int64_t batch, Shape key,
-                                    Shape value);
+absl::Status CheckMhaKeyValueShapes(const MhaConfig& config, int64_t batch, Shape key, Shape value);
 
 // Scaled dot-product attention: query [B, H, Nq, dk], key [B, Hkv, Nk, dk] and value
 // [B, Hkv, Nk, dv], H a multiple of Hkv; their dims.

@@ -105,19 +105,7 @@ int64_t SafetensorsElementSize(absl::string_view dtype) {
   return found == kSizes->end() ? 0 : found->second;
 }
 
-absl::string_view SafetensorsDTypeName(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return "F32";
-    case DType::kFloat16:
-      return "F16";
-    case DType::kBFloat16:
-      return "BF16";
-    case DType::kBool:
-      return "BOOL";
-  }
-  return "";
-}
+absl::string_view SafetensorsDTypeName(DType dtype) { return Info(dtype).safetensors_name; }
 
 absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(
     const std::string& path, const SafetensorsOptions& options, absl::string_view display_name) {
@@ -171,9 +159,10 @@ const SafetensorsTensor* SafetensorsFile::Find(const std::string& name) const {
 absl::StatusOr<std::vector<float>> SafetensorsFile::ReadFloats(
     const SafetensorsTensor& tensor) const {
   const std::string field = absl::StrCat(display_name_, ": tensor \"", tensor.name, "\"");
-  if (tensor.dtype == "F32") return DecodeFloats(tensor.data, DType::kFloat32, field);
-  if (tensor.dtype == "F16") return DecodeFloats(tensor.data, DType::kFloat16, field);
-  if (tensor.dtype == "BF16") return DecodeFloats(tensor.data, DType::kBFloat16, field);
+  const DTypeInfo* info = FindDType(tensor.dtype, &DTypeInfo::safetensors_name);
+  if (info != nullptr && info->dtype != DType::kBool) {
+    return DecodeFloats(tensor.data, info->dtype, field);
+  }
   return Invalid(field, " has dtype ", tensor.dtype,
                  "; only F32, F16 and BF16 weights are supported");
 }

@@ -10,49 +10,63 @@ namespace attention::wire {
 using core::DType;
 
 absl::StatusOr<DType> ConvertDType(v1::DataType dtype, absl::string_view field) {
-  switch (dtype) {
-    case v1::FLOAT32:
-      return DType::kFloat32;
-    case v1::FLOAT16:
-      return DType::kFloat16;
-    case v1::BFLOAT16:
-      return DType::kBFloat16;
-    case v1::BOOL:
-      return DType::kBool;
-    case v1::DATA_TYPE_UNSPECIFIED:
-      return Invalid(field, " is DATA_TYPE_UNSPECIFIED; expected FLOAT32, FLOAT16 or BFLOAT16");
-    default:
-      return Invalid(field, " = ", static_cast<int>(dtype), " is not a known DataType");
+  if (dtype == v1::DATA_TYPE_UNSPECIFIED) {
+    return Invalid(field, " is DATA_TYPE_UNSPECIFIED; expected FLOAT32, FLOAT16 or BFLOAT16");
   }
+  const core::DTypeInfo* info = core::FindDType(v1::DataType_Name(dtype), &core::DTypeInfo::name);
+  if (info == nullptr) {
+    return Invalid(field, " = ", static_cast<int>(dtype), " is not a known DataType");
+  }
+  return info->dtype;
 }
 
-// Checks the shape and returns its element count.
-absl::StatusOr<int64_t> CheckShape(const v1::Tensor& tensor, absl::string_view field) {
-  if (tensor.shape_size() == 0) {
+v1::DataType WireDType(DType dtype) {
+  v1::DataType wire = v1::DATA_TYPE_UNSPECIFIED;
+  v1::DataType_Parse(core::Info(dtype).name, &wire);
+  return wire;
+}
+
+absl::StatusOr<int64_t> ElementCount(absl::Span<const int64_t> shape, absl::string_view field,
+                                     ShapeRule rule) {
+  if (shape.empty() && rule == ShapeRule::kPositive) {
     return Invalid(field, ".shape is empty: the tensor is missing or has rank 0");
   }
+  const int64_t min_dim = rule == ShapeRule::kPositive ? 1 : 0;
   int64_t count = 1;
-  for (int d = 0; d < tensor.shape_size(); ++d) {
-    const int64_t dim = tensor.shape(d);
-    if (dim < 1) return Invalid(field, ".shape[", d, "] = ", dim, " must be >= 1");
-    if (dim > kMaxTensorElements || count > kMaxTensorElements / dim) {
-      return Invalid(field, ".shape [", absl::StrJoin(tensor.shape(), ", "), "] has more than ",
-                     kMaxTensorElements, " elements");
+  for (size_t d = 0; d < shape.size(); ++d) {
+    const int64_t dim = shape[d];
+    if (dim < min_dim) {
+      return Invalid(field, ".shape[", d, "] = ", dim,
+                     rule == ShapeRule::kPositive ? " must be >= 1" : " is negative");
+    }
+    if (dim > kMaxTensorElements || (dim > 0 && count > kMaxTensorElements / dim)) {
+      return Invalid(field, ".shape ", ShapeString(shape), " has more than ", kMaxTensorElements,
+                     " elements");
     }
     count *= dim;
   }
   return count;
 }
 
+absl::StatusOr<int64_t> CheckShape(const v1::Tensor& tensor, absl::string_view field) {
+  return ElementCount(tensor.shape(), field);
+}
+
+absl::Status CheckByteCount(size_t bytes, int64_t count, int64_t element_size,
+                            absl::string_view bytes_field,
+                            absl::FunctionRef<std::string(int64_t expected)> needs) {
+  const int64_t expected = count * element_size;
+  if (bytes == static_cast<uint64_t>(expected)) return absl::OkStatus();
+  return Invalid(bytes_field, " has ", bytes, " bytes; ", needs(expected));
+}
+
 absl::Status CheckByteCount(const v1::Tensor& tensor, DType dtype, int64_t count,
                             absl::string_view field) {
-  const int64_t expected = count * core::ElementSize(dtype);
-  if (static_cast<int64_t>(tensor.raw_data().size()) != expected) {
-    return Invalid(field, ".raw_data has ", tensor.raw_data().size(), " bytes; shape [",
-                   absl::StrJoin(tensor.shape(), ", "), "] of ", core::DTypeName(dtype), " needs ",
-                   expected);
-  }
-  return absl::OkStatus();
+  return CheckByteCount(tensor.raw_data().size(), count, core::ElementSize(dtype),
+                        absl::StrCat(field, ".raw_data"), [&](int64_t expected) {
+                          return absl::StrCat("shape ", ShapeString(tensor.shape()), " of ",
+                                              core::DTypeName(dtype), " needs ", expected);
+                        });
 }
 
 bool HasContent(const v1::Tensor& tensor) {
@@ -63,11 +77,11 @@ std::string ShapeString(absl::Span<const int64_t> shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
-absl::StatusOr<FloatTensor> DecodeFloatTensor(const v1::Tensor& tensor, absl::string_view field) {
+absl::StatusOr<int64_t> CheckFloatTensor(const v1::Tensor& tensor, absl::string_view field,
+                                         DType* dtype) {
   if (!HasContent(tensor)) return Invalid(field, " is missing");
-  FloatTensor result;
   ASSIGN_OR_RETURN(const int64_t count, CheckShape(tensor, field));
-  result.shape.assign(tensor.shape().begin(), tensor.shape().end());
+  DType values_dtype = DType::kFloat32;
   if (tensor.float_data_size() > 0) {
     if (!tensor.raw_data().empty()) {
       return Invalid(field, " has both raw_data and float_data; give exactly one");
@@ -78,32 +92,35 @@ absl::StatusOr<FloatTensor> DecodeFloatTensor(const v1::Tensor& tensor, absl::st
     }
     if (tensor.float_data_size() != count) {
       return Invalid(field, ".float_data has ", tensor.float_data_size(), " values; shape ",
-                     ShapeString(result.shape), " needs ", count);
+                     ShapeString(tensor.shape()), " needs ", count);
     }
+  } else {
+    ASSIGN_OR_RETURN(values_dtype, ConvertDType(tensor.dtype(), absl::StrCat(field, ".dtype")));
+    if (values_dtype == DType::kBool) {
+      return Invalid(field, ".dtype is BOOL; expected FLOAT32, FLOAT16 or BFLOAT16");
+    }
+    RETURN_IF_ERROR(CheckByteCount(tensor, values_dtype, count, field));
+  }
+  if (dtype != nullptr) *dtype = values_dtype;
+  return count;
+}
+
+absl::StatusOr<FloatTensor> DecodeFloatTensor(const v1::Tensor& tensor, absl::string_view field) {
+  DType dtype;
+  RETURN_IF_ERROR(CheckFloatTensor(tensor, field, &dtype).status());
+  FloatTensor result;
+  result.shape.assign(tensor.shape().begin(), tensor.shape().end());
+  if (tensor.float_data_size() > 0) {
     result.values.assign(tensor.float_data().begin(), tensor.float_data().end());
-    return result;
+  } else {
+    ASSIGN_OR_RETURN(result.values, core::DecodeFloats(tensor.raw_data(), dtype, field));
   }
-  ASSIGN_OR_RETURN(const DType dtype, ConvertDType(tensor.dtype(), absl::StrCat(field, ".dtype")));
-  if (dtype == DType::kBool) {
-    return Invalid(field, ".dtype is BOOL; expected FLOAT32, FLOAT16 or BFLOAT16");
-  }
-  RETURN_IF_ERROR(CheckByteCount(tensor, dtype, count, field));
-  ASSIGN_OR_RETURN(result.values, core::DecodeFloats(tensor.raw_data(), dtype, field));
   return result;
 }
 
 void EncodeTensor(absl::Span<const float> values, absl::Span<const int64_t> shape,
                   core::DType dtype, v1::Tensor* tensor) {
-  switch (dtype) {
-    case DType::kFloat16:
-      tensor->set_dtype(v1::FLOAT16);
-      break;
-    case DType::kBFloat16:
-      tensor->set_dtype(v1::BFLOAT16);
-      break;
-    default:
-      tensor->set_dtype(v1::FLOAT32);
-  }
+  tensor->set_dtype(WireDType(dtype));
   tensor->mutable_shape()->Assign(shape.begin(), shape.end());
   tensor->set_raw_data(core::EncodeFloats(values, dtype));
 }

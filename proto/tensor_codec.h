@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
@@ -27,17 +28,47 @@ struct FloatTensor {
   std::vector<float> values;
 };
 
+// The wire's dtypes are core's (core::kDTypes), each DataType value named as its dtype.
 absl::StatusOr<core::DType> ConvertDType(v1::DataType dtype, absl::string_view field);
-// Checks every dimension is >= 1 and returns the element count.
+v1::DataType WireDType(core::DType dtype);
+
+// Which shapes a caller may send. kPositive, the native API's: rank >= 1 and every
+// dimension >= 1. kNonNegative, a KServe input's: a scalar (rank 0) or a zero dimension
+// passes the protocol conversion (the native decode then refuses it); only a negative
+// dimension is refused there.
+enum class ShapeRule { kPositive, kNonNegative };
+
+// The one shape rule: the element count of `shape`, or INVALID_ARGUMENT naming `field`
+// (e.g. "query", "inputs[\"query\"]") when `rule` refuses it or it holds more than
+// kMaxTensorElements, so that no size derived from it can overflow.
+absl::StatusOr<int64_t> ElementCount(absl::Span<const int64_t> shape, absl::string_view field,
+                                     ShapeRule rule = ShapeRule::kPositive);
+// ElementCount of a wire tensor's shape under kPositive.
 absl::StatusOr<int64_t> CheckShape(const v1::Tensor& tensor, absl::string_view field);
+// The one byte-count rule: OK when `bytes` are exactly `count` elements (an ElementCount,
+// so the product cannot overflow) of `element_size` bytes; else INVALID_ARGUMENT
+// "<bytes_field> has <bytes> bytes; <needs(expected bytes)>", each front-end naming its
+// field and what the bytes needed are.
+absl::Status CheckByteCount(size_t bytes, int64_t count, int64_t element_size,
+                            absl::string_view bytes_field,
+                            absl::FunctionRef<std::string(int64_t expected)> needs);
+// The same for a wire tensor's raw_data of `dtype`: "<field>.raw_data has 3 bytes; shape
+// [1, 2] of FLOAT32 needs 8".
 absl::Status CheckByteCount(const v1::Tensor& tensor, core::DType dtype, int64_t count,
                             absl::string_view field);
 // True when any part of the tensor is set.
 bool HasContent(const v1::Tensor& tensor);
 std::string ShapeString(absl::Span<const int64_t> shape);
 
-// Checks dtype, shape and byte count of `tensor` and returns its float32 values.
-// `field` is the request field name used in error messages, e.g. "query".
+// Every check DecodeFloatTensor makes, without decoding (for callers that read the values
+// in place or keep 16-bit ones): present, shape, values in exactly one of float_data and
+// raw_data, a float dtype, as many as the shape needs. Returns the element count and sets
+// `*dtype` (when given) to the dtype the values are in (kFloat32 for float_data).
+absl::StatusOr<int64_t> CheckFloatTensor(const v1::Tensor& tensor, absl::string_view field,
+                                         core::DType* dtype = nullptr);
+
+// Checks dtype, shape and byte count of `tensor` (CheckFloatTensor) and returns its float32
+// values. `field` is the request field name used in error messages, e.g. "query".
 absl::StatusOr<FloatTensor> DecodeFloatTensor(const v1::Tensor& tensor, absl::string_view field);
 
 // Writes `values` with `shape` as little-endian raw bytes of `dtype`.

@@ -11,6 +11,7 @@
 #include "core/attention_kernels.h"
 #include "core/cpu/attention_cpu.h"
 #include "core/cpu/gemm.h"
+#include "core/forward_plan.h"
 
 namespace attention::core {
 namespace {
@@ -102,53 +103,32 @@ absl::StatusOr<std::vector<AttentionResult>> CpuPreparedLayer::ForwardBatch(
   const absl::Span<const MhaInput* const> inputs = pointers;
   const MhaConfig& c = config_;
   const MhaWeightsView& w = weights_;
-  // Row offsets of every input inside the packed token matrices.
-  std::vector<int64_t> q_row(inputs.size() + 1, 0), kv_row(inputs.size() + 1, 0);
-  bool all_self_attention = true;
-  for (size_t n = 0; n < inputs.size(); ++n) {
-    q_row[n + 1] = q_row[n] + inputs[n]->batch * inputs[n]->q_len;
-    kv_row[n + 1] = kv_row[n] + inputs[n]->batch * inputs[n]->kv_len;
-    all_self_attention = all_self_attention && inputs[n]->key.empty();
-  }
-  const int64_t q_rows = q_row.back(), kv_rows = kv_row.back();
+  const ForwardPlan plan = PlanForward(c, inputs, !w.fused_qkv_weight.empty());
+  const int64_t q_rows = plan.q_rows, kv_rows = plan.kv_rows;
   thread_local ForwardScratch scratch;
-  // A single input is used in place; a batch is packed into one token matrix.
-  const float* x = inputs.size() == 1 ? inputs[0]->query.data() : nullptr;
-  if (x == nullptr) {
-    float* packed = scratch.Get(ForwardScratch::kX, q_rows * c.embed_dim);
-    for (size_t n = 0; n < inputs.size(); ++n) {
-      std::copy(inputs[n]->query.begin(), inputs[n]->query.end(), packed + q_row[n] * c.embed_dim);
-    }
-    x = packed;
+  // A single input is used in place; a batch is packed into one token matrix. Key and
+  // value inputs are the query rows themselves for self-attention.
+  const bool pack_queries = inputs.size() != 1;
+  float* packed_x = pack_queries ? scratch.Get(ForwardScratch::kX, q_rows * c.embed_dim) : nullptr;
+  float* xk =
+      plan.all_self_attention ? nullptr : scratch.Get(ForwardScratch::kKeyInput, kv_rows * c.kdim);
+  float* xv = plan.all_self_attention ? nullptr
+                                      : scratch.Get(ForwardScratch::kValueInput, kv_rows * c.vdim);
+  for (size_t n = 0; n < inputs.size(); ++n) {
+    PackInputTokens(c, plan.inputs[n], *inputs[n], packed_x, xk, xv);
   }
-  // Key and value inputs: the query rows themselves for self-attention.
-  const float* key_input = x;
-  const float* value_input = x;
-  if (!all_self_attention) {
-    float* xk = scratch.Get(ForwardScratch::kKeyInput, kv_rows * c.kdim);
-    float* xv = scratch.Get(ForwardScratch::kValueInput, kv_rows * c.vdim);
-    for (size_t n = 0; n < inputs.size(); ++n) {
-      const MhaInput& in = *inputs[n];
-      absl::Span<const float> key = in.key.empty() ? in.query : in.key;
-      absl::Span<const float> value = in.value.empty() ? in.query : in.value;
-      std::copy(key.begin(), key.end(), xk + kv_row[n] * c.kdim);
-      std::copy(value.begin(), value.end(), xv + kv_row[n] * c.vdim);
-    }
-    key_input = xk;
-    value_input = xv;
-  }
-  // Projected Q, K and V rows and their strides (floats from one token's row to the next).
+  const float* x = pack_queries ? packed_x : inputs[0]->query.data();
+  const float* key_input = plan.all_self_attention ? x : xk;
+  const float* value_input = plan.all_self_attention ? x : xv;
+  // Projected Q, K and V rows, at the plan's strides.
   float *q, *k, *v;
-  int64_t q_stride = c.QWidth(), k_stride = c.KWidth(), v_stride = c.VWidth();
-  if (all_self_attention && !w.fused_qkv_weight.empty()) {
+  if (plan.fused_qkv) {
     // One GEMM for all three: [T, E] x [E, Q + K + V]; Q, K, V are column ranges of it.
-    const int64_t width = c.QWidth() + c.KWidth() + c.VWidth();
-    q = scratch.Get(ForwardScratch::kQ, q_rows * width);
-    LinearForward(pool_, x, q_rows, c.embed_dim, w.fused_qkv_weight, w.fused_qkv_bias, width, q,
-                  packed_qkv_->panels());
+    q = scratch.Get(ForwardScratch::kQ, q_rows * plan.q_stride);
+    LinearForward(pool_, x, q_rows, c.embed_dim, w.fused_qkv_weight, w.fused_qkv_bias,
+                  plan.q_stride, q, packed_qkv_->panels());
     k = q + c.QWidth();
     v = k + c.KWidth();
-    q_stride = k_stride = v_stride = width;
   } else {
     q = scratch.Get(ForwardScratch::kQ, q_rows * c.QWidth());
     k = scratch.Get(ForwardScratch::kK, kv_rows * c.KWidth());
@@ -160,38 +140,23 @@ absl::StatusOr<std::vector<AttentionResult>> CpuPreparedLayer::ForwardBatch(
                   v_panels_);
   }
   if (c.rope_theta > 0.0) {
-    for (size_t n = 0; n < inputs.size(); ++n) {
-      const MhaInput& in = *inputs[n];
-      const double base = c.RotaryBaseFor(std::max(in.q_len, in.kv_len));
-      ApplyRotary(q + q_row[n] * q_stride, in.batch * in.q_len, in.q_len, c.num_heads,
-                  c.head_dim, base, q_stride, c.rope_scaling);
-      ApplyRotary(k + kv_row[n] * k_stride, in.batch * in.kv_len, in.kv_len, c.num_kv_heads,
-                  c.head_dim, base, k_stride, c.rope_scaling);
+    for (const ForwardPlan::Input& in : plan.inputs) {
+      ApplyRotary(q + in.q_row * plan.q_stride, in.q_rows(), in.dims.q_len, c.num_heads, c.head_dim,
+                  in.rotary_base, plan.q_stride, c.rope_scaling);
+      ApplyRotary(k + in.kv_row * plan.k_stride, in.kv_rows(), in.dims.kv_len, c.num_kv_heads,
+                  c.head_dim, in.rotary_base, plan.k_stride, c.rope_scaling);
     }
   }
   float* attended = scratch.Get(ForwardScratch::kAttended, q_rows * c.AttentionWidth());
   std::vector<AttentionResult> results(inputs.size());
-  std::vector<AttentionOptions> options(inputs.size());
   std::vector<AttentionProblem> problems(inputs.size());
   for (size_t n = 0; n < inputs.size(); ++n) {
-    const MhaInput& in = *inputs[n];
-    options[n] = c.LayerOptions(in.options);
-    if (in.options.need_weights != NeedWeights::kNone) {
-      results[n].weights.resize(in.batch * c.num_heads * in.q_len * in.kv_len);
+    const AttentionDims& d = plan.inputs[n].dims;
+    if (inputs[n]->options.need_weights != NeedWeights::kNone) {
+      results[n].weights.resize(d.batch * d.num_heads * d.q_len * d.kv_len);
     }
-    AttentionProblem& p = problems[n];
-    p.dims = {in.batch, c.num_heads, c.num_kv_heads, in.q_len, in.kv_len, c.head_dim,
-              c.v_head_dim};
-    p.query = q + q_row[n] * q_stride;
-    p.query_layout = HeadLayout::StridedRows(in.q_len, c.head_dim, q_stride);
-    p.key = k + kv_row[n] * k_stride;
-    p.key_layout = HeadLayout::StridedRows(in.kv_len, c.head_dim, k_stride);
-    p.value = v + kv_row[n] * v_stride;
-    p.value_layout = HeadLayout::StridedRows(in.kv_len, c.v_head_dim, v_stride);
-    p.output = attended + q_row[n] * c.AttentionWidth();
-    p.output_layout = HeadLayout::BatchRowHead(c.num_heads, in.q_len, c.v_head_dim);
-    p.weights = results[n].weights.empty() ? nullptr : results[n].weights.data();
-    p.options = &options[n];
+    problems[n] = plan.Attention(n, q, k, v, attended);
+    problems[n].weights = results[n].weights.empty() ? nullptr : results[n].weights.data();
   }
   AttentionBlockedCpu(problems, pool_);
   const float* output = attended;
@@ -208,8 +173,8 @@ absl::StatusOr<std::vector<AttentionResult>> CpuPreparedLayer::ForwardBatch(
   }
   for (size_t n = 0; n < inputs.size(); ++n) {
     if (!project_to_destination) {
-      DeliverOutput(*inputs[n], output + q_row[n] * c.output_dim,
-                    (q_row[n + 1] - q_row[n]) * c.output_dim, &results[n]);
+      DeliverOutput(*inputs[n], output + plan.inputs[n].q_row * c.output_dim,
+                    plan.inputs[n].q_rows() * c.output_dim, &results[n]);
     }
     FinishWeights(results[n], problems[n].dims, inputs[n]->options.need_weights);
   }

@@ -141,7 +141,7 @@ std::vector<std::unique_ptr<WorkItem>> BatchQueue::PopDue(absl::Time now, bool f
     int64_t tokens = 0;
     absl::Time oldest = absl::InfiniteFuture();
     const BatchLimits limits = LimitsFor((*entries.front().item)->layer());  // one layer
-    bool full = (*entries.front().item)->batch_key() == nullptr;  // runs alone
+    bool full = (*entries.front().item)->batch_key() == nullptr;             // runs alone
     for (const Entry& entry : entries) {
       const WorkItem& item = **entry.item;
       if (!members.empty() &&
@@ -195,7 +195,7 @@ absl::Status Batcher::Submit(std::unique_ptr<WorkItem> item) {
     const std::string name = QueueName(*item);
     // Push moves the item into the queue, which keeps its snapshot alive while mu_ is held.
     const LayerSnapshot* layer = item->layer();
-    const absl::Status status = queue_.Push(item, absl::Now());
+    absl::Status status = queue_.Push(item, absl::Now());
     if (!status.ok()) return status;
     if (metrics_ != nullptr) {
       const int64_t depth = queue_.size(name);
@@ -290,8 +290,8 @@ void Batcher::Run(std::vector<std::unique_ptr<WorkItem>> batch) {
   if (metrics_ != nullptr) {
     const absl::Duration compute = absl::Now() - start;
     const std::string name = QueueName(*live.front());
-    metrics_->BatchComputed(name, live.front()->device(), static_cast<int64_t>(live.size()),
-                            tokens, compute);
+    metrics_->BatchComputed(name, live.front()->device(), static_cast<int64_t>(live.size()), tokens,
+                            compute);
     if (live.front()->layer() != nullptr) {
       if (results.ok()) metrics_->TokensProcessed(name, tokens);
       absl::Duration queued;

@@ -30,30 +30,21 @@ constexpr int64_t kTritonPriorityBase = 1'000'000;
 // The native dtype of a protocol datatype among `allowed`, or INVALID_ARGUMENT listing them.
 absl::StatusOr<v1::DataType> ParseDatatype(const InputTensor& input,
                                            const std::vector<std::string>& allowed) {
-  static const std::pair<const char*, v1::DataType> kNames[] = {
-      {"FP32", v1::FLOAT32}, {"FP16", v1::FLOAT16}, {"BF16", v1::BFLOAT16}, {"BOOL", v1::BOOL}};
   for (const std::string& name : allowed) {
     if (input.datatype() != name) continue;
-    for (const auto& [known, dtype] : kNames) {
-      if (name == known) return dtype;
-    }
-    return v1::DATA_TYPE_UNSPECIFIED;  // an integer mask, converted below
+    const core::DTypeInfo* info = core::FindDType(name, &core::DTypeInfo::kserve_name);
+    // Not a core dtype: an integer mask, converted below.
+    return info != nullptr ? wire::WireDType(info->dtype) : v1::DATA_TYPE_UNSPECIFIED;
   }
   return Invalid("inputs[", Quoted(input.name()), "].datatype = ", Quoted(input.datatype()),
                  " is not accepted; expected one of ", ListForMessage(allowed));
 }
 
-// The element count of `input`'s shape, or INVALID_ARGUMENT for a negative dimension.
+// The element count of `input`'s shape under the protocol's shape rule (zero dimensions
+// pass here; the native decode refuses them after conversion).
 absl::StatusOr<int64_t> ElementCount(const InputTensor& input) {
-  int64_t count = 1;
-  for (int i = 0; i < input.shape_size(); ++i) {
-    if (input.shape(i) < 0) {
-      return Invalid("inputs[", Quoted(input.name()), "].shape[", i, "] = ", input.shape(i),
-                     " is negative");
-    }
-    count = CheckedProduct({count, input.shape(i)});
-  }
-  return count;
+  return wire::ElementCount(input.shape(), absl::StrCat("inputs[", Quoted(input.name()), "]"),
+                            wire::ShapeRule::kNonNegative);
 }
 
 // INVALID_ARGUMENT when typed contents hold `given` values where the shape needs `count`.
@@ -103,11 +94,11 @@ absl::Status IntegerMaskToBool(const InputTensor& input, const std::string* raw,
                                std::string* bytes) {
   ASSIGN_OR_RETURN(const int64_t count, ElementCount(input));
   if (raw != nullptr) {
-    if (count == kSaturated || raw->size() != static_cast<size_t>(count) * sizeof(Int)) {
-      return Invalid("raw_input_contents of ", Quoted(input.name()), " has ", raw->size(),
-                     " bytes; shape and ", input.datatype(), " need ", count, " x ",
-                     sizeof(Int));
-    }
+    RETURN_IF_ERROR(wire::CheckByteCount(
+        raw->size(), count, sizeof(Int),
+        absl::StrCat("raw_input_contents of ", Quoted(input.name())), [&](int64_t) {
+          return absl::StrCat("shape and ", input.datatype(), " need ", count, " x ", sizeof(Int));
+        }));
   } else {
     RETURN_IF_ERROR(CheckTypedCount(input, typed.size(), count));
   }
@@ -273,9 +264,7 @@ absl::Status ConvertParameters(const inference::ModelInferRequest& request,
       options->set_attn_mask_polarity(polarity);
     } else if (name == "timeout") {
       ASSIGN_OR_RETURN(const int64_t timeout_us, IntegerParameter(name, parameter));
-      if (timeout_us < 0) {
-        return Invalid("parameters[\"timeout\"] = ", timeout_us, " µs must be >= 0");
-      }
+      RETURN_IF_ERROR(CheckQueueTimeout(timeout_us, "parameters[\"timeout\"]", " µs"));
       options->set_queue_timeout_us(timeout_us);
     } else if (name == "priority") {
       ASSIGN_OR_RETURN(const int64_t level, IntegerParameter(name, parameter));
@@ -398,10 +387,12 @@ absl::Status ToKserveStatus(const absl::Status& status,
       {"options.need_weights", "parameters[\"need_weights\"]"},
       {"options.queue_timeout_us", "parameters[\"timeout\"]"},
       {"options.key_padding_polarity", "parameters[\"bool_mask_polarity\"]"},
-      {"options.attn_mask_polarity", "parameters[\"bool_mask_polarity\"]"},
-      {"FLOAT32", "FP32"},
-      {"FLOAT16", "FP16"},
-      {"BFLOAT16", "BF16"}};
+      {"options.attn_mask_polarity", "parameters[\"bool_mask_polarity\"]"}};
+  for (const core::DTypeInfo& info : core::kDTypes) {
+    if (absl::string_view(info.name) != info.kserve_name) {
+      renames.emplace_back(info.name, info.kserve_name);
+    }
+  }
   const std::pair<const char*, const char*> kTensors[] = {
       {"query", kQuery}, {"key", kKey}, {"value", kValue},
       {"options.key_padding_mask", kKeyPaddingMask}, {"options.attn_mask", kAttnMask}};
@@ -450,13 +441,8 @@ absl::Status ToKserveStatus(const absl::Status& status,
 }
 
 const char* DatatypeName(v1::DataType dtype) {
-  switch (dtype) {
-    case v1::FLOAT32: return "FP32";
-    case v1::FLOAT16: return "FP16";
-    case v1::BFLOAT16: return "BF16";
-    case v1::BOOL: return "BOOL";
-    default: return "";
-  }
+  const core::DTypeInfo* info = core::FindDType(v1::DataType_Name(dtype), &core::DTypeInfo::name);
+  return info != nullptr ? info->kserve_name : "";
 }
 
 void ToInferResponse(v1::MultiHeadAttentionResponse& native, const OutputPlan& plan,

@@ -59,7 +59,8 @@ absl::Status ToKserveStatus(const absl::Status& status,
 void ToInferResponse(v1::MultiHeadAttentionResponse& native, const OutputPlan& plan,
                      const std::string& model_name, inference::ModelInferResponse* response);
 
-// The protocol's datatype name of a native dtype ("FP32", "FP16", "BF16", "BOOL").
+// The protocol's datatype name of a native dtype (core::DTypeInfo::kserve_name: "FP32",
+// "FP16", "BF16", "BOOL"); "" for DATA_TYPE_UNSPECIFIED.
 const char* DatatypeName(v1::DataType dtype);
 
 // Inputs and outputs of a layer as ModelMetadata lists them.

@@ -1,21 +1,15 @@
 #include "server/native/attention_service.h"
 
-#include <deque>
 #include <cstring>
-#include <map>
-#include <mutex>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
-#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "core/half_bits.h"
 #include "core/input_shapes.h"
 #include "core/status_macros.h"
-#include "server/models/hf_checkpoint.h"
-#include "server/models/layer_builder.h"
 #include "server/common/status_util.h"
-#include "server/models/layer_config.h"
+#include "server/models/layer_builder.h"
 #include "server/validation/wire_convert.h"
 
 namespace attention::server {
@@ -89,9 +83,8 @@ absl::StatusOr<InputTensor> DecodeMhaInput(const v1::Tensor& tensor, absl::strin
                                            bool borrow) {
   InputTensor input;
   if (!keep_half && borrow && CanBorrow(tensor)) {
-    // The checks DecodeFloatTensor makes of FLOAT32 raw_data, without its copy.
-    ASSIGN_OR_RETURN(const int64_t count, wire::CheckShape(tensor, field));
-    RETURN_IF_ERROR(wire::CheckByteCount(tensor, core::DType::kFloat32, count, field));
+    // The checks DecodeFloatTensor makes, without its copy.
+    ASSIGN_OR_RETURN(const int64_t count, wire::CheckFloatTensor(tensor, field));
     input.shape.assign(tensor.shape().begin(), tensor.shape().end());
     input.borrowed = absl::MakeConstSpan(
         reinterpret_cast<const float*>(tensor.raw_data().data()), static_cast<size_t>(count));
@@ -105,8 +98,7 @@ absl::StatusOr<InputTensor> DecodeMhaInput(const v1::Tensor& tensor, absl::strin
     return input;
   }
   const core::DType dtype = HalfDType(tensor);
-  ASSIGN_OR_RETURN(const int64_t count, wire::CheckShape(tensor, field));
-  RETURN_IF_ERROR(wire::CheckByteCount(tensor, dtype, count, field));
+  ASSIGN_OR_RETURN(const int64_t count, wire::CheckFloatTensor(tensor, field));
   input.shape.assign(tensor.shape().begin(), tensor.shape().end());
   input.half.resize(count);
   std::memcpy(input.half.data(), tensor.raw_data().data(), count * sizeof(uint16_t));
@@ -162,41 +154,9 @@ absl::Time Deadline(const grpc::CallbackServerContext* context) {
   return absl::FromChrono(context->deadline());
 }
 
-void DescribeLayer(const LayerSnapshot& snapshot, const BatchLimits& server_limits,
-                   v1::LayerInfo* info) {
-  const core::MhaLayer& layer = *snapshot.layer;
-  info->set_name(snapshot.name);
-  *info->mutable_config() = ConfigToProto(layer.config());
-  info->set_parameter_count(layer.config().ParameterCount());
-  info->set_weight_bytes(layer.WeightBytes());
-  info->set_dtype(v1::FLOAT32);
-  info->set_device(layer.device());
-  info->set_version(snapshot.version);
-  info->set_persisted(snapshot.persisted);
-  *info->mutable_batching() = BatchingPolicyToProto(snapshot.batching.ApplyTo(server_limits));
-}
-
 UnaryCall AttentionServiceImpl::StartCall(grpc::CallbackServerContext* context,
                                           absl::string_view method) {
   return UnaryCall(context, CallRecord(metrics_, log_, method));
-}
-
-void AttentionServiceImpl::RefreshLayerMetrics() {
-  int64_t weight_bytes = 0;
-  const auto layers = registry_.List();
-  for (const auto& snapshot : layers) weight_bytes += snapshot->layer->WeightBytes();
-  metrics_.SetLayers(static_cast<int64_t>(layers.size()), weight_bytes);
-  // Accelerators: the default one and every one holding a layer.
-  std::map<std::string, const core::Backend*> backends = {
-      {default_backend_->name(), default_backend_.get()}};
-  for (const auto& snapshot : layers) {
-    backends.emplace(snapshot->layer->device(), &snapshot->layer->backend());
-  }
-  for (const auto& [device, backend] : backends) {
-    if (const std::optional<core::DeviceMemory> memory = backend->Memory()) {
-      metrics_.SetDeviceMemory(device, memory->used_bytes, memory->total_bytes);
-    }
-  }
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::MultiHeadAttention(
@@ -221,8 +181,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::MultiHeadAttention(
 
 void AttentionServiceImpl::SubmitWithInlineLayer(
     const v1::MultiHeadAttentionRequest& request, absl::Time deadline,
-    std::function<bool()> is_cancelled, SubmitWithLayer submit,
-    std::function<void(const absl::Status&)> refused, bool copy_to_build) {
+    std::function<bool()> is_cancelled, const SubmitWithLayer& submit,
+    const std::function<void(const absl::Status&)>& refused, bool copy_to_build) {
   if (!request.has_inline_layer()) {
     const absl::Status submitted = submit(request, nullptr);
     if (!submitted.ok()) refused(submitted);
@@ -312,15 +272,15 @@ namespace {
 // the layer's backend converts them on its device and all three share one 16-bit dtype;
 // with `borrow`, FLOAT32 raw_data is read in place.
 absl::Status DecodeMhaInputs(const v1::MultiHeadAttentionRequest& request,
-                             const core::MhaLayer& layer, const RequestBudget& budget,
-                             bool borrow, LayerWorkItem* item) {
+                             const core::MhaLayer& layer, const RequestBudget& budget, bool borrow,
+                             LayerWorkItem* item) {
   const core::MhaConfig& config = layer.config();
   const bool has_key = request.has_key(), has_value = request.has_value();
   const core::DType half_dtype = HalfDType(request.query());
-  const bool keep_half = layer.backend().ConvertsHalfInputs() &&
-                         half_dtype != core::DType::kFloat32 &&
-                         (!has_key || (HalfDType(request.key()) == half_dtype &&
-                                       HalfDType(request.value()) == half_dtype));
+  const bool keep_half =
+      layer.backend().ConvertsHalfInputs() && half_dtype != core::DType::kFloat32 &&
+      (!has_key ||
+       (HalfDType(request.key()) == half_dtype && HalfDType(request.value()) == half_dtype));
   ASSIGN_OR_RETURN(InputTensor query,
                    DecodeMhaInput(request.query(), "query", budget, keep_half, borrow));
   RETURN_IF_ERROR(core::CheckMhaQueryShape(config, query.shape));
@@ -367,8 +327,8 @@ absl::Status DecodeMhaInputs(const v1::MultiHeadAttentionRequest& request,
 std::function<void(absl::StatusOr<core::AttentionResult>)> MhaAnswer(
     const v1::MultiHeadAttentionRequest& request, v1::MultiHeadAttentionResponse* response,
     std::function<void(const absl::Status&)> finish, const core::AttentionDims& dims,
-    int64_t output_dim, core::NeedWeights need, core::DType output_dtype,
-    bool output_in_response, uint64_t layer_version) {
+    int64_t output_dim, core::NeedWeights need, core::DType output_dtype, bool output_in_response,
+    uint64_t layer_version) {
   return [finish = std::move(finish), response, dims, output_dim, need, output_dtype,
           output_in_response, layer_version, float_data = request.float_data_output(),
           request_id = request.request_id()](absl::StatusOr<core::AttentionResult> result) {
@@ -418,13 +378,12 @@ absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
   auto item = std::make_unique<LayerWorkItem>();
   RETURN_IF_ERROR(DecodeMhaInputs(request, *snapshot->layer, budget_, borrow_inputs, item.get()));
   core::MhaInput& input = item->input;
-  const core::AttentionDims dims{input.batch,  config.num_heads, config.num_kv_heads,
-                                 input.q_len,  input.kv_len,     config.head_dim,
-                                 config.v_head_dim};
+  const core::AttentionDims dims{input.batch,  config.num_heads, config.num_kv_heads, input.q_len,
+                                 input.kv_len, config.head_dim,  config.v_head_dim};
   ASSIGN_OR_RETURN(input.options, ConvertCheckedOptions(request.options(), dims, budget_));
-  ASSIGN_OR_RETURN(const core::DType output_dtype,
-                   OutputDType(request.output_dtype(), request.query().dtype(),
-                               request.float_data_output()));
+  ASSIGN_OR_RETURN(
+      const core::DType output_dtype,
+      OutputDType(request.output_dtype(), request.query().dtype(), request.float_data_output()));
   const RequestCost cost =
       MultiHeadAttentionCost(config, dims, input.options.need_weights, output_dtype);
   RETURN_IF_ERROR(CheckRequestBudget(cost, budget_));
@@ -434,15 +393,15 @@ absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
   // A FLOAT32 answer in raw_data is computed straight into the response.
   const bool output_in_response =
       output_dtype == core::DType::kFloat32 && !request.float_data_output();
-  item->done = MhaAnswer(request, response, std::move(finish), dims, config.output_dim,
-                         input.options.need_weights, output_dtype, output_in_response,
-                         snapshot->version);
+  item->done =
+      MhaAnswer(request, response, std::move(finish), dims, config.output_dim,
+                input.options.need_weights, output_dtype, output_in_response, snapshot->version);
   if (output_in_response) {
     input.output_destination = wire::ResizeFloat32Tensor(
         {dims.batch, dims.q_len, config.output_dim}, response->mutable_output());
   }
   item->snapshot = std::move(snapshot);
-  const absl::Status submitted = batcher_.Submit(std::move(item));
+  absl::Status submitted = batcher_.Submit(std::move(item));
   if (!submitted.ok()) response->clear_output();
   return submitted;
 }
@@ -454,8 +413,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ScaledDotProductAttention(
   auto answer = [call, request](const absl::Status& status) {
     call.Answer(status, request->request_id());
   };
-  const absl::Status status = SubmitScaledDotProductAttention(
-      *request, call.deadline(), call.cancelled(), response, answer);
+  const absl::Status status = SubmitScaledDotProductAttention(*request, call.deadline(),
+                                                              call.cancelled(), response, answer);
   if (!status.ok()) answer(status);
   return call.reactor();
 }
@@ -493,9 +452,8 @@ absl::Status AttentionServiceImpl::SubmitScaledDotProductAttention(
   }
   item->device_name = backend->name();
   // The closure owns the decoded tensors; spans are set where they can no longer move.
-  item->run = [backend = std::move(backend), input = std::move(input),
-                     q = std::move(query.values), k = std::move(key.values),
-                     v = std::move(value.values)]() mutable {
+  item->run = [backend = std::move(backend), input = std::move(input), q = std::move(query.values),
+               k = std::move(key.values), v = std::move(value.values)]() mutable {
     input.query = q;
     input.key = k;
     input.value = v;
@@ -515,154 +473,6 @@ absl::Status AttentionServiceImpl::SubmitScaledDotProductAttention(
     finish(absl::OkStatus());
   };
   return batcher_.Submit(std::move(item));
-}
-
-grpc::ServerUnaryReactor* AttentionServiceImpl::LoadLayer(grpc::CallbackServerContext* context,
-                                                          const v1::LoadLayerRequest* request,
-                                                          v1::LoadLayerResponse* response) {
-  const UnaryCall call = StartCall(context, "LoadLayer");
-  const absl::Status allowed = CheckAdmin(*context, "LoadLayer");
-  if (!allowed.ok()) {
-    call.Answer(allowed);
-  } else {
-    AnswerFromLoader(loader_, call, *request,
-                     [this, request, response] { return DoLoadLayer(*request, response); });
-  }
-  return call.reactor();
-}
-
-grpc::ServerUnaryReactor* AttentionServiceImpl::InspectCheckpoint(
-    grpc::CallbackServerContext* context, const v1::InspectCheckpointRequest* request,
-    v1::InspectCheckpointResponse* response) {
-  const UnaryCall call = StartCall(context, "InspectCheckpoint");
-  // The same reads as LoadLayer: the same access check, and file parsing on the loader pool.
-  const absl::Status allowed = CheckAdmin(*context, "InspectCheckpoint");
-  if (!allowed.ok()) {
-    call.Answer(allowed);
-  } else {
-    AnswerFromLoader(loader_, call, *request, [this, request, response] {
-      return DoInspectCheckpoint(*request, response);
-    });
-  }
-  return call.reactor();
-}
-
-absl::Status AttentionServiceImpl::DoInspectCheckpoint(const v1::InspectCheckpointRequest& request,
-                                                       v1::InspectCheckpointResponse* response) {
-  RETURN_IF_ERROR(CheckKnownFields(request));
-  if (registry_.repository() == nullptr) {
-    return absl::FailedPreconditionError(
-        "InspectCheckpoint reads the model repository; start the server with --model_repository");
-  }
-  return server::InspectCheckpoint(*registry_.repository(), request, response);
-}
-
-absl::Status AttentionServiceImpl::CheckAdmin(const grpc::CallbackServerContext& context,
-                                              absl::string_view method) const {
-  if (access_.admin_token.empty()) return absl::OkStatus();
-  const auto& metadata = context.client_metadata();
-  const auto found = metadata.find("authorization");
-  if (found == metadata.end()) {
-    return absl::UnauthenticatedError(absl::StrCat(
-        method, " needs \"authorization: Bearer <token>\" metadata: this server restricts "
-        "layer management (--admin_token_file)"));
-  }
-  absl::string_view token(found->second.data(), found->second.size());
-  if (!absl::ConsumePrefix(&token, "Bearer ")) {
-    return absl::UnauthenticatedError(
-        "the authorization metadata must be \"Bearer <token>\"");
-  }
-  if (!ConstantTimeEquals(token, access_.admin_token)) {
-    return absl::PermissionDeniedError(
-        absl::StrCat(method, ": the bearer token is not this server's admin token"));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status AttentionServiceImpl::DoLoadLayer(const v1::LoadLayerRequest& request,
-                                               v1::LoadLayerResponse* response) {
-  const absl::Status loaded = PublishLayer(request, response);
-  RefreshLayerMetrics();  // also after a failure, which may have freed device memory
-  return loaded;
-}
-
-absl::Status AttentionServiceImpl::DoUnloadLayer(const std::string& name) {
-  const absl::Status removed = registry_.Remove(name);
-  RefreshLayerMetrics();
-  return removed;
-}
-
-absl::Status AttentionServiceImpl::PublishLayer(const v1::LoadLayerRequest& request,
-                                                v1::LoadLayerResponse* response) {
-  RETURN_IF_ERROR(CheckKnownFields(request));
-  RETURN_IF_ERROR(ValidateLayerName(request.name(), "name"));
-  ASSIGN_OR_RETURN(const BatchLimitOverrides batching,
-                   ConvertBatchingPolicy(request.batching(), "batching"));
-  absl::StatusOr<std::shared_ptr<const core::Backend>> backend =
-      request.device().empty() ? default_backend_ : devices_.Get(request.device());
-  if (!backend.ok()) {
-    return absl::Status(backend.status().code(), absl::StrCat("device: ", backend.status().message()));
-  }
-  const std::string device = (*backend)->name();
-  ASSIGN_OR_RETURN(std::shared_ptr<const core::MhaLayer> layer,
-                   BuildLayer(request.spec(), "spec", *std::move(backend), registry_.repository(),
-                              [&](int64_t bytes) {
-                                auto check = [&] {
-                                  return registry_.CheckBudget(
-                                      request.name(),
-                                      LayerRegistry::EstimatedHostBytes(bytes, device), bytes,
-                                      device);
-                                };
-                                absl::Status budget = check();
-                                // Cached inline layers give way to a loaded one.
-                                if (!budget.ok() && inline_cache_.Clear() > 0) budget = check();
-                                return budget;
-                              }));
-  ASSIGN_OR_RETURN(
-      std::shared_ptr<const LayerSnapshot> snapshot,
-      registry_.Publish(request.name(), std::move(layer), request.persist(), batching,
-                        request.device()));
-  DescribeLayer(*snapshot, batcher_.server_limits(), response->mutable_layer());
-  return absl::OkStatus();
-}
-
-grpc::ServerUnaryReactor* AttentionServiceImpl::UnloadLayer(
-    grpc::CallbackServerContext* context, const v1::UnloadLayerRequest* request,
-    v1::UnloadLayerResponse* /*response*/) {
-  const UnaryCall call = StartCall(context, "UnloadLayer");
-  absl::Status status = CheckAdmin(*context, "UnloadLayer");
-  if (status.ok()) status = CheckKnownFields(*request);
-  if (status.ok()) status = DoUnloadLayer(request->name());
-  call.Answer(status);
-  return call.reactor();
-}
-
-grpc::ServerUnaryReactor* AttentionServiceImpl::ListLayers(
-    grpc::CallbackServerContext* context, const v1::ListLayersRequest* request,
-    v1::ListLayersResponse* response) {
-  const UnaryCall call = StartCall(context, "ListLayers");
-  const absl::Status status = CheckKnownFields(*request);
-  if (status.ok()) {
-    for (const auto& snapshot : registry_.List()) {
-      DescribeLayer(*snapshot, batcher_.server_limits(), response->add_layers());
-    }
-  }
-  call.Answer(status);
-  return call.reactor();
-}
-
-grpc::ServerUnaryReactor* AttentionServiceImpl::GetLayer(grpc::CallbackServerContext* context,
-                                                         const v1::GetLayerRequest* request,
-                                                         v1::GetLayerResponse* response) {
-  const UnaryCall call = StartCall(context, "GetLayer");
-  const absl::Status known = CheckKnownFields(*request);
-  auto snapshot = known.ok() ? registry_.Get(request->name())
-                             : absl::StatusOr<std::shared_ptr<const LayerSnapshot>>(known);
-  if (snapshot.ok()) {
-    DescribeLayer(**snapshot, batcher_.server_limits(), response->mutable_layer());
-  }
-  call.Answer(snapshot.status());
-  return call.reactor();
 }
 
 }  // namespace attention::server

@@ -11,9 +11,9 @@
 #include "attention/v1/attention.grpc.pb.h"
 #include "core/devices.h"
 #include "server/batching/batcher.h"
+#include "server/batching/loader_pool.h"
 #include "server/models/inline_layer_cache.h"
 #include "server/models/layer_registry.h"
-#include "server/batching/loader_pool.h"
 #include "server/observability/metrics.h"
 #include "server/observability/request_log.h"
 #include "server/rpc/call.h"
@@ -124,15 +124,15 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   UnaryCall StartCall(grpc::CallbackServerContext* context, absl::string_view method);
 
   // Submits a request with its inline layer (null without one).
-  using SubmitWithLayer = std::function<absl::Status(
-      const v1::MultiHeadAttentionRequest&, std::shared_ptr<const LayerSnapshot>)>;
+  using SubmitWithLayer = std::function<absl::Status(const v1::MultiHeadAttentionRequest&,
+                                                     std::shared_ptr<const LayerSnapshot>)>;
   // Calls `submit` at once when the request has no inline layer or the cache holds it,
   // else after building the layer on the loader pool; `refused` answers a request refused
   // at any step. `request` must outlive the call, unless `copy_to_build` (a stream reuses
   // its request): then the build keeps a copy.
   void SubmitWithInlineLayer(const v1::MultiHeadAttentionRequest& request, absl::Time deadline,
-                             std::function<bool()> is_cancelled, SubmitWithLayer submit,
-                             std::function<void(const absl::Status&)> refused,
+                             std::function<bool()> is_cancelled, const SubmitWithLayer& submit,
+                             const std::function<void(const absl::Status&)>& refused,
                              bool copy_to_build);
   // The layer a request names, or its inline layer: `inline_layer` when found or built
   // already, else from the cache or built on this thread.

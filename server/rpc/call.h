@@ -6,8 +6,8 @@
 
 #include <functional>
 
-#include <grpcpp/grpcpp.h>
 #include <google/protobuf/message.h>
+#include <grpcpp/grpcpp.h>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -63,8 +63,7 @@ LoaderJob CallJob(const google::protobuf::Message& request, absl::Time deadline,
 // Runs `work` for `call` on the loader pool (files and weights are never read on a gRPC
 // thread) and answers the call with its result, or at once when the pool refuses.
 void AnswerFromLoader(LoaderPool& loader, const UnaryCall& call,
-                      const google::protobuf::Message& request,
-                      std::function<absl::Status()> work);
+                      const google::protobuf::Message& request, std::function<absl::Status()> work);
 
 }  // namespace attention::server
 

@@ -76,13 +76,16 @@ void RawToFloatData(v1::Tensor* tensor) {
   tensor->clear_raw_data();
 }
 
+absl::Status CheckQueueTimeout(int64_t timeout_us, absl::string_view field,
+                               absl::string_view unit) {
+  if (timeout_us >= 0) return absl::OkStatus();
+  return Invalid(field, " = ", timeout_us, unit, " must be >= 0 (microseconds; 0 = no limit)");
+}
+
 absl::StatusOr<absl::Time> QueueDeadline(const v1::AttentionOptions& options,
                                          absl::Time call_deadline, absl::Time now) {
   const int64_t timeout_us = options.queue_timeout_us();
-  if (timeout_us < 0) {
-    return Invalid("options.queue_timeout_us = ", timeout_us,
-                   " must be >= 0 (microseconds; 0 = no limit)");
-  }
+  RETURN_IF_ERROR(CheckQueueTimeout(timeout_us, "options.queue_timeout_us"));
   if (timeout_us == 0) return call_deadline;
   return std::min(call_deadline, now + absl::Microseconds(timeout_us));
 }

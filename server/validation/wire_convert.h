@@ -35,8 +35,16 @@ void RawToFloatData(v1::Tensor* tensor);
 absl::StatusOr<core::AttentionOptions> ConvertOptions(const v1::AttentionOptions& options,
                                                       const core::AttentionDims& dims);
 
+// The queue timeout rule of both APIs (options.queue_timeout_us, KServe's
+// parameters["timeout"]): microseconds, 0 for no limit; INVALID_ARGUMENT naming `field`
+// when negative. `unit` follows the value in the message where the field's name does not
+// say microseconds (" µs" for KServe's "timeout").
+absl::Status CheckQueueTimeout(int64_t timeout_us, absl::string_view field,
+                               absl::string_view unit = "");
+
 // When a request received at `now` stops being worth computing: the call's deadline, or
-// sooner options.queue_timeout_us after `now`. INVALID_ARGUMENT for a negative timeout.
+// sooner options.queue_timeout_us after `now`. INVALID_ARGUMENT for a negative timeout
+// (CheckQueueTimeout).
 absl::StatusOr<absl::Time> QueueDeadline(const v1::AttentionOptions& options,
                                          absl::Time call_deadline, absl::Time now);
 

@@ -59,6 +59,21 @@ TEST(DTypeTest, EncodeDecodeRoundTrip) {
   }
 }
 
+// The one dtype table: sizes and every format's names read from it.
+TEST(DTypeTest, OneTableSizesAndNamesEveryDType) {
+  EXPECT_EQ(ElementSize(DType::kBFloat16), 2);
+  EXPECT_EQ(DTypeName(DType::kFloat16), "FLOAT16");
+  EXPECT_EQ(FindDType("BF16", &DTypeInfo::kserve_name)->dtype, DType::kBFloat16);
+  EXPECT_EQ(FindDType("F32", &DTypeInfo::safetensors_name)->dtype, DType::kFloat32);
+  EXPECT_EQ(FindDType("FP32", &DTypeInfo::name), nullptr);
+  for (const DTypeInfo& info : kDTypes) {
+    EXPECT_EQ(&Info(info.dtype), &info);
+    EXPECT_EQ(FindDType(info.name, &DTypeInfo::name), &info);
+    EXPECT_EQ(FindDType(info.kserve_name, &DTypeInfo::kserve_name), &info);
+    EXPECT_EQ(FindDType(info.safetensors_name, &DTypeInfo::safetensors_name), &info);
+  }
+}
+
 TEST(DTypeTest, DecodeRejectsOddByteCount) {
   auto decoded = DecodeFloats(std::string(3, '\0'), DType::kFloat16, "query");
   ASSERT_EQ(decoded.status().code(), absl::StatusCode::kInvalidArgument);

@@ -15,7 +15,7 @@ namespace {
 
 // Records `tag` (or minus the error code) when the item is answered.
 void RecordTagWhenDone(WorkItem& item, int tag, std::vector<int>* order, absl::Mutex* mu) {
-  item.done = [=](absl::StatusOr<core::AttentionResult> result) {
+  item.done = [=](const absl::StatusOr<core::AttentionResult>& result) {
     absl::MutexLock lock(mu);
     order->push_back(result.ok() ? tag : -static_cast<int>(result.status().code()));
   };
@@ -297,7 +297,7 @@ TEST_F(BatcherTest, BackendErrorFailsEveryRequestOfItsBatchAndTheWorkerGoesOn) {
     item->snapshot = snapshot;
     item->input.query = query;
     item->tokens = 1;
-    item->done = [this, tag](absl::StatusOr<core::AttentionResult> result) {
+    item->done = [this, tag](const absl::StatusOr<core::AttentionResult>& result) {
       absl::MutexLock lock(&mu_);
       order_.push_back(result.ok() ? tag : -static_cast<int>(result.status().code()));
     };

@@ -34,7 +34,7 @@ ModelInferRequest InferRequest(std::mt19937_64& rng, int64_t tokens) {
 
 ModelInferRequest::InferInputTensor* AddInput(ModelInferRequest& request, const std::string& name,
                                               const std::string& datatype,
-                                              std::vector<int64_t> shape) {
+                                              const std::vector<int64_t>& shape) {
   auto* input = request.add_inputs();
   input->set_name(name);
   input->set_datatype(datatype);
@@ -61,139 +61,191 @@ std::vector<InferCase> InferCases() {
        "model_name is empty"},
       {"raw count", [](auto& r) { r.add_raw_input_contents(); }, C::kInvalidArgument,
        "raw_input_contents has 2 entries for 1 inputs"},
-      {"raw and typed", [](auto& r) { r.mutable_inputs(0)->mutable_contents()->add_fp32_contents(1); },
+      {"raw and typed",
+       [](auto& r) { r.mutable_inputs(0)->mutable_contents()->add_fp32_contents(1); },
        C::kInvalidArgument, "inputs[\"query\"] has contents while raw_input_contents is used"},
       {"unknown input", [](auto& r) { r.mutable_inputs(0)->set_name("hidden"); },
        C::kInvalidArgument, "inputs[\"hidden\"] is not an input"},
-      {"duplicate input", [](auto& r) {
+      {"duplicate input",
+       [](auto& r) {
          *r.add_inputs() = r.inputs(0);
          r.add_raw_input_contents(r.raw_input_contents(0));
        },
        C::kInvalidArgument, "inputs[\"query\"] is given twice"},
-      {"no query", [](auto& r) {
-         r.mutable_inputs(0)->set_name("key");
-       },
-       C::kInvalidArgument, "inputs has no \"query\""},
+      {"no query", [](auto& r) { r.mutable_inputs(0)->set_name("key"); }, C::kInvalidArgument,
+       "inputs has no \"query\""},
       {"query datatype", [](auto& r) { r.mutable_inputs(0)->set_datatype("INT8"); },
-       C::kInvalidArgument, "inputs[\"query\"].datatype = \"INT8\" is not accepted; expected one of "
+       C::kInvalidArgument,
+       "inputs[\"query\"].datatype = \"INT8\" is not accepted; expected one of "
        "FP32, FP16, BF16"},
-      {"shared memory input", [](auto& r) {
+      {"shared memory input",
+       [](auto& r) {
          (*r.mutable_inputs(0)->mutable_parameters())["shared_memory_region"].set_string_param("r");
        },
-       C::kUnimplemented, "inputs[\"query\"].parameters[\"shared_memory_region\"] is not supported"},
-      {"binary_data_size mismatch", [](auto& r) {
+       C::kUnimplemented,
+       "inputs[\"query\"].parameters[\"shared_memory_region\"] is not supported"},
+      {"binary_data_size mismatch",
+       [](auto& r) {
          (*r.mutable_inputs(0)->mutable_parameters())["binary_data_size"].set_int64_param(12);
        },
-       C::kInvalidArgument, "inputs[\"query\"].parameters[\"binary_data_size\"] = 12 does not "
+       C::kInvalidArgument,
+       "inputs[\"query\"].parameters[\"binary_data_size\"] = 12 does not "
        "match its raw_input_contents entry (9216 bytes)"},
-      {"binary_data_size without raw", [](auto& r) {
+      {"binary_data_size without raw",
+       [](auto& r) {
          r.clear_raw_input_contents();
          r.mutable_inputs(0)->mutable_contents()->mutable_fp32_contents()->Resize(3 * 768, 0.0f);
          (*r.mutable_inputs(0)->mutable_parameters())["binary_data_size"].set_int64_param(9216);
        },
        C::kInvalidArgument, "does not match its raw_input_contents entry (none)"},
-      {"negative binary_data_size", [](auto& r) {
+      {"negative binary_data_size",
+       [](auto& r) {
          (*r.mutable_inputs(0)->mutable_parameters())["binary_data_size"].set_int64_param(-5);
        },
-       C::kInvalidArgument, "inputs[\"query\"].parameters[\"binary_data_size\"] = -5 does not "
+       C::kInvalidArgument,
+       "inputs[\"query\"].parameters[\"binary_data_size\"] = -5 does not "
        "match its raw_input_contents entry (9216 bytes)"},
-      {"FP32 in int_contents", [](auto& r) {
+      {"FP32 in int_contents",
+       [](auto& r) {
          r.clear_raw_input_contents();
          for (int v : {1, 2, 3}) r.mutable_inputs(0)->mutable_contents()->add_int_contents(v);
        },
-       C::kInvalidArgument, "inputs[\"query\"] is FP32, whose values go in "
+       C::kInvalidArgument,
+       "inputs[\"query\"] is FP32, whose values go in "
        "contents.fp32_contents, but its contents.int_contents holds 3 values"},
-      {"FP16 in fp32_contents", [](auto& r) {
+      {"FP16 in fp32_contents",
+       [](auto& r) {
          r.clear_raw_input_contents();
          r.mutable_inputs(0)->set_datatype("FP16");
          r.mutable_inputs(0)->mutable_contents()->mutable_fp32_contents()->Resize(3 * 768, 0.0f);
        },
-       C::kInvalidArgument, "inputs[\"query\"] is FP16, which has no typed contents in the "
+       C::kInvalidArgument,
+       "inputs[\"query\"] is FP16, which has no typed contents in the "
        "protocol, but its contents.fp32_contents holds 2304 values; send it in raw_input_contents"},
-      {"INT64 mask in int_contents", [](auto& r) {
+      {"INT64 mask in int_contents",
+       [](auto& r) {
          r.clear_raw_input_contents();
          r.mutable_inputs(0)->mutable_contents()->mutable_fp32_contents()->Resize(3 * 768, 0.0f);
          AddInput(r, "key_padding_mask", "INT64", {1, 3})->mutable_contents()->add_int_contents(1);
        },
-       C::kInvalidArgument, "inputs[\"key_padding_mask\"] is INT64, whose values go in "
+       C::kInvalidArgument,
+       "inputs[\"key_padding_mask\"] is INT64, whose values go in "
        "contents.int64_contents, but its contents.int_contents holds 1 values"},
-      {"typed FP32 count", [](auto& r) {
+      {"typed FP32 count",
+       [](auto& r) {
          r.clear_raw_input_contents();
          r.mutable_inputs(0)->mutable_contents()->add_fp32_contents(1);
        },
        C::kInvalidArgument, "inputs[\"query\"].contents holds 1 FP32 values; its shape needs 2304"},
-      {"typed FP16", [](auto& r) {
+      {"typed FP16",
+       [](auto& r) {
          r.clear_raw_input_contents();
          r.mutable_inputs(0)->set_datatype("FP16");
        },
        C::kInvalidArgument, "inputs[\"query\"] is FP16, which has no typed contents"},
-      {"typed BOOL count", [](auto& r) {
+      {"typed BOOL count",
+       [](auto& r) {
          r.clear_raw_input_contents();
          r.mutable_inputs(0)->mutable_contents()->mutable_fp32_contents()->Resize(3 * 768, 0.0f);
          AddInput(r, "key_padding_mask", "BOOL", {1, 3})->mutable_contents()->add_bool_contents(true);
        },
-       C::kInvalidArgument, "inputs[\"key_padding_mask\"].contents holds 1 BOOL values; its shape needs 3"},
-      {"typed INT64 count", [](auto& r) {
+       C::kInvalidArgument,
+       "inputs[\"key_padding_mask\"].contents holds 1 BOOL values; its shape needs 3"},
+      {"typed INT64 count",
+       [](auto& r) {
          r.clear_raw_input_contents();
          r.mutable_inputs(0)->mutable_contents()->mutable_fp32_contents()->Resize(3 * 768, 0.0f);
          AddInput(r, "key_padding_mask", "INT64", {1, 3})->mutable_contents()->add_int64_contents(1);
        },
-       C::kInvalidArgument, "inputs[\"key_padding_mask\"].contents holds 1 INT64 values; its shape needs 3"},
-      {"INT64 mask value", [](auto& r) {
+       C::kInvalidArgument,
+       "inputs[\"key_padding_mask\"].contents holds 1 INT64 values; its shape needs 3"},
+      {"INT64 mask value",
+       [](auto& r) {
          AddInput(r, "key_padding_mask", "INT64", {1, 3});
          r.add_raw_input_contents(Bytes(std::vector<int64_t>{1, 7, 0}));
        },
-       C::kInvalidArgument, "inputs[\"key_padding_mask\"] element 1 = 7; an integer mask holds 1 "
+       C::kInvalidArgument,
+       "inputs[\"key_padding_mask\"] element 1 = 7; an integer mask holds 1 "
        "(attend) or 0 (padding)"},
-      {"INT32 mask bytes", [](auto& r) {
+      {"INT32 mask bytes",
+       [](auto& r) {
          AddInput(r, "key_padding_mask", "INT32", {1, 3});
          r.add_raw_input_contents(Bytes(std::vector<int32_t>{1, 1}));
        },
-       C::kInvalidArgument, "raw_input_contents of \"key_padding_mask\" has 8 bytes; shape and "
+       C::kInvalidArgument,
+       "raw_input_contents of \"key_padding_mask\" has 8 bytes; shape and "
        "INT32 need 3 x 4"},
-      {"negative mask dim", [](auto& r) {
+      {"negative mask dim",
+       [](auto& r) {
          AddInput(r, "key_padding_mask", "INT64", {1, -3});
          r.add_raw_input_contents("");
        },
        C::kInvalidArgument, "inputs[\"key_padding_mask\"].shape[1] = -3 is negative"},
-      {"attn_mask datatype", [](auto& r) {
+      // The shape rule caps the count (wire::ElementCount): 2^61 INT64 elements need 2^64
+      // bytes, which wrap to the 0 sent, and are refused before a buffer is sized from them.
+      {"mask count past the cap",
+       [](auto& r) {
+         AddInput(r, "key_padding_mask", "INT64", {int64_t{1} << 61});
+         r.add_raw_input_contents("");
+       },
+       C::kInvalidArgument,
+       "inputs[\"key_padding_mask\"].shape [2305843009213693952] has more "
+       "than 2147483648 elements"},
+      {"attn_mask datatype",
+       [](auto& r) {
          AddInput(r, "attn_mask", "INT64", {3, 3});
          r.add_raw_input_contents(std::string(72, '\0'));
        },
        C::kInvalidArgument, "inputs[\"attn_mask\"].datatype = \"INT64\" is not accepted"},
-      {"unknown parameter", [](auto& r) { (*r.mutable_parameters())["sequence_id"].set_int64_param(4); },
-       C::kInvalidArgument, "parameters[\"sequence_id\"] is not a parameter of this server; known:"},
+      {"unknown parameter",
+       [](auto& r) { (*r.mutable_parameters())["sequence_id"].set_int64_param(4); },
+       C::kInvalidArgument,
+       "parameters[\"sequence_id\"] is not a parameter of this server; known:"},
       {"causal type", [](auto& r) { (*r.mutable_parameters())["causal"].set_string_param("yes"); },
        C::kInvalidArgument, "parameters[\"causal\"] must be a bool parameter"},
       {"scale type", [](auto& r) { (*r.mutable_parameters())["scale"].set_int64_param(2); },
        C::kInvalidArgument, "parameters[\"scale\"] must be a double parameter"},
-      {"need_weights value", [](auto& r) { (*r.mutable_parameters())["need_weights"].set_string_param("all"); },
-       C::kInvalidArgument, "parameters[\"need_weights\"] = \"all\"; expected \"none\", \"averaged\" or \"per_head\""},
-      {"need_weights type", [](auto& r) { (*r.mutable_parameters())["need_weights"].set_double_param(1); },
+      {"need_weights value",
+       [](auto& r) { (*r.mutable_parameters())["need_weights"].set_string_param("all"); },
+       C::kInvalidArgument,
+       "parameters[\"need_weights\"] = \"all\"; expected \"none\", \"averaged\" or \"per_head\""},
+      {"need_weights type",
+       [](auto& r) { (*r.mutable_parameters())["need_weights"].set_double_param(1); },
        C::kInvalidArgument, "parameters[\"need_weights\"] must be a string or bool parameter"},
-      {"polarity value", [](auto& r) { (*r.mutable_parameters())["bool_mask_polarity"].set_string_param("up"); },
+      {"polarity value",
+       [](auto& r) { (*r.mutable_parameters())["bool_mask_polarity"].set_string_param("up"); },
        C::kInvalidArgument, "parameters[\"bool_mask_polarity\"] = \"up\"; expected"},
-      {"negative timeout", [](auto& r) { (*r.mutable_parameters())["timeout"].set_int64_param(-1); },
+      {"negative timeout",
+       [](auto& r) { (*r.mutable_parameters())["timeout"].set_int64_param(-1); },
        C::kInvalidArgument, "parameters[\"timeout\"] = -1 µs must be >= 0"},
-      {"huge priority", [](auto& r) { (*r.mutable_parameters())["priority"].set_uint64_param(~uint64_t{0}); },
+      {"huge priority",
+       [](auto& r) { (*r.mutable_parameters())["priority"].set_uint64_param(~uint64_t{0}); },
        C::kInvalidArgument, "parameters[\"priority\"] = 18446744073709551615 is too large"},
-      {"priority range", [](auto& r) { (*r.mutable_parameters())["priority"].set_uint64_param(2'000'000); },
+      {"priority range",
+       [](auto& r) { (*r.mutable_parameters())["priority"].set_uint64_param(2'000'000); },
        C::kInvalidArgument, "parameters[\"priority\"] = 2000000 must be in [0, 1000000)"},
-      {"unknown output", [](auto& r) { r.add_outputs()->set_name("logits"); },
-       C::kInvalidArgument, "outputs[\"logits\"] is not an output"},
-      {"duplicate output", [](auto& r) { r.add_outputs()->set_name("output"); r.add_outputs()->set_name("output"); },
+      {"unknown output", [](auto& r) { r.add_outputs()->set_name("logits"); }, C::kInvalidArgument,
+       "outputs[\"logits\"] is not an output"},
+      {"duplicate output",
+       [](auto& r) {
+         r.add_outputs()->set_name("output");
+         r.add_outputs()->set_name("output");
+       },
        C::kInvalidArgument, "outputs[\"output\"] is requested twice"},
-      {"output parameter", [](auto& r) {
+      {"output parameter",
+       [](auto& r) {
          auto* output = r.add_outputs();
          output->set_name("output");
          (*output->mutable_parameters())["classification"].set_int64_param(3);
        },
        C::kUnimplemented, "outputs[\"output\"].parameters[\"classification\"] is not supported"},
-      {"weights without need", [](auto& r) {
+      {"weights without need",
+       [](auto& r) {
          r.add_outputs()->set_name("attention_weights");
          (*r.mutable_parameters())["need_weights"].set_string_param("none");
        },
-       C::kInvalidArgument, "outputs asks for \"attention_weights\" but parameters[\"need_weights\"] is \"none\""},
+       C::kInvalidArgument,
+       "outputs asks for \"attention_weights\" but parameters[\"need_weights\"] is \"none\""},
   };
 }
 
@@ -209,6 +261,14 @@ TEST(KserveConvertTest, EveryRejectionNamesTheFieldAndValues) {
     EXPECT_EQ(status.code(), test.code) << status;
     EXPECT_NE(status.message().find(test.message_part), std::string::npos) << status.message();
   }
+}
+
+// KServe's datatype names come from core's dtype table, both ways.
+TEST(KserveConvertTest, DatatypeNamesAreCoresTable) {
+  for (const core::DTypeInfo& info : core::kDTypes) {
+    EXPECT_STREQ(kserve::DatatypeName(wire::WireDType(info.dtype)), info.kserve_name);
+  }
+  EXPECT_STREQ(kserve::DatatypeName(v1::DATA_TYPE_UNSPECIFIED), "");
 }
 
 TEST(KserveConvertTest, MapsInputsParametersAndOutputs) {

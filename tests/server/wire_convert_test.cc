@@ -31,6 +31,16 @@ TEST(QueueDeadlineTest, NegativeTimeoutIsInvalid) {
             "options.queue_timeout_us = -5 must be >= 0 (microseconds; 0 = no limit)");
 }
 
+// One rule for both APIs' queue timeouts: the native field and KServe's "timeout".
+TEST(QueueDeadlineTest, CheckQueueTimeoutNamesTheFieldAndUnit) {
+  EXPECT_TRUE(CheckQueueTimeout(0, "options.queue_timeout_us").ok());
+  EXPECT_TRUE(CheckQueueTimeout(7, "parameters[\"timeout\"]", " µs").ok());
+  const absl::Status status = CheckQueueTimeout(-1, "parameters[\"timeout\"]", " µs");
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(status.message(),
+            "parameters[\"timeout\"] = -1 µs must be >= 0 (microseconds; 0 = no limit)");
+}
+
 TEST(BatchingPolicyTest, OnlyTheFieldsSetOverrideTheServer) {
   v1::BatchingPolicy policy;
   policy.set_max_batch_requests(4);

@@ -1,0 +1,55 @@
+#include "core/cuda/device_backend.h"
+
+#include "absl/strings/str_cat.h"
+#include "core/cuda/cuda_status.h"
+#include "core/cuda/launch_plan.h"
+#include "core/cuda/prepared_layer.h"
+#include "core/status_macros.h"
+
+namespace attention::core::cuda {
+
+CudaBackend::CudaBackend(int device, const cudaDeviceProp& properties)
+    : device_(device),
+      name_(absl::StrCat("cuda:", device)),
+      max_shared_bytes_(static_cast<int64_t>(properties.sharedMemPerBlockOptin)),
+      contexts_(device) {}
+
+absl::Status CudaBackend::KernelSupports(const AttentionShape& shape) const {
+  const std::string reason = FlashUnsupportedReason(shape, max_shared_bytes_);
+  if (!reason.empty()) return absl::UnimplementedError(absl::StrCat(name_, ": ", reason));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Supports(const MhaConfig& config, const AttentionOptions& options) const {
+  AttentionShape shape;
+  shape.head_dim = config.head_dim;
+  shape.v_head_dim = config.v_head_dim;
+  return KernelSupports(shape);  // every AttentionOptions field is computed on the device
+}
+
+absl::StatusOr<std::unique_ptr<PreparedLayer>> CudaBackend::Prepare(
+    const MhaConfig& config, const MhaWeightsView& weights) const {
+  RETURN_IF_ERROR(Supports(config, AttentionOptions{}));
+  RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
+  auto prepared = std::make_unique<CudaPreparedLayer>(*this, config);
+  RETURN_IF_ERROR(prepared->Upload(weights));
+  return prepared;
+}
+
+std::optional<DeviceMemory> CudaBackend::Memory() const {
+  size_t free_bytes = 0, total_bytes = 0;
+  if (cudaSetDevice(device_) != cudaSuccess ||
+      cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) {
+    return std::nullopt;
+  }
+  return DeviceMemory{static_cast<int64_t>(total_bytes - free_bytes),
+                      static_cast<int64_t>(total_bytes)};
+}
+
+absl::Status CudaBackend::Attend(const DeviceAttentionProblem& problem, cudaStream_t stream) const {
+  RETURN_IF_ERROR(KernelSupports(problem.shape));
+  const FlashLaunchPlan plan = PlanFlashAttention(problem.shape, problem.weights != nullptr);
+  return CudaStatus(LaunchAttention(problem, plan, stream), "attention kernel launch");
+}
+
+}  // namespace attention::core::cuda

@@ -1,0 +1,57 @@
+// The CUDA backend of one GPU (see cuda_backend.h): what it supports, its prepared layers
+// (prepared_layer.h), scaled dot-product attention (sdpa.cc) and each worker thread's
+// stream context.
+#ifndef ATTENTION_CORE_CUDA_DEVICE_BACKEND_H_
+#define ATTENTION_CORE_CUDA_DEVICE_BACKEND_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include <cuda_runtime.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/backend.h"
+#include "core/cuda/kernels.h"
+#include "core/cuda/streams.h"
+
+namespace attention::core::cuda {
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(int device, const cudaDeviceProp& properties);
+
+  const std::string& name() const override { return name_; }
+  int device() const { return device_; }
+
+  absl::Status Supports(const MhaConfig& config, const AttentionOptions& options) const override;
+  absl::StatusOr<std::unique_ptr<PreparedLayer>> Prepare(
+      const MhaConfig& config, const MhaWeightsView& weights) const override;
+  absl::StatusOr<AttentionResult> ScaledDotProductAttention(const SdpaInput& input) const override;
+
+  // 16-bit inputs travel to the GPU as sent (half the bytes) and are converted there.
+  bool ConvertsHalfInputs() const override { return true; }
+
+  std::optional<DeviceMemory> Memory() const override;
+
+  // The calling thread's stream context on this device, created on first use.
+  absl::StatusOr<StreamContext*> Context() const { return contexts_.ForThisThread(); }
+
+  // Runs one problem (shape checked by Supports) on `stream`.
+  absl::Status Attend(const DeviceAttentionProblem& problem, cudaStream_t stream) const;
+
+ private:
+  // UNIMPLEMENTED naming this device and what the attention kernel cannot do, or OK.
+  absl::Status KernelSupports(const AttentionShape& shape) const;
+
+  const int device_;
+  const std::string name_;
+  const int64_t max_shared_bytes_;
+  StreamContexts contexts_;
+};
+
+}  // namespace attention::core::cuda
+
+#endif  // ATTENTION_CORE_CUDA_DEVICE_BACKEND_H_

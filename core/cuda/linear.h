@@ -1,0 +1,19 @@
+// The layer's linear projections on cuBLAS.
+#ifndef ATTENTION_CORE_CUDA_LINEAR_H_
+#define ATTENTION_CORE_CUDA_LINEAR_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "core/cuda/streams.h"
+
+namespace attention::core::cuda {
+
+// y[rows, out] (row stride ldy) = x[rows, in] * w[out, in]^T (+ bias), row-major, on the
+// context's stream; UNIMPLEMENTED past cuBLAS's int sizes.
+absl::Status Linear(const StreamContext& context, const float* x, int64_t rows, int64_t in,
+                    const float* weight, const float* bias, int64_t out, float* y, int64_t ldy);
+
+}  // namespace attention::core::cuda
+
+#endif  // ATTENTION_CORE_CUDA_LINEAR_H_

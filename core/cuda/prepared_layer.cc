@@ -1,0 +1,243 @@
+#include "core/cuda/prepared_layer.h"
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <utility>
+
+#include <cuda_runtime.h>
+
+#include "absl/strings/str_cat.h"
+#include "core/attention_kernels.h"
+#include "core/cuda/cuda_status.h"
+#include "core/cuda/device_backend.h"
+#include "core/cuda/kernels.h"
+#include "core/cuda/linear.h"
+#include "core/cuda/staging.h"
+#include "core/forward_plan.h"
+#include "core/status_macros.h"
+
+namespace attention::core::cuda {
+
+CudaPreparedLayer::~CudaPreparedLayer() {
+  if (memory_ != nullptr) {
+    cudaSetDevice(backend_.device());
+    cudaFree(memory_);
+  }
+}
+
+absl::Status CudaPreparedLayer::Upload(const MhaWeightsView& w) {
+  // One allocation for every tensor; Q, K and V stay fused when the host has them fused.
+  const bool fused = !w.fused_qkv_weight.empty();
+  struct Part {
+    absl::Span<const float> host;
+    const float** device;
+    int64_t offset = 0;
+  };
+  std::vector<Part> parts = {{w.out_weight, &weights_.out_weight},
+                             {w.out_bias, &weights_.out_bias}};
+  if (fused) {
+    parts.push_back({w.fused_qkv_weight, &weights_.fused_qkv_weight});
+    parts.push_back({w.fused_qkv_bias, &weights_.fused_qkv_bias});
+  } else {
+    for (auto [host, device] : {std::pair{w.q_weight, &weights_.q_weight},
+                                {w.k_weight, &weights_.k_weight},
+                                {w.v_weight, &weights_.v_weight},
+                                {w.q_bias, &weights_.q_bias},
+                                {w.k_bias, &weights_.k_bias},
+                                {w.v_bias, &weights_.v_bias}}) {
+      parts.push_back({host, device});
+    }
+  }
+  Arena arena;
+  for (Part& part : parts) part.offset = arena.Add(part.host.size() * sizeof(float));
+  bytes_ = arena.size();
+  RETURN_IF_ERROR(CudaStatus(cudaMalloc(&memory_, std::max<int64_t>(bytes_, 1)),
+                             absl::StrCat("cudaMalloc(", bytes_, " bytes of weights)")));
+  char* base = static_cast<char*>(memory_);
+  for (const Part& part : parts) {
+    if (part.host.empty()) continue;
+    RETURN_IF_ERROR(CudaStatus(cudaMemcpy(base + part.offset, part.host.data(),
+                                          part.host.size() * sizeof(float), cudaMemcpyHostToDevice),
+                               "cudaMemcpy(weights)"));
+    *part.device = reinterpret_cast<const float*>(base + part.offset);
+  }
+  if (fused) {
+    // Q, K and V rows, and their biases, are ranges of the fused matrix (as on the host).
+    const MhaConfig& c = config_;
+    weights_.q_weight = weights_.fused_qkv_weight;
+    weights_.k_weight = weights_.q_weight + c.QWidth() * c.embed_dim;
+    weights_.v_weight = weights_.k_weight + c.KWidth() * c.embed_dim;
+    if (weights_.fused_qkv_bias != nullptr) {
+      weights_.q_bias = weights_.fused_qkv_bias;
+      weights_.k_bias = weights_.q_bias + c.QWidth();
+      weights_.v_bias = weights_.k_bias + c.KWidth();
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::ForwardBatch(
+    absl::Span<const MhaInput* const> inputs) const {
+  const MhaConfig& c = config_;
+  const size_t count = inputs.size();
+  const ForwardPlan plan = PlanForward(c, inputs, weights_.fused_qkv_weight != nullptr);
+  const int64_t q_rows = plan.q_rows, kv_rows = plan.kv_rows;
+  const bool all_self_attention = plan.all_self_attention;
+
+  // Memory: inputs (copied in at once), scratch, outputs (copied out at once). 16-bit
+  // inputs are copied as sent and converted into the float32 token matrices on the device;
+  // when every input is 16-bit, those matrices are scratch and are not copied at all.
+  const bool all_half =
+      std::all_of(inputs.begin(), inputs.end(), [](const MhaInput* in) { return in->is_half(); });
+  Arena arena;
+  auto plan_tokens = [&] {
+    return std::array<int64_t, 3>{
+        arena.Add(q_rows * c.embed_dim * sizeof(float)),
+        all_self_attention ? -1 : arena.Add(kv_rows * c.kdim * sizeof(float)),
+        all_self_attention ? -1 : arena.Add(kv_rows * c.vdim * sizeof(float))};
+  };
+  std::array<int64_t, 3> tokens_at = {-1, -1, -1};
+  if (!all_half) tokens_at = plan_tokens();
+  // Per input: where its 16-bit query, key and value are staged (-1: none).
+  std::vector<std::array<int64_t, 3>> half_at(count, {-1, -1, -1});
+  for (size_t n = 0; n < count; ++n) {
+    const MhaInput& in = *inputs[n];
+    if (!in.is_half()) continue;
+    half_at[n][0] = arena.Add(in.query_half.size() * sizeof(uint16_t));
+    if (!in.key_half.empty()) {
+      half_at[n][1] = arena.Add(in.key_half.size() * sizeof(uint16_t));
+      half_at[n][2] = arena.Add(in.value_half.size() * sizeof(uint16_t));
+    }
+  }
+  std::vector<StagedMask> masks(count);
+  for (size_t n = 0; n < count; ++n) masks[n].Plan(inputs[n]->options, arena);
+  Staged staged;
+  staged.input_bytes = arena.size();
+  if (all_half) tokens_at = plan_tokens();
+  const int64_t x_at = tokens_at[0], xk_at = tokens_at[1], xv_at = tokens_at[2];
+  // Projected Q, K and V: one [q_rows, Q + K + V] matrix when fused.
+  const int64_t q_at = arena.Add(q_rows * plan.q_stride * sizeof(float));
+  const int64_t k_at = plan.fused_qkv ? -1 : arena.Add(kv_rows * c.KWidth() * sizeof(float));
+  const int64_t v_at = plan.fused_qkv ? -1 : arena.Add(kv_rows * c.VWidth() * sizeof(float));
+  const int64_t attended_at =
+      c.output_projection ? arena.Add(q_rows * c.AttentionWidth() * sizeof(float)) : -1;
+  std::vector<StagedWeights> weights(count);
+  for (size_t n = 0; n < count; ++n) {
+    weights[n].PlanScratch(plan.inputs[n].dims, inputs[n]->options.need_weights, arena);
+  }
+  staged.output_offset = arena.Add(0);
+  const int64_t output_at = arena.Add(q_rows * c.output_dim * sizeof(float));
+  for (size_t n = 0; n < count; ++n) {
+    weights[n].PlanOutput(plan.inputs[n].dims, inputs[n]->options.need_weights, arena);
+  }
+  staged.output_bytes = arena.size() - staged.output_offset;
+
+  ASSIGN_OR_RETURN(StreamContext * context, backend_.Context());
+  ASSIGN_OR_RETURN(char* device, context->device.Reserve(arena.size()));
+  ASSIGN_OR_RETURN(char* staging, context->staging.Reserve(arena.size()));
+  auto host = [staging](int64_t at) { return reinterpret_cast<float*>(staging + at); };
+  auto on_device = [device](int64_t at) { return reinterpret_cast<float*>(device + at); };
+
+  for (size_t n = 0; n < count; ++n) {
+    const MhaInput& in = *inputs[n];
+    if (in.is_half()) {
+      for (auto [at, bits] : {std::pair{half_at[n][0], in.query_half},
+                              {half_at[n][1], in.key_half},
+                              {half_at[n][2], in.value_half}}) {
+        if (at >= 0) std::memcpy(staging + at, bits.data(), bits.size() * sizeof(uint16_t));
+      }
+    } else {
+      PackInputTokens(c, plan.inputs[n], in, host(x_at), all_self_attention ? nullptr : host(xk_at),
+                      all_self_attention ? nullptr : host(xv_at));
+    }
+    masks[n].Stage(in.options, staging);
+  }
+  RETURN_IF_ERROR(CudaStatus(
+      cudaMemcpyAsync(device, staging, staged.input_bytes, cudaMemcpyHostToDevice, context->stream),
+      "cudaMemcpyAsync(inputs)"));
+  for (size_t n = 0; n < count; ++n) {
+    const MhaInput& in = *inputs[n];
+    if (!in.is_half()) continue;
+    const ForwardPlan::Input& planned = plan.inputs[n];
+    const bool bfloat16 = in.half_dtype == DType::kBFloat16;
+    auto convert = [&](int64_t at, size_t elements, float* out) {
+      return CudaStatus(LaunchHalfToFloat(reinterpret_cast<const uint16_t*>(device + at), out,
+                                          elements, bfloat16, context->stream),
+                        "16-bit conversion kernel");
+    };
+    RETURN_IF_ERROR(convert(half_at[n][0], in.query_half.size(),
+                            on_device(x_at) + planned.q_row * c.embed_dim));
+    if (!all_self_attention) {
+      // A self-attention input of a mixed batch: its key and value rows are its query rows.
+      const bool self = in.key_half.empty();
+      RETURN_IF_ERROR(convert(self ? half_at[n][0] : half_at[n][1],
+                              self ? in.query_half.size() : in.key_half.size(),
+                              on_device(xk_at) + planned.kv_row * c.kdim));
+      RETURN_IF_ERROR(convert(self ? half_at[n][0] : half_at[n][2],
+                              self ? in.query_half.size() : in.value_half.size(),
+                              on_device(xv_at) + planned.kv_row * c.vdim));
+    }
+  }
+
+  // Projections over every token of the batch, at the plan's strides.
+  float *q = on_device(q_at), *k, *v;
+  if (plan.fused_qkv) {
+    RETURN_IF_ERROR(Linear(*context, on_device(x_at), q_rows, c.embed_dim,
+                           weights_.fused_qkv_weight, weights_.fused_qkv_bias, plan.q_stride, q,
+                           plan.q_stride));
+    k = q + c.QWidth();
+    v = k + c.KWidth();
+  } else {
+    const float* key_input = all_self_attention ? on_device(x_at) : on_device(xk_at);
+    const float* value_input = all_self_attention ? on_device(x_at) : on_device(xv_at);
+    k = on_device(k_at);
+    v = on_device(v_at);
+    RETURN_IF_ERROR(Linear(*context, on_device(x_at), q_rows, c.embed_dim, weights_.q_weight,
+                           weights_.q_bias, c.QWidth(), q, plan.q_stride));
+    RETURN_IF_ERROR(Linear(*context, key_input, kv_rows, c.kdim, weights_.k_weight, weights_.k_bias,
+                           c.KWidth(), k, plan.k_stride));
+    RETURN_IF_ERROR(Linear(*context, value_input, kv_rows, c.vdim, weights_.v_weight,
+                           weights_.v_bias, c.VWidth(), v, plan.v_stride));
+  }
+  float* attended = c.output_projection ? on_device(attended_at) : on_device(output_at);
+  for (size_t n = 0; n < count; ++n) {
+    const ForwardPlan::Input& planned = plan.inputs[n];
+    if (c.rope_theta > 0.0) {
+      RETURN_IF_ERROR(
+          CudaStatus(LaunchRotary(q + planned.q_row * plan.q_stride, planned.q_rows(),
+                                  planned.dims.q_len, c.num_heads, c.head_dim, planned.rotary_base,
+                                  c.rope_scaling, plan.q_stride, context->stream),
+                     "rotary kernel"));
+      RETURN_IF_ERROR(CudaStatus(
+          LaunchRotary(k + planned.kv_row * plan.k_stride, planned.kv_rows(), planned.dims.kv_len,
+                       c.num_kv_heads, c.head_dim, planned.rotary_base, c.rope_scaling,
+                       plan.k_stride, context->stream),
+          "rotary kernel"));
+    }
+    RETURN_IF_ERROR(backend_.Attend(
+        ToDeviceProblem(plan.Attention(n, q, k, v, attended), masks[n], weights[n], device),
+        context->stream));
+  }
+  if (c.output_projection) {
+    RETURN_IF_ERROR(Linear(*context, attended, q_rows, c.AttentionWidth(), weights_.out_weight,
+                           weights_.out_bias, c.output_dim, on_device(output_at), c.output_dim));
+  }
+  RETURN_IF_ERROR(
+      CudaStatus(cudaMemcpyAsync(staging + staged.output_offset, device + staged.output_offset,
+                                 staged.output_bytes, cudaMemcpyDeviceToHost, context->stream),
+                 "cudaMemcpyAsync(outputs)"));
+  RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(context->stream), "forward pass"));
+
+  std::vector<AttentionResult> results(count);
+  for (size_t n = 0; n < count; ++n) {
+    const ForwardPlan::Input& planned = plan.inputs[n];
+    DeliverOutput(*inputs[n], host(output_at) + planned.q_row * c.output_dim,
+                  planned.q_rows() * c.output_dim, &results[n]);
+    weights[n].CopyOut(staging, results[n].weights);
+    FinishWeights(results[n], planned.dims, inputs[n]->options.need_weights);
+  }
+  return results;
+}
+
+}  // namespace attention::core::cuda

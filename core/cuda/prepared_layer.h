@@ -1,0 +1,47 @@
+// A layer prepared on a GPU: its weights uploaded once, its forward pass over a packed
+// batch run on the calling thread's stream as core/forward_plan.h plans it.
+#ifndef ATTENTION_CORE_CUDA_PREPARED_LAYER_H_
+#define ATTENTION_CORE_CUDA_PREPARED_LAYER_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "core/backend.h"
+
+namespace attention::core::cuda {
+
+class CudaBackend;
+
+// Device copies of a layer's weights: one allocation, views into it (null when absent).
+struct DeviceWeights {
+  const float *q_weight = nullptr, *k_weight = nullptr, *v_weight = nullptr, *out_weight = nullptr;
+  const float *q_bias = nullptr, *k_bias = nullptr, *v_bias = nullptr, *out_bias = nullptr;
+  const float *fused_qkv_weight = nullptr, *fused_qkv_bias = nullptr;
+};
+
+class CudaPreparedLayer final : public PreparedLayer {
+ public:
+  CudaPreparedLayer(const CudaBackend& backend, const MhaConfig& config)
+      : backend_(backend), config_(config) {}
+  ~CudaPreparedLayer() override;
+
+  // Copies the weights to the backend's GPU (the current device).
+  absl::Status Upload(const MhaWeightsView& weights);
+  absl::StatusOr<std::vector<AttentionResult>> ForwardBatch(
+      absl::Span<const MhaInput* const> inputs) const override;
+  int64_t DeviceWeightBytes() const override { return bytes_; }
+
+ private:
+  const CudaBackend& backend_;
+  const MhaConfig config_;
+  void* memory_ = nullptr;
+  int64_t bytes_ = 0;
+  DeviceWeights weights_;
+};
+
+}  // namespace attention::core::cuda
+
+#endif  // ATTENTION_CORE_CUDA_PREPARED_LAYER_H_

@@ -1,0 +1,41 @@
+#include "core/cuda/streams.h"
+
+#include <utility>
+
+#include "core/cuda/cuda_status.h"
+#include "core/status_macros.h"
+
+namespace attention::core::cuda {
+
+StreamContexts::~StreamContexts() {
+  cudaSetDevice(device_);
+  for (auto& [thread, context] : contexts_) {
+    cublasDestroy(context->cublas);
+    cudaStreamDestroy(context->stream);
+  }
+}
+
+absl::StatusOr<StreamContext*> StreamContexts::ForThisThread() const {
+  RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
+  MutexLock lock(mu_);
+  std::unique_ptr<StreamContext>& context = contexts_[std::this_thread::get_id()];
+  if (context == nullptr) {
+    auto created = std::make_unique<StreamContext>();
+    RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&created->stream, cudaStreamNonBlocking),
+                               "cudaStreamCreate"));
+    const cublasStatus_t status = cublasCreate(&created->cublas);
+    if (status != CUBLAS_STATUS_SUCCESS) {
+      cudaStreamDestroy(created->stream);
+      return CublasStatus(status, "cublasCreate");
+    }
+    cublasSetStream(created->cublas, created->stream);
+    // Full fp32 SGEMM: the default math mode never rounds to TF32 (only
+    // CUBLAS_TF32_TENSOR_OP_MATH or NVIDIA_TF32_OVERRIDE=1 would), as PyTorch with
+    // allow_tf32 = False; results match the CPU backend within float rounding.
+    cublasSetMathMode(created->cublas, CUBLAS_DEFAULT_MATH);
+    context = std::move(created);
+  }
+  return context.get();
+}
+
+}  // namespace attention::core::cuda
