@@ -38,7 +38,17 @@ struct AlignedBytes {
   uint8_t* data;
 };
 
-// Sum of `count` floats; four independent chains so the adds' latency does not bound it.
+// Sum of `count` floats (a multiple of 64); several independent chains so the adds' latency
+// does not bound it. The generic version vectorizes in the AVX2 wrapper.
+__attribute__((always_inline)) inline float SumGeneric(const float* x, int64_t count) {
+  float lanes[32] = {};
+  for (int64_t i = 0; i + 32 <= count; i += 32) {
+    for (int l = 0; l < 32; ++l) lanes[l] += x[i + l];
+  }
+  float sum = 0;
+  for (const float lane : lanes) sum += lane;
+  return sum;
+}
 #if defined(__x86_64__)
 // (GCC 12 takes the reduction's undefined pass-through operands for uninitialised reads.)
 #pragma GCC diagnostic push
@@ -58,18 +68,7 @@ __attribute__((target("avx512f"))) float SumAvx512(const float* x, int64_t count
 }
 #pragma GCC diagnostic pop
 __attribute__((target("avx2"))) float SumAvx2(const float* x, int64_t count) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  for (int64_t i = 0; i + 32 <= count; i += 32) {
-    a0 = _mm256_add_ps(a0, _mm256_load_ps(x + i));
-    a1 = _mm256_add_ps(a1, _mm256_load_ps(x + i + 8));
-    a2 = _mm256_add_ps(a2, _mm256_load_ps(x + i + 16));
-    a3 = _mm256_add_ps(a3, _mm256_load_ps(x + i + 24));
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-  float sum = 0;
-  for (const float lane : lanes) sum += lane;
-  return sum;
+  return SumGeneric(x, count);
 }
 #endif
 float Sum(const float* x, int64_t count) {
@@ -77,11 +76,7 @@ float Sum(const float* x, int64_t count) {
   if (BestSimdLevel() == SimdLevel::kAvx512) return SumAvx512(x, count);
   if (BestSimdLevel() == SimdLevel::kAvx2) return SumAvx2(x, count);
 #endif
-  float lanes[8] = {};
-  for (int64_t i = 0; i + 8 <= count; i += 8) {
-    for (int l = 0; l < 8; ++l) lanes[l] += x[i + l];
-  }
-  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  return SumGeneric(x, count);
 }
 
 // The read roof: every compute thread sums its share of a 512 MiB buffer.

@@ -158,8 +158,10 @@ class KvBlockPool {
   // list and to `freed`.
   void Apply(const BlockDelta& delta, std::vector<BlockId>* freed);
   // The deltas of `sequence`'s tail block in each layer when it ends inside one.
-  void AddTailDeltas(const KvSequence& sequence, int32_t sign, std::vector<BlockDelta>* deltas) const;
-  absl::Status Exhausted(absl::string_view what, int64_t blocks_needed, int64_t tokens_per_block) const;
+  void AddTailDeltas(const KvSequence& sequence, int32_t sign,
+                     std::vector<BlockDelta>* deltas) const;
+  absl::Status Exhausted(absl::string_view what, int64_t blocks_needed,
+                         int64_t tokens_per_block) const;
 
   int64_t block_bytes_;
   std::vector<BlockState> blocks_;

@@ -32,7 +32,8 @@ TEST(KvLayoutTest, TokensPerBlockFollowsTheLayout) {
   EXPECT_EQ(*TokensPerBlock({3, 100, 60, DType::kFloat32}, 4096), 2);  // 1920 bytes a token
   const absl::StatusOr<int64_t> too_big = TokensPerBlock({64, 512, 512, DType::kFloat32}, 65536);
   EXPECT_EQ(too_big.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(too_big.status().message(), HasSubstr("262144 bytes does not fit a KV block of 65536"));
+  EXPECT_THAT(too_big.status().message(),
+              HasSubstr("262144 bytes does not fit a KV block of 65536"));
   EXPECT_EQ(TokensPerBlock({1, 1, 1, DType::kFloat16}, 64).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(TokensPerBlock({0, 1, 1, DType::kFloat32}, 64).status().code(),

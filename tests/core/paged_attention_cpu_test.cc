@@ -157,7 +157,9 @@ void ReferenceDecode(const Shape& shape, const Sequence& s, float scale, std::ve
       for (int64_t j = 0; j < visible; ++j) {
         const float* k = &s.keys[(j * shape.kv_heads + kv) * shape.key_dim];
         T dot = 0;
-        for (int64_t c = 0; c < shape.key_dim; ++c) dot += static_cast<T>(q[c]) * static_cast<T>(k[c]);
+        for (int64_t c = 0; c < shape.key_dim; ++c) {
+          dot += static_cast<T>(q[c]) * static_cast<T>(k[c]);
+        }
         scores[j] = dot * static_cast<T>(scale);
         max = std::max(max, scores[j]);
       }
@@ -166,7 +168,8 @@ void ReferenceDecode(const Shape& shape, const Sequence& s, float scale, std::ve
       for (int64_t c = 0; c < shape.value_dim; ++c) {
         T acc = 0;
         for (int64_t j = 0; j < visible; ++j) {
-          acc += scores[j] * static_cast<T>(s.values[(j * shape.kv_heads + kv) * shape.value_dim + c]);
+          const float value = s.values[(j * shape.kv_heads + kv) * shape.value_dim + c];
+          acc += scores[j] * static_cast<T>(value);
         }
         (*output)[(i * shape.heads + h) * shape.value_dim + c] = acc / sum;
       }
@@ -223,7 +226,8 @@ TEST_P(PagedDecodeLevelTest, MatchesDenseReferencesOverASeededGrid) {
           // Blocks of 1, 5 or 16 tokens: partial last blocks for most lengths.
           const int64_t tokens_per_block = std::vector<int64_t>{1, 5, 16}[rng() % 3];
           const uint64_t seed = rng();
-          const Shape shape{heads.heads, heads.kv_heads, key_dim, value_dim, tokens_per_block, dtype};
+          const Shape shape{heads.heads, heads.kv_heads, key_dim, value_dim, tokens_per_block,
+                            dtype};
           SCOPED_TRACE(::testing::Message()
                        << "seed " << seed << " (grid seed " << kSeed << "): L " << length << " n "
                        << queries << " H " << heads.heads << " H_kv " << heads.kv_heads << " dk "
@@ -290,7 +294,8 @@ TEST(PagedDecodeCpuTest, RefusesMalformedBatches) {
   s.length = 20, s.queries = 2;
   s.table.pop_back();
   status = pool.Run({0}, threads);
-  EXPECT_THAT(status.message(), ::testing::HasSubstr("needs 3 blocks of 8 tokens; its block table has 2"));
+  EXPECT_THAT(status.message(),
+              ::testing::HasSubstr("needs 3 blocks of 8 tokens; its block table has 2"));
   s.table.push_back(1 << 20);
   status = pool.Run({0}, threads);
   EXPECT_THAT(status.message(), ::testing::HasSubstr("names block 1048576"));
