@@ -41,13 +41,13 @@ class Metrics {
   void CallFinished(absl::string_view method, absl::StatusCode code, absl::Duration elapsed);
   // A request left the queue after waiting `waited`.
   void Dequeued(absl::Duration waited);
-  // One forward pass of `layer`'s queue (see QueueName in batcher.h) on `device` over
+  // One forward pass of `layer`'s queue (see WorkItem::queue_name in batcher.h) on `device` over
   // `requests` requests and `tokens` query tokens; by layer, so each layer's batching can
   // be tuned, and compute time also by device.
   void BatchComputed(absl::string_view layer, absl::string_view device, int64_t requests,
                      int64_t tokens, absl::Duration compute);
   void TokensProcessed(absl::string_view layer, int64_t tokens);
-  // Requests waiting in one layer's queue (see QueueName in batcher.h).
+  // Requests waiting in one layer's queue (see WorkItem::queue_name in batcher.h).
   void SetQueueDepth(absl::string_view layer, int64_t requests);
   // The bound of one layer's queue (its max_queue_requests), so alerts can compare the
   // depth with it.

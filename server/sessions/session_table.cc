@@ -111,7 +111,7 @@ SessionTable::SessionTable(const SessionTableOptions& options,
                            core::kv_cache::KvBlockPool block_pool, core::ThreadPool& pool)
     : options_(options), pool_(pool), block_pool_(std::move(block_pool)) {
   const int64_t blocks = block_pool_.Counters().blocks_total;
-  storage_ = std::make_unique<std::byte[]>(blocks * options_.block_bytes);
+  storage_.reset(new std::byte[blocks * options_.block_bytes]);
   if (options_.poison_freed_blocks) {
     std::vector<BlockId> all(blocks);
     for (BlockId b = 0; b < blocks; ++b) all[b] = b;

@@ -130,6 +130,7 @@ class SessionTable {
   int64_t ExpireIdle(absl::Time now);
 
   SessionCounters Counters() const;
+  int64_t block_bytes() const { return options_.block_bytes; }
 
  private:
   struct Session {
@@ -174,7 +175,8 @@ class SessionTable {
   core::ThreadPool& pool_;
   mutable core::Mutex mu_;  // see core/mutex.h
   core::kv_cache::KvBlockPool block_pool_ ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<std::byte[]> storage_ ABSL_GUARDED_BY(mu_);  // the pool's blocks
+  // The pool's blocks; left uninitialized, so pages are committed as sessions fill them.
+  std::unique_ptr<std::byte[]> storage_ ABSL_GUARDED_BY(mu_);
   absl::node_hash_map<std::string, Session> sessions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, Tombstone> tombstones_ ABSL_GUARDED_BY(mu_);
   std::deque<std::string> tombstone_order_ ABSL_GUARDED_BY(mu_);  // oldest first
