@@ -95,9 +95,8 @@ void BM_ReadBandwidth(benchmark::State& state) {
     });
     benchmark::DoNotOptimize(sums.data());
   }
-  state.counters["read_bytes/s"] =
-      benchmark::Counter(static_cast<double>(kBytes) * state.iterations(),
-                         benchmark::Counter::kIsRate);
+  state.counters["read_bytes/s"] = benchmark::Counter(
+      static_cast<double>(kBytes) * state.iterations(), benchmark::Counter::kIsRate);
   state.counters["threads"] = ComputeThreads();
   state.SetLabel(SimdLevelName(BestSimdLevel()));
 }

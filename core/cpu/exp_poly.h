@@ -20,9 +20,13 @@ inline constexpr float kLn2Low = -1.904654299957768e-09f;    // ln 2 - kLn2High
 // A degree-6 polynomial fitted to exp's relative error on [-ln2/2, ln2/2] (iteratively
 // reweighted least squares): 1.2 ulp when evaluated in float, where Taylor's degree 6 erred
 // 3.5 ulp and its degree 7 cost one more FMA for 1.1.
-inline constexpr float kExpCoefficients[] = {1.383680850e-03f, 8.374815807e-03f,
-                                             4.166822508e-02f, 1.666641980e-01f,
-                                             4.999999106e-01f, 1.0f, 1.0f};
+inline constexpr float kExpCoefficients[] = {1.383680850e-03f,
+                                             8.374815807e-03f,
+                                             4.166822508e-02f,
+                                             1.666641980e-01f,
+                                             4.999999106e-01f,
+                                             1.0f,
+                                             1.0f};
 inline constexpr int kExpTerms = sizeof(kExpCoefficients) / sizeof(kExpCoefficients[0]);
 static_assert(kExpTerms == 7, "ExpOfNonPositive spells out 7 terms");
 
@@ -38,8 +42,8 @@ __attribute__((always_inline)) inline float ExpOfClamped(float x) {
   // Horner spelled out: a loop here kept GCC from vectorizing the caller's loop.
   const float* k = kExpCoefficients;
   const float p = std::fma(
-      std::fma(std::fma(std::fma(std::fma(std::fma(k[0], f, k[1]), f, k[2]), f, k[3]), f, k[4]),
-               f, k[5]),
+      std::fma(std::fma(std::fma(std::fma(std::fma(k[0], f, k[1]), f, k[2]), f, k[3]), f, k[4]), f,
+               k[5]),
       f, k[6]);
   const int32_t exponent_bits = (static_cast<int32_t>(n) + 127) * (1 << 23);
   float power;

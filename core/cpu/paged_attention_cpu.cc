@@ -103,24 +103,24 @@ struct RowKernels {
 
 // One copy of the generic kernels per target: the dot products and value sums, and the
 // softmax and widening steps (AVX-512 takes only the latter; its others are by hand).
-#define PAGED_ROW_KERNELS(Suffix, Target)                                                    \
-  Target void Scores##Suffix(const float* q, const float* k, int64_t ks, int64_t count,     \
-                             int64_t dim, float scale, float* out) {                         \
-    ScoresGeneric(q, k, ks, count, dim, scale, out);                                         \
-  }                                                                                          \
-  Target void Accumulate##Suffix(float* acc, const float* w, const float* v, int64_t vs,    \
-                                 int64_t count, int64_t dim) {                               \
-    AccumulateGeneric(acc, w, v, vs, count, dim);                                            \
+#define PAGED_ROW_KERNELS(Suffix, Target)                                                \
+  Target void Scores##Suffix(const float* q, const float* k, int64_t ks, int64_t count,  \
+                             int64_t dim, float scale, float* out) {                     \
+    ScoresGeneric(q, k, ks, count, dim, scale, out);                                     \
+  }                                                                                      \
+  Target void Accumulate##Suffix(float* acc, const float* w, const float* v, int64_t vs, \
+                                 int64_t count, int64_t dim) {                           \
+    AccumulateGeneric(acc, w, v, vs, count, dim);                                        \
   }
-#define PAGED_SOFTMAX_KERNELS(Suffix, Target)                                                \
-  Target float Max##Suffix(const float* values, int64_t count) {                            \
-    return MaxGeneric(values, count);                                                        \
-  }                                                                                          \
-  Target float ExpAndSum##Suffix(float* values, int64_t count, float shift) {               \
-    return ExpAndSumGeneric(values, count, shift);                                           \
-  }                                                                                          \
-  Target void WidenBFloat16##Suffix(const uint16_t* s, int64_t count, float* d) {          \
-    WidenBFloat16Generic(s, count, d);                                                       \
+#define PAGED_SOFTMAX_KERNELS(Suffix, Target)                                     \
+  Target float Max##Suffix(const float* values, int64_t count) {                  \
+    return MaxGeneric(values, count);                                             \
+  }                                                                               \
+  Target float ExpAndSum##Suffix(float* values, int64_t count, float shift) {     \
+    return ExpAndSumGeneric(values, count, shift);                                \
+  }                                                                               \
+  Target void WidenBFloat16##Suffix(const uint16_t* s, int64_t count, float* d) { \
+    WidenBFloat16Generic(s, count, d);                                            \
   }
 
 PAGED_ROW_KERNELS(Portable, )
@@ -144,8 +144,8 @@ __attribute__((target("avx512f"))) inline __mmask16 ColumnMask(int64_t remaining
 }
 
 __attribute__((target("avx512f"))) void ScoresAvx512(const float* query, const float* keys,
-                                                     int64_t key_stride, int64_t count,
-                                                     int64_t dim, float scale, float* scores) {
+                                                     int64_t key_stride, int64_t count, int64_t dim,
+                                                     float scale, float* scores) {
   const int64_t full = dim / 16 * 16;
   const __mmask16 tail = ColumnMask(dim - full);
   int64_t j = 0;
@@ -189,9 +189,8 @@ __attribute__((target("avx512f"))) void ScoresAvx512(const float* query, const f
 }
 
 __attribute__((target("avx512f"))) void AccumulateAvx512(float* acc, const float* weights,
-                                                         const float* values,
-                                                         int64_t value_stride, int64_t count,
-                                                         int64_t dim) {
+                                                         const float* values, int64_t value_stride,
+                                                         int64_t count, int64_t dim) {
   for (int64_t c = 0; c < dim; c += 64) {
     const __mmask16 m0 = ColumnMask(dim - c), m1 = ColumnMask(dim - c - 16),
                     m2 = ColumnMask(dim - c - 32), m3 = ColumnMask(dim - c - 48);
@@ -304,8 +303,7 @@ void AttendSplit(const RowKernels& kernels, const PagedDecodeBatch& batch,
       const int64_t visible = std::min(count, sequence.length - n + i + 1 - first);
       if (visible <= 0) continue;
       for (int64_t g = 0; g < group; ++g) {
-        const float* query =
-            sequence.query + (i * batch.num_heads + kv_head * group + g) * key_dim;
+        const float* query = sequence.query + (i * batch.num_heads + kv_head * group + g) * key_dim;
         float* state = states + (i * group + g) * state_floats;
         kernels.scores(query, keys, key_dim, visible, key_dim, batch.scale, scores);
         const float new_max = std::max(state[kStateMax], kernels.max(scores, visible));
@@ -367,8 +365,8 @@ absl::Status Validate(const PagedDecodeBatch& batch) {
       batch.num_heads % layout.num_kv_heads != 0 || batch.num_heads < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "paged decode: num_heads ", batch.num_heads, " must be a positive multiple of ",
-        "num_kv_heads ", layout.num_kv_heads, ", and key_dim ", layout.key_dim,
-        " and value_dim ", layout.value_dim, " positive"));
+        "num_kv_heads ", layout.num_kv_heads, ", and key_dim ", layout.key_dim, " and value_dim ",
+        layout.value_dim, " positive"));
   }
   if (batch.tokens_per_block < 1 ||
       batch.tokens_per_block * layout.TokenBytes() > batch.storage.block_bytes ||
@@ -380,24 +378,23 @@ absl::Status Validate(const PagedDecodeBatch& batch) {
   for (size_t b = 0; b < batch.sequences.size(); ++b) {
     const PagedDecodeSequence& sequence = batch.sequences[b];
     if (sequence.num_queries < 1 || sequence.num_queries > sequence.length) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "paged decode: sequence ", b, " has num_queries ", sequence.num_queries,
-          " and length ", sequence.length, "; it needs 1 <= num_queries <= length"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("paged decode: sequence ", b, " has num_queries ", sequence.num_queries,
+                       " and length ", sequence.length, "; it needs 1 <= num_queries <= length"));
     }
-    const int64_t blocks =
-        (sequence.length + batch.tokens_per_block - 1) / batch.tokens_per_block;
+    const int64_t blocks = (sequence.length + batch.tokens_per_block - 1) / batch.tokens_per_block;
     if (static_cast<int64_t>(sequence.block_table.size()) < blocks) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "paged decode: sequence ", b, " of length ", sequence.length, " needs ", blocks,
-          " blocks of ", batch.tokens_per_block, " tokens; its block table has ",
-          sequence.block_table.size()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("paged decode: sequence ", b, " of length ", sequence.length, " needs ",
+                       blocks, " blocks of ", batch.tokens_per_block,
+                       " tokens; its block table has ", sequence.block_table.size()));
     }
     for (int64_t i = 0; i < blocks; ++i) {
       const BlockId block = sequence.block_table[i];
       if (block < 0 || block >= batch.storage.num_blocks) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "paged decode: sequence ", b, " names block ", block, " at index ", i,
-            "; the storage has ", batch.storage.num_blocks));
+        return absl::InvalidArgumentError(
+            absl::StrCat("paged decode: sequence ", b, " names block ", block, " at index ", i,
+                         "; the storage has ", batch.storage.num_blocks));
       }
     }
     if (sequence.query == nullptr || sequence.output == nullptr) {

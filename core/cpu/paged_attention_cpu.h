@@ -32,10 +32,10 @@ struct PagedKvStorage {
 // One sequence of a batch, for one layer.
 struct PagedDecodeSequence {
   absl::Span<const kv_cache::BlockId> block_table;  // this layer's blocks, >= ceil(L / tpb)
-  int64_t length = 0;            // L, the new tokens included
-  int64_t num_queries = 0;       // n, 1..L
-  const float* query = nullptr;  // [n][H][dk]
-  float* output = nullptr;       // [n][H][dv]
+  int64_t length = 0;                               // L, the new tokens included
+  int64_t num_queries = 0;                          // n, 1..L
+  const float* query = nullptr;                     // [n][H][dk]
+  float* output = nullptr;                          // [n][H][dv]
   float* log_sum_exp = nullptr;  // [n][H] (natural log of the scaled scores), or null
 };
 

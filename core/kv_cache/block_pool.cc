@@ -10,35 +10,33 @@ namespace attention::core::kv_cache {
 
 absl::StatusOr<int64_t> TokensPerBlock(const KvLayout& layout, int64_t block_bytes) {
   if (layout.num_kv_heads < 1 || layout.key_dim < 1 || layout.value_dim < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "KV layout needs num_kv_heads, key_dim and value_dim >= 1; got ", layout.num_kv_heads,
-        ", ", layout.key_dim, ", ", layout.value_dim));
+    return absl::InvalidArgumentError(
+        absl::StrCat("KV layout needs num_kv_heads, key_dim and value_dim >= 1; got ",
+                     layout.num_kv_heads, ", ", layout.key_dim, ", ", layout.value_dim));
   }
   if (layout.dtype != DType::kFloat32 && layout.dtype != DType::kBFloat16) {
-    return absl::InvalidArgumentError(absl::StrCat("KV dtype must be float32 or bfloat16, not ",
-                                                   DTypeName(layout.dtype)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("KV dtype must be float32 or bfloat16, not ", DTypeName(layout.dtype)));
   }
   const int64_t tokens = block_bytes / layout.TokenBytes();
   if (tokens < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "one token of KV layout num_kv_heads ", layout.num_kv_heads, " x (key_dim ",
-        layout.key_dim, " + value_dim ", layout.value_dim, ") x ", layout.ElementBytes(),
-        " bytes = ", layout.TokenBytes(), " bytes does not fit a KV block of ", block_bytes,
-        " bytes"));
+        "one token of KV layout num_kv_heads ", layout.num_kv_heads, " x (key_dim ", layout.key_dim,
+        " + value_dim ", layout.value_dim, ") x ", layout.ElementBytes(), " bytes = ",
+        layout.TokenBytes(), " bytes does not fit a KV block of ", block_bytes, " bytes"));
   }
   return tokens;
 }
 
 absl::StatusOr<KvBlockPool> KvBlockPool::Create(int64_t pool_bytes, int64_t block_bytes) {
   if (block_bytes < 1 || pool_bytes < block_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("KV pool of ", pool_bytes,
-                                                   " bytes holds no block of ", block_bytes,
-                                                   " bytes"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "KV pool of ", pool_bytes, " bytes holds no block of ", block_bytes, " bytes"));
   }
   const int64_t num_blocks = pool_bytes / block_bytes;
   if (num_blocks > std::numeric_limits<BlockId>::max()) {
-    return absl::InvalidArgumentError(absl::StrCat("KV pool of ", num_blocks,
-                                                   " blocks exceeds the block id's range"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("KV pool of ", num_blocks, " blocks exceeds the block id's range"));
   }
   return KvBlockPool(block_bytes, num_blocks);
 }
@@ -146,9 +144,9 @@ absl::StatusOr<SequenceId> KvBlockPool::Reserve(const KvLayout& layout, int64_t 
   sequence.block_tables.resize(num_layers);
   const int64_t needed = GrowthOwed(sequence);
   if (Committed() + needed > static_cast<int64_t>(blocks_.size())) {
-    return Exhausted(absl::StrCat("a reservation of ", reserved_tokens, " tokens x ", num_layers,
-                                  " layers"),
-                     needed, *tokens_per_block);
+    return Exhausted(
+        absl::StrCat("a reservation of ", reserved_tokens, " tokens x ", num_layers, " layers"),
+        needed, *tokens_per_block);
   }
   growth_owed_ += needed;
   const SequenceId id = next_id_++;
@@ -156,8 +154,7 @@ absl::StatusOr<SequenceId> KvBlockPool::Reserve(const KvLayout& layout, int64_t 
   return id;
 }
 
-absl::StatusOr<std::vector<BlockCopy>> KvBlockPool::EnsureCapacity(SequenceId id,
-                                                                   int64_t length) {
+absl::StatusOr<std::vector<BlockCopy>> KvBlockPool::EnsureCapacity(SequenceId id, int64_t length) {
   absl::StatusOr<KvSequence*> found = FindMutable(id);
   if (!found.ok()) return found.status();
   KvSequence& sequence = **found;
@@ -213,10 +210,9 @@ absl::StatusOr<SequenceId> KvBlockPool::Fork(SequenceId source_id, int64_t token
                                               source_id, ", which has ", source.length));
   }
   if (reserved_tokens < std::max<int64_t>(tokens, 1)) {
-    return absl::InvalidArgumentError(absl::StrCat("a fork of ", tokens,
-                                                   " tokens needs a reservation of at least ",
-                                                   std::max<int64_t>(tokens, 1), "; got ",
-                                                   reserved_tokens));
+    return absl::InvalidArgumentError(
+        absl::StrCat("a fork of ", tokens, " tokens needs a reservation of at least ",
+                     std::max<int64_t>(tokens, 1), "; got ", reserved_tokens));
   }
   KvSequence fork = source;
   fork.length = tokens;
@@ -270,8 +266,8 @@ absl::Status KvBlockPool::Truncate(SequenceId id, int64_t tokens, std::vector<Bl
   const int64_t growth = (old_blocks - new_blocks) * sequence.num_layers;
   const int64_t needed = CommittedChange(deltas) + growth;
   if (needed > 0 && Committed() + needed > static_cast<int64_t>(blocks_.size())) {
-    return Exhausted(absl::StrCat("rolling back into shared blocks to ", tokens, " tokens"),
-                     needed, tokens_per_block);
+    return Exhausted(absl::StrCat("rolling back into shared blocks to ", tokens, " tokens"), needed,
+                     tokens_per_block);
   }
   for (const BlockDelta& delta : deltas) Apply(delta, freed);
   for (std::vector<BlockId>& table : sequence.block_tables) table.resize(new_blocks);

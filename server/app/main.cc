@@ -264,8 +264,7 @@ int main(int argc, char** argv) {
     std::cerr << "attention-service: KV cache " << pool.blocks_total << " blocks of "
               << (sessions->block_bytes() >> 10) << " KiB, "
               << pool.blocks_total * sessions->block_bytes() / 8192
-              << " tokens x layers at 8 KiB a token (8 KV heads x 128 dims, float32)"
-              << std::endl;
+              << " tokens x layers at 8 KiB a token (8 KV heads x 128 dims, float32)" << std::endl;
   }
   // Scripts and tests read the port from this line.
   std::cout << "attention-service listening on port " << (*server)->port() << std::endl;

@@ -214,6 +214,7 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
     std::cerr << "attention-service: " << problem << std::endl;
   }
   server->service_.RefreshLayerMetrics();
+  server->service_.RefreshSessionMetrics();
   health->SetServingStatus(true);
   health->SetServingStatus(kServiceName, true);
   server->ready_ = true;

@@ -127,7 +127,6 @@ class SoloWorkItem final : public WorkItem {
   std::string device_name;
 };
 
-
 // The batching policy: one queue per layer. Each layer has its own queue limits (the
 // server's, or the layer's own: LayerSnapshot::batching), so a flood
 // of calls to one layer never makes another layer's calls RESOURCE_EXHAUSTED, and its own

@@ -44,8 +44,8 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   // placed on `devices` (`default_backend` unless LoadLayerRequest.device says otherwise);
   // inline layers and scaled dot-product attention run on `default_backend`. KV-cache
   // sessions are held in `sessions` (null: sessions are off).
-  AttentionServiceImpl(LayerRegistry& registry, Batcher& batcher, Metrics& metrics,
-                       RequestLog& log, const RequestBudget& budget, core::Devices& devices,
+  AttentionServiceImpl(LayerRegistry& registry, Batcher& batcher, Metrics& metrics, RequestLog& log,
+                       const RequestBudget& budget, core::Devices& devices,
                        std::shared_ptr<const core::Backend> default_backend,
                        const AccessPolicy& access, LoaderPool& loader,
                        int64_t inline_layer_cache_bytes = kDefaultInlineLayerCacheBytes,
@@ -64,6 +64,8 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
 
   // Sets the loaded-layer gauges from the registry.
   void RefreshLayerMetrics();
+  // Sets the KV-cache gauges from the session table.
+  void RefreshSessionMetrics();
   const InlineLayerCache& inline_layer_cache() const { return inline_cache_; }
 
   grpc::ServerUnaryReactor* MultiHeadAttention(grpc::CallbackServerContext* context,

@@ -72,8 +72,7 @@ absl::StatusOr<absl::Duration> TtlOf(int64_t ttl_ms) {
 
 // One tensor of a step entry: [n, heads, dim] with the entry's n.
 absl::Status CheckStepTensor(const wire::FloatTensor& tensor, absl::string_view field,
-                             int64_t tokens, int64_t heads, int64_t dim,
-                             absl::string_view layout) {
+                             int64_t tokens, int64_t heads, int64_t dim, absl::string_view layout) {
   const std::vector<int64_t> expected = {tokens, heads, dim};
   if (tensor.shape != expected) {
     return Invalid(field, ".shape ", wire::ShapeString(tensor.shape), " must be ", layout, " = ",
@@ -83,6 +82,16 @@ absl::Status CheckStepTensor(const wire::FloatTensor& tensor, absl::string_view 
 }
 
 }  // namespace
+
+void AttentionServiceImpl::RefreshSessionMetrics() {
+  if (sessions_ == nullptr) return;
+  const SessionCounters counters = sessions_->Counters();
+  const int64_t block = sessions_->block_bytes();
+  const core::kv_cache::KvPoolCounters& pool = counters.pool;
+  metrics_.SetKvCache(counters.sessions, pool.blocks_total * block,
+                      (pool.blocks_total - pool.blocks_free) * block, pool.blocks_reserved * block,
+                      pool.blocks_shared * block);
+}
 
 absl::Status AttentionServiceImpl::SessionsEnabled() const {
   if (sessions_ != nullptr) return absl::OkStatus();
@@ -98,6 +107,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::AnswerSessionCall(
   absl::Status status = CheckKnownFields(request);
   if (status.ok()) status = SessionsEnabled();
   if (status.ok()) status = handle();
+  RefreshSessionMetrics();
   call.Answer(status);
   return call.reactor();
 }
@@ -117,9 +127,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CreateSession(
   });
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::ForkSession(
-    grpc::CallbackServerContext* context, const v1::ForkSessionRequest* request,
-    v1::ForkSessionResponse* response) {
+grpc::ServerUnaryReactor* AttentionServiceImpl::ForkSession(grpc::CallbackServerContext* context,
+                                                            const v1::ForkSessionRequest* request,
+                                                            v1::ForkSessionResponse* response) {
   return AnswerSessionCall(context, "ForkSession", *request, [&]() -> absl::Status {
     ASSIGN_OR_RETURN(const absl::Duration ttl, TtlOf(request->ttl_ms()));
     const absl::Time now = absl::Now();
@@ -144,17 +154,16 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::TruncateSession(
   });
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::DropSession(
-    grpc::CallbackServerContext* context, const v1::DropSessionRequest* request,
-    v1::DropSessionResponse* /*response*/) {
-  return AnswerSessionCall(context, "DropSession", *request, [&] {
-    return sessions_->Drop(request->session_id(), absl::Now());
-  });
+grpc::ServerUnaryReactor* AttentionServiceImpl::DropSession(grpc::CallbackServerContext* context,
+                                                            const v1::DropSessionRequest* request,
+                                                            v1::DropSessionResponse* /*response*/) {
+  return AnswerSessionCall(context, "DropSession", *request,
+                           [&] { return sessions_->Drop(request->session_id(), absl::Now()); });
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::GetSession(
-    grpc::CallbackServerContext* context, const v1::GetSessionRequest* request,
-    v1::GetSessionResponse* response) {
+grpc::ServerUnaryReactor* AttentionServiceImpl::GetSession(grpc::CallbackServerContext* context,
+                                                           const v1::GetSessionRequest* request,
+                                                           v1::GetSessionResponse* response) {
   return AnswerSessionCall(context, "GetSession", *request, [&]() -> absl::Status {
     const absl::Time now = absl::Now();
     ASSIGN_OR_RETURN(const SessionInfo info, sessions_->Get(request->session_id(), now));
@@ -163,9 +172,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetSession(
   });
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::ListSessions(
-    grpc::CallbackServerContext* context, const v1::ListSessionsRequest* request,
-    v1::ListSessionsResponse* response) {
+grpc::ServerUnaryReactor* AttentionServiceImpl::ListSessions(grpc::CallbackServerContext* context,
+                                                             const v1::ListSessionsRequest* request,
+                                                             v1::ListSessionsResponse* response) {
   return AnswerSessionCall(context, "ListSessions", *request, [&] {
     const absl::Time now = absl::Now();
     for (const SessionInfo& info : sessions_->List(now)) {
@@ -175,9 +184,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ListSessions(
   });
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::SessionStep(
-    grpc::CallbackServerContext* context, const v1::SessionStepRequest* request,
-    v1::SessionStepResponse* response) {
+grpc::ServerUnaryReactor* AttentionServiceImpl::SessionStep(grpc::CallbackServerContext* context,
+                                                            const v1::SessionStepRequest* request,
+                                                            v1::SessionStepResponse* response) {
   const UnaryCall call = StartCall(context, "SessionStep");
   auto answer = [call, request](const absl::Status& status) {
     call.Answer(status, request->request_id());
@@ -189,9 +198,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::SessionStep(
 }
 
 absl::Status AttentionServiceImpl::SubmitSessionStep(
-    const v1::SessionStepRequest& request, absl::Time deadline,
-    std::function<bool()> is_cancelled, v1::SessionStepResponse* response,
-    std::function<void(const absl::Status&)> finish) {
+    const v1::SessionStepRequest& request, absl::Time deadline, std::function<bool()> is_cancelled,
+    v1::SessionStepResponse* response, std::function<void(const absl::Status&)> finish) {
   RETURN_IF_ERROR(CheckKnownFields(request));
   RETURN_IF_ERROR(CheckRequestId(request.request_id()));
   RETURN_IF_ERROR(SessionsEnabled());
@@ -214,8 +222,7 @@ absl::Status AttentionServiceImpl::SubmitSessionStep(
     const std::string field = absl::StrCat("entries[", i, "]");
     absl::StatusOr<SessionInfo> info = sessions_->Get(wire_entry.session_id(), now);
     if (!info.ok()) {
-      return absl::Status(info.status().code(),
-                          absl::StrCat(field, ": ", info.status().message()));
+      return absl::Status(info.status().code(), absl::StrCat(field, ": ", info.status().message()));
     }
     const SessionShape& shape = info->shape;
     const int64_t dv = shape.v_head_dim > 0 ? shape.v_head_dim : shape.head_dim;
@@ -258,9 +265,10 @@ absl::Status AttentionServiceImpl::SubmitSessionStep(
   item->deadline = deadline;
   item->is_cancelled = std::move(is_cancelled);
   SessionStepItem* step = item.get();  // the batcher answers while it still holds the item
-  item->done = [step, answers, response, output_dtype, finish = std::move(finish),
+  item->done = [this, step, answers, response, output_dtype, finish = std::move(finish),
                 log_sum_exp = request.return_log_sum_exp(),
                 request_id = request.request_id()](absl::StatusOr<core::AttentionResult> result) {
+    RefreshSessionMetrics();
     const absl::Status status = result.ok() ? step->status() : result.status();
     if (!status.ok()) {
       finish(status);

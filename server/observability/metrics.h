@@ -59,6 +59,11 @@ class Metrics {
   void SetInlineLayerCacheBytes(int64_t bytes);
   // Jobs waiting for a layer-build thread (the loader pool's queue).
   void SetLoaderQueueDepth(int64_t jobs);
+  // KV-cache sessions: how many are live, and the pool's bytes by state: "total", "held"
+  // (by sessions), "promised" (free, reserved for sessions' growth), "shared" (held by
+  // more than one session: forks).
+  void SetKvCache(int64_t sessions, int64_t total_bytes, int64_t held_bytes, int64_t promised_bytes,
+                  int64_t shared_bytes);
   // Memory of an accelerator: bytes in use (by this process and others) and in total.
   void SetDeviceMemory(absl::string_view device, int64_t used_bytes, int64_t total_bytes);
 
@@ -99,6 +104,8 @@ class Metrics {
   prometheus::Counter& inline_cache_misses_;
   prometheus::Gauge& inline_cache_bytes_;
   prometheus::Gauge& loader_queue_depth_;
+  prometheus::Gauge& kv_sessions_;
+  prometheus::Family<prometheus::Gauge>& kv_cache_bytes_;
   prometheus::Family<prometheus::Gauge>& device_memory_used_;
   prometheus::Family<prometheus::Gauge>& device_memory_total_;
   mutable core::Mutex layer_statistics_mutex_;

@@ -1,12 +1,14 @@
 #include "server/sessions/session_table.h"
 
 #include <openssl/rand.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <map>
+#include <new>
 #include <tuple>
 
 #include "absl/strings/escaping.h"
@@ -102,8 +104,9 @@ absl::Status SessionTableOptions::Validate() const {
 absl::StatusOr<std::unique_ptr<SessionTable>> SessionTable::Create(
     const SessionTableOptions& options, core::ThreadPool& pool) {
   RETURN_IF_ERROR(options.Validate());
-  ASSIGN_OR_RETURN(core::kv_cache::KvBlockPool block_pool,
-                   core::kv_cache::KvBlockPool::Create(options.kv_cache_bytes, options.block_bytes));
+  ASSIGN_OR_RETURN(
+      core::kv_cache::KvBlockPool block_pool,
+      core::kv_cache::KvBlockPool::Create(options.kv_cache_bytes, options.block_bytes));
   return std::unique_ptr<SessionTable>(new SessionTable(options, std::move(block_pool), pool));
 }
 
@@ -111,7 +114,11 @@ SessionTable::SessionTable(const SessionTableOptions& options,
                            core::kv_cache::KvBlockPool block_pool, core::ThreadPool& pool)
     : options_(options), pool_(pool), block_pool_(std::move(block_pool)) {
   const int64_t blocks = block_pool_.Counters().blocks_total;
-  storage_.reset(new std::byte[blocks * options_.block_bytes]);
+  constexpr int64_t kHugePage = int64_t{2} << 20;
+  const int64_t bytes = (blocks * options_.block_bytes + kHugePage - 1) / kHugePage * kHugePage;
+  storage_.reset(static_cast<std::byte*>(std::aligned_alloc(kHugePage, bytes)));
+  if (storage_ == nullptr) throw std::bad_alloc();
+  madvise(storage_.get(), bytes, MADV_HUGEPAGE);  // advice only: failure changes nothing
   if (options_.poison_freed_blocks) {
     std::vector<BlockId> all(blocks);
     for (BlockId b = 0; b < blocks; ++b) all[b] = b;
@@ -123,8 +130,9 @@ SessionTable::SessionTable(const SessionTableOptions& options,
 absl::StatusOr<absl::Duration> SessionTable::TtlFor(absl::Duration ttl) const {
   if (ttl == absl::ZeroDuration()) return options_.default_ttl;
   if (ttl < absl::ZeroDuration() || ttl > options_.max_ttl) {
-    return Invalid("ttl = ", absl::FormatDuration(ttl), " must be > 0 and <= ",
-                   absl::FormatDuration(options_.max_ttl), " (the server's max_ttl), or 0 for ",
+    return Invalid("ttl = ", absl::FormatDuration(ttl),
+                   " must be > 0 and <= ", absl::FormatDuration(options_.max_ttl),
+                   " (the server's max_ttl), or 0 for ",
                    absl::FormatDuration(options_.default_ttl));
   }
   return ttl;
@@ -153,16 +161,16 @@ std::string SessionTable::NewIdLocked() {
 }
 
 absl::StatusOr<SessionInfo> SessionTable::CreateSession(const SessionShape& shape,
-                                                        int64_t reserved_tokens,
-                                                        absl::Duration ttl, absl::Time now) {
+                                                        int64_t reserved_tokens, absl::Duration ttl,
+                                                        absl::Time now) {
   RETURN_IF_ERROR(CheckShape(shape));
   RETURN_IF_ERROR(CheckReservation(reserved_tokens));
   ASSIGN_OR_RETURN(const absl::Duration session_ttl, TtlFor(ttl));
   core::MutexLock lock(mu_);
   if (static_cast<int64_t>(sessions_.size()) >= options_.max_sessions) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("the server holds ", sessions_.size(), " sessions, its max_sessions; drop "
-                     "one or wait for one to expire"));
+    return absl::ResourceExhaustedError(absl::StrCat("the server holds ", sessions_.size(),
+                                                     " sessions, its max_sessions; drop "
+                                                     "one or wait for one to expire"));
   }
   ASSIGN_OR_RETURN(const core::kv_cache::SequenceId sequence,
                    block_pool_.Reserve(LayoutOf(shape), shape.num_layers, reserved_tokens));
@@ -178,7 +186,7 @@ absl::StatusOr<SessionInfo> SessionTable::CreateSession(const SessionShape& shap
 }
 
 absl::StatusOr<SessionTable::Session*> SessionTable::FindLocked(const std::string& id,
-                                                               absl::Time now) {
+                                                                absl::Time now) {
   ForgetTombstonesLocked(now);
   auto found = sessions_.find(id);
   if (found != sessions_.end() && now - found->second.last_used > found->second.ttl) {
@@ -194,8 +202,8 @@ absl::StatusOr<SessionTable::Session*> SessionTable::FindLocked(const std::strin
     return absl::NotFoundError(absl::StrCat("session ", Quoted(id), " is unknown on this server"));
   }
   if (tombstone->second.ending == Ending::kExpired) {
-    return absl::NotFoundError(absl::StrCat("session ", Quoted(id),
-                                            " expired: it was idle longer than its ttl"));
+    return absl::NotFoundError(
+        absl::StrCat("session ", Quoted(id), " expired: it was idle longer than its ttl"));
   }
   return absl::NotFoundError(absl::StrCat("session ", Quoted(id), " was dropped"));
 }
@@ -255,8 +263,8 @@ absl::StatusOr<SessionInfo> SessionTable::Truncate(const std::string& id, int64_
   const int64_t longest =
       *std::max_element(session->layer_lengths.begin(), session->layer_lengths.end());
   if (tokens < 0 || tokens > longest) {
-    return absl::OutOfRangeError(absl::StrCat("tokens = ", tokens, " must be in [0, ", longest,
-                                              "], the session's length"));
+    return absl::OutOfRangeError(
+        absl::StrCat("tokens = ", tokens, " must be in [0, ", longest, "], the session's length"));
   }
   std::vector<BlockId> freed;
   RETURN_IF_ERROR(block_pool_.Truncate(session->sequence, tokens, &freed));
@@ -346,9 +354,10 @@ absl::Status SessionTable::WriteLocked(const StepEntry& entry, Session& session)
   if (entry.position < 0) return Invalid("position = ", entry.position, " must be >= 0");
   int64_t& length = session.layer_lengths[entry.layer];
   if (entry.position > length) {
-    return absl::OutOfRangeError(absl::StrCat(
-        "position = ", entry.position, " leaves a gap: layer ", entry.layer, " of the session holds ",
-        length, " tokens, so the next step starts at or before ", length));
+    return absl::OutOfRangeError(
+        absl::StrCat("position = ", entry.position, " leaves a gap: layer ", entry.layer,
+                     " of the session holds ", length,
+                     " tokens, so the next step starts at or before ", length));
   }
   const core::kv_cache::KvSequence* sequence = *block_pool_.Find(session.sequence);
   const int64_t end = entry.position + entry.num_tokens;
@@ -392,10 +401,10 @@ absl::Status SessionTable::WriteLocked(const StepEntry& entry, Session& session)
                  return false;
                });
   if (conflict >= 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "position ", conflict, " of layer ", entry.layer,
-        " already holds other keys or values; truncate the session to ", conflict,
-        " tokens before writing there again"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("position ", conflict, " of layer ", entry.layer,
+                     " already holds other keys or values; truncate the session to ", conflict,
+                     " tokens before writing there again"));
   }
   if (end <= length) return absl::OkStatus();
   ASSIGN_OR_RETURN(const std::vector<core::kv_cache::BlockCopy> copies,
@@ -413,8 +422,7 @@ absl::Status SessionTable::WriteLocked(const StepEntry& entry, Session& session)
   return absl::OkStatus();
 }
 
-std::vector<absl::Status> SessionTable::Step(absl::Span<const StepEntry> entries,
-                                             absl::Time now) {
+std::vector<absl::Status> SessionTable::Step(absl::Span<const StepEntry> entries, absl::Time now) {
   std::vector<absl::Status> statuses(entries.size());
   // Entries of one session and layer apply in position order, whatever order they came in.
   std::vector<size_t> order(entries.size());
@@ -438,8 +446,8 @@ std::vector<absl::Status> SessionTable::Step(absl::Span<const StepEntry> entries
     if (sessions[i] == nullptr) continue;
     const SessionShape& shape = sessions[i]->shape;
     const KvLayout layout = LayoutOf(shape);
-    groups[{layout.num_kv_heads, layout.key_dim, layout.value_dim,
-            static_cast<int>(layout.dtype), shape.num_heads, ScaleOf(shape)}]
+    groups[{layout.num_kv_heads, layout.key_dim, layout.value_dim, static_cast<int>(layout.dtype),
+            shape.num_heads, ScaleOf(shape)}]
         .push_back(i);
   }
   for (const auto& [key, members] : groups) {
@@ -460,8 +468,7 @@ std::vector<absl::Status> SessionTable::Step(absl::Span<const StepEntry> entries
       sequences.push_back(decode);
     }
     core::PagedDecodeBatch batch;
-    batch.storage = {storage_.get(), options_.block_bytes,
-                     block_pool_.Counters().blocks_total};
+    batch.storage = {storage_.get(), options_.block_bytes, block_pool_.Counters().blocks_total};
     batch.layout = LayoutOf(shape);
     batch.tokens_per_block = tokens_per_block;
     batch.num_heads = shape.num_heads;

@@ -18,6 +18,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <deque>
 #include <memory>
 #include <string>
@@ -85,8 +86,8 @@ struct SessionInfo {
 struct StepEntry {
   std::string session_id;
   int64_t layer = 0;
-  int64_t position = 0;     // of the first new token
-  int64_t num_tokens = 0;   // n >= 1
+  int64_t position = 0;          // of the first new token
+  int64_t num_tokens = 0;        // n >= 1
   const float* query = nullptr;  // [n][H][dk], rotated
   const float* key = nullptr;    // [n][Hkv][dk], rotated
   const float* value = nullptr;  // [n][Hkv][dv]
@@ -112,8 +113,8 @@ class SessionTable {
   absl::StatusOr<SessionInfo> CreateSession(const SessionShape& shape, int64_t reserved_tokens,
                                             absl::Duration ttl, absl::Time now);
   // A new session sharing the first `tokens` tokens of `id` (copy-on-write by block).
-  absl::StatusOr<SessionInfo> Fork(const std::string& id, int64_t tokens,
-                                   int64_t reserved_tokens, absl::Duration ttl, absl::Time now);
+  absl::StatusOr<SessionInfo> Fork(const std::string& id, int64_t tokens, int64_t reserved_tokens,
+                                   absl::Duration ttl, absl::Time now);
   // Back to `tokens` tokens in every layer (rejected speculative tokens).
   absl::StatusOr<SessionInfo> Truncate(const std::string& id, int64_t tokens, absl::Time now);
   absl::Status Drop(const std::string& id, absl::Time now);
@@ -175,8 +176,13 @@ class SessionTable {
   core::ThreadPool& pool_;
   mutable core::Mutex mu_;  // see core/mutex.h
   core::kv_cache::KvBlockPool block_pool_ ABSL_GUARDED_BY(mu_);
-  // The pool's blocks; left uninitialized, so pages are committed as sessions fill them.
-  std::unique_ptr<std::byte[]> storage_ ABSL_GUARDED_BY(mu_);
+  struct Free {
+    void operator()(std::byte* bytes) const { std::free(bytes); }
+  };
+  // The pool's blocks, on huge pages where the kernel gives them (a decode step streams
+  // through blocks; 4 KiB pages cost TLB misses); left uninitialized, so pages are
+  // committed as sessions fill them.
+  std::unique_ptr<std::byte[], Free> storage_ ABSL_GUARDED_BY(mu_);
   absl::node_hash_map<std::string, Session> sessions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, Tombstone> tombstones_ ABSL_GUARDED_BY(mu_);
   std::deque<std::string> tombstone_order_ ABSL_GUARDED_BY(mu_);  // oldest first

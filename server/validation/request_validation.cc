@@ -8,11 +8,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "attention/v1/attention.pb.h"
+#include "core/status_macros.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/unknown_field_set.h"
-#include "attention/v1/attention.pb.h"
 #include "inference/grpc_service.pb.h"
-#include "core/status_macros.h"
 #include "server/common/status_util.h"
 
 namespace attention::server {

@@ -137,8 +137,8 @@ TEST(KvBlockPoolTest, TruncateReleasesWholeBlocksPastTheNewLength) {
   const KvSequence before = **pool.Find(a);
   std::vector<BlockId> freed;
   ASSERT_TRUE(pool.Truncate(a, 7, &freed).ok());
-  EXPECT_THAT(freed, ::testing::UnorderedElementsAre(before.block_tables[0][2],
-                                                     before.block_tables[1][2]));
+  EXPECT_THAT(
+      freed, ::testing::UnorderedElementsAre(before.block_tables[0][2], before.block_tables[1][2]));
   EXPECT_EQ((*pool.Find(a))->length, 7);
   EXPECT_EQ(pool.Counters().blocks_free, 2);
   EXPECT_EQ(pool.Counters().blocks_reserved, 2);  // promised back for regrowth
@@ -153,7 +153,7 @@ TEST(KvBlockPoolTest, TruncatingIntoSharedBlocksIsRefusedWhenItsRegrowthCannotBe
   KvBlockPool pool = TinyPool(3);
   const SequenceId source = *pool.Reserve(kTinyLayout, 1, 8);
   ASSERT_TRUE(pool.EnsureCapacity(source, 8).ok());
-  const SequenceId fork = *pool.Fork(source, 8, 8);  // shares both full blocks
+  const SequenceId fork = *pool.Fork(source, 8, 8);   // shares both full blocks
   ASSERT_TRUE(pool.Reserve(kTinyLayout, 1, 4).ok());  // takes the last block
   std::vector<BlockId> freed;
   // Back to 2 tokens, the source would need a copy of block 0 and a new block 1.
@@ -203,7 +203,8 @@ class KvPoolSimulation {
   static constexpr KvLayout kLayouts[2] = {{1, 1, 1, DType::kFloat32}, {1, 2, 1, DType::kBFloat16}};
 
   explicit KvPoolSimulation(uint64_t seed)
-      : rng_(seed), pool_(*KvBlockPool::Create(kBlocks * kBlockBytes, kBlockBytes)),
+      : rng_(seed),
+        pool_(*KvBlockPool::Create(kBlocks * kBlockBytes, kBlockBytes)),
         storage_(kBlocks * kSlots, kPoison) {}
 
   void Step() {

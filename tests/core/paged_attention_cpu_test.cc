@@ -7,8 +7,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <string>
@@ -89,8 +89,8 @@ class PagedPool {
     std::vector<PagedDecodeSequence> batch_sequences;
     for (const size_t i : indices) {
       Sequence& s = sequences_[i];
-      batch_sequences.push_back({s.table, s.length, s.queries, s.query.data(), s.output.data(),
-                                 s.log_sum_exp.data()});
+      batch_sequences.push_back(
+          {s.table, s.length, s.queries, s.query.data(), s.output.data(), s.log_sum_exp.data()});
     }
     PagedDecodeBatch batch;
     batch.storage = {bytes_.data(), block_bytes_, num_blocks_};
@@ -226,8 +226,8 @@ TEST_P(PagedDecodeLevelTest, MatchesDenseReferencesOverASeededGrid) {
           // Blocks of 1, 5 or 16 tokens: partial last blocks for most lengths.
           const int64_t tokens_per_block = std::vector<int64_t>{1, 5, 16}[rng() % 3];
           const uint64_t seed = rng();
-          const Shape shape{heads.heads, heads.kv_heads, key_dim, value_dim, tokens_per_block,
-                            dtype};
+          const Shape shape{heads.heads, heads.kv_heads,   key_dim,
+                            value_dim,   tokens_per_block, dtype};
           SCOPED_TRACE(::testing::Message()
                        << "seed " << seed << " (grid seed " << kSeed << "): L " << length << " n "
                        << queries << " H " << heads.heads << " H_kv " << heads.kv_heads << " dk "

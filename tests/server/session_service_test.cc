@@ -3,6 +3,7 @@
 // and every rejection with its code and a message naming the field.
 #include <random>
 
+#include "prometheus/metric_family.h"
 #include "server/sessions/session_table.h"
 #include "tests/server/test_server.h"
 
@@ -10,6 +11,20 @@ namespace attention::server::testing {
 namespace {
 
 using C = absl::StatusCode;
+
+// The gauge `name` (with label state=`state`, when given) as the registry reports it, or -1.
+double Gauge(Metrics& metrics, const std::string& name, const std::string& state = "") {
+  for (const prometheus::MetricFamily& family : metrics.registry().Collect()) {
+    if (family.name != name) continue;
+    for (const prometheus::ClientMetric& metric : family.metric) {
+      if (state.empty()) return metric.gauge.value;
+      for (const prometheus::ClientMetric::Label& label : metric.label) {
+        if (label.name == "state" && label.value == state) return metric.gauge.value;
+      }
+    }
+  }
+  return -1;
+}
 
 class SessionServiceTest : public ServerTest {
  protected:
@@ -54,8 +69,8 @@ class SessionServiceTest : public ServerTest {
   }
 
   // An entry of n random tokens at `position` of `layer`.
-  static v1::SessionStepEntry Entry(const std::string& session_id, int64_t layer,
-                                    int64_t position, int64_t n, std::mt19937_64& rng) {
+  static v1::SessionStepEntry Entry(const std::string& session_id, int64_t layer, int64_t position,
+                                    int64_t n, std::mt19937_64& rng) {
     v1::SessionStepEntry entry;
     entry.set_session_id(session_id);
     entry.set_layer(layer);
@@ -105,8 +120,8 @@ TEST_F(SessionServiceTest, StepsOfSeveralSessionsAnswerAsTheTableDoes) {
     const auto k = wire::DecodeFloatTensor(entry.key(), "k")->values;
     const auto v = wire::DecodeFloatTensor(entry.value(), "v")->values;
     std::vector<float> output(8 * 4 * 16), lse(8 * 4);
-    StepEntry local_entry{local.id, 0, position, 8, q.data(), k.data(), v.data(),
-                          output.data(), lse.data()};
+    StepEntry local_entry{local.id, 0,        position,      8,         q.data(),
+                          k.data(), v.data(), output.data(), lse.data()};
     ASSERT_TRUE(table->Step({&local_entry, 1}, absl::Now())[0].ok());
     const v1::SessionStepResult& result = response.results(2);
     EXPECT_EQ(std::vector<int64_t>(result.output().shape().begin(), result.output().shape().end()),
@@ -135,13 +150,24 @@ TEST_F(SessionServiceTest, StepsOfSeveralSessionsAnswerAsTheTableDoes) {
   ASSERT_TRUE(status.ok()) << status.error_message();
   EXPECT_EQ(truncated.session().length(), 16);
   v1::ListSessionsResponse list;
-  ASSERT_TRUE(Invoke(&v1::AttentionService::Stub::ListSessions, v1::ListSessionsRequest(), &list)
-                  .ok());
+  ASSERT_TRUE(
+      Invoke(&v1::AttentionService::Stub::ListSessions, v1::ListSessionsRequest(), &list).ok());
   EXPECT_EQ(list.sessions_size(), 3);
   v1::DropSessionRequest drop;
   drop.set_session_id(a.session_id());
   v1::DropSessionResponse dropped;
   ASSERT_TRUE(Invoke(&v1::AttentionService::Stub::DropSession, drop, &dropped).ok());
+  // Two sessions and a fork are live; the fork shares b's blocks.
+  EXPECT_EQ(Gauge(server_->metrics(), "attention_kv_sessions"), 2);
+  EXPECT_EQ(Gauge(server_->metrics(), "attention_kv_cache_bytes", "total"), 2 << 20);
+  EXPECT_GT(Gauge(server_->metrics(), "attention_kv_cache_bytes", "shared"), 0);
+  for (const std::string& id : {b.session_id(), forked.session().session_id()}) {
+    drop.set_session_id(id);
+    ASSERT_TRUE(Invoke(&v1::AttentionService::Stub::DropSession, drop, &dropped).ok());
+  }
+  EXPECT_EQ(Gauge(server_->metrics(), "attention_kv_sessions"), 0);
+  EXPECT_EQ(Gauge(server_->metrics(), "attention_kv_cache_bytes", "held"), 0);
+  EXPECT_EQ(Gauge(server_->metrics(), "attention_kv_cache_bytes", "promised"), 0);
   v1::GetSessionRequest get;
   get.set_session_id(a.session_id());
   v1::GetSessionResponse got;
@@ -200,7 +226,9 @@ TEST_F(SessionServiceTest, EveryRejectionHasItsCodeAndNamesTheField) {
       {"no such layer", nullptr, [](auto& r) { r.mutable_entries(0)->set_layer(2); },
        C::kInvalidArgument, "entries[0]: layer = 2 is not a layer of the session"},
       {"past the reservation", nullptr,
-       [&rng, &session](auto& r) { *r.mutable_entries(0) = Entry(session.session_id(), 0, 0, 17, rng); },
+       [&rng, &session](auto& r) {
+         *r.mutable_entries(0) = Entry(session.session_id(), 0, 0, 17, rng);
+       },
        C::kOutOfRange, "past the session's reservation of 16"},
       {"float16 output", nullptr, [](auto& r) { r.set_output_dtype(v1::BOOL); },
        C::kInvalidArgument, "output_dtype"},

@@ -85,8 +85,8 @@ std::vector<T> OneShot(const SessionShape& shape, const Tokens& tokens, int64_t 
 }
 
 // A step entry for tokens [position, position + n) of `tokens`, answering into `output`.
-StepEntry Entry(const SessionInfo& session, const Tokens& tokens, int64_t layer,
-                int64_t position, int64_t n, std::vector<float>* output) {
+StepEntry Entry(const SessionInfo& session, const Tokens& tokens, int64_t layer, int64_t position,
+                int64_t n, std::vector<float>* output) {
   const SessionShape& shape = session.shape;
   const int64_t dv = shape.v_head_dim > 0 ? shape.v_head_dim : shape.head_dim;
   output->assign(n * shape.num_heads * dv, 0.0f);
@@ -123,9 +123,8 @@ class SessionTableTest : public ::testing::Test {
 
   // Steps `tokens` [0, length) of layer `layer` into `session` in chunks of `chunk`
   // tokens, answering into rows of `outputs` ([L][H][dv]).
-  void StepAll(SessionTable& table, const SessionInfo& session, const Tokens& tokens,
-               int64_t layer, int64_t from, int64_t length, int64_t chunk,
-               std::vector<float>* outputs) {
+  void StepAll(SessionTable& table, const SessionInfo& session, const Tokens& tokens, int64_t layer,
+               int64_t from, int64_t length, int64_t chunk, std::vector<float>* outputs) {
     const int64_t dv =
         session.shape.v_head_dim > 0 ? session.shape.v_head_dim : session.shape.head_dim;
     const int64_t row = session.shape.num_heads * dv;
@@ -148,18 +147,18 @@ TEST_F(SessionTableTest, IncrementalDecodeHoldsTheRuleAgainstTheOneShotForward) 
   const uint64_t seed = 20261125;
   std::mt19937_64 rng(seed);
   const SessionShape shapes[] = {
-      {1, 4, 4, 16, 0, core::DType::kFloat32, 0},     // multi-head
-      {2, 8, 2, 32, 0, core::DType::kFloat32, 0},     // GQA, two layers
+      {1, 4, 4, 16, 0, core::DType::kFloat32, 0},      // multi-head
+      {2, 8, 2, 32, 0, core::DType::kFloat32, 0},      // GQA, two layers
       {1, 6, 1, 24, 40, core::DType::kFloat32, 0.3f},  // MQA, dk != dv, a given scale
-      {1, 8, 2, 64, 0, core::DType::kBFloat16, 0},    // bf16 KV
+      {1, 8, 2, 64, 0, core::DType::kBFloat16, 0},     // bf16 KV
   };
   for (const SessionShape& shape : shapes) {
     for (const int64_t length : {1, 37, 300, 1500}) {
       for (const int64_t chunk : {1, 7, 64}) {
-        SCOPED_TRACE(::testing::Message() << "seed " << seed << " H=" << shape.num_heads
-                                          << " Hkv=" << shape.num_kv_heads << " dk="
-                                          << shape.head_dim << " L=" << length << " chunk="
-                                          << chunk << " dtype=" << core::DTypeName(shape.kv_dtype));
+        SCOPED_TRACE(::testing::Message()
+                     << "seed " << seed << " H=" << shape.num_heads << " Hkv=" << shape.num_kv_heads
+                     << " dk=" << shape.head_dim << " L=" << length << " chunk=" << chunk
+                     << " dtype=" << core::DTypeName(shape.kv_dtype));
         auto table = Table();
         const absl::StatusOr<SessionInfo> session = table->CreateSession(shape, length, {}, kT0);
         ASSERT_TRUE(session.ok()) << session.status();
@@ -224,8 +223,7 @@ TEST_F(SessionTableTest, ConflictsGapsAndOverrunsAreRefusedNamingThePositions) {
   StepEntry overrun = Entry(session, tokens, 0, 4, 7, &output);
   status = table->Step({&overrun, 1}, kT0)[0];
   EXPECT_EQ(status.code(), absl::StatusCode::kOutOfRange) << status;
-  EXPECT_NE(status.message().find("11 is past the session's reservation of 10"),
-            std::string::npos)
+  EXPECT_NE(status.message().find("11 is past the session's reservation of 10"), std::string::npos)
       << status;
   // A layer the session does not have.
   StepEntry layer = Entry(session, tokens, 2, 0, 1, &output);
@@ -244,9 +242,9 @@ TEST_F(SessionTableTest, AForkSharesThePrefixAndEachBranchSeesOnlyItsOwnTokens) 
   const SessionInfo source = *table->CreateSession(shape, total, {}, kT0);
   const Tokens source_tokens = RandomTokens(shape, total, 7);
   Tokens fork_tokens = RandomTokens(shape, total, 8);
-  for (auto [from, to] : {std::pair{&source_tokens.q, &fork_tokens.q},
-                          std::pair{&source_tokens.k, &fork_tokens.k},
-                          std::pair{&source_tokens.v, &fork_tokens.v}}) {
+  for (auto [from, to] :
+       {std::pair{&source_tokens.q, &fork_tokens.q}, std::pair{&source_tokens.k, &fork_tokens.k},
+        std::pair{&source_tokens.v, &fork_tokens.v}}) {
     const int64_t per_token = static_cast<int64_t>(from->size()) / total;
     std::copy(from->begin(), from->begin() + prefix * per_token, to->begin());
   }
