@@ -22,17 +22,8 @@ absl::StatusOr<SessionShape> ShapeOf(const v1::SessionConfig& config) {
   shape.num_kv_heads = config.num_kv_heads();
   shape.head_dim = config.head_dim();
   shape.v_head_dim = config.v_head_dim();
-  switch (config.kv_dtype()) {
-    case v1::DATA_TYPE_UNSPECIFIED:
-    case v1::FLOAT32:
-      shape.kv_dtype = core::DType::kFloat32;
-      break;
-    case v1::BFLOAT16:
-      shape.kv_dtype = core::DType::kBFloat16;
-      break;
-    default:
-      return Invalid("config.kv_dtype = ", v1::DataType_Name(config.kv_dtype()),
-                     "; KV is stored in FLOAT32 or BFLOAT16");
+  if (config.kv_dtype() != v1::DATA_TYPE_UNSPECIFIED) {  // the table refuses all but two
+    ASSIGN_OR_RETURN(shape.kv_dtype, wire::ConvertDType(config.kv_dtype(), "config.kv_dtype"));
   }
   if (config.has_scale()) {
     if (!std::isfinite(config.scale()) || config.scale() <= 0) {
@@ -50,7 +41,7 @@ v1::SessionConfig ConfigOf(const SessionShape& shape) {
   config.set_num_kv_heads(shape.num_kv_heads);
   config.set_head_dim(shape.head_dim);
   config.set_v_head_dim(shape.v_head_dim > 0 ? shape.v_head_dim : shape.head_dim);
-  config.set_kv_dtype(shape.kv_dtype == core::DType::kBFloat16 ? v1::BFLOAT16 : v1::FLOAT32);
+  config.set_kv_dtype(wire::WireDType(shape.kv_dtype));
   if (shape.scale > 0) config.set_scale(shape.scale);
   return config;
 }

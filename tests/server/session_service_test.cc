@@ -193,7 +193,7 @@ TEST_F(SessionServiceTest, EveryRejectionHasItsCodeAndNamesTheField) {
       {"heads not a multiple", [](auto& r) { r.mutable_config()->set_num_kv_heads(3); }, nullptr,
        C::kInvalidArgument, "num_kv_heads"},
       {"float16 kv", [](auto& r) { r.mutable_config()->set_kv_dtype(v1::FLOAT16); }, nullptr,
-       C::kInvalidArgument, "config.kv_dtype = FLOAT16"},
+       C::kInvalidArgument, "kv_dtype = FLOAT16; KV is stored in FLOAT32 or BFLOAT16"},
       {"bad scale", [](auto& r) { r.mutable_config()->set_scale(-1); }, nullptr,
        C::kInvalidArgument, "config.scale = -1"},
       {"no reservation", [](auto& r) { r.set_reserved_tokens(0); }, nullptr, C::kInvalidArgument,
