@@ -103,6 +103,7 @@ struct RowKernels {
 
 // One copy of the generic kernels per target: the dot products and value sums, and the
 // softmax and widening steps (AVX-512 takes only the latter; its others are by hand).
+// NOLINTBEGIN(bugprone-macro-parentheses): Target is a function attribute, not a value.
 #define PAGED_ROW_KERNELS(Suffix, Target)                                                \
   Target void Scores##Suffix(const float* q, const float* k, int64_t ks, int64_t count,  \
                              int64_t dim, float scale, float* out) {                     \
@@ -122,6 +123,7 @@ struct RowKernels {
   Target void WidenBFloat16##Suffix(const uint16_t* s, int64_t count, float* d) { \
     WidenBFloat16Generic(s, count, d);                                            \
   }
+// NOLINTEND(bugprone-macro-parentheses)
 
 PAGED_ROW_KERNELS(Portable, )
 PAGED_SOFTMAX_KERNELS(Portable, )

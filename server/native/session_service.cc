@@ -257,8 +257,8 @@ absl::Status AttentionServiceImpl::SubmitSessionStep(
   item->is_cancelled = std::move(is_cancelled);
   SessionStepItem* step = item.get();  // the batcher answers while it still holds the item
   item->done = [this, step, answers, response, output_dtype, finish = std::move(finish),
-                log_sum_exp = request.return_log_sum_exp(),
-                request_id = request.request_id()](absl::StatusOr<core::AttentionResult> result) {
+                log_sum_exp = request.return_log_sum_exp(), request_id = request.request_id()](
+                   const absl::StatusOr<core::AttentionResult>& result) {
     RefreshSessionMetrics();
     const absl::Status status = result.ok() ? step->status() : result.status();
     if (!status.ok()) {

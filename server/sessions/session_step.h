@@ -5,6 +5,7 @@
 #define ATTENTION_SERVER_SESSIONS_SESSION_STEP_H_
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "server/batching/batcher.h"
@@ -14,7 +15,8 @@ namespace attention::server {
 
 class SessionStepItem final : public WorkItem {
  public:
-  SessionStepItem(SessionTable& table, std::string device) : table_(table), device_(device) {}
+  SessionStepItem(SessionTable& table, std::string device)
+      : table_(table), device_(std::move(device)) {}
 
   const LayerSnapshot* layer() const override { return nullptr; }
   std::string queue_name() const override { return kSessionStepQueue; }
