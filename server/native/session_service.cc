@@ -166,7 +166,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetSession(grpc::CallbackServerC
 grpc::ServerUnaryReactor* AttentionServiceImpl::ListSessions(grpc::CallbackServerContext* context,
                                                              const v1::ListSessionsRequest* request,
                                                              v1::ListSessionsResponse* response) {
-  return AnswerSessionCall(context, "ListSessions", *request, [&] {
+  return AnswerSessionCall(context, "ListSessions", *request, [&]() -> absl::Status {
+    // Ids are the only key to a session, so listing them all is layer management's to do.
+    RETURN_IF_ERROR(CheckAdmin(*context, "ListSessions"));
     const absl::Time now = absl::Now();
     for (const SessionInfo& info : sessions_->List(now)) {
       Describe(info, now, response->add_sessions());

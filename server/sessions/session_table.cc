@@ -369,12 +369,15 @@ absl::Status SessionTable::WriteLocked(const StepEntry& entry, Session& session)
   const KvLayout layout = LayoutOf(shape);
   const int64_t heads = layout.num_kv_heads, dk = layout.key_dim, dv = layout.value_dim;
   const int64_t element = layout.ElementBytes();
+  // The lambda below runs under mu_ too, but clang's analysis does not see into lambdas.
+  std::byte* const storage = storage_.get();
+  const int64_t block_bytes = options_.block_bytes;
   // Visits every (token, head) of the entry in [from, to) with its stored K and V rows.
   auto for_each_row = [&](int64_t from, int64_t to, auto&& visit) {
     const auto& table = sequence->block_tables[entry.layer];
     const int64_t per_block = sequence->tokens_per_block;
     for (int64_t t = from; t < to; ++t) {
-      std::byte* block = Block(table[t / per_block]);
+      std::byte* block = storage + table[t / per_block] * block_bytes;
       const int64_t slot = t % per_block;
       const int64_t row = t - entry.position;
       for (int64_t h = 0; h < heads; ++h) {

@@ -273,6 +273,27 @@ TEST_F(SessionServiceTest, EveryRejectionHasItsCodeAndNamesTheField) {
   EXPECT_EQ(retried.results(0).output().raw_data(), again.results(0).output().raw_data());
 }
 
+class SessionsWithAdminTokenTest : public ServerTest {
+ protected:
+  ServerOptions Options() override {
+    ServerOptions options = ServerTest::Options();
+    options.access.admin_token = "secret";
+    return options;
+  }
+};
+
+TEST_F(SessionsWithAdminTokenTest, ListingSessionsNeedsTheAdminToken) {
+  auto stub = v1::AttentionService::NewStub(client_->channel());
+  v1::ListSessionsResponse response;
+  grpc::ClientContext anonymous;
+  grpc::Status status = stub->ListSessions(&anonymous, v1::ListSessionsRequest(), &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAUTHENTICATED) << status.error_message();
+  grpc::ClientContext admin;
+  admin.AddMetadata("authorization", "Bearer secret");
+  status = stub->ListSessions(&admin, v1::ListSessionsRequest(), &response);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+}
+
 class SessionsOffTest : public ServerTest {
  protected:
   ServerOptions Options() override {

@@ -191,4 +191,5 @@ class AttentionClient(ClientBase):
 
     def list_sessions(self, timeout=None):
         return list(self._stub.ListSessions(self._pb2.ListSessionsRequest(),
-                                            timeout=self._timeout(timeout)).sessions)
+                                            timeout=self._timeout(timeout),
+                                            metadata=self._admin_metadata).sessions)
