@@ -37,7 +37,8 @@ static_assert(kExpTerms == 7, "ExpOfNonPositive spells out 7 terms");
 __attribute__((always_inline)) inline float ExpOfClamped(float x) {
   // Round to nearest by the 1.5 * 2^23 trick: a plain add, unlike std::nearbyint.
   constexpr float kRoundShift = 12582912.0f;
-  const float n = (x * kLog2e + kRoundShift) - kRoundShift;
+  const float shifted = x * kLog2e + kRoundShift;  // n sits in the low mantissa bits
+  const float n = shifted - kRoundShift;
   const float f = std::fma(n, -kLn2Low, std::fma(n, -kLn2High, x));
   // Horner spelled out: a loop here kept GCC from vectorizing the caller's loop.
   const float* k = kExpCoefficients;
@@ -45,7 +46,11 @@ __attribute__((always_inline)) inline float ExpOfClamped(float x) {
       std::fma(std::fma(std::fma(std::fma(std::fma(k[0], f, k[1]), f, k[2]), f, k[3]), f, k[4]), f,
                k[5]),
       f, k[6]);
-  const int32_t exponent_bits = (static_cast<int32_t>(n) + 127) * (1 << 23);
+  // 2^n built from `shifted`'s bits in unsigned arithmetic, so that a NaN (whose bits are
+  // no number) stays defined behaviour and still yields NaN through p.
+  uint32_t shifted_bits;
+  std::memcpy(&shifted_bits, &shifted, sizeof(shifted_bits));
+  const uint32_t exponent_bits = (shifted_bits - 0x4B400000u + 127u) << 23;
   float power;
   std::memcpy(&power, &exponent_bits, sizeof(power));
   return p * power;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -376,6 +377,14 @@ absl::Status Validate(const PagedDecodeBatch& batch) {
     return absl::InvalidArgumentError(absl::StrCat(
         "paged decode: tokens_per_block ", batch.tokens_per_block, " of ", layout.TokenBytes(),
         " bytes do not fit a storage block of ", batch.storage.block_bytes, " bytes"));
+  }
+  // Keys and values are read in place as elements of the KV dtype.
+  const int64_t element = layout.ElementBytes();
+  if (batch.storage.block_bytes % element != 0 ||
+      reinterpret_cast<uintptr_t>(batch.storage.data) % element != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("paged decode: the storage and its blocks of ", batch.storage.block_bytes,
+                     " bytes must be aligned to the KV element's ", element, " bytes"));
   }
   for (size_t b = 0; b < batch.sequences.size(); ++b) {
     const PagedDecodeSequence& sequence = batch.sequences[b];

@@ -47,7 +47,7 @@ class PagedPool {
       : shape_(shape), layout_{shape.kv_heads, shape.key_dim, shape.value_dim, shape.dtype} {
     std::mt19937_64 rng(seed);
     // A few spare bytes per block: storage blocks may be larger than their tokens.
-    block_bytes_ = shape.tokens_per_block * layout_.TokenBytes() + 6;
+    block_bytes_ = shape.tokens_per_block * layout_.TokenBytes() + 8;  // slack past the tokens
     int64_t needed = 0;
     for (const auto& [length, queries] : lengths_and_queries) {
       needed += (length + shape.tokens_per_block - 1) / shape.tokens_per_block;
