@@ -3,7 +3,7 @@
 
 #include <vector>
 
-#include "proto/tensor_codec.h"
+#include "tensor_codec.h"
 
 namespace attention::loadgen {
 

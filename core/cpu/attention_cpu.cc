@@ -7,6 +7,7 @@
 
 #include <cblas.h>
 
+#include "core/cpu/exp_poly.h"
 #include "core/cpu/gemm.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -25,20 +26,8 @@ __attribute__((target("avx2,fma"))) float HorizontalSum(__m256 v) {
   return _mm_cvtss_f32(sum);
 }
 
-// exp(x - shift) in place for x - shift <= 0 (within 2 ulp of std::exp; below -87, and
-// -inf, give exactly 0): 2^n * P(f) with n = round(x / ln2), f = x - n ln2 in two FMAs
-// (Cody-Waite: ln2 as a float alone put n's rounding, up to 2.6e-7, into f) and a degree-6
-// polynomial. Returns the sum. The AVX2 and AVX-512 versions share these constants.
-constexpr float kExpLowest = -87.0f;
-constexpr float kLog2e = 1.44269504088896341f;
-constexpr float kLn2High = 0.693147182464599609375f;  // float(ln 2)
-constexpr float kLn2Low = -1.904654299957768e-09f;    // ln 2 - kLn2High
-// A degree-6 polynomial fitted to exp's relative error on [-ln2/2, ln2/2] (iteratively
-// reweighted least squares): 1.2 ulp when evaluated in float, where Taylor's degree 6 erred
-// 3.5 ulp and its degree 7 cost one more FMA for 1.1.
-constexpr float kExpCoefficients[] = {1.383680850e-03f, 8.374815807e-03f, 4.166822508e-02f,
-                                      1.666641980e-01f, 4.999999106e-01f, 1.0f, 1.0f};
-constexpr int kExpTerms = sizeof(kExpCoefficients) / sizeof(kExpCoefficients[0]);
+// exp(x - shift) in place for x - shift <= 0 with core/cpu/exp_poly.h's polynomial. Returns
+// the sum.
 __attribute__((target("avx2,fma"))) float ExpAndSumAvx2(float* values, int64_t count,
                                                         float shift) {
   const __m256 shift_v = _mm256_set1_ps(shift), lowest = _mm256_set1_ps(kExpLowest);

@@ -33,6 +33,8 @@ class CpuBackend final : public Backend {
       const SdpaInput& input) const override;
 
   int num_threads() const { return pool_.size(); }
+  // The compute threads, shared with the decode steps of KV-cache sessions.
+  ThreadPool& pool() const { return pool_; }
   // The kernel set OpenBLAS chose for this CPU (or OPENBLAS_CORETYPE forced), e.g.
   // "Haswell", "SkylakeX", "Cooperlake".
   static std::string BlasCore();

@@ -102,6 +102,18 @@ ABSL_FLAG(int64_t, inline_layer_cache_bytes, attention::server::kDefaultInlineLa
           "host bytes of recently built inline layers kept, keyed by a SHA-256 of their "
           "config and weights, so the same inline layer is not built again; they count "
           "against --max_weight_bytes; 0 = no cache");
+ABSL_FLAG(int64_t, kv_cache_bytes, int64_t{256} << 20,
+          "bytes of the KV-cache pool of sessions (CreateSession), reserved at start-up in "
+          "blocks of 256 KiB and committed as sessions fill them; 0 turns sessions off");
+ABSL_FLAG(int64_t, max_sessions, 1024, "live KV-cache sessions at once");
+ABSL_FLAG(int64_t, max_session_tokens, int64_t{128} << 10,
+          "tokens one session may reserve (CreateSessionRequest.reserved_tokens)");
+ABSL_FLAG(absl::Duration, session_ttl, absl::Minutes(10),
+          "idle time after which a session expires, unless it asks for another ttl");
+ABSL_FLAG(absl::Duration, max_session_ttl, absl::Hours(24), "longest ttl a session may ask for");
+ABSL_FLAG(std::string, replica_name, "",
+          "prefix of session ids naming this replica (e.g. the pod name from the Downward "
+          "API), so that callers pin a session's calls to the replica that holds it");
 ABSL_FLAG(int, max_concurrent_streams, 1024, "concurrent calls (HTTP/2 streams) per connection");
 ABSL_FLAG(absl::Duration, keepalive_min_ping_interval, absl::Seconds(10),
           "clients sending keepalive pings more often than this get GOAWAY");
@@ -211,6 +223,12 @@ int main(int argc, char** argv) {
   options.max_concurrent_loads = absl::GetFlag(FLAGS_max_concurrent_loads);
   options.max_queued_loads = absl::GetFlag(FLAGS_max_queued_loads);
   options.inline_layer_cache_bytes = absl::GetFlag(FLAGS_inline_layer_cache_bytes);
+  options.sessions.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
+  options.sessions.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  options.sessions.max_session_tokens = absl::GetFlag(FLAGS_max_session_tokens);
+  options.sessions.default_ttl = absl::GetFlag(FLAGS_session_ttl);
+  options.sessions.max_ttl = absl::GetFlag(FLAGS_max_session_ttl);
+  options.sessions.replica = absl::GetFlag(FLAGS_replica_name);
   options.keepalive_min_ping_interval = absl::GetFlag(FLAGS_keepalive_min_ping_interval);
   options.max_connection_age = absl::GetFlag(FLAGS_max_connection_age);
   options.max_connection_age_grace = absl::GetFlag(FLAGS_max_connection_age_grace);
@@ -240,6 +258,14 @@ int main(int argc, char** argv) {
   }
   std::cerr << "attention-service: default device " << (*server)->default_backend().name()
             << ", OpenBLAS core " << attention::core::CpuBackend::BlasCore() << std::endl;
+  if (const attention::server::SessionTable* sessions = (*server)->sessions()) {
+    const attention::core::kv_cache::KvPoolCounters pool = sessions->Counters().pool;
+    // In tokens of a Llama-3-8B layer (8 KV heads of 128 dims, float32 K and V: 8 KiB).
+    std::cerr << "attention-service: KV cache " << pool.blocks_total << " blocks of "
+              << (sessions->block_bytes() >> 10) << " KiB, "
+              << pool.blocks_total * sessions->block_bytes() / 8192
+              << " tokens x layers at 8 KiB a token (8 KV heads x 128 dims, float32)" << std::endl;
+  }
   // Scripts and tests read the port from this line.
   std::cout << "attention-service listening on port " << (*server)->port() << std::endl;
   if ((*server)->metrics_port() != 0) {

@@ -52,6 +52,20 @@ int ComputeThreads(int requested) {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
+// The session table on the CPU's compute threads, or null when sessions are off. `options`
+// were validated with the server's.
+std::unique_ptr<SessionTable> MakeSessionTable(const SessionTableOptions& options,
+                                               core::Devices& devices) {
+  if (options.kv_cache_bytes == 0) return nullptr;
+  absl::StatusOr<std::unique_ptr<SessionTable>> table =
+      SessionTable::Create(options, devices.cpu()->pool());
+  if (!table.ok()) {
+    std::cerr << "attention-service: sessions: " << table.status() << std::endl;
+    return nullptr;
+  }
+  return *std::move(table);
+}
+
 }  // namespace
 
 absl::Status ServerOptions::Validate() const {
@@ -104,6 +118,7 @@ absl::Status ServerOptions::Validate() const {
   RETURN_IF_ERROR(tls.Validate());
   RETURN_IF_ERROR(registry.Validate());
   RETURN_IF_ERROR(request_log.Validate());
+  if (sessions.kv_cache_bytes != 0) RETURN_IF_ERROR(sessions.Validate());
   return batcher.Validate();
 }
 
@@ -123,9 +138,10 @@ AttentionServer::AttentionServer(const ServerOptions& options,
       drain_delay_(options.drain_delay),
       batcher_(options.batcher, &metrics_),
       loader_({options.max_concurrent_loads, options.max_queued_loads}, &batcher_, &metrics_),
+      sessions_(MakeSessionTable(options.sessions, *devices_)),
       service_(registry_, batcher_, metrics_, request_log_, options.RequestBudgetWithMessageLimit(),
                *devices_, default_backend_, options.access, loader_,
-               options.inline_layer_cache_bytes),
+               options.inline_layer_cache_bytes, sessions_.get()),
       kserve_service_(service_, registry_, metrics_, loader_, ready_) {}
 
 absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
@@ -198,6 +214,7 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
     std::cerr << "attention-service: " << problem << std::endl;
   }
   server->service_.RefreshLayerMetrics();
+  server->service_.RefreshSessionMetrics();
   health->SetServingStatus(true);
   health->SetServingStatus(kServiceName, true);
   server->ready_ = true;

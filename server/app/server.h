@@ -78,6 +78,9 @@ struct ServerOptions {
   // again (counted against registry.max_weight_bytes). 0 disables the cache. >= 0;
   // default 256 MiB.
   int64_t inline_layer_cache_bytes = kDefaultInlineLayerCacheBytes;
+  // KV-cache sessions: the pool (--kv_cache_bytes, 0 turns sessions off) and their limits
+  // (--max_sessions, --max_session_tokens, --session_ttl, --max_session_ttl, --replica_name).
+  SessionTableOptions sessions;
   // Largest request or response message, bytes. >= 1 MiB; default 64 MiB.
   int64_t max_message_bytes = wire::kDefaultMaxMessageBytes;
   // TLS or mutual TLS on the gRPC port (--tls_cert_file, --tls_key_file,
@@ -112,6 +115,8 @@ class AttentionServer {
   Metrics& metrics() { return metrics_; }
   LoaderPool& loader() { return loader_; }
   const InlineLayerCache& inline_layer_cache() const { return service_.inline_layer_cache(); }
+  // Null when sessions are off.
+  const SessionTable* sessions() const { return sessions_.get(); }
   // Files skipped while loading persisted layers at start-up (also printed to stderr).
   const std::vector<std::string>& startup_problems() const { return startup_problems_; }
 
@@ -131,6 +136,7 @@ class AttentionServer {
   Batcher batcher_;
   LayerRegistry registry_;
   LoaderPool loader_;
+  const std::unique_ptr<SessionTable> sessions_;
   AttentionServiceImpl service_;
   // What the health service says, for the Open Inference Protocol's ServerReady.
   std::atomic<bool> ready_{false};

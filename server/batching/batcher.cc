@@ -25,10 +25,6 @@ absl::Status BatcherOptions::Validate() const {
   return absl::OkStatus();
 }
 
-std::string QueueName(const WorkItem& item) {
-  return item.layer() == nullptr ? kScaledDotProductAttentionQueue : item.layer()->name;
-}
-
 absl::StatusOr<std::vector<core::AttentionResult>> LayerWorkItem::Compute(
     absl::Span<WorkItem* const> batch) {
   std::vector<const core::MhaInput*> inputs;
@@ -61,7 +57,7 @@ int64_t BatchQueue::size(const std::string& queue_name) const {
 }
 
 absl::Status BatchQueue::Push(std::unique_ptr<WorkItem>& item, absl::Time now) {
-  const std::string name = QueueName(*item);
+  const std::string name = item->queue_name();
   const BatchLimits limits = LimitsFor(item->layer());
   Usage& usage = usage_[name];
   absl::Status status;
@@ -167,7 +163,7 @@ std::vector<std::unique_ptr<WorkItem>> BatchQueue::PopDue(absl::Time now, bool f
   std::vector<std::unique_ptr<WorkItem>> batch;
   if (best.empty()) return batch;
   // A batch is one batch_key() (or one item), so it leaves one layer's queue.
-  const std::string name = QueueName(**best.front());
+  const std::string name = (*best.front())->queue_name();
   Usage& usage = usage_[name];
   for (Iterator it : best) {
     --usage.requests;
@@ -192,7 +188,7 @@ absl::Status Batcher::Submit(std::unique_ptr<WorkItem> item) {
   {
     core::MutexLock lock(mu_);
     if (stopping_) return absl::UnavailableError("the server is shutting down");
-    const std::string name = QueueName(*item);
+    const std::string name = item->queue_name();
     // Push moves the item into the queue, which keeps its snapshot alive while mu_ is held.
     const LayerSnapshot* layer = item->layer();
     absl::Status status = queue_.Push(item, absl::Now());
@@ -255,7 +251,7 @@ void Batcher::WorkerLoop() {
         if (batch.empty()) changed_.wait_until(lock, absl::ToChronoTime(due));
       }
       if (metrics_ != nullptr) {
-        const std::string name = QueueName(*batch.front());
+        const std::string name = batch.front()->queue_name();
         metrics_->SetQueueDepth(name, queue_.size(name));
       }
       more_queued = queue_.size() > 0;
@@ -289,7 +285,7 @@ void Batcher::Run(std::vector<std::unique_ptr<WorkItem>> batch) {
   absl::StatusOr<std::vector<core::AttentionResult>> results = live.front()->Compute(items);
   if (metrics_ != nullptr) {
     const absl::Duration compute = absl::Now() - start;
-    const std::string name = QueueName(*live.front());
+    const std::string name = live.front()->queue_name();
     metrics_->BatchComputed(name, live.front()->device(), static_cast<int64_t>(live.size()), tokens,
                             compute);
     if (live.front()->layer() != nullptr) {

@@ -51,6 +51,10 @@ struct BatcherOptions {
   absl::Status Validate() const;
 };
 
+// The queues of work without a layer (see WorkItem::queue_name).
+inline constexpr char kScaledDotProductAttentionQueue[] = "(scaled_dot_product_attention)";
+inline constexpr char kSessionStepQueue[] = "(session_step)";
+
 // One request waiting for compute, in the manner of TF Serving's BatchTask: the queue sees
 // only what every kind of work shares (size, priority, deadline, answer); each kind says
 // what it may share a batch with and how a batch of its kind runs. Multi-head attention
@@ -59,9 +63,12 @@ class WorkItem {
  public:
   virtual ~WorkItem() = default;
 
-  // The layer whose queue and limits the item counts against; null for work without a
-  // layer (kScaledDotProductAttentionQueue, the server's limits).
+  // The layer whose limits the item counts against; null for work without a layer (the
+  // server's limits).
   virtual const LayerSnapshot* layer() const = 0;
+  // The queue the item counts against for the queue limits and metrics: its layer's name
+  // ("(inline)" for inline layers), or its kind's for work without a layer.
+  virtual std::string queue_name() const = 0;
   // Items with the same key may share a batch; null runs alone.
   virtual const void* batch_key() const = 0;
   // The device a batch of this item computes on, for the compute metrics.
@@ -93,6 +100,7 @@ class WorkItem {
 class LayerWorkItem final : public WorkItem {
  public:
   const LayerSnapshot* layer() const override { return snapshot.get(); }
+  std::string queue_name() const override { return snapshot->name; }
   const void* batch_key() const override { return snapshot.get(); }
   std::string device() const override { return snapshot->layer->device(); }
   absl::StatusOr<std::vector<core::AttentionResult>> Compute(
@@ -109,6 +117,7 @@ class LayerWorkItem final : public WorkItem {
 class SoloWorkItem final : public WorkItem {
  public:
   const LayerSnapshot* layer() const override { return nullptr; }
+  std::string queue_name() const override { return kScaledDotProductAttentionQueue; }
   const void* batch_key() const override { return nullptr; }
   std::string device() const override { return device_name; }
   absl::StatusOr<std::vector<core::AttentionResult>> Compute(
@@ -117,11 +126,6 @@ class SoloWorkItem final : public WorkItem {
   std::function<absl::StatusOr<core::AttentionResult>()> run;
   std::string device_name;
 };
-
-// The queue a request counts against for the queue limits: its layer's name ("(inline)" for
-// inline layers), or kScaledDotProductAttentionQueue for work without a layer.
-inline constexpr char kScaledDotProductAttentionQueue[] = "(scaled_dot_product_attention)";
-std::string QueueName(const WorkItem& item);
 
 // The batching policy: one queue per layer. Each layer has its own queue limits (the
 // server's, or the layer's own: LayerSnapshot::batching), so a flood
@@ -156,7 +160,7 @@ class BatchQueue {
   int64_t tokens() const { return tokens_; }
   int64_t bytes() const { return bytes_; }
   int64_t reserved_bytes() const { return reserved_bytes_; }
-  // Requests waiting in one layer's queue (see QueueName).
+  // Requests waiting in one layer's queue (see WorkItem::queue_name).
   int64_t size(const std::string& queue_name) const;
   // The limits a layer's requests are batched and queued under: the layer's own, else the
   // server's (also for work without a layer, `layer` null).

@@ -15,8 +15,6 @@
 namespace attention::server {
 namespace {
 
-constexpr size_t kMaxRequestIdBytes = 256;
-
 // A query, key or value: float32 values, or, for a layer whose backend converts 16-bit
 // inputs on its device, the FLOAT16 / BFLOAT16 bits as sent (half the bytes to copy), or
 // FLOAT32 raw_data read in place (`borrowed`, no copy).
@@ -37,22 +35,6 @@ bool CanBorrow(const v1::Tensor& tensor) {
   const std::string& raw = tensor.raw_data();
   return tensor.dtype() == v1::FLOAT32 && tensor.float_data_size() == 0 && !raw.empty() &&
          reinterpret_cast<uintptr_t>(raw.data()) % alignof(float) == 0;
-}
-
-absl::Status CheckRequestId(const std::string& request_id) {
-  if (request_id.size() > kMaxRequestIdBytes) {
-    return Invalid("request_id has ", request_id.size(), " bytes; at most ", kMaxRequestIdBytes);
-  }
-  return absl::OkStatus();
-}
-
-// A float tensor of the request, refused when it holds NaN or infinities and the budget
-// asks for checking.
-absl::StatusOr<FloatTensor> DecodeInput(const v1::Tensor& tensor, absl::string_view field,
-                                        const RequestBudget& budget) {
-  ASSIGN_OR_RETURN(FloatTensor decoded, DecodeFloatTensor(tensor, field));
-  if (budget.reject_non_finite) RETURN_IF_ERROR(CheckFinite(decoded.values, decoded.shape, field));
-  return decoded;
 }
 
 // The converted options, with an additive mask refused when it holds NaN or +inf (and the

@@ -17,6 +17,7 @@
 #include "server/observability/metrics.h"
 #include "server/observability/request_log.h"
 #include "server/rpc/call.h"
+#include "server/sessions/session_table.h"
 #include "server/validation/request_validation.h"
 
 namespace attention::server {
@@ -41,12 +42,14 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
  public:
   // Requests past `budget` are refused before anything is allocated or queued. Layers are
   // placed on `devices` (`default_backend` unless LoadLayerRequest.device says otherwise);
-  // inline layers and scaled dot-product attention run on `default_backend`.
-  AttentionServiceImpl(LayerRegistry& registry, Batcher& batcher, Metrics& metrics,
-                       RequestLog& log, const RequestBudget& budget, core::Devices& devices,
+  // inline layers and scaled dot-product attention run on `default_backend`. KV-cache
+  // sessions are held in `sessions` (null: sessions are off).
+  AttentionServiceImpl(LayerRegistry& registry, Batcher& batcher, Metrics& metrics, RequestLog& log,
+                       const RequestBudget& budget, core::Devices& devices,
                        std::shared_ptr<const core::Backend> default_backend,
                        const AccessPolicy& access, LoaderPool& loader,
-                       int64_t inline_layer_cache_bytes = kDefaultInlineLayerCacheBytes)
+                       int64_t inline_layer_cache_bytes = kDefaultInlineLayerCacheBytes,
+                       SessionTable* sessions = nullptr)
       : registry_(registry),
         batcher_(batcher),
         metrics_(metrics),
@@ -56,10 +59,13 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
         default_backend_(std::move(default_backend)),
         access_(access),
         loader_(loader),
-        inline_cache_(inline_layer_cache_bytes, registry, &metrics) {}
+        inline_cache_(inline_layer_cache_bytes, registry, &metrics),
+        sessions_(sessions) {}
 
   // Sets the loaded-layer gauges from the registry.
   void RefreshLayerMetrics();
+  // Sets the KV-cache gauges from the session table.
+  void RefreshSessionMetrics();
   const InlineLayerCache& inline_layer_cache() const { return inline_cache_; }
 
   grpc::ServerUnaryReactor* MultiHeadAttention(grpc::CallbackServerContext* context,
@@ -85,6 +91,28 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   grpc::ServerUnaryReactor* InspectCheckpoint(grpc::CallbackServerContext* context,
                                               const v1::InspectCheckpointRequest* request,
                                               v1::InspectCheckpointResponse* response) override;
+  // KV-cache sessions (session_service.cc).
+  grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* context,
+                                          const v1::CreateSessionRequest* request,
+                                          v1::CreateSessionResponse* response) override;
+  grpc::ServerUnaryReactor* SessionStep(grpc::CallbackServerContext* context,
+                                        const v1::SessionStepRequest* request,
+                                        v1::SessionStepResponse* response) override;
+  grpc::ServerUnaryReactor* ForkSession(grpc::CallbackServerContext* context,
+                                        const v1::ForkSessionRequest* request,
+                                        v1::ForkSessionResponse* response) override;
+  grpc::ServerUnaryReactor* TruncateSession(grpc::CallbackServerContext* context,
+                                            const v1::TruncateSessionRequest* request,
+                                            v1::TruncateSessionResponse* response) override;
+  grpc::ServerUnaryReactor* DropSession(grpc::CallbackServerContext* context,
+                                        const v1::DropSessionRequest* request,
+                                        v1::DropSessionResponse* response) override;
+  grpc::ServerUnaryReactor* GetSession(grpc::CallbackServerContext* context,
+                                       const v1::GetSessionRequest* request,
+                                       v1::GetSessionResponse* response) override;
+  grpc::ServerUnaryReactor* ListSessions(grpc::CallbackServerContext* context,
+                                         const v1::ListSessionsRequest* request,
+                                         v1::ListSessionsResponse* response) override;
 
   // In-process entry points: the gRPC handlers (unary and stream) and the request fuzzer
   // share them, so every path validates and completes alike.
@@ -106,6 +134,11 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
       const v1::ScaledDotProductAttentionRequest& request, absl::Time deadline,
       std::function<bool()> is_cancelled, v1::ScaledDotProductAttentionResponse* response,
       std::function<void(const absl::Status&)> finish);
+  // Validates a SessionStep and queues it as SubmitMultiHeadAttention does.
+  absl::Status SubmitSessionStep(const v1::SessionStepRequest& request, absl::Time deadline,
+                                 std::function<bool()> is_cancelled,
+                                 v1::SessionStepResponse* response,
+                                 std::function<void(const absl::Status&)> finish);
   // Builds and publishes a layer, on the calling thread (the handler runs it on the loader
   // pool, after the admin check), and refreshes the layer gauges.
   absl::Status DoLoadLayer(const v1::LoadLayerRequest& request, v1::LoadLayerResponse* response);
@@ -120,6 +153,14 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   // The Open Inference Protocol's service shares the admin check and call starts.
   friend class InferenceServiceImpl;
 
+  // FAILED_PRECONDITION when the server holds no sessions.
+  absl::Status SessionsEnabled() const;
+  // Answers a session call that completes on the gRPC thread: the known-fields and
+  // sessions-on checks, then `handle`.
+  template <typename Request>
+  grpc::ServerUnaryReactor* AnswerSessionCall(grpc::CallbackServerContext* context,
+                                              absl::string_view method, const Request& request,
+                                              const std::function<absl::Status()>& handle);
   // A unary call of `method` (a string literal) starting now.
   UnaryCall StartCall(grpc::CallbackServerContext* context, absl::string_view method);
 
@@ -168,6 +209,7 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   const AccessPolicy access_;
   LoaderPool& loader_;
   InlineLayerCache inline_cache_;
+  SessionTable* const sessions_;
 };
 
 // Fills `info` from a snapshot.

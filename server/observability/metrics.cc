@@ -99,6 +99,16 @@ Metrics::Metrics(absl::string_view default_device, absl::string_view blas_core)
                                     "loader thread")
                               .Register(*registry_)
                               .Add({})),
+      kv_sessions_(prometheus::BuildGauge()
+                       .Name("attention_kv_sessions")
+                       .Help("Live KV-cache sessions")
+                       .Register(*registry_)
+                       .Add({})),
+      kv_cache_bytes_(prometheus::BuildGauge()
+                          .Name("attention_kv_cache_bytes")
+                          .Help("KV-cache pool bytes by state: total, held by sessions, "
+                                "promised to sessions' reservations, shared by forks")
+                          .Register(*registry_)),
       device_memory_used_(prometheus::BuildGauge()
                               .Name("attention_device_memory_used_bytes")
                               .Help("Memory in use on an accelerator (all processes), by device")
@@ -178,6 +188,15 @@ void Metrics::InlineLayerCacheLookup(bool hit) {
 
 void Metrics::SetInlineLayerCacheBytes(int64_t bytes) {
   inline_cache_bytes_.Set(static_cast<double>(bytes));
+}
+
+void Metrics::SetKvCache(int64_t sessions, int64_t total_bytes, int64_t held_bytes,
+                         int64_t promised_bytes, int64_t shared_bytes) {
+  kv_sessions_.Set(static_cast<double>(sessions));
+  kv_cache_bytes_.Add({{"state", "total"}}).Set(static_cast<double>(total_bytes));
+  kv_cache_bytes_.Add({{"state", "held"}}).Set(static_cast<double>(held_bytes));
+  kv_cache_bytes_.Add({{"state", "promised"}}).Set(static_cast<double>(promised_bytes));
+  kv_cache_bytes_.Add({{"state", "shared"}}).Set(static_cast<double>(shared_bytes));
 }
 
 void Metrics::SetLoaderQueueDepth(int64_t jobs) {

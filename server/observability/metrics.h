@@ -41,13 +41,13 @@ class Metrics {
   void CallFinished(absl::string_view method, absl::StatusCode code, absl::Duration elapsed);
   // A request left the queue after waiting `waited`.
   void Dequeued(absl::Duration waited);
-  // One forward pass of `layer`'s queue (see QueueName in batcher.h) on `device` over
+  // One forward pass of `layer`'s queue (see WorkItem::queue_name in batcher.h) on `device` over
   // `requests` requests and `tokens` query tokens; by layer, so each layer's batching can
   // be tuned, and compute time also by device.
   void BatchComputed(absl::string_view layer, absl::string_view device, int64_t requests,
                      int64_t tokens, absl::Duration compute);
   void TokensProcessed(absl::string_view layer, int64_t tokens);
-  // Requests waiting in one layer's queue (see QueueName in batcher.h).
+  // Requests waiting in one layer's queue (see WorkItem::queue_name in batcher.h).
   void SetQueueDepth(absl::string_view layer, int64_t requests);
   // The bound of one layer's queue (its max_queue_requests), so alerts can compare the
   // depth with it.
@@ -59,6 +59,11 @@ class Metrics {
   void SetInlineLayerCacheBytes(int64_t bytes);
   // Jobs waiting for a layer-build thread (the loader pool's queue).
   void SetLoaderQueueDepth(int64_t jobs);
+  // KV-cache sessions: how many are live, and the pool's bytes by state: "total", "held"
+  // (by sessions), "promised" (free, reserved for sessions' growth), "shared" (held by
+  // more than one session: forks).
+  void SetKvCache(int64_t sessions, int64_t total_bytes, int64_t held_bytes, int64_t promised_bytes,
+                  int64_t shared_bytes);
   // Memory of an accelerator: bytes in use (by this process and others) and in total.
   void SetDeviceMemory(absl::string_view device, int64_t used_bytes, int64_t total_bytes);
 
@@ -99,6 +104,8 @@ class Metrics {
   prometheus::Counter& inline_cache_misses_;
   prometheus::Gauge& inline_cache_bytes_;
   prometheus::Gauge& loader_queue_depth_;
+  prometheus::Gauge& kv_sessions_;
+  prometheus::Family<prometheus::Gauge>& kv_cache_bytes_;
   prometheus::Family<prometheus::Gauge>& device_memory_used_;
   prometheus::Family<prometheus::Gauge>& device_memory_total_;
   mutable core::Mutex layer_statistics_mutex_;

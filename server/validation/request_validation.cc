@@ -8,9 +8,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "attention/v1/attention.pb.h"
+#include "core/status_macros.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/unknown_field_set.h"
-#include "attention/v1/attention.pb.h"
 #include "inference/grpc_service.pb.h"
 #include "server/common/status_util.h"
 
@@ -271,6 +272,21 @@ absl::Status CheckInlineLayerBytes(int64_t weight_bytes, const RequestBudget& bu
         " (--max_request_memory_bytes); load it once with LoadLayer instead"));
   }
   return absl::OkStatus();
+}
+
+absl::Status CheckRequestId(const std::string& request_id) {
+  constexpr size_t kMaxRequestIdBytes = 256;
+  if (request_id.size() > kMaxRequestIdBytes) {
+    return Invalid("request_id has ", request_id.size(), " bytes; at most ", kMaxRequestIdBytes);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<wire::FloatTensor> DecodeInput(const v1::Tensor& tensor, absl::string_view field,
+                                              const RequestBudget& budget) {
+  ASSIGN_OR_RETURN(wire::FloatTensor decoded, wire::DecodeFloatTensor(tensor, field));
+  if (budget.reject_non_finite) RETURN_IF_ERROR(CheckFinite(decoded.values, decoded.shape, field));
+  return decoded;
 }
 
 }  // namespace attention::server

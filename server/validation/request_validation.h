@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -84,6 +85,14 @@ absl::Status CheckFinite(absl::Span<const float> values, absl::Span<const int64_
 // ignored. (Fields beside key and value in a map entry itself never get here: protobuf's
 // parser drops them.)
 absl::Status CheckKnownFields(const google::protobuf::Message& request);
+
+// INVALID_ARGUMENT when a request_id is longer than 256 bytes.
+absl::Status CheckRequestId(const std::string& request_id);
+
+// A float tensor of a request, refused when it holds NaN or infinities and the budget asks
+// for checking.
+absl::StatusOr<wire::FloatTensor> DecodeInput(const v1::Tensor& tensor, absl::string_view field,
+                                              const RequestBudget& budget);
 
 // Whether `given` equals `expected`, in time that depends only on expected's length (for
 // secrets such as the admin token).

@@ -1,16 +1,18 @@
 // libFuzzer target: requests of every compute and management RPC from arbitrary bytes,
 // through the service's one validation path and, when valid, a small compute. The first byte
-// picks the RPC (MultiHeadAttention, ScaledDotProductAttention, LoadLayer, ModelInfer); the rest is the
-// serialized request; 3 is the Open Inference Protocol's ModelInfer, translated and then
-// submitted as the service does. Budgets are small, so a valid request computes in milliseconds.
+// picks the RPC (0 MultiHeadAttention, 1 ScaledDotProductAttention, 2 LoadLayer, 3 the Open
+// Inference Protocol's ModelInfer, translated and then submitted as the service does, 4
+// SessionStep, whose entries without a session id go to a session the target holds); the rest
+// is the serialized request. Budgets are small, so a valid request computes in milliseconds.
 // Seeds: tests/fuzz/corpus/requests/ (made by tests/fuzz/make_corpus.py).
 #include <cstddef>
 #include <cstdint>
 #include <future>
 
 #include "absl/time/clock.h"
-#include "server/native/attention_service.h"
 #include "server/kserve/kserve_convert.h"
+#include "server/native/attention_service.h"
+#include "server/sessions/session_table.h"
 
 namespace attention::server {
 namespace {
@@ -28,9 +30,21 @@ struct Service {
     budget.max_response_bytes = 1 << 20;
     budget.max_request_flops = 50'000'000;
     budget.max_request_memory_bytes = 16 << 20;
+    SessionTableOptions session_options;
+    session_options.kv_cache_bytes = 1 << 20;
+    session_options.block_bytes = 4096;
+    session_options.max_session_tokens = 256;
+    session_options.poison_freed_blocks = true;  // a read outside a block table shows as NaN
+    sessions = *SessionTable::Create(session_options, devices.cpu()->pool());
     service = std::make_unique<AttentionServiceImpl>(registry, batcher, metrics, *log, budget,
-                                                     devices, devices.cpu(), AccessPolicy{},
-                                                     loader);
+                                                     devices, devices.cpu(), AccessPolicy{}, loader,
+                                                     kDefaultInlineLayerCacheBytes, sessions.get());
+    // A session for steps to write: 2 layers, 2 query heads on 1 KV head of 4 dims.
+    SessionShape shape;
+    shape.num_layers = 2;
+    shape.num_heads = 2;
+    shape.head_dim = 4;
+    session_id = sessions->CreateSession(shape, 64, absl::Hours(1), absl::Now())->id;
     // A layer for requests to name: "tiny", E = 8, 2 heads.
     v1::LoadLayerRequest load;
     load.set_name("tiny");
@@ -52,6 +66,8 @@ struct Service {
   LayerRegistry registry;
   LoaderPool loader;
   std::unique_ptr<RequestLog> log;
+  std::unique_ptr<SessionTable> sessions;
+  std::string session_id;
   std::unique_ptr<AttentionServiceImpl> service;
 };
 
@@ -72,7 +88,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace attention;
   static server::Service* const service = new server::Service();
   if (size == 0) return 0;
-  const int rpc = data[0] % 4;
+  const int rpc = data[0] % 5;
   const uint8_t* body = data + 1;
   const int body_size = static_cast<int>(size - 1);
   const absl::Time deadline = absl::Now() + absl::Seconds(30);
@@ -123,7 +139,24 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       }
       break;
     }
-    default: {
+    case 4: {
+      v1::SessionStepRequest request;
+      if (!request.ParseFromArray(body, body_size)) return 0;
+      for (v1::SessionStepEntry& entry : *request.mutable_entries()) {
+        if (entry.session_id().empty()) entry.set_session_id(service->session_id);
+      }
+      v1::SessionStepResponse response;
+      server::RunAndWait([&](auto finish) {
+        return service->service->SubmitSessionStep(request, deadline, never_cancelled, &response,
+                                                   finish);
+      });
+      // Back to empty, so the next input's positions start from 0 again.
+      if (!service->sessions->Truncate(service->session_id, 0, absl::Now()).ok()) {
+        __builtin_trap();
+      }
+      break;
+    }
+    default: {  // 2
       v1::LoadLayerRequest request;
       if (!request.ParseFromArray(body, body_size)) return 0;
       // Never replace the layer the other requests name, and never persist (no repository).

@@ -107,6 +107,15 @@ def requests():
     typed.parameters["binary_data_output"].bool_param = False
     typed.parameters["bool_mask_polarity"].string_param = "true_attends"
     yield "infer_typed", 3, typed
+    # Entries without a session id go to the target's session: 2 layers, 2 heads on 1 KV head.
+    step = pb2.SessionStepRequest(return_log_sum_exp=True)
+    step.entries.add(layer=0, position=0, query=tensor((3, 2, 4)), key=tensor((3, 1, 4)),
+                     value=tensor((3, 1, 4)))
+    step.entries.add(layer=0, position=3, query=tensor((1, 2, 4), "float16"),
+                     key=tensor((1, 1, 4)), value=tensor((1, 1, 4)))
+    step.entries.add(layer=1, position=0, query=tensor((2, 2, 4)), key=tensor((2, 1, 4)),
+                     value=tensor((2, 1, 4)))
+    yield "session_step", 4, step
 
 
 def safetensors(tensors, metadata=None):

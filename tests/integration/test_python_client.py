@@ -117,6 +117,58 @@ def check_sdpa(t, client):
     t.check(np.allclose(r.weights, p, atol=1e-6), "sdpa weights vs numpy")
 
 
+def causal_attention(q, k, v, scale, dtype):
+    """One-shot causal attention in `dtype`: q [L, H, dk], k [L, Hkv, dk], v [L, Hkv, dv]."""
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    s = np.einsum("ihd,jhd->hij", q, k) * dtype(scale)
+    n = q.shape[0]
+    s = np.where(np.tril(np.ones((n, n), dtype=bool))[None], s, -np.inf)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    p = p / p.sum(axis=-1, keepdims=True)
+    return np.einsum("hij,jhd->ihd", p, v)
+
+
+def holds_fidelity_rule(ours, q, k, v, scale):
+    """FlashAttention's rule against numpy: max|ours - f64| <= 2 max|np f32 - f64| + 1e-6."""
+    oracle = causal_attention(q, k, v, scale, np.float64)
+    reference = causal_attention(q, k, v, scale, np.float32)
+    ours_error = np.max(np.abs(ours - oracle))
+    reference_error = np.max(np.abs(reference - oracle))
+    return ours_error <= 2 * reference_error + 1e-6, ours_error, reference_error
+
+
+def check_sessions(t, client):
+    rng = np.random.default_rng(9)
+    h, hkv, dk, length = 4, 2, 16, 20
+    session = client.create_session(2, h, hkv, dk, reserved_tokens=64)
+    q = rng.normal(size=(length, h, dk)).astype(np.float32)
+    k = rng.normal(size=(length, hkv, dk)).astype(np.float32)
+    v = rng.normal(size=(length, hkv, dk)).astype(np.float32)
+    outputs, position = [], 0
+    for n in (5, 1, 1, 3, 10):  # a prefill chunk, then decode steps of 1 and more tokens
+        span = slice(position, position + n)
+        got = client.session_step([(session.session_id, layer, position, q[span], k[span],
+                                    v[span]) for layer in (0, 1)])
+        t.check(np.array_equal(got[0], got[1]), "both layers answer alike")
+        outputs.append(got[0])
+        position += n
+    ok, ours, reference = holds_fidelity_rule(np.concatenate(outputs), q, k, v, dk ** -0.5)
+    t.check(ok, "session decode vs numpy: max err %g, numpy float32's %g" % (ours, reference))
+    t.check(client.get_session(session.session_id).length == length, "session length")
+    retried = client.session_step([(session.session_id, 0, 10, q[10:], k[10:], v[10:])])
+    t.check(np.array_equal(retried[0], outputs[-1]), "a retried step answers the same bits")
+    fork = client.fork_session(session.session_id, 8, reserved_tokens=32)
+    t.check(fork.length == 8, "fork length %d" % fork.length)
+    t.check(client.truncate_session(session.session_id, 4).length == 4, "truncate")
+    t.check(len(client.list_sessions()) == 2, "two sessions listed")
+    for id_ in (session.session_id, fork.session_id):
+        client.drop_session(id_)
+    expect_error(t, "dropped session", grpc.StatusCode.NOT_FOUND,
+                 lambda: client.get_session(session.session_id))
+
+
 def check_layers(t, client):
     rng = np.random.default_rng(5)
     e, heads = 16, 4
@@ -246,6 +298,7 @@ def main():
             t.run("sdpa", check_sdpa, t, client)
             t.run("layers", check_layers, t, client)
             t.run("errors", check_errors, t, client)
+            t.run("sessions", check_sessions, t, client)
     except BaseException:
         server.kill()
         raise

@@ -23,6 +23,7 @@ class ServerTest : public ::testing::Test {
     options.metrics_address = "";
     options.compute_threads = 2;
     options.demo_layer = true;  // most tests send requests to it
+    options.sessions.kv_cache_bytes = 16 << 20;  // small under the sanitizers
     return options;
   }
 

@@ -10,6 +10,7 @@ import grpc
 
 from . import messages
 from . import stubs
+from . import tensors
 from .messages import AttentionResult, make_layer_config, make_layer_spec  # noqa: F401
 
 
@@ -131,3 +132,64 @@ class AttentionClient(ClientBase):
     def unload_layer(self, name, timeout=None):
         self._stub.UnloadLayer(self._pb2.UnloadLayerRequest(name=name),
                                timeout=self._timeout(timeout), metadata=self._admin_metadata)
+
+    # KV-cache sessions (decode): the server holds each sequence's keys and values, so a step
+    # sends only its new tokens. Q, K and V are projected and rotated (RoPE) by the caller.
+
+    def create_session(self, num_layers, num_heads, num_kv_heads, head_dim, reserved_tokens,
+                       *, v_head_dim=0, kv_dtype="float32", scale=None, ttl_ms=0,
+                       timeout=None):
+        """Returns the new session's attention.v1.SessionInfo (session_id, length, ...).
+        kv_dtype: "float32" or "bfloat16" (how K and V are stored)."""
+        config = self._pb2.SessionConfig(num_layers=num_layers, num_heads=num_heads,
+                                         num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                         v_head_dim=v_head_dim,
+                                         kv_dtype=tensors.dtype_enum(kv_dtype))
+        if scale is not None:
+            config.scale = scale
+        request = self._pb2.CreateSessionRequest(config=config, reserved_tokens=reserved_tokens,
+                                                 ttl_ms=ttl_ms)
+        return self._stub.CreateSession(request, timeout=self._timeout(timeout)).session
+
+    def session_step(self, entries, *, return_log_sum_exp=False, output_dtype=None,
+                     timeout=None):
+        """entries: (session_id, layer, position, query [n, H, dk], key [n, Hkv, dk],
+        value [n, Hkv, dv]) tuples, numpy or torch. Writes each entry's K/V at
+        [position, position + n) and attends; returns one output [n, H, dv] per entry (with
+        log_sum_exp, (output, log_sum_exp [n, H]) pairs). Retrying a step is safe."""
+        request = self._pb2.SessionStepRequest(return_log_sum_exp=return_log_sum_exp)
+        if output_dtype is not None:
+            request.output_dtype = tensors.dtype_enum(output_dtype)
+        for session_id, layer, position, query, key, value in entries:
+            entry = request.entries.add(session_id=session_id, layer=layer, position=position)
+            tensors.encode(query, out=entry.query)
+            tensors.encode(key, out=entry.key)
+            tensors.encode(value, out=entry.value)
+        response = self._stub.SessionStep(request, timeout=self._timeout(timeout))
+        decode = tensors.decode
+        if return_log_sum_exp:
+            return [(decode(r.output), decode(r.log_sum_exp)) for r in response.results]
+        return [decode(r.output) for r in response.results]
+
+    def fork_session(self, session_id, tokens, reserved_tokens, *, ttl_ms=0, timeout=None):
+        """A new session sharing the first `tokens` tokens (copy-on-write); its SessionInfo."""
+        request = self._pb2.ForkSessionRequest(session_id=session_id, tokens=tokens,
+                                               reserved_tokens=reserved_tokens, ttl_ms=ttl_ms)
+        return self._stub.ForkSession(request, timeout=self._timeout(timeout)).session
+
+    def truncate_session(self, session_id, tokens, timeout=None):
+        request = self._pb2.TruncateSessionRequest(session_id=session_id, tokens=tokens)
+        return self._stub.TruncateSession(request, timeout=self._timeout(timeout)).session
+
+    def drop_session(self, session_id, timeout=None):
+        self._stub.DropSession(self._pb2.DropSessionRequest(session_id=session_id),
+                               timeout=self._timeout(timeout))
+
+    def get_session(self, session_id, timeout=None):
+        return self._stub.GetSession(self._pb2.GetSessionRequest(session_id=session_id),
+                                     timeout=self._timeout(timeout)).session
+
+    def list_sessions(self, timeout=None):
+        return list(self._stub.ListSessions(self._pb2.ListSessionsRequest(),
+                                            timeout=self._timeout(timeout),
+                                            metadata=self._admin_metadata).sessions)

@@ -54,6 +54,41 @@ class AttentionServiceStub(object):
                 request_serializer=attention_dot_v1_dot_attention__pb2.InspectCheckpointRequest.SerializeToString,
                 response_deserializer=attention_dot_v1_dot_attention__pb2.InspectCheckpointResponse.FromString,
                 )
+        self.CreateSession = channel.unary_unary(
+                '/attention.v1.AttentionService/CreateSession',
+                request_serializer=attention_dot_v1_dot_attention__pb2.CreateSessionRequest.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.CreateSessionResponse.FromString,
+                )
+        self.SessionStep = channel.unary_unary(
+                '/attention.v1.AttentionService/SessionStep',
+                request_serializer=attention_dot_v1_dot_attention__pb2.SessionStepRequest.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.SessionStepResponse.FromString,
+                )
+        self.ForkSession = channel.unary_unary(
+                '/attention.v1.AttentionService/ForkSession',
+                request_serializer=attention_dot_v1_dot_attention__pb2.ForkSessionRequest.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.ForkSessionResponse.FromString,
+                )
+        self.TruncateSession = channel.unary_unary(
+                '/attention.v1.AttentionService/TruncateSession',
+                request_serializer=attention_dot_v1_dot_attention__pb2.TruncateSessionRequest.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.TruncateSessionResponse.FromString,
+                )
+        self.DropSession = channel.unary_unary(
+                '/attention.v1.AttentionService/DropSession',
+                request_serializer=attention_dot_v1_dot_attention__pb2.DropSessionRequest.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.DropSessionResponse.FromString,
+                )
+        self.GetSession = channel.unary_unary(
+                '/attention.v1.AttentionService/GetSession',
+                request_serializer=attention_dot_v1_dot_attention__pb2.GetSessionRequest.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.GetSessionResponse.FromString,
+                )
+        self.ListSessions = channel.unary_unary(
+                '/attention.v1.AttentionService/ListSessions',
+                request_serializer=attention_dot_v1_dot_attention__pb2.ListSessionsRequest.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.ListSessionsResponse.FromString,
+                )
 
 
 class AttentionServiceServicer(object):
@@ -115,6 +150,51 @@ class AttentionServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateSession(self, request, context):
+        """KV-cache sessions for decode (see SessionConfig). A session that expired is NOT_FOUND
+        saying "expired"; one that was dropped, "was dropped"; one this server never held,
+        "is unknown".
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SessionStep(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ForkSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TruncateSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DropSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSessions(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AttentionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -157,6 +237,41 @@ def add_AttentionServiceServicer_to_server(servicer, server):
                     servicer.InspectCheckpoint,
                     request_deserializer=attention_dot_v1_dot_attention__pb2.InspectCheckpointRequest.FromString,
                     response_serializer=attention_dot_v1_dot_attention__pb2.InspectCheckpointResponse.SerializeToString,
+            ),
+            'CreateSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateSession,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.CreateSessionRequest.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.CreateSessionResponse.SerializeToString,
+            ),
+            'SessionStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.SessionStep,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.SessionStepRequest.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.SessionStepResponse.SerializeToString,
+            ),
+            'ForkSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForkSession,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.ForkSessionRequest.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.ForkSessionResponse.SerializeToString,
+            ),
+            'TruncateSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.TruncateSession,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.TruncateSessionRequest.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.TruncateSessionResponse.SerializeToString,
+            ),
+            'DropSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropSession,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.DropSessionRequest.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.DropSessionResponse.SerializeToString,
+            ),
+            'GetSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSession,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.GetSessionRequest.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.GetSessionResponse.SerializeToString,
+            ),
+            'ListSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSessions,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.ListSessionsRequest.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.ListSessionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,5 +416,124 @@ class AttentionService(object):
         return grpc.experimental.unary_unary(request, target, '/attention.v1.AttentionService/InspectCheckpoint',
             attention_dot_v1_dot_attention__pb2.InspectCheckpointRequest.SerializeToString,
             attention_dot_v1_dot_attention__pb2.InspectCheckpointResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def CreateSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/attention.v1.AttentionService/CreateSession',
+            attention_dot_v1_dot_attention__pb2.CreateSessionRequest.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.CreateSessionResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def SessionStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/attention.v1.AttentionService/SessionStep',
+            attention_dot_v1_dot_attention__pb2.SessionStepRequest.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.SessionStepResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def ForkSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/attention.v1.AttentionService/ForkSession',
+            attention_dot_v1_dot_attention__pb2.ForkSessionRequest.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.ForkSessionResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def TruncateSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/attention.v1.AttentionService/TruncateSession',
+            attention_dot_v1_dot_attention__pb2.TruncateSessionRequest.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.TruncateSessionResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def DropSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/attention.v1.AttentionService/DropSession',
+            attention_dot_v1_dot_attention__pb2.DropSessionRequest.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.DropSessionResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def GetSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/attention.v1.AttentionService/GetSession',
+            attention_dot_v1_dot_attention__pb2.GetSessionRequest.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.GetSessionResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def ListSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/attention.v1.AttentionService/ListSessions',
+            attention_dot_v1_dot_attention__pb2.ListSessionsRequest.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.ListSessionsResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

@@ -1,0 +1,175 @@
+// Decode attention over the paged KV cache against the machine's read bandwidth, in one
+// run (issue 25, section 7): BM_ReadBandwidth sums >= 512 MiB with every thread (a
+// STREAM-style read); BM_PagedDecode runs core/cpu/paged_attention_cpu at a Llama-3-8B
+// layer (32 query heads, 8 KV heads, head dim 128, n = 1). Both report bytes read per
+// second, so KV_bytes/s over read_bytes/s is the decode kernel's roofline fraction.
+//
+//   build/bench/paged_decode_bench --benchmark_counters_tabular=true
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "benchmark/benchmark.h"
+#include "core/cpu/gemm.h"
+#include "core/cpu/paged_attention_cpu.h"
+#include "core/cpu/thread_pool.h"
+#include "core/dtype.h"
+#include "core/kv_cache/block_pool.h"
+
+namespace attention::core {
+namespace {
+
+int ComputeThreads() { return std::max(1u, std::thread::hardware_concurrency()); }
+
+// Bytes on 2 MiB huge pages where the kernel grants them (as a KV pool allocated once at
+// start-up would be), for the read benchmark and the KV storage alike: with 4 KiB pages
+// every 16 KiB run of one head's keys crosses pages the hardware prefetchers stop at.
+struct HugePageBytes {
+  static constexpr size_t kHugePage = size_t{2} << 20;
+  explicit HugePageBytes(size_t bytes)
+      : size((bytes + kHugePage - 1) / kHugePage * kHugePage),
+        data(static_cast<uint8_t*>(std::aligned_alloc(kHugePage, size))) {
+    madvise(data, size, MADV_HUGEPAGE);  // advice only: 4 KiB pages if refused
+  }
+  ~HugePageBytes() { std::free(data); }
+  size_t size;
+  uint8_t* data;
+};
+
+// Sum of `count` floats (a multiple of 64); several independent chains so the adds' latency
+// does not bound it. The generic version vectorizes in the AVX2 wrapper.
+__attribute__((always_inline)) inline float SumGeneric(const float* x, int64_t count) {
+  float lanes[32] = {};
+  for (int64_t i = 0; i + 32 <= count; i += 32) {
+    for (int l = 0; l < 32; ++l) lanes[l] += x[i + l];
+  }
+  float sum = 0;
+  for (const float lane : lanes) sum += lane;
+  return sum;
+}
+#if defined(__x86_64__)
+// (GCC 12 takes the reduction's undefined pass-through operands for uninitialised reads.)
+#pragma GCC diagnostic push
+#if !defined(__clang__)  // a GCC-only warning
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#pragma GCC diagnostic ignored "-Wuninitialized"
+__attribute__((target("avx512f"))) float SumAvx512(const float* x, int64_t count) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t i = 0; i + 64 <= count; i += 64) {
+    a0 = _mm512_add_ps(a0, _mm512_load_ps(x + i));
+    a1 = _mm512_add_ps(a1, _mm512_load_ps(x + i + 16));
+    a2 = _mm512_add_ps(a2, _mm512_load_ps(x + i + 32));
+    a3 = _mm512_add_ps(a3, _mm512_load_ps(x + i + 48));
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+#pragma GCC diagnostic pop
+__attribute__((target("avx2"))) float SumAvx2(const float* x, int64_t count) {
+  return SumGeneric(x, count);
+}
+#endif
+float Sum(const float* x, int64_t count) {
+#if defined(__x86_64__)
+  if (BestSimdLevel() == SimdLevel::kAvx512) return SumAvx512(x, count);
+  if (BestSimdLevel() == SimdLevel::kAvx2) return SumAvx2(x, count);
+#endif
+  return SumGeneric(x, count);
+}
+
+// The read roof: every compute thread sums its share of a 512 MiB buffer.
+void BM_ReadBandwidth(benchmark::State& state) {
+  constexpr int64_t kBytes = int64_t{512} << 20;
+  constexpr int64_t kChunkFloats = (int64_t{4} << 20) / sizeof(float);  // 4 MiB per item
+  constexpr int64_t kFloats = kBytes / sizeof(float);
+  HugePageBytes buffer(kBytes);
+  float* values = reinterpret_cast<float*>(buffer.data);
+  for (int64_t i = 0; i < kFloats; ++i) values[i] = static_cast<float>(i % 7);
+  ThreadPool pool(ComputeThreads());
+  std::vector<float> sums(kFloats / kChunkFloats);
+  for (auto _ : state) {
+    pool.ParallelFor(static_cast<int64_t>(sums.size()), [&](int64_t chunk) {
+      sums[chunk] = Sum(values + chunk * kChunkFloats, kChunkFloats);
+    });
+    benchmark::DoNotOptimize(sums.data());
+  }
+  state.counters["read_bytes/s"] = benchmark::Counter(
+      static_cast<double>(kBytes) * state.iterations(), benchmark::Counter::kIsRate);
+  state.counters["threads"] = ComputeThreads();
+  state.SetLabel(SimdLevelName(BestSimdLevel()));
+}
+BENCHMARK(BM_ReadBandwidth)->UseRealTime()->Unit(benchmark::kMillisecond);
+
+// One layer-step of B sequences of `context` tokens, n = 1, Llama-3-8B shapes, KV float32
+// (dtype 0) or bfloat16 (dtype 1) in a pool of 256 KiB blocks.
+void BM_PagedDecode(benchmark::State& state) {
+  const int64_t context = state.range(0), sequences = state.range(1);
+  const kv_cache::KvLayout layout{8, 128, 128,
+                                  state.range(2) == 0 ? DType::kFloat32 : DType::kBFloat16};
+  constexpr int64_t kHeads = 32;
+  const int64_t tokens_per_block = *kv_cache::TokensPerBlock(layout, kv_cache::kDefaultBlockBytes);
+  const int64_t blocks = sequences * ((context + tokens_per_block - 1) / tokens_per_block);
+  kv_cache::KvBlockPool pool =
+      *kv_cache::KvBlockPool::Create(blocks * kv_cache::kDefaultBlockBytes);
+  HugePageBytes storage(blocks * kv_cache::kDefaultBlockBytes);
+  // Small finite values: the kernel's speed does not depend on them.
+  const int64_t elements = blocks * kv_cache::kDefaultBlockBytes / layout.ElementBytes();
+  for (int64_t i = 0; i < elements; ++i) {
+    const float x = 0.01f * static_cast<float>(i % 101) - 0.5f;
+    if (layout.dtype == DType::kBFloat16) {
+      const uint16_t bits = FloatToBFloat16(x);
+      std::memcpy(storage.data + 2 * i, &bits, 2);
+    } else {
+      std::memcpy(storage.data + 4 * i, &x, 4);
+    }
+  }
+  std::vector<float> queries(sequences * kHeads * layout.key_dim, 0.03f);
+  std::vector<float> outputs(sequences * kHeads * layout.value_dim);
+  std::vector<PagedDecodeSequence> batch_sequences;
+  for (int64_t b = 0; b < sequences; ++b) {
+    const kv_cache::SequenceId id = *pool.Reserve(layout, 1, context);
+    (void)pool.EnsureCapacity(id, context);
+    batch_sequences.push_back({(*pool.Find(id))->block_tables[0], context, 1,
+                               queries.data() + b * kHeads * layout.key_dim,
+                               outputs.data() + b * kHeads * layout.value_dim, nullptr});
+  }
+  PagedDecodeBatch batch;
+  batch.storage = {storage.data, kv_cache::kDefaultBlockBytes, blocks};
+  batch.layout = layout;
+  batch.tokens_per_block = tokens_per_block;
+  batch.num_heads = kHeads;
+  batch.scale = 1.0f / std::sqrt(128.0f);
+  batch.sequences = batch_sequences;
+  ThreadPool threads(ComputeThreads());
+  for (auto _ : state) {
+    if (!PagedDecodeCpu(batch, threads).ok()) state.SkipWithError("PagedDecodeCpu failed");
+    benchmark::DoNotOptimize(outputs.data());
+  }
+  const double kv_bytes = static_cast<double>(sequences * context * layout.TokenBytes());
+  state.counters["KV_bytes/s"] =
+      benchmark::Counter(kv_bytes * state.iterations(), benchmark::Counter::kIsRate);
+  state.counters["layer_steps/s"] =
+      benchmark::Counter(static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
+  state.SetLabel(std::string(DTypeName(layout.dtype)));
+}
+BENCHMARK(BM_PagedDecode)
+    ->ArgNames({"context", "B", "bf16"})
+    ->ArgsProduct({{4096, 32768}, {1, 8}, {0, 1}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
+}  // namespace
+}  // namespace attention::core
+
+BENCHMARK_MAIN();

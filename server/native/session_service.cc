@@ -1,0 +1,287 @@
+// The native API's KV-cache sessions: CreateSession, SessionStep, ForkSession,
+// TruncateSession, DropSession, GetSession, ListSessions, over server/sessions.
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "core/status_macros.h"
+#include "server/common/status_util.h"
+#include "server/native/attention_service.h"
+#include "server/sessions/session_step.h"
+#include "server/validation/wire_convert.h"
+
+namespace attention::server {
+namespace {
+
+constexpr int kMaxStepEntries = 4096;
+
+absl::StatusOr<SessionShape> ShapeOf(const v1::SessionConfig& config) {
+  SessionShape shape;
+  shape.num_layers = config.num_layers();
+  shape.num_heads = config.num_heads();
+  shape.num_kv_heads = config.num_kv_heads();
+  shape.head_dim = config.head_dim();
+  shape.v_head_dim = config.v_head_dim();
+  if (config.kv_dtype() != v1::DATA_TYPE_UNSPECIFIED) {  // the table refuses all but two
+    ASSIGN_OR_RETURN(shape.kv_dtype, wire::ConvertDType(config.kv_dtype(), "config.kv_dtype"));
+  }
+  if (config.has_scale()) {
+    if (!std::isfinite(config.scale()) || config.scale() <= 0) {
+      return Invalid("config.scale = ", config.scale(), " must be finite and > 0");
+    }
+    shape.scale = config.scale();
+  }
+  return shape;
+}
+
+v1::SessionConfig ConfigOf(const SessionShape& shape) {
+  v1::SessionConfig config;
+  config.set_num_layers(shape.num_layers);
+  config.set_num_heads(shape.num_heads);
+  config.set_num_kv_heads(shape.num_kv_heads);
+  config.set_head_dim(shape.head_dim);
+  config.set_v_head_dim(shape.v_head_dim > 0 ? shape.v_head_dim : shape.head_dim);
+  config.set_kv_dtype(wire::WireDType(shape.kv_dtype));
+  if (shape.scale > 0) config.set_scale(shape.scale);
+  return config;
+}
+
+void Describe(const SessionInfo& info, absl::Time now, v1::SessionInfo* session) {
+  session->set_session_id(info.id);
+  *session->mutable_config() = ConfigOf(info.shape);
+  session->set_length(info.length);
+  session->set_reserved_tokens(info.reserved_tokens);
+  session->set_kv_bytes(info.kv_bytes);
+  session->set_ttl_ms(absl::ToInt64Milliseconds(info.ttl));
+  session->set_idle_ms(absl::ToInt64Milliseconds(now - info.last_used));
+}
+
+absl::StatusOr<absl::Duration> TtlOf(int64_t ttl_ms) {
+  if (ttl_ms < 0) return Invalid("ttl_ms = ", ttl_ms, " must be >= 0 (0 for the server's)");
+  return absl::Milliseconds(ttl_ms);
+}
+
+// One tensor of a step entry: [n, heads, dim] with the entry's n.
+absl::Status CheckStepTensor(const wire::FloatTensor& tensor, absl::string_view field,
+                             int64_t tokens, int64_t heads, int64_t dim, absl::string_view layout) {
+  const std::vector<int64_t> expected = {tokens, heads, dim};
+  if (tensor.shape != expected) {
+    return Invalid(field, ".shape ", wire::ShapeString(tensor.shape), " must be ", layout, " = ",
+                   wire::ShapeString(expected), " for the session");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+void AttentionServiceImpl::RefreshSessionMetrics() {
+  if (sessions_ == nullptr) return;
+  const SessionCounters counters = sessions_->Counters();
+  const int64_t block = sessions_->block_bytes();
+  const core::kv_cache::KvPoolCounters& pool = counters.pool;
+  metrics_.SetKvCache(counters.sessions, pool.blocks_total * block,
+                      (pool.blocks_total - pool.blocks_free) * block, pool.blocks_reserved * block,
+                      pool.blocks_shared * block);
+}
+
+absl::Status AttentionServiceImpl::SessionsEnabled() const {
+  if (sessions_ != nullptr) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      "KV-cache sessions are off on this server: start it with --kv_cache_bytes > 0");
+}
+
+template <typename Request>
+grpc::ServerUnaryReactor* AttentionServiceImpl::AnswerSessionCall(
+    grpc::CallbackServerContext* context, absl::string_view method, const Request& request,
+    const std::function<absl::Status()>& handle) {
+  const UnaryCall call = StartCall(context, method);
+  absl::Status status = CheckKnownFields(request);
+  if (status.ok()) status = SessionsEnabled();
+  if (status.ok()) status = handle();
+  RefreshSessionMetrics();
+  call.Answer(status);
+  return call.reactor();
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::CreateSession(
+    grpc::CallbackServerContext* context, const v1::CreateSessionRequest* request,
+    v1::CreateSessionResponse* response) {
+  return AnswerSessionCall(context, "CreateSession", *request, [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(const SessionShape shape, ShapeOf(request->config()));
+    ASSIGN_OR_RETURN(const absl::Duration ttl, TtlOf(request->ttl_ms()));
+    const absl::Time now = absl::Now();
+    sessions_->ExpireIdle(now);  // idle sessions give their blocks back first
+    ASSIGN_OR_RETURN(const SessionInfo info,
+                     sessions_->CreateSession(shape, request->reserved_tokens(), ttl, now));
+    Describe(info, now, response->mutable_session());
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::ForkSession(grpc::CallbackServerContext* context,
+                                                            const v1::ForkSessionRequest* request,
+                                                            v1::ForkSessionResponse* response) {
+  return AnswerSessionCall(context, "ForkSession", *request, [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(const absl::Duration ttl, TtlOf(request->ttl_ms()));
+    const absl::Time now = absl::Now();
+    sessions_->ExpireIdle(now);
+    ASSIGN_OR_RETURN(const SessionInfo info,
+                     sessions_->Fork(request->session_id(), request->tokens(),
+                                     request->reserved_tokens(), ttl, now));
+    Describe(info, now, response->mutable_session());
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::TruncateSession(
+    grpc::CallbackServerContext* context, const v1::TruncateSessionRequest* request,
+    v1::TruncateSessionResponse* response) {
+  return AnswerSessionCall(context, "TruncateSession", *request, [&]() -> absl::Status {
+    const absl::Time now = absl::Now();
+    ASSIGN_OR_RETURN(const SessionInfo info,
+                     sessions_->Truncate(request->session_id(), request->tokens(), now));
+    Describe(info, now, response->mutable_session());
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::DropSession(grpc::CallbackServerContext* context,
+                                                            const v1::DropSessionRequest* request,
+                                                            v1::DropSessionResponse* /*response*/) {
+  return AnswerSessionCall(context, "DropSession", *request,
+                           [&] { return sessions_->Drop(request->session_id(), absl::Now()); });
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::GetSession(grpc::CallbackServerContext* context,
+                                                           const v1::GetSessionRequest* request,
+                                                           v1::GetSessionResponse* response) {
+  return AnswerSessionCall(context, "GetSession", *request, [&]() -> absl::Status {
+    const absl::Time now = absl::Now();
+    ASSIGN_OR_RETURN(const SessionInfo info, sessions_->Get(request->session_id(), now));
+    Describe(info, now, response->mutable_session());
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::ListSessions(grpc::CallbackServerContext* context,
+                                                             const v1::ListSessionsRequest* request,
+                                                             v1::ListSessionsResponse* response) {
+  return AnswerSessionCall(context, "ListSessions", *request, [&]() -> absl::Status {
+    // Ids are the only key to a session, so listing them all is layer management's to do.
+    RETURN_IF_ERROR(CheckAdmin(*context, "ListSessions"));
+    const absl::Time now = absl::Now();
+    for (const SessionInfo& info : sessions_->List(now)) {
+      Describe(info, now, response->add_sessions());
+    }
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::SessionStep(grpc::CallbackServerContext* context,
+                                                            const v1::SessionStepRequest* request,
+                                                            v1::SessionStepResponse* response) {
+  const UnaryCall call = StartCall(context, "SessionStep");
+  auto answer = [call, request](const absl::Status& status) {
+    call.Answer(status, request->request_id());
+  };
+  const absl::Status status =
+      SubmitSessionStep(*request, call.deadline(), call.cancelled(), response, answer);
+  if (!status.ok()) answer(status);
+  return call.reactor();
+}
+
+absl::Status AttentionServiceImpl::SubmitSessionStep(
+    const v1::SessionStepRequest& request, absl::Time deadline, std::function<bool()> is_cancelled,
+    v1::SessionStepResponse* response, std::function<void(const absl::Status&)> finish) {
+  RETURN_IF_ERROR(CheckKnownFields(request));
+  RETURN_IF_ERROR(CheckRequestId(request.request_id()));
+  RETURN_IF_ERROR(SessionsEnabled());
+  if (request.entries().empty()) return Invalid("entries is empty: give at least one entry");
+  if (request.entries_size() > kMaxStepEntries) {
+    return Invalid("entries has ", request.entries_size(), " entries; at most ", kMaxStepEntries);
+  }
+  ASSIGN_OR_RETURN(const core::DType output_dtype,
+                   OutputDType(request.output_dtype(), request.entries(0).query().dtype(),
+                               /*float_data_output=*/false));
+  auto item = std::make_unique<SessionStepItem>(*sessions_, devices_.cpu()->name());
+  struct Answer {
+    int64_t tokens, heads, v_head_dim;
+  };
+  std::vector<Answer> answers;
+  int64_t output_bytes = 0;
+  const absl::Time now = absl::Now();
+  for (int i = 0; i < request.entries_size(); ++i) {
+    const v1::SessionStepEntry& wire_entry = request.entries(i);
+    const std::string field = absl::StrCat("entries[", i, "]");
+    absl::StatusOr<SessionInfo> info = sessions_->Get(wire_entry.session_id(), now);
+    if (!info.ok()) {
+      return absl::Status(info.status().code(), absl::StrCat(field, ": ", info.status().message()));
+    }
+    const SessionShape& shape = info->shape;
+    const int64_t dv = shape.v_head_dim > 0 ? shape.v_head_dim : shape.head_dim;
+    ASSIGN_OR_RETURN(wire::FloatTensor query,
+                     DecodeInput(wire_entry.query(), field + ".query", budget_));
+    ASSIGN_OR_RETURN(wire::FloatTensor key, DecodeInput(wire_entry.key(), field + ".key", budget_));
+    ASSIGN_OR_RETURN(wire::FloatTensor value,
+                     DecodeInput(wire_entry.value(), field + ".value", budget_));
+    const int64_t n = query.shape.empty() ? 0 : query.shape[0];
+    RETURN_IF_ERROR(CheckStepTensor(query, field + ".query", n, shape.num_heads, shape.head_dim,
+                                    "[n, num_heads, head_dim]"));
+    RETURN_IF_ERROR(CheckStepTensor(key, field + ".key", n, shape.num_kv_heads, shape.head_dim,
+                                    "[n, num_kv_heads, head_dim]"));
+    RETURN_IF_ERROR(CheckStepTensor(value, field + ".value", n, shape.num_kv_heads, dv,
+                                    "[n, num_kv_heads, v_head_dim]"));
+    StepEntry entry;
+    entry.session_id = wire_entry.session_id();
+    entry.layer = wire_entry.layer();
+    entry.position = wire_entry.position();
+    entry.num_tokens = n;
+    // Moved vectors keep their buffers, so these pointers survive `buffers` growing.
+    item->buffers.push_back(std::move(query.values));
+    entry.query = item->buffers.back().data();
+    item->buffers.push_back(std::move(key.values));
+    entry.key = item->buffers.back().data();
+    item->buffers.push_back(std::move(value.values));
+    entry.value = item->buffers.back().data();
+    item->buffers.emplace_back(n * shape.num_heads * dv);
+    entry.output = item->buffers.back().data();
+    if (request.return_log_sum_exp()) {
+      item->buffers.emplace_back(n * shape.num_heads);
+      entry.log_sum_exp = item->buffers.back().data();
+    }
+    item->entries.push_back(entry);
+    answers.push_back({n, shape.num_heads, dv});
+    item->tokens += n;
+    output_bytes += n * shape.num_heads * (dv + 1) * static_cast<int64_t>(sizeof(float));
+  }
+  item->bytes = CheckedSum({output_bytes, 2 * static_cast<int64_t>(request.ByteSizeLong())});
+  item->deadline = deadline;
+  item->is_cancelled = std::move(is_cancelled);
+  SessionStepItem* step = item.get();  // the batcher answers while it still holds the item
+  item->done = [this, step, answers, response, output_dtype, finish = std::move(finish),
+                log_sum_exp = request.return_log_sum_exp(), request_id = request.request_id()](
+                   const absl::StatusOr<core::AttentionResult>& result) {
+    RefreshSessionMetrics();
+    const absl::Status status = result.ok() ? step->status() : result.status();
+    if (!status.ok()) {
+      finish(status);
+      return;
+    }
+    for (size_t i = 0; i < answers.size(); ++i) {
+      const Answer& a = answers[i];
+      const StepEntry& entry = step->entries[i];
+      v1::SessionStepResult* out = response->add_results();
+      EncodeTensor(absl::MakeConstSpan(entry.output, a.tokens * a.heads * a.v_head_dim),
+                   {a.tokens, a.heads, a.v_head_dim}, output_dtype, out->mutable_output());
+      if (log_sum_exp) {
+        EncodeTensor(absl::MakeConstSpan(entry.log_sum_exp, a.tokens * a.heads),
+                     {a.tokens, a.heads}, core::DType::kFloat32, out->mutable_log_sum_exp());
+      }
+    }
+    response->set_request_id(request_id);
+    finish(absl::OkStatus());
+  };
+  return batcher_.Submit(std::move(item));
+}
+
+}  // namespace attention::server

@@ -1,0 +1,497 @@
+#include "server/sessions/session_table.h"
+
+#include <openssl/rand.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <new>
+#include <tuple>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "core/attention_options.h"
+#include "core/cpu/paged_attention_cpu.h"
+#include "core/status_macros.h"
+#include "server/common/status_util.h"
+
+namespace attention::server {
+namespace {
+
+using core::kv_cache::BlockId;
+using core::kv_cache::KvLayout;
+
+KvLayout LayoutOf(const SessionShape& shape) {
+  KvLayout layout;
+  layout.num_kv_heads = shape.num_kv_heads;
+  layout.key_dim = shape.head_dim;
+  layout.value_dim = shape.v_head_dim > 0 ? shape.v_head_dim : shape.head_dim;
+  layout.dtype = shape.kv_dtype;
+  return layout;
+}
+
+float ScaleOf(const SessionShape& shape) {
+  return shape.scale > 0 ? shape.scale : 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
+}
+
+absl::Status CheckShape(const SessionShape& shape) {
+  if (shape.num_layers < 1) return Invalid("num_layers = ", shape.num_layers, " must be >= 1");
+  if (shape.num_heads < 1) return Invalid("num_heads = ", shape.num_heads, " must be >= 1");
+  RETURN_IF_ERROR(
+      core::CheckHeadGroups(shape.num_heads, shape.num_kv_heads, "num_heads", "num_kv_heads"));
+  if (shape.head_dim < 1) return Invalid("head_dim = ", shape.head_dim, " must be >= 1");
+  if (shape.v_head_dim < 0) {
+    return Invalid("v_head_dim = ", shape.v_head_dim, " must be >= 1, or 0 for head_dim");
+  }
+  if (shape.kv_dtype != core::DType::kFloat32 && shape.kv_dtype != core::DType::kBFloat16) {
+    return Invalid("kv_dtype = ", core::DTypeName(shape.kv_dtype),
+                   "; KV is stored in FLOAT32 or BFLOAT16");
+  }
+  if (!std::isfinite(shape.scale) || shape.scale < 0) {
+    return Invalid("scale = ", shape.scale, " must be finite and >= 0 (0 for 1/sqrt(head_dim))");
+  }
+  return absl::OkStatus();
+}
+
+// One K or V row of `count` values as stored: `stored` in the KV dtype.
+bool SameAsStored(const float* values, int64_t count, const std::byte* stored, core::DType dtype) {
+  if (dtype == core::DType::kFloat32) {
+    return std::memcmp(values, stored, count * sizeof(float)) == 0;
+  }
+  const auto* bits = reinterpret_cast<const uint16_t*>(stored);
+  for (int64_t i = 0; i < count; ++i) {
+    if (core::FloatToBFloat16(values[i]) != bits[i]) return false;
+  }
+  return true;
+}
+
+void Store(const float* values, int64_t count, std::byte* stored, core::DType dtype) {
+  if (dtype == core::DType::kFloat32) {
+    std::memcpy(stored, values, count * sizeof(float));
+    return;
+  }
+  auto* bits = reinterpret_cast<uint16_t*>(stored);
+  for (int64_t i = 0; i < count; ++i) bits[i] = core::FloatToBFloat16(values[i]);
+}
+
+}  // namespace
+
+absl::Status SessionTableOptions::Validate() const {
+  if (block_bytes < 64 || block_bytes % 64 != 0) {
+    return Invalid("block_bytes = ", block_bytes, " must be a positive multiple of 64");
+  }
+  if (kv_cache_bytes < block_bytes) {
+    return Invalid("kv_cache_bytes = ", kv_cache_bytes, " must hold at least one block of ",
+                   block_bytes, " bytes");
+  }
+  if (max_sessions < 1) return Invalid("max_sessions = ", max_sessions, " must be >= 1");
+  if (max_session_tokens < 1) {
+    return Invalid("max_session_tokens = ", max_session_tokens, " must be >= 1");
+  }
+  if (default_ttl <= absl::ZeroDuration() || max_ttl < default_ttl) {
+    return Invalid("default_ttl = ", absl::FormatDuration(default_ttl),
+                   " must be > 0 and <= max_ttl = ", absl::FormatDuration(max_ttl));
+  }
+  if (tombstone_ttl < absl::ZeroDuration() || max_tombstones < 0) {
+    return Invalid("tombstone_ttl and max_tombstones must be >= 0");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<SessionTable>> SessionTable::Create(
+    const SessionTableOptions& options, core::ThreadPool& pool) {
+  RETURN_IF_ERROR(options.Validate());
+  ASSIGN_OR_RETURN(
+      core::kv_cache::KvBlockPool block_pool,
+      core::kv_cache::KvBlockPool::Create(options.kv_cache_bytes, options.block_bytes));
+  return std::unique_ptr<SessionTable>(new SessionTable(options, std::move(block_pool), pool));
+}
+
+SessionTable::SessionTable(const SessionTableOptions& options,
+                           core::kv_cache::KvBlockPool block_pool, core::ThreadPool& pool)
+    : options_(options), pool_(pool), block_pool_(std::move(block_pool)) {
+  const int64_t blocks = block_pool_.Counters().blocks_total;
+  constexpr int64_t kHugePage = int64_t{2} << 20;
+  const int64_t bytes = (blocks * options_.block_bytes + kHugePage - 1) / kHugePage * kHugePage;
+  storage_.reset(static_cast<std::byte*>(std::aligned_alloc(kHugePage, bytes)));
+  if (storage_ == nullptr) throw std::bad_alloc();
+  madvise(storage_.get(), bytes, MADV_HUGEPAGE);  // advice only: failure changes nothing
+  if (options_.poison_freed_blocks) {
+    std::vector<BlockId> all(blocks);
+    for (BlockId b = 0; b < blocks; ++b) all[b] = b;
+    core::MutexLock lock(mu_);
+    FreeBlocksLocked(all);
+  }
+}
+
+absl::StatusOr<absl::Duration> SessionTable::TtlFor(absl::Duration ttl) const {
+  if (ttl == absl::ZeroDuration()) return options_.default_ttl;
+  if (ttl < absl::ZeroDuration() || ttl > options_.max_ttl) {
+    return Invalid("ttl = ", absl::FormatDuration(ttl),
+                   " must be > 0 and <= ", absl::FormatDuration(options_.max_ttl),
+                   " (the server's max_ttl), or 0 for ",
+                   absl::FormatDuration(options_.default_ttl));
+  }
+  return ttl;
+}
+
+absl::Status SessionTable::CheckReservation(int64_t reserved_tokens) const {
+  if (reserved_tokens < 1 || reserved_tokens > options_.max_session_tokens) {
+    return Invalid("reserved_tokens = ", reserved_tokens, " must be in [1, ",
+                   options_.max_session_tokens, "] (the server's max_session_tokens)");
+  }
+  return absl::OkStatus();
+}
+
+std::string SessionTable::NewIdLocked() {
+  while (true) {
+    unsigned char random[16];
+    if (RAND_bytes(random, sizeof(random)) != 1) {
+      // The CSPRNG is seeded by the OS; failing here means the process cannot make ids.
+      std::abort();
+    }
+    std::string id = absl::BytesToHexString(
+        absl::string_view(reinterpret_cast<const char*>(random), sizeof(random)));
+    if (!options_.replica.empty()) id = absl::StrCat(options_.replica, "/", id);
+    if (!sessions_.contains(id) && !tombstones_.contains(id)) return id;
+  }
+}
+
+absl::StatusOr<SessionInfo> SessionTable::CreateSession(const SessionShape& shape,
+                                                        int64_t reserved_tokens, absl::Duration ttl,
+                                                        absl::Time now) {
+  RETURN_IF_ERROR(CheckShape(shape));
+  RETURN_IF_ERROR(CheckReservation(reserved_tokens));
+  ASSIGN_OR_RETURN(const absl::Duration session_ttl, TtlFor(ttl));
+  core::MutexLock lock(mu_);
+  if (static_cast<int64_t>(sessions_.size()) >= options_.max_sessions) {
+    return absl::ResourceExhaustedError(absl::StrCat("the server holds ", sessions_.size(),
+                                                     " sessions, its max_sessions; drop "
+                                                     "one or wait for one to expire"));
+  }
+  ASSIGN_OR_RETURN(const core::kv_cache::SequenceId sequence,
+                   block_pool_.Reserve(LayoutOf(shape), shape.num_layers, reserved_tokens));
+  Session session;
+  session.shape = shape;
+  session.sequence = sequence;
+  session.layer_lengths.assign(shape.num_layers, 0);
+  session.ttl = session_ttl;
+  session.last_used = now;
+  const std::string id = NewIdLocked();
+  const Session& stored = sessions_[id] = std::move(session);
+  return InfoLocked(id, stored);
+}
+
+absl::StatusOr<SessionTable::Session*> SessionTable::FindLocked(const std::string& id,
+                                                                absl::Time now) {
+  ForgetTombstonesLocked(now);
+  auto found = sessions_.find(id);
+  if (found != sessions_.end() && now - found->second.last_used > found->second.ttl) {
+    EndLocked(id, Ending::kExpired, now);
+    found = sessions_.end();
+  }
+  if (found != sessions_.end()) {
+    found->second.last_used = now;  // every use renews the TTL
+    return &found->second;
+  }
+  const auto tombstone = tombstones_.find(id);
+  if (tombstone == tombstones_.end()) {
+    return absl::NotFoundError(absl::StrCat("session ", Quoted(id), " is unknown on this server"));
+  }
+  if (tombstone->second.ending == Ending::kExpired) {
+    return absl::NotFoundError(
+        absl::StrCat("session ", Quoted(id), " expired: it was idle longer than its ttl"));
+  }
+  return absl::NotFoundError(absl::StrCat("session ", Quoted(id), " was dropped"));
+}
+
+SessionInfo SessionTable::InfoLocked(const std::string& id, const Session& session) const {
+  SessionInfo info;
+  info.id = id;
+  info.shape = session.shape;
+  info.length = *std::min_element(session.layer_lengths.begin(), session.layer_lengths.end());
+  const core::kv_cache::KvSequence* sequence = *block_pool_.Find(session.sequence);
+  info.reserved_tokens = sequence->reserved_tokens;
+  for (const auto& table : sequence->block_tables) {
+    info.kv_bytes += static_cast<int64_t>(table.size()) * options_.block_bytes;
+  }
+  info.ttl = session.ttl;
+  info.last_used = session.last_used;
+  return info;
+}
+
+absl::StatusOr<SessionInfo> SessionTable::Fork(const std::string& id, int64_t tokens,
+                                               int64_t reserved_tokens, absl::Duration ttl,
+                                               absl::Time now) {
+  RETURN_IF_ERROR(CheckReservation(reserved_tokens));
+  ASSIGN_OR_RETURN(const absl::Duration session_ttl, TtlFor(ttl));
+  core::MutexLock lock(mu_);
+  ASSIGN_OR_RETURN(Session * source, FindLocked(id, now));
+  const int64_t written =
+      *std::min_element(source->layer_lengths.begin(), source->layer_lengths.end());
+  if (tokens < 0 || tokens > written) {
+    return absl::OutOfRangeError(absl::StrCat("tokens = ", tokens, " must be in [0, ", written,
+                                              "], the tokens written in every layer"));
+  }
+  if (reserved_tokens < tokens) {
+    return Invalid("reserved_tokens = ", reserved_tokens, " is less than tokens = ", tokens);
+  }
+  if (static_cast<int64_t>(sessions_.size()) >= options_.max_sessions) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the server holds ", sessions_.size(), " sessions, its max_sessions; drop one first"));
+  }
+  ASSIGN_OR_RETURN(const core::kv_cache::SequenceId sequence,
+                   block_pool_.Fork(source->sequence, tokens, reserved_tokens));
+  Session fork;
+  fork.shape = source->shape;
+  fork.sequence = sequence;
+  fork.layer_lengths.assign(fork.shape.num_layers, tokens);
+  fork.ttl = session_ttl;
+  fork.last_used = now;
+  const std::string fork_id = NewIdLocked();
+  const Session& stored = sessions_[fork_id] = std::move(fork);
+  return InfoLocked(fork_id, stored);
+}
+
+absl::StatusOr<SessionInfo> SessionTable::Truncate(const std::string& id, int64_t tokens,
+                                                   absl::Time now) {
+  core::MutexLock lock(mu_);
+  ASSIGN_OR_RETURN(Session * session, FindLocked(id, now));
+  const int64_t longest =
+      *std::max_element(session->layer_lengths.begin(), session->layer_lengths.end());
+  if (tokens < 0 || tokens > longest) {
+    return absl::OutOfRangeError(
+        absl::StrCat("tokens = ", tokens, " must be in [0, ", longest, "], the session's length"));
+  }
+  std::vector<BlockId> freed;
+  RETURN_IF_ERROR(block_pool_.Truncate(session->sequence, tokens, &freed));
+  FreeBlocksLocked(freed);
+  for (int64_t& length : session->layer_lengths) length = std::min(length, tokens);
+  return InfoLocked(id, *session);
+}
+
+absl::Status SessionTable::Drop(const std::string& id, absl::Time now) {
+  core::MutexLock lock(mu_);
+  RETURN_IF_ERROR(FindLocked(id, now).status());
+  EndLocked(id, Ending::kDropped, now);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SessionInfo> SessionTable::Get(const std::string& id, absl::Time now) {
+  core::MutexLock lock(mu_);
+  ASSIGN_OR_RETURN(Session * session, FindLocked(id, now));
+  return InfoLocked(id, *session);
+}
+
+std::vector<SessionInfo> SessionTable::List(absl::Time now) {
+  ExpireIdle(now);
+  core::MutexLock lock(mu_);
+  std::map<std::string, const Session*> sorted;
+  for (const auto& [id, session] : sessions_) sorted.emplace(id, &session);
+  std::vector<SessionInfo> infos;
+  for (const auto& [id, session] : sorted) infos.push_back(InfoLocked(id, *session));
+  return infos;
+}
+
+int64_t SessionTable::ExpireIdle(absl::Time now) {
+  core::MutexLock lock(mu_);
+  ForgetTombstonesLocked(now);
+  std::vector<std::string> idle;
+  for (const auto& [id, session] : sessions_) {
+    if (now - session.last_used > session.ttl) idle.push_back(id);
+  }
+  for (const std::string& id : idle) EndLocked(id, Ending::kExpired, now);
+  return static_cast<int64_t>(idle.size());
+}
+
+void SessionTable::EndLocked(const std::string& id, Ending ending, absl::Time now) {
+  const auto found = sessions_.find(id);
+  std::vector<BlockId> freed;
+  // Releasing a sequence the table holds cannot fail.
+  block_pool_.Release(found->second.sequence, &freed).IgnoreError();
+  FreeBlocksLocked(freed);
+  sessions_.erase(found);
+  if (options_.max_tombstones == 0) return;
+  while (static_cast<int64_t>(tombstones_.size()) >= options_.max_tombstones) {
+    tombstones_.erase(tombstone_order_.front());
+    tombstone_order_.pop_front();
+  }
+  tombstones_[id] = Tombstone{ending, now};
+  tombstone_order_.push_back(id);
+}
+
+void SessionTable::ForgetTombstonesLocked(absl::Time now) {
+  while (!tombstone_order_.empty()) {
+    const auto oldest = tombstones_.find(tombstone_order_.front());
+    if (now - oldest->second.when <= options_.tombstone_ttl) break;
+    tombstones_.erase(oldest);
+    tombstone_order_.pop_front();
+  }
+}
+
+void SessionTable::CopyBlocksLocked(absl::Span<const core::kv_cache::BlockCopy> copies) {
+  for (const auto& copy : copies) {
+    std::memcpy(Block(copy.to), Block(copy.from), options_.block_bytes);
+  }
+}
+
+void SessionTable::FreeBlocksLocked(absl::Span<const BlockId> freed) {
+  if (!options_.poison_freed_blocks) return;
+  // All-ones bytes are a NaN in float32 and in bfloat16 alike.
+  for (const BlockId block : freed) std::memset(Block(block), 0xff, options_.block_bytes);
+}
+
+absl::Status SessionTable::WriteLocked(const StepEntry& entry, Session& session) {
+  const SessionShape& shape = session.shape;
+  if (entry.layer < 0 || entry.layer >= shape.num_layers) {
+    return Invalid("layer = ", entry.layer, " is not a layer of the session (it has ",
+                   shape.num_layers, ")");
+  }
+  if (entry.num_tokens < 1) return Invalid("num_tokens = ", entry.num_tokens, " must be >= 1");
+  if (entry.position < 0) return Invalid("position = ", entry.position, " must be >= 0");
+  int64_t& length = session.layer_lengths[entry.layer];
+  if (entry.position > length) {
+    return absl::OutOfRangeError(
+        absl::StrCat("position = ", entry.position, " leaves a gap: layer ", entry.layer,
+                     " of the session holds ", length,
+                     " tokens, so the next step starts at or before ", length));
+  }
+  const core::kv_cache::KvSequence* sequence = *block_pool_.Find(session.sequence);
+  const int64_t end = entry.position + entry.num_tokens;
+  if (end > sequence->reserved_tokens) {
+    return absl::OutOfRangeError(absl::StrCat("position + num_tokens = ", end,
+                                              " is past the session's reservation of ",
+                                              sequence->reserved_tokens, " tokens"));
+  }
+  const KvLayout layout = LayoutOf(shape);
+  const int64_t heads = layout.num_kv_heads, dk = layout.key_dim, dv = layout.value_dim;
+  const int64_t element = layout.ElementBytes();
+  // The lambda below runs under mu_ too, but clang's analysis does not see into lambdas.
+  std::byte* const storage = storage_.get();
+  const int64_t block_bytes = options_.block_bytes;
+  // Visits every (token, head) of the entry in [from, to) with its stored K and V rows.
+  auto for_each_row = [&](int64_t from, int64_t to, auto&& visit) {
+    const auto& table = sequence->block_tables[entry.layer];
+    const int64_t per_block = sequence->tokens_per_block;
+    for (int64_t t = from; t < to; ++t) {
+      std::byte* block = storage + table[t / per_block] * block_bytes;
+      const int64_t slot = t % per_block;
+      const int64_t row = t - entry.position;
+      for (int64_t h = 0; h < heads; ++h) {
+        if (!visit(t, entry.key + (row * heads + h) * dk,
+                   block + core::kv_cache::KeyOffset(layout, per_block, slot, h) * element,
+                   entry.value + (row * heads + h) * dv,
+                   block + core::kv_cache::ValueOffset(layout, per_block, slot, h) * element)) {
+          return false;
+        }
+      }
+    }
+    return true;
+  };
+  // Positions written already must hold the same K/V: then the step is a retry.
+  int64_t conflict = -1;
+  for_each_row(entry.position, std::min(end, length),
+               [&](int64_t t, const float* key, const std::byte* stored_key, const float* value,
+                   const std::byte* stored_value) {
+                 if (SameAsStored(key, dk, stored_key, layout.dtype) &&
+                     SameAsStored(value, dv, stored_value, layout.dtype)) {
+                   return true;
+                 }
+                 conflict = t;
+                 return false;
+               });
+  if (conflict >= 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("position ", conflict, " of layer ", entry.layer,
+                     " already holds other keys or values; truncate the session to ", conflict,
+                     " tokens before writing there again"));
+  }
+  if (end <= length) return absl::OkStatus();
+  ASSIGN_OR_RETURN(const std::vector<core::kv_cache::BlockCopy> copies,
+                   block_pool_.EnsureCapacity(session.sequence, end));
+  CopyBlocksLocked(copies);
+  sequence = *block_pool_.Find(session.sequence);  // EnsureCapacity may have moved it
+  for_each_row(length, end,
+               [&](int64_t, const float* key, std::byte* stored_key, const float* value,
+                   std::byte* stored_value) {
+                 Store(key, dk, stored_key, layout.dtype);
+                 Store(value, dv, stored_value, layout.dtype);
+                 return true;
+               });
+  length = end;
+  return absl::OkStatus();
+}
+
+std::vector<absl::Status> SessionTable::Step(absl::Span<const StepEntry> entries, absl::Time now) {
+  std::vector<absl::Status> statuses(entries.size());
+  // Entries of one session and layer apply in position order, whatever order they came in.
+  std::vector<size_t> order(entries.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return std::tie(entries[a].session_id, entries[a].layer, entries[a].position) <
+           std::tie(entries[b].session_id, entries[b].layer, entries[b].position);
+  });
+  core::MutexLock lock(mu_);
+  std::vector<Session*> sessions(entries.size(), nullptr);
+  for (const size_t i : order) {
+    absl::StatusOr<Session*> session = FindLocked(entries[i].session_id, now);
+    statuses[i] = session.status();
+    if (session.ok()) statuses[i] = WriteLocked(entries[i], **session);
+    if (statuses[i].ok()) sessions[i] = *session;
+  }
+  // Attend: one kernel pass per group of entries that share a KV layout, heads and scale.
+  using GroupKey = std::tuple<int64_t, int64_t, int64_t, int, int64_t, float>;
+  std::map<GroupKey, std::vector<size_t>> groups;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    if (sessions[i] == nullptr) continue;
+    const SessionShape& shape = sessions[i]->shape;
+    const KvLayout layout = LayoutOf(shape);
+    groups[{layout.num_kv_heads, layout.key_dim, layout.value_dim, static_cast<int>(layout.dtype),
+            shape.num_heads, ScaleOf(shape)}]
+        .push_back(i);
+  }
+  for (const auto& [key, members] : groups) {
+    const SessionShape& shape = sessions[members.front()]->shape;
+    std::vector<core::PagedDecodeSequence> sequences;
+    int64_t tokens_per_block = 0;
+    for (const size_t i : members) {
+      const StepEntry& entry = entries[i];
+      const core::kv_cache::KvSequence* sequence = *block_pool_.Find(sessions[i]->sequence);
+      tokens_per_block = sequence->tokens_per_block;
+      core::PagedDecodeSequence decode;
+      decode.block_table = sequence->block_tables[entry.layer];
+      decode.length = entry.position + entry.num_tokens;
+      decode.num_queries = entry.num_tokens;
+      decode.query = entry.query;
+      decode.output = entry.output;
+      decode.log_sum_exp = entry.log_sum_exp;
+      sequences.push_back(decode);
+    }
+    core::PagedDecodeBatch batch;
+    batch.storage = {storage_.get(), options_.block_bytes, block_pool_.Counters().blocks_total};
+    batch.layout = LayoutOf(shape);
+    batch.tokens_per_block = tokens_per_block;
+    batch.num_heads = shape.num_heads;
+    batch.scale = ScaleOf(shape);
+    batch.sequences = sequences;
+    const absl::Status computed = core::PagedDecodeCpu(batch, pool_);
+    if (!computed.ok()) {
+      for (const size_t i : members) statuses[i] = computed;
+    }
+  }
+  return statuses;
+}
+
+SessionCounters SessionTable::Counters() const {
+  core::MutexLock lock(mu_);
+  SessionCounters counters;
+  counters.sessions = static_cast<int64_t>(sessions_.size());
+  counters.tombstones = static_cast<int64_t>(tombstones_.size());
+  counters.pool = block_pool_.Counters();
+  return counters;
+}
+
+}  // namespace attention::server

@@ -1,0 +1,193 @@
+// Server-held KV-cache sessions for autoregressive decode (issue 25): each session holds the
+// keys and values of one sequence, for every layer of a model, in the paged KV pool
+// (core/kv_cache), so a caller sends only each step's new tokens. This is the table and
+// the step; the gRPC API on top of it comes next.
+//
+// The rules the anchors taught (../shared/notes/kv-cache-anchors.md):
+// - Admission control, never silent eviction: Create and Fork reserve every block a
+//   session may grow to, or answer RESOURCE_EXHAUSTED.
+// - Explicit positions make retries safe: a step writes K/V of one layer at positions
+//   [position, position + n). Rewriting written positions with the same K/V changes nothing
+//   and answers the same output; other K/V there is FAILED_PRECONDITION; a gap past the
+//   end is OUT_OF_RANGE.
+// - An idle session expires after its TTL; a tombstone then tells "expired" and "dropped"
+//   apart from "unknown".
+// - Time is passed in, so tests drive expiry with a fake clock.
+#ifndef ATTENTION_SERVER_SESSIONS_SESSION_TABLE_H_
+#define ATTENTION_SERVER_SESSIONS_SESSION_TABLE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <deque>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/node_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "core/cpu/thread_pool.h"
+#include "core/dtype.h"
+#include "core/kv_cache/block_pool.h"
+#include "core/mutex.h"
+
+namespace attention::server {
+
+// The heads a session attends with. The caller projects and rotates (RoPE) its queries and
+// keys; the session stores K/V in `kv_dtype` (float32 or bfloat16) and computes in float32.
+struct SessionShape {
+  int64_t num_layers = 1;
+  int64_t num_heads = 1;     // H, a multiple of num_kv_heads
+  int64_t num_kv_heads = 1;  // Hkv
+  int64_t head_dim = 1;      // dk
+  int64_t v_head_dim = 0;    // dv; 0 means head_dim
+  core::DType kv_dtype = core::DType::kFloat32;
+  float scale = 0;  // softmax scale; 0 means 1/sqrt(dk)
+};
+
+struct SessionTableOptions {
+  // The KV pool, allocated once at start-up; nothing is allocated on the step path.
+  int64_t kv_cache_bytes = int64_t{256} << 20;
+  int64_t block_bytes = core::kv_cache::kDefaultBlockBytes;
+  // Live sessions at once, and tokens one session may reserve.
+  int64_t max_sessions = 1024;
+  int64_t max_session_tokens = int64_t{128} << 10;
+  // Idle time before a session expires: the default, and the most a caller may ask for.
+  absl::Duration default_ttl = absl::Minutes(10);
+  absl::Duration max_ttl = absl::Hours(24);
+  // How long "expired" and "dropped" are remembered, and for how many sessions at most.
+  absl::Duration tombstone_ttl = absl::Hours(1);
+  int64_t max_tombstones = 65536;
+  // Fill freed blocks with NaN, so that a read outside a block table shows (tests).
+  bool poison_freed_blocks = false;
+  // Prefix of every session id, naming the replica that holds it ("" for none).
+  std::string replica;
+
+  absl::Status Validate() const;
+};
+
+struct SessionInfo {
+  std::string id;
+  SessionShape shape;
+  int64_t length = 0;           // tokens written in every layer
+  int64_t reserved_tokens = 0;  // what it may grow to
+  int64_t kv_bytes = 0;         // of the blocks it holds (shared ones included)
+  absl::Duration ttl;
+  absl::Time last_used;
+};
+
+// One entry of a step: n new tokens of one layer of one session. The pointers are the
+// caller's, row-major, and must stay valid during Step.
+struct StepEntry {
+  std::string session_id;
+  int64_t layer = 0;
+  int64_t position = 0;          // of the first new token
+  int64_t num_tokens = 0;        // n >= 1
+  const float* query = nullptr;  // [n][H][dk], rotated
+  const float* key = nullptr;    // [n][Hkv][dk], rotated
+  const float* value = nullptr;  // [n][Hkv][dv]
+  float* output = nullptr;       // [n][H][dv]
+  float* log_sum_exp = nullptr;  // [n][H], or null
+};
+
+struct SessionCounters {
+  int64_t sessions = 0;
+  int64_t tombstones = 0;
+  core::kv_cache::KvPoolCounters pool;
+};
+
+// Thread-safe. One mutex covers the table, the pool and the KV bytes: a step writes and
+// attends under it, so a drop, truncation or fork never races a step's reads.
+class SessionTable {
+ public:
+  static absl::StatusOr<std::unique_ptr<SessionTable>> Create(const SessionTableOptions& options,
+                                                              core::ThreadPool& pool);
+
+  // A new session of `shape` that may grow to `reserved_tokens`; `ttl` zero means the
+  // default.
+  absl::StatusOr<SessionInfo> CreateSession(const SessionShape& shape, int64_t reserved_tokens,
+                                            absl::Duration ttl, absl::Time now);
+  // A new session sharing the first `tokens` tokens of `id` (copy-on-write by block).
+  absl::StatusOr<SessionInfo> Fork(const std::string& id, int64_t tokens, int64_t reserved_tokens,
+                                   absl::Duration ttl, absl::Time now);
+  // Back to `tokens` tokens in every layer (rejected speculative tokens).
+  absl::StatusOr<SessionInfo> Truncate(const std::string& id, int64_t tokens, absl::Time now);
+  absl::Status Drop(const std::string& id, absl::Time now);
+  absl::StatusOr<SessionInfo> Get(const std::string& id, absl::Time now);
+  std::vector<SessionInfo> List(absl::Time now);
+
+  // Writes every entry's K/V, then attends every entry in one pass. Entries of one session
+  // and layer apply in position order, so an entry sees the tokens of earlier entries; an
+  // entry attends to keys 0 .. position + i for its token i. One status per entry; a
+  // failed entry writes nothing and leaves its output untouched.
+  std::vector<absl::Status> Step(absl::Span<const StepEntry> entries, absl::Time now);
+
+  // Ends the sessions idle past their TTL (tombstoned "expired"); returns how many.
+  int64_t ExpireIdle(absl::Time now);
+
+  SessionCounters Counters() const;
+  int64_t block_bytes() const { return options_.block_bytes; }
+
+ private:
+  struct Session {
+    SessionShape shape;
+    core::kv_cache::SequenceId sequence = 0;
+    std::vector<int64_t> layer_lengths;  // tokens written, per layer
+    absl::Duration ttl;
+    absl::Time last_used;
+  };
+  enum class Ending { kDropped, kExpired };
+  struct Tombstone {
+    Ending ending;
+    absl::Time when;
+  };
+
+  SessionTable(const SessionTableOptions& options, core::kv_cache::KvBlockPool block_pool,
+               core::ThreadPool& pool);
+
+  absl::StatusOr<Session*> FindLocked(const std::string& id, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<absl::Duration> TtlFor(absl::Duration ttl) const;
+  absl::Status CheckReservation(int64_t reserved_tokens) const;
+  std::string NewIdLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  SessionInfo InfoLocked(const std::string& id, const Session& session) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EndLocked(const std::string& id, Ending ending, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ForgetTombstonesLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Copies and poisons blocks as the pool says.
+  void CopyBlocksLocked(absl::Span<const core::kv_cache::BlockCopy> copies)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FreeBlocksLocked(absl::Span<const core::kv_cache::BlockId> freed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Writes one entry's K/V (checking positions already written), or says why not.
+  absl::Status WriteLocked(const StepEntry& entry, Session& session)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::byte* Block(core::kv_cache::BlockId block) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return storage_.get() + static_cast<int64_t>(block) * options_.block_bytes;
+  }
+
+  const SessionTableOptions options_;
+  core::ThreadPool& pool_;
+  mutable core::Mutex mu_;  // see core/mutex.h
+  core::kv_cache::KvBlockPool block_pool_ ABSL_GUARDED_BY(mu_);
+  struct Free {
+    void operator()(std::byte* bytes) const { std::free(bytes); }
+  };
+  // The pool's blocks, on huge pages where the kernel gives them (a decode step streams
+  // through blocks; 4 KiB pages cost TLB misses); left uninitialized, so pages are
+  // committed as sessions fill them.
+  std::unique_ptr<std::byte[], Free> storage_ ABSL_GUARDED_BY(mu_);
+  absl::node_hash_map<std::string, Session> sessions_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, Tombstone> tombstones_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> tombstone_order_ ABSL_GUARDED_BY(mu_);  // oldest first
+};
+
+}  // namespace attention::server
+
+#endif  // ATTENTION_SERVER_SESSIONS_SESSION_TABLE_H_

@@ -1,0 +1,317 @@
+// KV-cache sessions over gRPC (issue 25): create, step a batch of sessions, fork, truncate,
+// drop, get and list through the native API, the step's answer against the table's own,
+// and every rejection with its code and a message naming the field.
+#include <random>
+
+#include "prometheus/metric_family.h"
+#include "server/sessions/session_table.h"
+#include "tests/server/test_server.h"
+
+namespace attention::server::testing {
+namespace {
+
+using C = absl::StatusCode;
+
+// The gauge `name` (with label state=`state`, when given) as the registry reports it, or -1.
+double Gauge(Metrics& metrics, const std::string& name, const std::string& state = "") {
+  for (const prometheus::MetricFamily& family : metrics.registry().Collect()) {
+    if (family.name != name) continue;
+    for (const prometheus::ClientMetric& metric : family.metric) {
+      if (state.empty()) return metric.gauge.value;
+      for (const prometheus::ClientMetric::Label& label : metric.label) {
+        if (label.name == "state" && label.value == state) return metric.gauge.value;
+      }
+    }
+  }
+  return -1;
+}
+
+class SessionServiceTest : public ServerTest {
+ protected:
+  ServerOptions Options() override {
+    ServerOptions options = ServerTest::Options();
+    options.demo_layer = false;
+    options.sessions.kv_cache_bytes = 2 << 20;  // 8 blocks of 1024 tokens of these heads
+    options.sessions.max_session_tokens = 1 << 16;
+    options.sessions.replica = "replica-a";
+    return options;
+  }
+
+  void SetUp() override {
+    ServerTest::SetUp();
+    stub_ = v1::AttentionService::NewStub(client_->channel());
+  }
+
+  static v1::SessionConfig Config() {
+    v1::SessionConfig config;
+    config.set_num_layers(2);
+    config.set_num_heads(4);
+    config.set_num_kv_heads(2);
+    config.set_head_dim(16);
+    return config;
+  }
+
+  template <typename Request, typename Response, typename Call>
+  grpc::Status Invoke(Call call, const Request& request, Response* response) {
+    grpc::ClientContext context;
+    return (stub_.get()->*call)(&context, request, response);
+  }
+
+  v1::SessionInfo Create(int64_t reserved_tokens) {
+    v1::CreateSessionRequest request;
+    *request.mutable_config() = Config();
+    request.set_reserved_tokens(reserved_tokens);
+    v1::CreateSessionResponse response;
+    const grpc::Status status =
+        Invoke(&v1::AttentionService::Stub::CreateSession, request, &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    return response.session();
+  }
+
+  // An entry of n random tokens at `position` of `layer`.
+  static v1::SessionStepEntry Entry(const std::string& session_id, int64_t layer, int64_t position,
+                                    int64_t n, std::mt19937_64& rng) {
+    v1::SessionStepEntry entry;
+    entry.set_session_id(session_id);
+    entry.set_layer(layer);
+    entry.set_position(position);
+    wire::EncodeTensor(RandomValues(rng, n * 4 * 16), {n, 4, 16}, core::DType::kFloat32,
+                       entry.mutable_query());
+    wire::EncodeTensor(RandomValues(rng, n * 2 * 16), {n, 2, 16}, core::DType::kFloat32,
+                       entry.mutable_key());
+    wire::EncodeTensor(RandomValues(rng, n * 2 * 16), {n, 2, 16}, core::DType::kFloat32,
+                       entry.mutable_value());
+    return entry;
+  }
+
+  grpc::Status Step(const v1::SessionStepRequest& request, v1::SessionStepResponse* response) {
+    return Invoke(&v1::AttentionService::Stub::SessionStep, request, response);
+  }
+
+  std::unique_ptr<v1::AttentionService::Stub> stub_;
+};
+
+TEST_F(SessionServiceTest, StepsOfSeveralSessionsAnswerAsTheTableDoes) {
+  const uint64_t seed = 4242;
+  std::mt19937_64 rng(seed);
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  const v1::SessionInfo a = Create(256), b = Create(256);
+  EXPECT_EQ(a.session_id().rfind("replica-a/", 0), 0u) << a.session_id();
+  EXPECT_NE(a.session_id(), b.session_id());
+  // The same tokens through a table of the server's kind, in process.
+  core::ThreadPool pool(2);
+  auto table = *SessionTable::Create(SessionTableOptions{}, pool);
+  SessionShape shape{2, 4, 2, 16, 0, core::DType::kFloat32, 0};
+  const SessionInfo local = *table->CreateSession(shape, 256, {}, absl::Now());
+  for (int64_t position = 0; position < 40; position += 8) {
+    v1::SessionStepRequest request;
+    request.set_return_log_sum_exp(true);
+    request.set_request_id("step");
+    *request.add_entries() = Entry(b.session_id(), 1, position, 8, rng);  // keeps b in step
+    *request.add_entries() = Entry(b.session_id(), 0, position, 8, rng);
+    *request.add_entries() = Entry(a.session_id(), 0, position, 8, rng);
+    v1::SessionStepResponse response;
+    const grpc::Status status = Step(request, &response);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    ASSERT_EQ(response.results_size(), 3);
+    EXPECT_EQ(response.request_id(), "step");
+    const v1::SessionStepEntry& entry = request.entries(2);
+    const auto q = wire::DecodeFloatTensor(entry.query(), "q")->values;
+    const auto k = wire::DecodeFloatTensor(entry.key(), "k")->values;
+    const auto v = wire::DecodeFloatTensor(entry.value(), "v")->values;
+    std::vector<float> output(8 * 4 * 16), lse(8 * 4);
+    StepEntry local_entry{local.id, 0,        position,      8,         q.data(),
+                          k.data(), v.data(), output.data(), lse.data()};
+    ASSERT_TRUE(table->Step({&local_entry, 1}, absl::Now())[0].ok());
+    const v1::SessionStepResult& result = response.results(2);
+    EXPECT_EQ(std::vector<int64_t>(result.output().shape().begin(), result.output().shape().end()),
+              (std::vector<int64_t>{8, 4, 16}));
+    EXPECT_EQ(wire::DecodeFloatTensor(result.output(), "output")->values, output);
+    EXPECT_EQ(wire::DecodeFloatTensor(result.log_sum_exp(), "lse")->values, lse);
+  }
+  // Fork a at 24 tokens, truncate a to 16, list, drop.
+  v1::ForkSessionRequest fork;
+  fork.set_session_id(a.session_id());
+  fork.set_tokens(24);
+  fork.set_reserved_tokens(64);
+  v1::ForkSessionResponse forked;
+  // Layer 1 of a was never written, so a has 0 tokens in every layer.
+  grpc::Status status = Invoke(&v1::AttentionService::Stub::ForkSession, fork, &forked);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::OUT_OF_RANGE) << status.error_message();
+  fork.set_session_id(b.session_id());
+  status = Invoke(&v1::AttentionService::Stub::ForkSession, fork, &forked);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(forked.session().length(), 24);
+  v1::TruncateSessionRequest truncate;
+  truncate.set_session_id(b.session_id());
+  truncate.set_tokens(16);
+  v1::TruncateSessionResponse truncated;
+  status = Invoke(&v1::AttentionService::Stub::TruncateSession, truncate, &truncated);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(truncated.session().length(), 16);
+  v1::ListSessionsResponse list;
+  ASSERT_TRUE(
+      Invoke(&v1::AttentionService::Stub::ListSessions, v1::ListSessionsRequest(), &list).ok());
+  EXPECT_EQ(list.sessions_size(), 3);
+  v1::DropSessionRequest drop;
+  drop.set_session_id(a.session_id());
+  v1::DropSessionResponse dropped;
+  ASSERT_TRUE(Invoke(&v1::AttentionService::Stub::DropSession, drop, &dropped).ok());
+  // Two sessions and a fork are live; the fork shares b's blocks.
+  EXPECT_EQ(Gauge(server_->metrics(), "attention_kv_sessions"), 2);
+  EXPECT_EQ(Gauge(server_->metrics(), "attention_kv_cache_bytes", "total"), 2 << 20);
+  EXPECT_GT(Gauge(server_->metrics(), "attention_kv_cache_bytes", "shared"), 0);
+  for (const std::string& id : {b.session_id(), forked.session().session_id()}) {
+    drop.set_session_id(id);
+    ASSERT_TRUE(Invoke(&v1::AttentionService::Stub::DropSession, drop, &dropped).ok());
+  }
+  EXPECT_EQ(Gauge(server_->metrics(), "attention_kv_sessions"), 0);
+  EXPECT_EQ(Gauge(server_->metrics(), "attention_kv_cache_bytes", "held"), 0);
+  EXPECT_EQ(Gauge(server_->metrics(), "attention_kv_cache_bytes", "promised"), 0);
+  v1::GetSessionRequest get;
+  get.set_session_id(a.session_id());
+  v1::GetSessionResponse got;
+  status = Invoke(&v1::AttentionService::Stub::GetSession, get, &got);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_NE(status.error_message().find("was dropped"), std::string::npos)
+      << status.error_message();
+}
+
+TEST_F(SessionServiceTest, EveryRejectionHasItsCodeAndNamesTheField) {
+  std::mt19937_64 rng(7);
+  const v1::SessionInfo session = Create(16);
+  struct Case {
+    std::string name;
+    std::function<void(v1::CreateSessionRequest&)> create;  // or
+    std::function<void(v1::SessionStepRequest&)> step;
+    C code;
+    std::string message_part;
+  };
+  const std::vector<Case> cases = {
+      {"no layers", [](auto& r) { r.mutable_config()->set_num_layers(0); }, nullptr,
+       C::kInvalidArgument, "num_layers = 0 must be >= 1"},
+      {"heads not a multiple", [](auto& r) { r.mutable_config()->set_num_kv_heads(3); }, nullptr,
+       C::kInvalidArgument, "num_kv_heads"},
+      {"float16 kv", [](auto& r) { r.mutable_config()->set_kv_dtype(v1::FLOAT16); }, nullptr,
+       C::kInvalidArgument, "kv_dtype = FLOAT16; KV is stored in FLOAT32 or BFLOAT16"},
+      {"bad scale", [](auto& r) { r.mutable_config()->set_scale(-1); }, nullptr,
+       C::kInvalidArgument, "config.scale = -1"},
+      {"no reservation", [](auto& r) { r.set_reserved_tokens(0); }, nullptr, C::kInvalidArgument,
+       "reserved_tokens = 0 must be in [1, 65536]"},
+      {"reservation past the pool", [](auto& r) { r.set_reserved_tokens(1 << 16); }, nullptr,
+       C::kResourceExhausted, "blocks"},
+      {"negative ttl", [](auto& r) { r.set_ttl_ms(-5); }, nullptr, C::kInvalidArgument,
+       "ttl_ms = -5"},
+      {"no entries", nullptr, [](auto& r) { r.clear_entries(); }, C::kInvalidArgument,
+       "entries is empty"},
+      {"unknown session", nullptr,
+       [](auto& r) { r.mutable_entries(0)->set_session_id("replica-a/00"); }, C::kNotFound,
+       "entries[0]: session \"replica-a/00\" is unknown"},
+      {"query heads", nullptr,
+       [](auto& r) {
+         wire::EncodeTensor(std::vector<float>(2 * 3 * 16), {2, 3, 16}, core::DType::kFloat32,
+                            r.mutable_entries(0)->mutable_query());
+       },
+       C::kInvalidArgument, "entries[0].query.shape [2, 3, 16] must be [n, num_heads, head_dim]"},
+      {"value length", nullptr,
+       [](auto& r) {
+         wire::EncodeTensor(std::vector<float>(3 * 2 * 16), {3, 2, 16}, core::DType::kFloat32,
+                            r.mutable_entries(0)->mutable_value());
+       },
+       C::kInvalidArgument, "entries[0].value.shape [3, 2, 16] must be"},
+      {"missing key", nullptr, [](auto& r) { r.mutable_entries(0)->clear_key(); },
+       C::kInvalidArgument, "entries[0].key is missing"},
+      {"gap", nullptr, [](auto& r) { r.mutable_entries(0)->set_position(5); }, C::kOutOfRange,
+       "entries[0]: position = 5 leaves a gap"},
+      {"no such layer", nullptr, [](auto& r) { r.mutable_entries(0)->set_layer(2); },
+       C::kInvalidArgument, "entries[0]: layer = 2 is not a layer of the session"},
+      {"past the reservation", nullptr,
+       [&rng, &session](auto& r) {
+         *r.mutable_entries(0) = Entry(session.session_id(), 0, 0, 17, rng);
+       },
+       C::kOutOfRange, "past the session's reservation of 16"},
+      {"float16 output", nullptr, [](auto& r) { r.set_output_dtype(v1::BOOL); },
+       C::kInvalidArgument, "output_dtype"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    grpc::Status status;
+    if (c.create) {
+      v1::CreateSessionRequest request;
+      *request.mutable_config() = Config();
+      request.set_reserved_tokens(8);
+      c.create(request);
+      v1::CreateSessionResponse response;
+      status = Invoke(&v1::AttentionService::Stub::CreateSession, request, &response);
+    } else {
+      v1::SessionStepRequest request;
+      *request.add_entries() = Entry(session.session_id(), 0, 0, 2, rng);
+      c.step(request);
+      v1::SessionStepResponse response;
+      status = Step(request, &response);
+    }
+    EXPECT_EQ(static_cast<int>(status.error_code()), static_cast<int>(c.code))
+        << status.error_message();
+    EXPECT_NE(status.error_message().find(c.message_part), std::string::npos)
+        << status.error_message();
+  }
+  // A conflict: the same position with other keys.
+  v1::SessionStepRequest first, second;
+  *first.add_entries() = Entry(session.session_id(), 0, 0, 2, rng);
+  *second.add_entries() = Entry(session.session_id(), 0, 0, 2, rng);
+  v1::SessionStepResponse response;
+  ASSERT_TRUE(Step(first, &response).ok());
+  const grpc::Status conflict = Step(second, &response);
+  EXPECT_EQ(conflict.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_NE(conflict.error_message().find("entries[0]: position 0 of layer 0 already holds"),
+            std::string::npos)
+      << conflict.error_message();
+  // The first request again is a retry: answered, the same bits.
+  v1::SessionStepResponse retried, again;
+  ASSERT_TRUE(Step(first, &retried).ok());
+  ASSERT_TRUE(Step(first, &again).ok());
+  EXPECT_EQ(retried.results(0).output().raw_data(), again.results(0).output().raw_data());
+}
+
+class SessionsWithAdminTokenTest : public ServerTest {
+ protected:
+  ServerOptions Options() override {
+    ServerOptions options = ServerTest::Options();
+    options.access.admin_token = "secret";
+    return options;
+  }
+};
+
+TEST_F(SessionsWithAdminTokenTest, ListingSessionsNeedsTheAdminToken) {
+  auto stub = v1::AttentionService::NewStub(client_->channel());
+  v1::ListSessionsResponse response;
+  grpc::ClientContext anonymous;
+  grpc::Status status = stub->ListSessions(&anonymous, v1::ListSessionsRequest(), &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAUTHENTICATED) << status.error_message();
+  grpc::ClientContext admin;
+  admin.AddMetadata("authorization", "Bearer secret");
+  status = stub->ListSessions(&admin, v1::ListSessionsRequest(), &response);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+}
+
+class SessionsOffTest : public ServerTest {
+ protected:
+  ServerOptions Options() override {
+    ServerOptions options = ServerTest::Options();
+    options.sessions.kv_cache_bytes = 0;
+    return options;
+  }
+};
+
+TEST_F(SessionsOffTest, SessionCallsSayHowToTurnThemOn) {
+  auto stub = v1::AttentionService::NewStub(client_->channel());
+  grpc::ClientContext context;
+  v1::CreateSessionResponse response;
+  const grpc::Status status = stub->CreateSession(&context, v1::CreateSessionRequest(), &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_NE(status.error_message().find("--kv_cache_bytes"), std::string::npos)
+      << status.error_message();
+}
+
+}  // namespace
+}  // namespace attention::server::testing

@@ -1,0 +1,379 @@
+// KV-cache sessions (issue 25): incremental decode through the session table against the
+// one-shot causal attention of the same tokens (FlashAttention's rule, float64 oracle and
+// float32 textbook from core), idempotent retries, conflicts and gaps, fork and truncate,
+// expiry on a fake clock, admission control and the pool back at its baseline.
+#include "server/sessions/session_table.h"
+
+#include <random>
+
+#include "absl/strings/match.h"
+
+#include "core/mha_layer.h"
+#include "gtest/gtest.h"
+#include "tests/core/fidelity.h"
+
+namespace attention::server {
+namespace {
+
+using core::testing::FidelityStats;
+
+const absl::Time kT0 = absl::FromUnixSeconds(1'000'000);
+
+// A sequence's tokens as the caller holds them: q [L][H][dk], k [L][Hkv][dk], v [L][Hkv][dv].
+struct Tokens {
+  std::vector<float> q, k, v;
+};
+
+Tokens RandomTokens(const SessionShape& shape, int64_t length, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int64_t dv = shape.v_head_dim > 0 ? shape.v_head_dim : shape.head_dim;
+  Tokens tokens;
+  tokens.q.resize(length * shape.num_heads * shape.head_dim);
+  tokens.k.resize(length * shape.num_kv_heads * shape.head_dim);
+  tokens.v.resize(length * shape.num_kv_heads * dv);
+  for (auto* values : {&tokens.q, &tokens.k, &tokens.v}) {
+    for (float& x : *values) x = normal(rng);
+  }
+  return tokens;
+}
+
+// [L][heads][d] -> [heads][L][d], as SdpaInput wants.
+std::vector<float> HeadMajor(const std::vector<float>& rows, int64_t length, int64_t heads,
+                             int64_t dim) {
+  std::vector<float> out(rows.size());
+  for (int64_t t = 0; t < length; ++t) {
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t d = 0; d < dim; ++d) {
+        out[(h * length + t) * dim + d] = rows[(t * heads + h) * dim + d];
+      }
+    }
+  }
+  return out;
+}
+
+// The one-shot causal attention of all `length` tokens, as [L][H][dv] in T (float: the
+// textbook reference; double: the oracle). bfloat16 sessions attend bf16-rounded K/V.
+template <typename T>
+std::vector<T> OneShot(const SessionShape& shape, const Tokens& tokens, int64_t length) {
+  const int64_t dv = shape.v_head_dim > 0 ? shape.v_head_dim : shape.head_dim;
+  auto stored = [&shape](std::vector<float> values) {
+    if (shape.kv_dtype == core::DType::kBFloat16) {
+      for (float& x : values) x = core::BFloat16ToFloat(core::FloatToBFloat16(x));
+    }
+    return values;
+  };
+  const std::vector<float> q = HeadMajor(tokens.q, length, shape.num_heads, shape.head_dim);
+  const std::vector<float> k =
+      stored(HeadMajor(tokens.k, length, shape.num_kv_heads, shape.head_dim));
+  const std::vector<float> v = stored(HeadMajor(tokens.v, length, shape.num_kv_heads, dv));
+  core::SdpaInput input;
+  input.dims = {1, shape.num_heads, shape.num_kv_heads, length, length, shape.head_dim, dv};
+  input.query = q;
+  input.key = k;
+  input.value = v;
+  input.options.causal = true;
+  if (shape.scale > 0) input.options.scale = shape.scale;
+  const std::vector<T> head_major = core::SdpaTextbook<T>(input).output;
+  std::vector<T> rows(head_major.size());
+  for (int64_t h = 0; h < shape.num_heads; ++h) {
+    for (int64_t t = 0; t < length; ++t) {
+      for (int64_t d = 0; d < dv; ++d) {
+        rows[(t * shape.num_heads + h) * dv + d] = head_major[(h * length + t) * dv + d];
+      }
+    }
+  }
+  return rows;
+}
+
+// A step entry for tokens [position, position + n) of `tokens`, answering into `output`.
+StepEntry Entry(const SessionInfo& session, const Tokens& tokens, int64_t layer, int64_t position,
+                int64_t n, std::vector<float>* output) {
+  const SessionShape& shape = session.shape;
+  const int64_t dv = shape.v_head_dim > 0 ? shape.v_head_dim : shape.head_dim;
+  output->assign(n * shape.num_heads * dv, 0.0f);
+  StepEntry entry;
+  entry.session_id = session.id;
+  entry.layer = layer;
+  entry.position = position;
+  entry.num_tokens = n;
+  entry.query = tokens.q.data() + position * shape.num_heads * shape.head_dim;
+  entry.key = tokens.k.data() + position * shape.num_kv_heads * shape.head_dim;
+  entry.value = tokens.v.data() + position * shape.num_kv_heads * dv;
+  entry.output = output->data();
+  return entry;
+}
+
+// A pool of `kv_cache_bytes` in blocks of `block_bytes`.
+SessionTableOptions Options(int64_t kv_cache_bytes = 16 << 20, int64_t block_bytes = 64 << 10) {
+  SessionTableOptions options;
+  options.kv_cache_bytes = kv_cache_bytes;
+  options.block_bytes = block_bytes;
+  return options;
+}
+
+class SessionTableTest : public ::testing::Test {
+ protected:
+  SessionTableTest() : pool_(2) {}
+
+  std::unique_ptr<SessionTable> Table(SessionTableOptions options = Options()) {
+    options.poison_freed_blocks = true;  // a read outside a block table shows as NaN
+    auto table = SessionTable::Create(options, pool_);
+    EXPECT_TRUE(table.ok()) << table.status();
+    return *std::move(table);
+  }
+
+  // Steps `tokens` [0, length) of layer `layer` into `session` in chunks of `chunk`
+  // tokens, answering into rows of `outputs` ([L][H][dv]).
+  void StepAll(SessionTable& table, const SessionInfo& session, const Tokens& tokens, int64_t layer,
+               int64_t from, int64_t length, int64_t chunk, std::vector<float>* outputs) {
+    const int64_t dv =
+        session.shape.v_head_dim > 0 ? session.shape.v_head_dim : session.shape.head_dim;
+    const int64_t row = session.shape.num_heads * dv;
+    outputs->resize(length * row);
+    for (int64_t position = from; position < length; position += chunk) {
+      const int64_t n = std::min(chunk, length - position);
+      std::vector<float> output;
+      const StepEntry entry = Entry(session, tokens, layer, position, n, &output);
+      const std::vector<absl::Status> statuses = table.Step({&entry, 1}, kT0);
+      ASSERT_TRUE(statuses[0].ok()) << statuses[0];
+      std::copy(output.begin(), output.end(), outputs->begin() + position * row);
+    }
+  }
+
+  core::ThreadPool pool_;
+};
+
+TEST_F(SessionTableTest, IncrementalDecodeHoldsTheRuleAgainstTheOneShotForward) {
+  FidelityStats stats("session decode output");
+  const uint64_t seed = 20261125;
+  std::mt19937_64 rng(seed);
+  const SessionShape shapes[] = {
+      {1, 4, 4, 16, 0, core::DType::kFloat32, 0},      // multi-head
+      {2, 8, 2, 32, 0, core::DType::kFloat32, 0},      // GQA, two layers
+      {1, 6, 1, 24, 40, core::DType::kFloat32, 0.3f},  // MQA, dk != dv, a given scale
+      {1, 8, 2, 64, 0, core::DType::kBFloat16, 0},     // bf16 KV
+  };
+  for (const SessionShape& shape : shapes) {
+    for (const int64_t length : {1, 37, 300, 1500}) {
+      for (const int64_t chunk : {1, 7, 64}) {
+        SCOPED_TRACE(::testing::Message()
+                     << "seed " << seed << " H=" << shape.num_heads << " Hkv=" << shape.num_kv_heads
+                     << " dk=" << shape.head_dim << " L=" << length << " chunk=" << chunk
+                     << " dtype=" << core::DTypeName(shape.kv_dtype));
+        auto table = Table();
+        const absl::StatusOr<SessionInfo> session = table->CreateSession(shape, length, {}, kT0);
+        ASSERT_TRUE(session.ok()) << session.status();
+        const Tokens tokens = RandomTokens(shape, length, rng());
+        const std::vector<float> reference = OneShot<float>(shape, tokens, length);
+        const std::vector<double> oracle = OneShot<double>(shape, tokens, length);
+        for (int64_t layer = 0; layer < shape.num_layers; ++layer) {
+          std::vector<float> outputs;
+          StepAll(*table, *session, tokens, layer, 0, length, chunk, &outputs);
+          EXPECT_TRUE(stats.Check(outputs, reference, oracle));
+        }
+        EXPECT_EQ(table->Get(session->id, kT0)->length, length);
+      }
+    }
+  }
+}
+
+TEST_F(SessionTableTest, ARetryAnswersTheSameBitsAndWritesNothing) {
+  const SessionShape shape{1, 4, 2, 16, 0, core::DType::kFloat32, 0};
+  auto table = Table();
+  const SessionInfo session = *table->CreateSession(shape, 64, {}, kT0);
+  const Tokens tokens = RandomTokens(shape, 20, 5);
+  std::vector<float> first;
+  StepAll(*table, session, tokens, 0, 0, 20, 5, &first);
+  // The last step again, and an older one: the same output, the same length.
+  for (const int64_t position : {15, 5}) {
+    std::vector<float> again;
+    const StepEntry entry = Entry(session, tokens, 0, position, 5, &again);
+    ASSERT_TRUE(table->Step({&entry, 1}, kT0)[0].ok());
+    const int64_t row = 4 * 16;
+    EXPECT_EQ(again, std::vector<float>(first.begin() + position * row,
+                                        first.begin() + (position + 5) * row));
+    EXPECT_EQ(table->Get(session.id, kT0)->length, 20);
+  }
+}
+
+// `status` is `code` with a message containing `part`.
+::testing::AssertionResult Refused(const absl::Status& status, absl::StatusCode code,
+                                   absl::string_view part) {
+  if (status.code() == code && absl::StrContains(status.message(), part)) {
+    return ::testing::AssertionSuccess();
+  }
+  return ::testing::AssertionFailure()
+         << status << "; want " << absl::StatusCodeToString(code) << " with \"" << part << "\"";
+}
+
+TEST_F(SessionTableTest, ConflictsGapsAndOverrunsAreRefusedNamingThePositions) {
+  const SessionShape shape{2, 2, 1, 8, 0, core::DType::kFloat32, 0};
+  auto table = Table();
+  const SessionInfo session = *table->CreateSession(shape, 10, {}, kT0);
+  const Tokens tokens = RandomTokens(shape, 12, 6);
+  std::vector<float> outputs;
+  StepAll(*table, session, tokens, 0, 0, 4, 4, &outputs);
+  std::vector<float> output;
+  // Other K/V at a written position.
+  Tokens other = tokens;
+  other.k[3 * 8] += 1.0f;
+  StepEntry conflict = Entry(session, other, 0, 2, 2, &output);
+  EXPECT_TRUE(Refused(table->Step({&conflict, 1}, kT0)[0], absl::StatusCode::kFailedPrecondition,
+                      "position 3 of layer 0 already holds other keys"));
+  // A gap: layer 1 holds nothing yet.
+  StepEntry gap = Entry(session, tokens, 1, 2, 1, &output);
+  EXPECT_TRUE(Refused(table->Step({&gap, 1}, kT0)[0], absl::StatusCode::kOutOfRange,
+                      "position = 2 leaves a gap: layer 1 of the session holds 0"));
+  // Past the reservation of 10.
+  StepEntry overrun = Entry(session, tokens, 0, 4, 7, &output);
+  EXPECT_TRUE(Refused(table->Step({&overrun, 1}, kT0)[0], absl::StatusCode::kOutOfRange,
+                      "11 is past the session's reservation of 10"));
+  // A layer the session does not have.
+  StepEntry layer = Entry(session, tokens, 2, 0, 1, &output);
+  EXPECT_EQ(table->Step({&layer, 1}, kT0)[0].code(), absl::StatusCode::kInvalidArgument);
+  // After truncating to 3, position 3 takes the other K/V.
+  ASSERT_TRUE(table->Truncate(session.id, 3, kT0).ok());
+  StepEntry rewrite = Entry(session, other, 0, 3, 1, &output);
+  EXPECT_TRUE(table->Step({&rewrite, 1}, kT0)[0].ok());
+  EXPECT_EQ(table->Get(session.id, kT0)->length, 0);  // layer 1 is still empty
+}
+
+TEST_F(SessionTableTest, AForkSharesThePrefixAndEachBranchSeesOnlyItsOwnTokens) {
+  const SessionShape shape{1, 4, 2, 16, 0, core::DType::kFloat32, 0};
+  auto table = Table(Options(4 << 20, 4096));
+  const int64_t prefix = 45, total = 80;  // a prefix ending inside a block: copy on write
+  const SessionInfo source = *table->CreateSession(shape, total, {}, kT0);
+  const Tokens source_tokens = RandomTokens(shape, total, 7);
+  Tokens fork_tokens = RandomTokens(shape, total, 8);
+  for (auto [from, to] :
+       {std::pair{&source_tokens.q, &fork_tokens.q}, std::pair{&source_tokens.k, &fork_tokens.k},
+        std::pair{&source_tokens.v, &fork_tokens.v}}) {
+    const int64_t per_token = static_cast<int64_t>(from->size()) / total;
+    std::copy(from->begin(), from->begin() + prefix * per_token, to->begin());
+  }
+  std::vector<float> outputs;
+  StepAll(*table, source, source_tokens, 0, 0, prefix, 9, &outputs);
+  const absl::StatusOr<SessionInfo> fork = table->Fork(source.id, prefix, total, {}, kT0);
+  ASSERT_TRUE(fork.ok()) << fork.status();
+  EXPECT_GT(table->Counters().pool.blocks_shared, 0);
+  // Both branches go on; each must equal the one-shot forward of its own tokens.
+  std::vector<float> fork_outputs;
+  StepAll(*table, *fork, fork_tokens, 0, prefix, total, 6, &fork_outputs);
+  StepAll(*table, source, source_tokens, 0, prefix, total, 6, &outputs);
+  FidelityStats stats("session fork output");
+  const int64_t row = 4 * 16;
+  using Branch = std::pair<const Tokens*, const std::vector<float>*>;
+  for (const auto& [tokens, got] :
+       {Branch{&source_tokens, &outputs}, Branch{&fork_tokens, &fork_outputs}}) {
+    const std::vector<float> reference = OneShot<float>(shape, *tokens, total);
+    const std::vector<double> oracle = OneShot<double>(shape, *tokens, total);
+    EXPECT_TRUE(stats.Check(absl::MakeConstSpan(*got).subspan(prefix * row),
+                            absl::MakeConstSpan(reference).subspan(prefix * row),
+                            absl::MakeConstSpan(oracle).subspan(prefix * row)));
+  }
+}
+
+TEST_F(SessionTableTest, ExpiredDroppedAndUnknownAreToldApart) {
+  SessionTableOptions options = Options();
+  options.default_ttl = absl::Seconds(10);
+  options.tombstone_ttl = absl::Minutes(1);
+  auto table = Table(options);
+  const SessionShape shape{1, 2, 2, 8, 0, core::DType::kFloat32, 0};
+  const SessionInfo idle = *table->CreateSession(shape, 8, {}, kT0);
+  const SessionInfo used = *table->CreateSession(shape, 8, {}, kT0);
+  const SessionInfo dropped = *table->CreateSession(shape, 8, {}, kT0);
+  ASSERT_TRUE(table->Drop(dropped.id, kT0).ok());
+  // Every use renews the TTL: `used` is touched at 8 s and so lives past 10 s.
+  ASSERT_TRUE(table->Get(used.id, kT0 + absl::Seconds(8)).ok());
+  EXPECT_EQ(table->ExpireIdle(kT0 + absl::Seconds(11)), 1);
+  EXPECT_TRUE(table->Get(used.id, kT0 + absl::Seconds(12)).ok());
+  const auto message = [&](const std::string& id, absl::Time now) {
+    const absl::Status status = table->Get(id, now).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kNotFound);
+    return std::string(status.message());
+  };
+  EXPECT_NE(message(idle.id, kT0 + absl::Seconds(12)).find("expired"), std::string::npos);
+  EXPECT_NE(message(dropped.id, kT0 + absl::Seconds(12)).find("was dropped"), std::string::npos);
+  EXPECT_NE(message("nope", kT0).find("is unknown"), std::string::npos);
+  // A session idle past its TTL expires when next looked up, sweep or not.
+  EXPECT_NE(message(used.id, kT0 + absl::Seconds(30)).find("expired"), std::string::npos);
+  // Tombstones are forgotten after tombstone_ttl.
+  EXPECT_NE(message(idle.id, kT0 + absl::Minutes(5)).find("is unknown"), std::string::npos);
+  // A TTL past the server's max is refused.
+  EXPECT_EQ(table->CreateSession(shape, 8, absl::Hours(48), kT0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(SessionTableTest, ReservationsAreAdmittedOrRefusedAndThePoolReturnsToItsBaseline) {
+  SessionTableOptions options = Options(1 << 20, 64 << 10);
+  options.max_sessions = 3;
+  auto table = Table(options);
+  const core::kv_cache::KvPoolCounters baseline = table->Counters().pool;
+  // 2 KV heads x (16 + 16) x 4 bytes = 256 bytes a token: 256 tokens a block, 16 blocks.
+  const SessionShape shape{1, 2, 2, 16, 0, core::DType::kFloat32, 0};
+  const SessionInfo a = *table->CreateSession(shape, 256 * 10, {}, kT0);
+  absl::Status status = table->CreateSession(shape, 256 * 7, {}, kT0).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
+  const SessionInfo b = *table->CreateSession(shape, 256 * 5, {}, kT0);
+  const SessionInfo c = *table->CreateSession(shape, 1, {}, kT0);  // the last free block
+  status = table->CreateSession(shape, 1, {}, kT0).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
+  EXPECT_NE(status.message().find("max_sessions"), std::string::npos) << status;
+  const Tokens tokens = RandomTokens(shape, 300, 9);
+  std::vector<float> outputs;
+  StepAll(*table, a, tokens, 0, 0, 300, 100, &outputs);
+  EXPECT_EQ(table->Get(a.id, kT0)->kv_bytes, 2 * (64 << 10));
+  for (const SessionInfo* session : {&a, &b, &c}) {
+    ASSERT_TRUE(table->Drop(session->id, kT0).ok());
+  }
+  const core::kv_cache::KvPoolCounters after = table->Counters().pool;
+  EXPECT_EQ(after.blocks_free, baseline.blocks_free);
+  EXPECT_EQ(after.blocks_available, baseline.blocks_available);
+  EXPECT_EQ(after.sequences, 0);
+}
+
+TEST_F(SessionTableTest, AnEntryAnswersTheSameBitsAloneOrInABatch) {
+  const SessionShape shape{1, 8, 2, 32, 0, core::DType::kFloat32, 0};
+  auto alone_table = Table(), batch_table = Table();
+  const Tokens tokens = RandomTokens(shape, 600, 10);
+  std::vector<float> alone, prefix;
+  const SessionInfo alone_session = *alone_table->CreateSession(shape, 600, {}, kT0);
+  StepAll(*alone_table, alone_session, tokens, 0, 0, 600, 50, &alone);
+  // The same steps, each batched with two other sessions' steps.
+  std::vector<SessionInfo> sessions;
+  for (int s = 0; s < 3; ++s) sessions.push_back(*batch_table->CreateSession(shape, 600, {}, kT0));
+  const std::vector<Tokens> others = {RandomTokens(shape, 600, 11), RandomTokens(shape, 600, 12)};
+  const int64_t row = 8 * 32;
+  for (int64_t position = 0; position < 600; position += 50) {
+    std::vector<float> outputs[3];
+    const StepEntry entries[] = {Entry(sessions[1], others[0], 0, position, 50, &outputs[1]),
+                                 Entry(sessions[0], tokens, 0, position, 50, &outputs[0]),
+                                 Entry(sessions[2], others[1], 0, position, 50, &outputs[2])};
+    for (const absl::Status& status : batch_table->Step(entries, kT0)) ASSERT_TRUE(status.ok());
+    EXPECT_EQ(outputs[0], std::vector<float>(alone.begin() + position * row,
+                                             alone.begin() + (position + 50) * row))
+        << "position " << position;
+  }
+}
+
+TEST_F(SessionTableTest, EntriesOfOneSessionApplyInPositionOrder) {
+  const SessionShape shape{1, 2, 1, 8, 0, core::DType::kFloat32, 0};
+  auto table = Table();
+  const SessionInfo session = *table->CreateSession(shape, 16, {}, kT0);
+  const Tokens tokens = RandomTokens(shape, 6, 13);
+  std::vector<float> late, early;
+  // Positions 3..5 listed before 0..2: applied in position order, both succeed.
+  const StepEntry entries[] = {Entry(session, tokens, 0, 3, 3, &late),
+                               Entry(session, tokens, 0, 0, 3, &early)};
+  for (const absl::Status& status : table->Step(entries, kT0)) EXPECT_TRUE(status.ok()) << status;
+  std::vector<float> one_by_one;
+  auto other = Table();
+  const SessionInfo again = *other->CreateSession(shape, 16, {}, kT0);
+  StepAll(*other, again, tokens, 0, 0, 6, 3, &one_by_one);
+  early.insert(early.end(), late.begin(), late.end());
+  EXPECT_EQ(early, one_by_one);
+}
+
+}  // namespace
+}  // namespace attention::server
