@@ -231,6 +231,16 @@ absl::Status AttentionServiceImpl::SubmitSessionStep(
                                     "[n, num_kv_heads, head_dim]"));
     RETURN_IF_ERROR(CheckStepTensor(value, field + ".value", n, shape.num_kv_heads, dv,
                                     "[n, num_kv_heads, v_head_dim]"));
+    // The answers' size grows with the session's heads, not the request's bytes: bound it
+    // before allocating (checked arithmetic saturates).
+    output_bytes = CheckedSum(
+        {output_bytes,
+         CheckedProduct({n, shape.num_heads, dv + 1, static_cast<int64_t>(sizeof(float))})});
+    if (output_bytes > budget_.max_response_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          field, ": the answers up to here need ", output_bytes, " bytes, past the limit of ",
+          budget_.max_response_bytes, " (--max_message_bytes); send fewer tokens per step"));
+    }
     StepEntry entry;
     entry.session_id = wire_entry.session_id();
     entry.layer = wire_entry.layer();
@@ -252,7 +262,6 @@ absl::Status AttentionServiceImpl::SubmitSessionStep(
     item->entries.push_back(entry);
     answers.push_back({n, shape.num_heads, dv});
     item->tokens += n;
-    output_bytes += n * shape.num_heads * (dv + 1) * static_cast<int64_t>(sizeof(float));
   }
   item->bytes = CheckedSum({output_bytes, 2 * static_cast<int64_t>(request.ByteSizeLong())});
   item->deadline = deadline;

@@ -273,6 +273,34 @@ TEST_F(SessionServiceTest, EveryRejectionHasItsCodeAndNamesTheField) {
   EXPECT_EQ(retried.results(0).output().raw_data(), again.results(0).output().raw_data());
 }
 
+TEST_F(SessionServiceTest, AnswersPastTheMessageLimitAreRefusedBeforeAllocating) {
+  // 512 query heads on one KV head of 4096 values: a 1 MiB value answers with 512 MiB.
+  v1::CreateSessionRequest create;
+  create.mutable_config()->set_num_layers(1);
+  create.mutable_config()->set_num_heads(512);
+  create.mutable_config()->set_num_kv_heads(1);
+  create.mutable_config()->set_head_dim(1);
+  create.mutable_config()->set_v_head_dim(4096);
+  create.set_reserved_tokens(64);
+  v1::CreateSessionResponse created;
+  ASSERT_TRUE(Invoke(&v1::AttentionService::Stub::CreateSession, create, &created).ok());
+  v1::SessionStepRequest request;
+  v1::SessionStepEntry* entry = request.add_entries();
+  entry->set_session_id(created.session().session_id());
+  wire::EncodeTensor(std::vector<float>(64 * 512), {64, 512, 1}, core::DType::kFloat32,
+                     entry->mutable_query());
+  wire::EncodeTensor(std::vector<float>(64), {64, 1, 1}, core::DType::kFloat32,
+                     entry->mutable_key());
+  wire::EncodeTensor(std::vector<float>(64 * 4096), {64, 1, 4096}, core::DType::kFloat32,
+                     entry->mutable_value());
+  v1::SessionStepResponse response;
+  const grpc::Status status = Step(request, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  EXPECT_NE(status.error_message().find("entries[0]: the answers up to here need"),
+            std::string::npos)
+      << status.error_message();
+}
+
 class SessionsWithAdminTokenTest : public ServerTest {
  protected:
   ServerOptions Options() override {
