@@ -235,6 +235,11 @@ RowKernels Kernels(SimdLevel level) {
 constexpr int64_t kStateMax = 0, kStateSum = 1, kStateAccumulator = 2;
 int64_t StateFloats(const KvLayout& layout) { return layout.value_dim + kStateAccumulator; }
 
+// The first key a query at `position` sees.
+int64_t FirstVisibleKey(const PagedDecodeBatch& batch, int64_t position) {
+  return batch.sliding_window > 0 ? std::max<int64_t>(0, position - batch.sliding_window + 1) : 0;
+}
+
 // The keys of one KV head in [key_begin, key_end) of one sequence, for every query row of
 // its group: rows r = i * group + g (query i, head kv_head * group + g). Writes one state
 // per row to `states`.
@@ -276,7 +281,9 @@ void AttendSplit(const RowKernels& kernels, const PagedDecodeBatch& batch,
     return Tile{block + key * element_bytes, block + value * element_bytes,
                 std::min({key_end - first, tokens_per_block - slot, kTileKeys})};
   };
-  for (int64_t first = key_begin; first < key_end;) {
+  // Keys before the window of the first query are seen by none.
+  for (int64_t first = std::max(key_begin, FirstVisibleKey(batch, sequence.length - n));
+       first < key_end;) {
     const Tile tile = tile_at(first);
     const int64_t count = tile.count;
     // The next tile's bytes, requested while this one computes: the hardware prefetchers
@@ -302,13 +309,17 @@ void AttendSplit(const RowKernels& kernels, const PagedDecodeBatch& batch,
       keys = tile_keys, values = tile_values;
     }
     for (int64_t i = 0; i < n; ++i) {
-      // Bottom-right causal: query i sits at position L - n + i.
-      const int64_t visible = std::min(count, sequence.length - n + i + 1 - first);
+      // Bottom-right causal: query i sits at position L - n + i and sees [lo, hi) of the tile.
+      const int64_t position = sequence.length - n + i;
+      const int64_t lo = std::max<int64_t>(0, FirstVisibleKey(batch, position) - first);
+      const int64_t visible = std::min(count, position + 1 - first) - lo;
       if (visible <= 0) continue;
+      const float* visible_keys = keys + lo * key_dim;
+      const float* visible_values = values + lo * value_dim;
       for (int64_t g = 0; g < group; ++g) {
         const float* query = sequence.query + (i * batch.num_heads + kv_head * group + g) * key_dim;
         float* state = states + (i * group + g) * state_floats;
-        kernels.scores(query, keys, key_dim, visible, key_dim, batch.scale, scores);
+        kernels.scores(query, visible_keys, key_dim, visible, key_dim, batch.scale, scores);
         const float new_max = std::max(state[kStateMax], kernels.max(scores, visible));
         const float correction = ExpOfNonPositive(state[kStateMax] - new_max);  // 0 at first
         const float sum = kernels.exp_and_sum(scores, visible, new_max);
@@ -317,7 +328,7 @@ void AttendSplit(const RowKernels& kernels, const PagedDecodeBatch& batch,
         if (correction != 1.0f) {
           for (int64_t c = 0; c < value_dim; ++c) state[kStateAccumulator + c] *= correction;
         }
-        kernels.accumulate(state + kStateAccumulator, scores, values, value_dim, visible,
+        kernels.accumulate(state + kStateAccumulator, scores, visible_values, value_dim, visible,
                            value_dim);
       }
     }
@@ -370,6 +381,10 @@ absl::Status Validate(const PagedDecodeBatch& batch) {
         "paged decode: num_heads ", batch.num_heads, " must be a positive multiple of ",
         "num_kv_heads ", layout.num_kv_heads, ", and key_dim ", layout.key_dim, " and value_dim ",
         layout.value_dim, " positive"));
+  }
+  if (batch.sliding_window < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "paged decode: sliding_window ", batch.sliding_window, " must be >= 0 (0 for none)"));
   }
   if (batch.tokens_per_block < 1 ||
       batch.tokens_per_block * layout.TokenBytes() > batch.storage.block_bytes ||
@@ -440,7 +455,11 @@ absl::Status PagedDecodeCpu(const PagedDecodeBatch& batch, ThreadPool& pool, Sim
     const int64_t rows = sequence.num_queries * group;
     for (int64_t h = 0; h < batch.layout.num_kv_heads; ++h) {
       heads.push_back({static_cast<int64_t>(b), h, num_splits, state_total});
-      for (int64_t s = 0; s < num_splits; ++s) {
+      // Splits wholly before the first query's window are not run; their states stay empty
+      // (a sum of 0 is skipped by the merge).
+      const int64_t first_split =
+          FirstVisibleKey(batch, sequence.length - sequence.num_queries) / kPagedSplitKeys;
+      for (int64_t s = first_split; s < num_splits; ++s) {
         splits.push_back({static_cast<int64_t>(heads.size()) - 1, s * kPagedSplitKeys,
                           std::min(sequence.length, (s + 1) * kPagedSplitKeys)});
       }

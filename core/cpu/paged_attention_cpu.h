@@ -1,6 +1,7 @@
 // Decode attention on the CPU over a paged KV cache (core/kv_cache/block_pool.h): each
 // sequence's n new queries attend to its L cached keys, the n new ones included, with
-// bottom-right causal alignment (query i, at position L - n + i, sees keys 0..L - n + i).
+// bottom-right causal alignment (query i, at position p = L - n + i, sees keys 0..p, or only
+// the last W of them, p - W + 1..p, under a sliding window of W keys).
 //
 // Bandwidth-bound by design: each KV head is read once for all query heads of its GQA
 // group, and long contexts are split across threads at fixed absolute key boundaries
@@ -46,13 +47,14 @@ struct PagedDecodeBatch {
   int64_t tokens_per_block = 0;
   int64_t num_heads = 0;  // H, a multiple of layout.num_kv_heads
   float scale = 1.0f;
+  int64_t sliding_window = 0;  // W keys seen by each query, its own included; 0: all
   absl::Span<const PagedDecodeSequence> sequences;
 };
 
 // INVALID_ARGUMENT naming the field when the batch is malformed (n < 1, n > L, a block
 // table too short or naming a block outside the storage, heads not a multiple of the KV
-// heads); otherwise computes every sequence's output. `level` picks the SIMD code (tests
-// run each level the CPU supports).
+// heads, a negative window); otherwise computes every sequence's output. `level` picks the SIMD
+// code (tests run each level the CPU supports).
 absl::Status PagedDecodeCpu(const PagedDecodeBatch& batch, ThreadPool& pool,
                             SimdLevel level = BestSimdLevel());
 

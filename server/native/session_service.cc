@@ -31,6 +31,11 @@ absl::StatusOr<SessionShape> ShapeOf(const v1::SessionConfig& config) {
     }
     shape.scale = config.scale();
   }
+  if (config.sliding_window() < 0) {
+    return Invalid("config.sliding_window = ", config.sliding_window(),
+                   " must be >= 0 (0 for none)");
+  }
+  shape.sliding_window = config.sliding_window();
   return shape;
 }
 
@@ -43,6 +48,7 @@ v1::SessionConfig ConfigOf(const SessionShape& shape) {
   config.set_v_head_dim(shape.v_head_dim > 0 ? shape.v_head_dim : shape.head_dim);
   config.set_kv_dtype(wire::WireDType(shape.kv_dtype));
   if (shape.scale > 0) config.set_scale(shape.scale);
+  config.set_sliding_window(shape.sliding_window);
   return config;
 }
 

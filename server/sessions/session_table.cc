@@ -53,6 +53,9 @@ absl::Status CheckShape(const SessionShape& shape) {
   if (!std::isfinite(shape.scale) || shape.scale < 0) {
     return Invalid("scale = ", shape.scale, " must be finite and >= 0 (0 for 1/sqrt(head_dim))");
   }
+  if (shape.sliding_window < 0) {
+    return Invalid("sliding_window = ", shape.sliding_window, " must be >= 0 (0 for none)");
+  }
   return absl::OkStatus();
 }
 
@@ -442,15 +445,16 @@ std::vector<absl::Status> SessionTable::Step(absl::Span<const StepEntry> entries
     if (session.ok()) statuses[i] = WriteLocked(entries[i], **session);
     if (statuses[i].ok()) sessions[i] = *session;
   }
-  // Attend: one kernel pass per group of entries that share a KV layout, heads and scale.
-  using GroupKey = std::tuple<int64_t, int64_t, int64_t, int, int64_t, float>;
+  // Attend: one kernel pass per group of entries that share a KV layout, heads, scale and
+  // window.
+  using GroupKey = std::tuple<int64_t, int64_t, int64_t, int, int64_t, float, int64_t>;
   std::map<GroupKey, std::vector<size_t>> groups;
   for (size_t i = 0; i < entries.size(); ++i) {
     if (sessions[i] == nullptr) continue;
     const SessionShape& shape = sessions[i]->shape;
     const KvLayout layout = LayoutOf(shape);
     groups[{layout.num_kv_heads, layout.key_dim, layout.value_dim, static_cast<int>(layout.dtype),
-            shape.num_heads, ScaleOf(shape)}]
+            shape.num_heads, ScaleOf(shape), shape.sliding_window}]
         .push_back(i);
   }
   for (const auto& [key, members] : groups) {
@@ -476,6 +480,7 @@ std::vector<absl::Status> SessionTable::Step(absl::Span<const StepEntry> entries
     batch.tokens_per_block = tokens_per_block;
     batch.num_heads = shape.num_heads;
     batch.scale = ScaleOf(shape);
+    batch.sliding_window = shape.sliding_window;
     batch.sequences = sequences;
     const absl::Status computed = core::PagedDecodeCpu(batch, pool_);
     if (!computed.ok()) {

@@ -48,6 +48,8 @@ struct SessionShape {
   int64_t v_head_dim = 0;    // dv; 0 means head_dim
   core::DType kv_dtype = core::DType::kFloat32;
   float scale = 0;  // softmax scale; 0 means 1/sqrt(dk)
+  // Keys each query sees, its own included (Mistral's and Qwen2's sliding window); 0: all.
+  int64_t sliding_window = 0;
 };
 
 struct SessionTableOptions {

@@ -82,6 +82,7 @@ class PagedPool {
   std::vector<Sequence>& sequences() { return sequences_; }
   const Shape& shape() const { return shape_; }
   float scale() const { return 1.0f / std::sqrt(static_cast<float>(shape_.key_dim)); }
+  int64_t sliding_window = 0;  // of every Run
 
   // The kernel over `indices` of the sequences, as one batch.
   absl::Status Run(const std::vector<size_t>& indices, ThreadPool& pool,
@@ -98,6 +99,7 @@ class PagedPool {
     batch.tokens_per_block = shape_.tokens_per_block;
     batch.num_heads = shape_.heads;
     batch.scale = scale();
+    batch.sliding_window = sliding_window;
     batch.sequences = batch_sequences;
     return PagedDecodeCpu(batch, pool, level);
   }
@@ -139,23 +141,26 @@ class PagedPool {
   std::vector<Sequence> sequences_;
 };
 
-// Dense decode attention in precision T on the gathered KV: the textbook loops.
+// Dense decode attention in precision T on the gathered KV: the textbook loops. With a
+// window W, query i (at position p) sees keys p - W + 1 .. p.
 template <typename T>
-void ReferenceDecode(const Shape& shape, const Sequence& s, float scale, std::vector<T>* output,
-                     std::vector<T>* log_sum_exp) {
+void ReferenceDecode(const Shape& shape, const Sequence& s, float scale, int64_t window,
+                     std::vector<T>* output, std::vector<T>* log_sum_exp) {
   const int64_t group = shape.heads / shape.kv_heads;
   output->assign(s.queries * shape.heads * shape.value_dim, 0);
   log_sum_exp->assign(s.queries * shape.heads, 0);
   std::vector<T> scores;
   for (int64_t i = 0; i < s.queries; ++i) {
-    const int64_t visible = s.length - s.queries + i + 1;
+    const int64_t end = s.length - s.queries + i + 1;
+    const int64_t begin = window > 0 ? std::max<int64_t>(0, end - window) : 0;
+    const int64_t visible = end - begin;
     for (int64_t h = 0; h < shape.heads; ++h) {
       const int64_t kv = h / group;
       const float* q = &s.query[(i * shape.heads + h) * shape.key_dim];
       scores.assign(visible, 0);
       T max = -std::numeric_limits<T>::infinity();
       for (int64_t j = 0; j < visible; ++j) {
-        const float* k = &s.keys[(j * shape.kv_heads + kv) * shape.key_dim];
+        const float* k = &s.keys[((begin + j) * shape.kv_heads + kv) * shape.key_dim];
         T dot = 0;
         for (int64_t c = 0; c < shape.key_dim; ++c) {
           dot += static_cast<T>(q[c]) * static_cast<T>(k[c]);
@@ -168,7 +173,7 @@ void ReferenceDecode(const Shape& shape, const Sequence& s, float scale, std::ve
       for (int64_t c = 0; c < shape.value_dim; ++c) {
         T acc = 0;
         for (int64_t j = 0; j < visible; ++j) {
-          const float value = s.values[(j * shape.kv_heads + kv) * shape.value_dim + c];
+          const float value = s.values[((begin + j) * shape.kv_heads + kv) * shape.value_dim + c];
           acc += scores[j] * static_cast<T>(value);
         }
         (*output)[(i * shape.heads + h) * shape.value_dim + c] = acc / sum;
@@ -183,8 +188,9 @@ void ReferenceDecode(const Shape& shape, const Sequence& s, float scale, std::ve
   const Sequence& s = pool.sequences()[index];
   std::vector<double> oracle, oracle_lse;
   std::vector<float> textbook, textbook_lse;
-  ReferenceDecode<double>(pool.shape(), s, pool.scale(), &oracle, &oracle_lse);
-  ReferenceDecode<float>(pool.shape(), s, pool.scale(), &textbook, &textbook_lse);
+  ReferenceDecode<double>(pool.shape(), s, pool.scale(), pool.sliding_window, &oracle, &oracle_lse);
+  ReferenceDecode<float>(pool.shape(), s, pool.scale(), pool.sliding_window, &textbook,
+                         &textbook_lse);
   ::testing::AssertionResult result = outputs.Check(s.output, textbook, oracle);
   if (!result) return result << " (output)";
   result = lses.Check(s.log_sum_exp, textbook_lse, oracle_lse);
@@ -244,6 +250,35 @@ TEST_P(PagedDecodeLevelTest, MatchesDenseReferencesOverASeededGrid) {
   EXPECT_EQ(cases, 6 * 3 * 4 * 2 - 2 * 4 * 2);  // n > L skipped for L = 1
 }
 
+TEST_P(PagedDecodeLevelTest, SlidingWindowMatchesDenseReferences) {
+  // Windows shorter than a block, than a split and than the sequence, and longer than it;
+  // the splits before the first query's window are not run.
+  constexpr uint64_t kSeed = 26;
+  std::mt19937_64 rng(kSeed);
+  ThreadPool threads(2);
+  const std::string level = SimdLevelName(GetParam());
+  FidelityStats outputs("windowed output " + level), lses("windowed log-sum-exp " + level);
+  int cases = 0;
+  for (const int64_t length : {54, 1500, 5000}) {
+    for (const int64_t queries : {1, 17}) {
+      for (const int64_t window : {1, 7, 1024, 1500, 4096}) {
+        const DType dtype = rng() % 2 == 0 ? DType::kFloat32 : DType::kBFloat16;
+        const uint64_t seed = rng();
+        const Shape shape{8, 2, 40, 24, 5, dtype};
+        SCOPED_TRACE(::testing::Message()
+                     << "seed " << seed << " (grid seed " << kSeed << "): L " << length << " n "
+                     << queries << " window " << window << " " << DTypeName(dtype));
+        PagedPool pool(shape, {{length, queries}}, seed);
+        pool.sliding_window = window;
+        ASSERT_TRUE(pool.Run({0}, threads, GetParam()).ok());
+        ASSERT_TRUE(MatchesReferences(pool, 0, outputs, lses));
+        ++cases;
+      }
+    }
+  }
+  EXPECT_EQ(cases, 3 * 2 * 5);
+}
+
 TEST(PagedDecodeCpuTest, ResultsAreBitwiseTheSameForAnyThreadCountAndBatch) {
   const Shape shape{8, 2, 64, 48, 16, DType::kBFloat16};
   // Several splits of kPagedSplitKeys keys, and a short sequence.
@@ -299,6 +334,11 @@ TEST(PagedDecodeCpuTest, RefusesMalformedBatches) {
   s.table.push_back(1 << 20);
   status = pool.Run({0}, threads);
   EXPECT_THAT(status.message(), ::testing::HasSubstr("names block 1048576"));
+  s.table.back() = s.table.front();
+  pool.sliding_window = -1;
+  status = pool.Run({0}, threads);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), ::testing::HasSubstr("sliding_window -1 must be >= 0"));
 }
 
 }  // namespace

@@ -196,6 +196,8 @@ TEST_F(SessionServiceTest, EveryRejectionHasItsCodeAndNamesTheField) {
        C::kInvalidArgument, "kv_dtype = FLOAT16; KV is stored in FLOAT32 or BFLOAT16"},
       {"bad scale", [](auto& r) { r.mutable_config()->set_scale(-1); }, nullptr,
        C::kInvalidArgument, "config.scale = -1"},
+      {"negative window", [](auto& r) { r.mutable_config()->set_sliding_window(-2); }, nullptr,
+       C::kInvalidArgument, "config.sliding_window = -2 must be >= 0"},
       {"no reservation", [](auto& r) { r.set_reserved_tokens(0); }, nullptr, C::kInvalidArgument,
        "reserved_tokens = 0 must be in [1, 65536]"},
       {"reservation past the pool", [](auto& r) { r.set_reserved_tokens(1 << 16); }, nullptr,

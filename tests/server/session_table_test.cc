@@ -74,6 +74,7 @@ std::vector<T> OneShot(const SessionShape& shape, const Tokens& tokens, int64_t 
   input.value = v;
   input.options.causal = true;
   if (shape.scale > 0) input.options.scale = shape.scale;
+  input.options.sliding_window = shape.sliding_window;
   const std::vector<T> head_major = core::SdpaTextbook<T>(input).output;
   std::vector<T> rows(head_major.size());
   for (int64_t h = 0; h < shape.num_heads; ++h) {
@@ -149,10 +150,11 @@ TEST_F(SessionTableTest, IncrementalDecodeHoldsTheRuleAgainstTheOneShotForward) 
   const uint64_t seed = 20261125;
   std::mt19937_64 rng(seed);
   const SessionShape shapes[] = {
-      {1, 4, 4, 16, 0, core::DType::kFloat32, 0},      // multi-head
-      {2, 8, 2, 32, 0, core::DType::kFloat32, 0},      // GQA, two layers
-      {1, 6, 1, 24, 40, core::DType::kFloat32, 0.3f},  // MQA, dk != dv, a given scale
-      {1, 8, 2, 64, 0, core::DType::kBFloat16, 0},     // bf16 KV
+      {1, 4, 4, 16, 0, core::DType::kFloat32, 0},       // multi-head
+      {2, 8, 2, 32, 0, core::DType::kFloat32, 0},       // GQA, two layers
+      {1, 6, 1, 24, 40, core::DType::kFloat32, 0.3f},   // MQA, dk != dv, a given scale
+      {1, 8, 2, 64, 0, core::DType::kBFloat16, 0},      // bf16 KV
+      {1, 4, 2, 16, 0, core::DType::kFloat32, 0, 100},  // a sliding window of 100 keys
   };
   for (const SessionShape& shape : shapes) {
     for (const int64_t length : {1, 37, 300, 1500}) {
@@ -160,7 +162,8 @@ TEST_F(SessionTableTest, IncrementalDecodeHoldsTheRuleAgainstTheOneShotForward) 
         SCOPED_TRACE(::testing::Message()
                      << "seed " << seed << " H=" << shape.num_heads << " Hkv=" << shape.num_kv_heads
                      << " dk=" << shape.head_dim << " L=" << length << " chunk=" << chunk
-                     << " dtype=" << core::DTypeName(shape.kv_dtype));
+                     << " dtype=" << core::DTypeName(shape.kv_dtype)
+                     << " window=" << shape.sliding_window);
         auto table = Table();
         const absl::StatusOr<SessionInfo> session = table->CreateSession(shape, length, {}, kT0);
         ASSERT_TRUE(session.ok()) << session.status();

@@ -137,14 +137,16 @@ class AttentionClient(ClientBase):
     # sends only its new tokens. Q, K and V are projected and rotated (RoPE) by the caller.
 
     def create_session(self, num_layers, num_heads, num_kv_heads, head_dim, reserved_tokens,
-                       *, v_head_dim=0, kv_dtype="float32", scale=None, ttl_ms=0,
-                       timeout=None):
+                       *, v_head_dim=0, kv_dtype="float32", scale=None, sliding_window=0,
+                       ttl_ms=0, timeout=None):
         """Returns the new session's attention.v1.SessionInfo (session_id, length, ...).
-        kv_dtype: "float32" or "bfloat16" (how K and V are stored)."""
+        kv_dtype: "float32" or "bfloat16" (how K and V are stored). sliding_window: keys each
+        token attends to, its own included (0: all)."""
         config = self._pb2.SessionConfig(num_layers=num_layers, num_heads=num_heads,
                                          num_kv_heads=num_kv_heads, head_dim=head_dim,
                                          v_head_dim=v_head_dim,
-                                         kv_dtype=tensors.dtype_enum(kv_dtype))
+                                         kv_dtype=tensors.dtype_enum(kv_dtype),
+                                         sliding_window=sliding_window)
         if scale is not None:
             config.scale = scale
         request = self._pb2.CreateSessionRequest(config=config, reserved_tokens=reserved_tokens,
