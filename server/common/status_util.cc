@@ -1,6 +1,12 @@
 #include "server/common/status_util.h"
 
+#include <string>
+#include <utility>
+
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
+#include "google/rpc/error_details.pb.h"
+#include "google/rpc/status.pb.h"
 
 namespace attention::server {
 namespace {
@@ -41,6 +47,50 @@ std::string QuotedListForMessage(const std::vector<std::string>& items) {
 
 std::string BoundedMessage(absl::string_view message) {
   return Cut(message, kMaxErrorMessageBytes);
+}
+
+namespace {
+
+constexpr char kErrorInfoType[] = "type.googleapis.com/google.rpc.ErrorInfo";
+
+}  // namespace
+
+absl::Status WithReason(absl::Status status, absl::string_view reason) {
+  google::rpc::ErrorInfo info;
+  info.set_reason(std::string(reason));
+  info.set_domain(kErrorDomain);
+  status.SetPayload(kErrorInfoType, absl::Cord(info.SerializeAsString()));
+  return status;
+}
+
+std::string ReasonOf(const absl::Status& status) {
+  const auto payload = status.GetPayload(kErrorInfoType);
+  google::rpc::ErrorInfo info;
+  if (!payload.has_value() || !info.ParseFromString(std::string(*payload))) return "";
+  return info.reason();
+}
+
+absl::Status Prefixed(const absl::Status& status, absl::string_view context) {
+  absl::Status prefixed(status.code(), absl::StrCat(context, ": ", status.message()));
+  status.ForEachPayload([&prefixed](absl::string_view type, const absl::Cord& payload) {
+    prefixed.SetPayload(type, payload);
+  });
+  return prefixed;
+}
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  const auto code = static_cast<grpc::StatusCode>(status.code());
+  std::string message = BoundedMessage(status.message());
+  const auto reason = status.GetPayload(kErrorInfoType);
+  if (!reason.has_value()) return grpc::Status(code, message);
+  google::rpc::Status details;
+  details.set_code(static_cast<int>(status.code()));
+  details.set_message(message);
+  google::protobuf::Any* any = details.add_details();
+  any->set_type_url(kErrorInfoType);
+  any->set_value(std::string(*reason));
+  return grpc::Status(code, std::move(message), details.SerializeAsString());
 }
 
 }  // namespace attention::server

@@ -34,12 +34,19 @@ std::string QuotedListForMessage(const std::vector<std::string>& items);
 // `message` cut to kMaxErrorMessageBytes.
 std::string BoundedMessage(absl::string_view message);
 
-// absl and gRPC share the canonical code numbering, so the code carries over unchanged.
-inline grpc::Status ToGrpcStatus(const absl::Status& status) {
-  if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
-                      BoundedMessage(status.message()));
-}
+// A refusal's machine-readable reason (e.g. "SESSION_EXPIRED") rides on the absl::Status as
+// a google.rpc.ErrorInfo payload of this domain; ToGrpcStatus puts it in the gRPC status
+// details, where clients read it without parsing the message.
+inline constexpr char kErrorDomain[] = "attention-service";
+absl::Status WithReason(absl::Status status, absl::string_view reason);
+// The reason `status` carries, or "" (tests and logs).
+std::string ReasonOf(const absl::Status& status);
+// `status` with its message prefixed by `context` and ": ", its code and reason kept.
+absl::Status Prefixed(const absl::Status& status, absl::string_view context);
+
+// absl and gRPC share the canonical code numbering, so the code carries over unchanged; a
+// reason goes into the details as a google.rpc.Status holding the ErrorInfo.
+grpc::Status ToGrpcStatus(const absl::Status& status);
 
 }  // namespace attention::server
 

@@ -92,8 +92,10 @@ void AttentionServiceImpl::RefreshSessionMetrics() {
 
 absl::Status AttentionServiceImpl::SessionsEnabled() const {
   if (sessions_ != nullptr) return absl::OkStatus();
-  return absl::FailedPreconditionError(
-      "KV-cache sessions are off on this server: start it with --kv_cache_bytes > 0");
+  return WithReason(
+      absl::FailedPreconditionError("KV-cache sessions are off on this server: start it with "
+                                    "--kv_cache_bytes > 0"),
+      "SESSIONS_OFF");
 }
 
 template <typename Request>
@@ -221,7 +223,7 @@ absl::Status AttentionServiceImpl::SubmitSessionStep(
     const std::string field = absl::StrCat("entries[", i, "]");
     absl::StatusOr<SessionInfo> info = sessions_->Get(wire_entry.session_id(), now);
     if (!info.ok()) {
-      return absl::Status(info.status().code(), absl::StrCat(field, ": ", info.status().message()));
+      return Prefixed(info.status(), field);
     }
     const SessionShape& shape = info->shape;
     const int64_t dv = shape.v_head_dim > 0 ? shape.v_head_dim : shape.head_dim;

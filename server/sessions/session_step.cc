@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "server/common/status_util.h"
 
 namespace attention::server {
 
@@ -20,8 +21,7 @@ absl::StatusOr<std::vector<core::AttentionResult>> SessionStepItem::Compute(
     step.status_ = absl::OkStatus();
     for (size_t i = 0; i < step.entries.size(); ++i, ++next) {
       if (step.status_.ok() && !statuses[next].ok()) {
-        step.status_ = absl::Status(statuses[next].code(),
-                                    absl::StrCat("entries[", i, "]: ", statuses[next].message()));
+        step.status_ = Prefixed(statuses[next], absl::StrCat("entries[", i, "]"));
       }
     }
   }

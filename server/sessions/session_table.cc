@@ -33,6 +33,13 @@ KvLayout LayoutOf(const SessionShape& shape) {
   return layout;
 }
 
+// The pool's refusal to promise blocks, with its reason.
+absl::StatusOr<core::kv_cache::SequenceId> WithPoolReason(
+    absl::StatusOr<core::kv_cache::SequenceId> sequence) {
+  if (sequence.status().code() != absl::StatusCode::kResourceExhausted) return sequence;
+  return WithReason(sequence.status(), "KV_POOL_EXHAUSTED");
+}
+
 float ScaleOf(const SessionShape& shape) {
   return shape.scale > 0 ? shape.scale : 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
 }
@@ -171,12 +178,14 @@ absl::StatusOr<SessionInfo> SessionTable::CreateSession(const SessionShape& shap
   ASSIGN_OR_RETURN(const absl::Duration session_ttl, TtlFor(ttl));
   core::MutexLock lock(mu_);
   if (static_cast<int64_t>(sessions_.size()) >= options_.max_sessions) {
-    return absl::ResourceExhaustedError(absl::StrCat("the server holds ", sessions_.size(),
-                                                     " sessions, its max_sessions; drop "
-                                                     "one or wait for one to expire"));
+    return WithReason(absl::ResourceExhaustedError(absl::StrCat(
+                          "the server holds ", sessions_.size(),
+                          " sessions, its max_sessions; drop one or wait for one to expire")),
+                      "MAX_SESSIONS");
   }
-  ASSIGN_OR_RETURN(const core::kv_cache::SequenceId sequence,
-                   block_pool_.Reserve(LayoutOf(shape), shape.num_layers, reserved_tokens));
+  ASSIGN_OR_RETURN(
+      const core::kv_cache::SequenceId sequence,
+      WithPoolReason(block_pool_.Reserve(LayoutOf(shape), shape.num_layers, reserved_tokens)));
   Session session;
   session.shape = shape;
   session.sequence = sequence;
@@ -202,13 +211,17 @@ absl::StatusOr<SessionTable::Session*> SessionTable::FindLocked(const std::strin
   }
   const auto tombstone = tombstones_.find(id);
   if (tombstone == tombstones_.end()) {
-    return absl::NotFoundError(absl::StrCat("session ", Quoted(id), " is unknown on this server"));
+    return WithReason(
+        absl::NotFoundError(absl::StrCat("session ", Quoted(id), " is unknown on this server")),
+        "SESSION_UNKNOWN");
   }
   if (tombstone->second.ending == Ending::kExpired) {
-    return absl::NotFoundError(
-        absl::StrCat("session ", Quoted(id), " expired: it was idle longer than its ttl"));
+    return WithReason(absl::NotFoundError(absl::StrCat(
+                          "session ", Quoted(id), " expired: it was idle longer than its ttl")),
+                      "SESSION_EXPIRED");
   }
-  return absl::NotFoundError(absl::StrCat("session ", Quoted(id), " was dropped"));
+  return WithReason(absl::NotFoundError(absl::StrCat("session ", Quoted(id), " was dropped")),
+                    "SESSION_DROPPED");
 }
 
 SessionInfo SessionTable::InfoLocked(const std::string& id, const Session& session) const {
@@ -243,11 +256,13 @@ absl::StatusOr<SessionInfo> SessionTable::Fork(const std::string& id, int64_t to
     return Invalid("reserved_tokens = ", reserved_tokens, " is less than tokens = ", tokens);
   }
   if (static_cast<int64_t>(sessions_.size()) >= options_.max_sessions) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "the server holds ", sessions_.size(), " sessions, its max_sessions; drop one first"));
+    return WithReason(
+        absl::ResourceExhaustedError(absl::StrCat("the server holds ", sessions_.size(),
+                                                  " sessions, its max_sessions; drop one first")),
+        "MAX_SESSIONS");
   }
   ASSIGN_OR_RETURN(const core::kv_cache::SequenceId sequence,
-                   block_pool_.Fork(source->sequence, tokens, reserved_tokens));
+                   WithPoolReason(block_pool_.Fork(source->sequence, tokens, reserved_tokens)));
   Session fork;
   fork.shape = source->shape;
   fork.sequence = sequence;
@@ -357,17 +372,19 @@ absl::Status SessionTable::WriteLocked(const StepEntry& entry, Session& session)
   if (entry.position < 0) return Invalid("position = ", entry.position, " must be >= 0");
   int64_t& length = session.layer_lengths[entry.layer];
   if (entry.position > length) {
-    return absl::OutOfRangeError(
-        absl::StrCat("position = ", entry.position, " leaves a gap: layer ", entry.layer,
-                     " of the session holds ", length,
-                     " tokens, so the next step starts at or before ", length));
+    return WithReason(absl::OutOfRangeError(
+                          absl::StrCat("position = ", entry.position, " leaves a gap: layer ",
+                                       entry.layer, " of the session holds ", length,
+                                       " tokens, so the next step starts at or before ", length)),
+                      "POSITION_GAP");
   }
   const core::kv_cache::KvSequence* sequence = *block_pool_.Find(session.sequence);
   const int64_t end = entry.position + entry.num_tokens;
   if (end > sequence->reserved_tokens) {
-    return absl::OutOfRangeError(absl::StrCat("position + num_tokens = ", end,
-                                              " is past the session's reservation of ",
-                                              sequence->reserved_tokens, " tokens"));
+    return WithReason(absl::OutOfRangeError(absl::StrCat("position + num_tokens = ", end,
+                                                         " is past the session's reservation of ",
+                                                         sequence->reserved_tokens, " tokens")),
+                      "PAST_RESERVATION");
   }
   const KvLayout layout = LayoutOf(shape);
   const int64_t heads = layout.num_kv_heads, dk = layout.key_dim, dv = layout.value_dim;
@@ -407,10 +424,11 @@ absl::Status SessionTable::WriteLocked(const StepEntry& entry, Session& session)
                  return false;
                });
   if (conflict >= 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("position ", conflict, " of layer ", entry.layer,
-                     " already holds other keys or values; truncate the session to ", conflict,
-                     " tokens before writing there again"));
+    return WithReason(absl::FailedPreconditionError(absl::StrCat(
+                          "position ", conflict, " of layer ", entry.layer,
+                          " already holds other keys or values; truncate the session to ", conflict,
+                          " tokens before writing there again")),
+                      "POSITION_CONFLICT");
   }
   if (end <= length) return absl::OkStatus();
   ASSIGN_OR_RETURN(const std::vector<core::kv_cache::BlockCopy> copies,

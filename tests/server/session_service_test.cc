@@ -3,7 +3,10 @@
 // and every rejection with its code and a message naming the field.
 #include <random>
 
+#include "google/rpc/error_details.pb.h"
+#include "google/rpc/status.pb.h"
 #include "prometheus/metric_family.h"
+#include "server/common/status_util.h"
 #include "server/sessions/session_table.h"
 #include "tests/server/test_server.h"
 
@@ -24,6 +27,18 @@ double Gauge(Metrics& metrics, const std::string& name, const std::string& state
     }
   }
   return -1;
+}
+
+// The machine-readable reason in a status's details (google.rpc.ErrorInfo of this server's
+// domain), or "" when it carries none.
+std::string Reason(const grpc::Status& status) {
+  google::rpc::Status details;
+  if (!details.ParseFromString(status.error_details())) return "unparsable details";
+  for (const google::protobuf::Any& any : details.details()) {
+    google::rpc::ErrorInfo info;
+    if (any.UnpackTo(&info) && info.domain() == kErrorDomain) return info.reason();
+  }
+  return "";
 }
 
 class SessionServiceTest : public ServerTest {
@@ -175,6 +190,9 @@ TEST_F(SessionServiceTest, StepsOfSeveralSessionsAnswerAsTheTableDoes) {
   EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_NE(status.error_message().find("was dropped"), std::string::npos)
       << status.error_message();
+  EXPECT_EQ(Reason(status), "SESSION_DROPPED");
+  get.set_session_id("replica-a/ff");
+  EXPECT_EQ(Reason(Invoke(&v1::AttentionService::Stub::GetSession, get, &got)), "SESSION_UNKNOWN");
 }
 
 TEST_F(SessionServiceTest, EveryRejectionHasItsCodeAndNamesTheField) {
@@ -186,6 +204,7 @@ TEST_F(SessionServiceTest, EveryRejectionHasItsCodeAndNamesTheField) {
     std::function<void(v1::SessionStepRequest&)> step;
     C code;
     std::string message_part;
+    std::string reason = "";  // in the status details
   };
   const std::vector<Case> cases = {
       {"no layers", [](auto& r) { r.mutable_config()->set_num_layers(0); }, nullptr,
@@ -201,14 +220,14 @@ TEST_F(SessionServiceTest, EveryRejectionHasItsCodeAndNamesTheField) {
       {"no reservation", [](auto& r) { r.set_reserved_tokens(0); }, nullptr, C::kInvalidArgument,
        "reserved_tokens = 0 must be in [1, 65536]"},
       {"reservation past the pool", [](auto& r) { r.set_reserved_tokens(1 << 16); }, nullptr,
-       C::kResourceExhausted, "blocks"},
+       C::kResourceExhausted, "blocks", "KV_POOL_EXHAUSTED"},
       {"negative ttl", [](auto& r) { r.set_ttl_ms(-5); }, nullptr, C::kInvalidArgument,
        "ttl_ms = -5"},
       {"no entries", nullptr, [](auto& r) { r.clear_entries(); }, C::kInvalidArgument,
        "entries is empty"},
       {"unknown session", nullptr,
        [](auto& r) { r.mutable_entries(0)->set_session_id("replica-a/00"); }, C::kNotFound,
-       "entries[0]: session \"replica-a/00\" is unknown"},
+       "entries[0]: session \"replica-a/00\" is unknown", "SESSION_UNKNOWN"},
       {"query heads", nullptr,
        [](auto& r) {
          wire::EncodeTensor(std::vector<float>(2 * 3 * 16), {2, 3, 16}, core::DType::kFloat32,
@@ -224,14 +243,14 @@ TEST_F(SessionServiceTest, EveryRejectionHasItsCodeAndNamesTheField) {
       {"missing key", nullptr, [](auto& r) { r.mutable_entries(0)->clear_key(); },
        C::kInvalidArgument, "entries[0].key is missing"},
       {"gap", nullptr, [](auto& r) { r.mutable_entries(0)->set_position(5); }, C::kOutOfRange,
-       "entries[0]: position = 5 leaves a gap"},
+       "entries[0]: position = 5 leaves a gap", "POSITION_GAP"},
       {"no such layer", nullptr, [](auto& r) { r.mutable_entries(0)->set_layer(2); },
        C::kInvalidArgument, "entries[0]: layer = 2 is not a layer of the session"},
       {"past the reservation", nullptr,
        [&rng, &session](auto& r) {
          *r.mutable_entries(0) = Entry(session.session_id(), 0, 0, 17, rng);
        },
-       C::kOutOfRange, "past the session's reservation of 16"},
+       C::kOutOfRange, "past the session's reservation of 16", "PAST_RESERVATION"},
       {"float16 output", nullptr, [](auto& r) { r.set_output_dtype(v1::BOOL); },
        C::kInvalidArgument, "output_dtype"},
   };
@@ -256,6 +275,7 @@ TEST_F(SessionServiceTest, EveryRejectionHasItsCodeAndNamesTheField) {
         << status.error_message();
     EXPECT_NE(status.error_message().find(c.message_part), std::string::npos)
         << status.error_message();
+    EXPECT_EQ(Reason(status), c.reason);
   }
   // A conflict: the same position with other keys.
   v1::SessionStepRequest first, second;
@@ -268,6 +288,7 @@ TEST_F(SessionServiceTest, EveryRejectionHasItsCodeAndNamesTheField) {
   EXPECT_NE(conflict.error_message().find("entries[0]: position 0 of layer 0 already holds"),
             std::string::npos)
       << conflict.error_message();
+  EXPECT_EQ(Reason(conflict), "POSITION_CONFLICT");
   // The first request again is a retry: answered, the same bits.
   v1::SessionStepResponse retried, again;
   ASSERT_TRUE(Step(first, &retried).ok());
@@ -341,6 +362,7 @@ TEST_F(SessionsOffTest, SessionCallsSayHowToTurnThemOn) {
   EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_NE(status.error_message().find("--kv_cache_bytes"), std::string::npos)
       << status.error_message();
+  EXPECT_EQ(Reason(status), "SESSIONS_OFF");
 }
 
 }  // namespace

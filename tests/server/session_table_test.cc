@@ -10,6 +10,7 @@
 
 #include "core/mha_layer.h"
 #include "gtest/gtest.h"
+#include "server/common/status_util.h"
 #include "tests/core/fidelity.h"
 
 namespace attention::server {
@@ -299,6 +300,13 @@ TEST_F(SessionTableTest, ExpiredDroppedAndUnknownAreToldApart) {
   EXPECT_NE(message(idle.id, kT0 + absl::Seconds(12)).find("expired"), std::string::npos);
   EXPECT_NE(message(dropped.id, kT0 + absl::Seconds(12)).find("was dropped"), std::string::npos);
   EXPECT_NE(message("nope", kT0).find("is unknown"), std::string::npos);
+  // The same three apart by a machine-readable reason.
+  const auto reason = [&](const std::string& id, absl::Time now) {
+    return ReasonOf(table->Get(id, now).status());
+  };
+  EXPECT_EQ(reason(idle.id, kT0 + absl::Seconds(12)), "SESSION_EXPIRED");
+  EXPECT_EQ(reason(dropped.id, kT0 + absl::Seconds(12)), "SESSION_DROPPED");
+  EXPECT_EQ(reason("nope", kT0), "SESSION_UNKNOWN");
   // A session idle past its TTL expires when next looked up, sweep or not.
   EXPECT_NE(message(used.id, kT0 + absl::Seconds(30)).find("expired"), std::string::npos);
   // Tombstones are forgotten after tombstone_ttl.
