@@ -15,8 +15,11 @@ from attention_client import AttentionClient  # noqa: E402
 from attention_client.server_process import ServerProcess  # noqa: E402
 
 
-def parse_args(description):
+def parse_args(description, add_arguments=None):
+    """--target and --server, plus what `add_arguments(parser)` adds."""
     parser = argparse.ArgumentParser(description=description)
+    if add_arguments is not None:
+        add_arguments(parser)
     parser.add_argument("--target", help="host:port of a running attention-server")
     parser.add_argument("--server", default=os.path.join(REPO, "build", "server",
                                                          "attention-server"),
