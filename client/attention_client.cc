@@ -1,5 +1,6 @@
 #include "client/attention_client.h"
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <sstream>
@@ -8,8 +9,9 @@
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
 
-#include "core/hash.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "core/hash.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
 namespace attention::client {
@@ -90,7 +92,7 @@ grpc::ChannelArguments ChannelArgumentsFor(const ClientOptions& options) {
 }
 
 AttentionClient::AttentionClient(const std::string& target, const ClientOptions& options)
-    : admin_token_(options.admin_token) {
+    : admin_token_(options.admin_token), options_(options) {
   grpc::ChannelArguments arguments = ChannelArgumentsFor(options);
   auto credentials = ChannelCredentials(options);
   channel_status_ = credentials.status();
@@ -170,6 +172,135 @@ absl::StatusOr<bool> AttentionClient::IsServing(const std::string& service,
       timeout, channel_status_);
   if (!response.ok()) return response.status();
   return response->status() == grpc::health::v1::HealthCheckResponse::SERVING;
+}
+
+void AttentionClient::PinSession(const std::string& session_id,
+                                 const std::string& replica_address) {
+  core::MutexLock lock(replicas_mu_);
+  if (replica_address.empty()) {
+    pinned_.erase(session_id);
+  } else {
+    pinned_[session_id] = replica_address;
+  }
+}
+
+v1::AttentionService::Stub* AttentionClient::StubFor(const std::string& session_id) {
+  core::MutexLock lock(replicas_mu_);
+  const auto pinned = pinned_.find(session_id);
+  if (pinned == pinned_.end()) return stub_.get();
+  std::unique_ptr<v1::AttentionService::Stub>& stub = replica_stubs_[pinned->second];
+  if (stub == nullptr) {
+    // The replica's own channel: the target's credentials and limits, one address, so no
+    // load-balancing policy.
+    ClientOptions direct = options_;
+    direct.lb_policy.clear();
+    auto credentials = ChannelCredentials(direct);
+    stub = v1::AttentionService::NewStub(grpc::CreateCustomChannel(
+        pinned->second, credentials.ok() ? *credentials : grpc::InsecureChannelCredentials(),
+        ChannelArgumentsFor(direct)));
+  }
+  return stub.get();
+}
+
+absl::StatusOr<v1::SessionInfo> AttentionClient::CreateSession(
+    const v1::CreateSessionRequest& request, absl::Duration timeout) {
+  auto response = Call<v1::CreateSessionResponse>(
+      [this](auto* c, const auto& q, auto* r) { return stub_->CreateSession(c, q, r); }, request,
+      timeout, channel_status_);
+  if (!response.ok()) return response.status();
+  Pin(response->session());
+  return response->session();
+}
+
+absl::StatusOr<v1::SessionStepResponse> AttentionClient::SessionStep(
+    const v1::SessionStepRequest& request, absl::Duration timeout) {
+  // Entries grouped by replica, in order of first appearance.
+  std::vector<std::pair<v1::AttentionService::Stub*, std::vector<int>>> groups;
+  for (int i = 0; i < request.entries_size(); ++i) {
+    v1::AttentionService::Stub* stub = StubFor(request.entries(i).session_id());
+    auto group = std::find_if(groups.begin(), groups.end(),
+                              [stub](const auto& g) { return g.first == stub; });
+    if (group == groups.end()) group = groups.insert(groups.end(), {stub, {}});
+    group->second.push_back(i);
+  }
+  if (groups.size() <= 1) {
+    v1::AttentionService::Stub* stub = groups.empty() ? stub_.get() : groups[0].first;
+    return Call<v1::SessionStepResponse>(
+        [stub](auto* c, const auto& q, auto* r) { return stub->SessionStep(c, q, r); }, request,
+        timeout, channel_status_);
+  }
+  v1::SessionStepResponse merged;
+  merged.set_request_id(request.request_id());
+  for (int i = 0; i < request.entries_size(); ++i) merged.add_results();
+  for (const auto& [stub, indices] : groups) {
+    v1::SessionStepRequest part = request;
+    part.clear_entries();
+    for (const int i : indices) *part.add_entries() = request.entries(i);
+    auto answer = Call<v1::SessionStepResponse>(
+        [stub](auto* c, const auto& q, auto* r) { return stub->SessionStep(c, q, r); }, part,
+        timeout, channel_status_);
+    if (!answer.ok()) {
+      return absl::Status(
+          answer.status().code(),
+          absl::StrCat("the step's entries on the replica of entries[", indices.front(), "] (",
+                       indices.size(),
+                       " entries, numbered among themselves): ", answer.status().message()));
+    }
+    for (size_t j = 0; j < indices.size(); ++j) {
+      *merged.mutable_results(indices[j]) = std::move(*answer->mutable_results(j));
+    }
+  }
+  return merged;
+}
+
+absl::StatusOr<v1::SessionInfo> AttentionClient::ForkSession(const v1::ForkSessionRequest& request,
+                                                             absl::Duration timeout) {
+  v1::AttentionService::Stub* stub = StubFor(request.session_id());
+  auto response = Call<v1::ForkSessionResponse>(
+      [stub](auto* c, const auto& q, auto* r) { return stub->ForkSession(c, q, r); }, request,
+      timeout, channel_status_);
+  if (!response.ok()) return response.status();
+  Pin(response->session());
+  return response->session();
+}
+
+absl::StatusOr<v1::SessionInfo> AttentionClient::TruncateSession(const std::string& session_id,
+                                                                 int64_t tokens,
+                                                                 absl::Duration timeout) {
+  v1::TruncateSessionRequest request;
+  request.set_session_id(session_id);
+  request.set_tokens(tokens);
+  v1::AttentionService::Stub* stub = StubFor(session_id);
+  auto response = Call<v1::TruncateSessionResponse>(
+      [stub](auto* c, const auto& q, auto* r) { return stub->TruncateSession(c, q, r); }, request,
+      timeout, channel_status_);
+  if (!response.ok()) return response.status();
+  return response->session();
+}
+
+absl::Status AttentionClient::DropSession(const std::string& session_id, absl::Duration timeout) {
+  v1::DropSessionRequest request;
+  request.set_session_id(session_id);
+  v1::AttentionService::Stub* stub = StubFor(session_id);
+  const absl::Status status =
+      Call<v1::DropSessionResponse>(
+          [stub](auto* c, const auto& q, auto* r) { return stub->DropSession(c, q, r); }, request,
+          timeout, channel_status_)
+          .status();
+  if (status.ok()) PinSession(session_id, "");
+  return status;
+}
+
+absl::StatusOr<v1::SessionInfo> AttentionClient::GetSession(const std::string& session_id,
+                                                            absl::Duration timeout) {
+  v1::GetSessionRequest request;
+  request.set_session_id(session_id);
+  v1::AttentionService::Stub* stub = StubFor(session_id);
+  auto response = Call<v1::GetSessionResponse>(
+      [stub](auto* c, const auto& q, auto* r) { return stub->GetSession(c, q, r); }, request,
+      timeout, channel_status_);
+  if (!response.ok()) return response.status();
+  return response->session();
 }
 
 std::vector<std::string> SplitWords(const std::string& text) {

@@ -10,9 +10,12 @@
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/channel_arguments.h>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "attention/v1/attention.grpc.pb.h"
+#include "core/mutex.h"
 #include "tensor_codec.h"
 
 namespace attention::client {
@@ -71,13 +74,44 @@ class AttentionClient {
   absl::StatusOr<bool> IsServing(const std::string& service = "",
                                  absl::Duration timeout = absl::Seconds(5));
 
+  // KV-cache sessions. Sessions live in one replica's memory, so each session's calls go to
+  // the replica_address its CreateSession or ForkSession answer gave, over a channel of that
+  // replica's own (same credentials), whatever load balancer the target goes through. A
+  // step with entries on several replicas is sent to each, its results kept in order.
+  absl::StatusOr<v1::SessionInfo> CreateSession(const v1::CreateSessionRequest& request,
+                                                absl::Duration timeout = absl::Seconds(30));
+  absl::StatusOr<v1::SessionStepResponse> SessionStep(const v1::SessionStepRequest& request,
+                                                      absl::Duration timeout = absl::Seconds(30));
+  absl::StatusOr<v1::SessionInfo> ForkSession(const v1::ForkSessionRequest& request,
+                                              absl::Duration timeout = absl::Seconds(30));
+  absl::StatusOr<v1::SessionInfo> TruncateSession(const std::string& session_id, int64_t tokens,
+                                                  absl::Duration timeout = absl::Seconds(30));
+  absl::Status DropSession(const std::string& session_id,
+                           absl::Duration timeout = absl::Seconds(30));
+  absl::StatusOr<v1::SessionInfo> GetSession(const std::string& session_id,
+                                             absl::Duration timeout = absl::Seconds(30));
+  // Sends `session_id`'s calls to `replica_address` (for a session another client
+  // created; "" sends them to the target).
+  void PinSession(const std::string& session_id, const std::string& replica_address);
+
   const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
 
  private:
+  // The stub for `session_id`'s replica: the target's unless the session is pinned.
+  v1::AttentionService::Stub* StubFor(const std::string& session_id);
+  void Pin(const v1::SessionInfo& session) {
+    PinSession(session.session_id(), session.replica_address());
+  }
+
   const std::string admin_token_;
+  const ClientOptions options_;
   absl::Status channel_status_;  // why the channel could not be set up
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::AttentionService::Stub> stub_;
+  core::Mutex replicas_mu_;
+  absl::flat_hash_map<std::string, std::string> pinned_ ABSL_GUARDED_BY(replicas_mu_);
+  absl::flat_hash_map<std::string, std::unique_ptr<v1::AttentionService::Stub>> replica_stubs_
+      ABSL_GUARDED_BY(replicas_mu_);
 };
 
 // A deterministic stand-in for a trained token embedding (the seeds' randomly initialised

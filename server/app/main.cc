@@ -114,6 +114,10 @@ ABSL_FLAG(absl::Duration, max_session_ttl, absl::Hours(24), "longest ttl a sessi
 ABSL_FLAG(std::string, replica_name, "",
           "prefix of session ids naming this replica (e.g. the pod name from the Downward "
           "API), so that callers pin a session's calls to the replica that holds it");
+ABSL_FLAG(std::string, replica_address, "",
+          "where callers reach this replica, told in every session's answer so that clients "
+          "pin its calls here: host or host:port (without a port, the listening port), e.g. "
+          "$(POD_IP) from the Downward API");
 ABSL_FLAG(int, max_concurrent_streams, 1024, "concurrent calls (HTTP/2 streams) per connection");
 ABSL_FLAG(absl::Duration, keepalive_min_ping_interval, absl::Seconds(10),
           "clients sending keepalive pings more often than this get GOAWAY");
@@ -229,6 +233,7 @@ int main(int argc, char** argv) {
   options.sessions.default_ttl = absl::GetFlag(FLAGS_session_ttl);
   options.sessions.max_ttl = absl::GetFlag(FLAGS_max_session_ttl);
   options.sessions.replica = absl::GetFlag(FLAGS_replica_name);
+  options.replica_address = absl::GetFlag(FLAGS_replica_address);
   options.keepalive_min_ping_interval = absl::GetFlag(FLAGS_keepalive_min_ping_interval);
   options.max_connection_age = absl::GetFlag(FLAGS_max_connection_age);
   options.max_connection_age_grace = absl::GetFlag(FLAGS_max_connection_age_grace);

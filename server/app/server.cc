@@ -66,6 +66,13 @@ std::unique_ptr<SessionTable> MakeSessionTable(const SessionTableOptions& option
   return *std::move(table);
 }
 
+// `address` with `port` added when it names none ("10.0.0.7", "[fd00::7]").
+std::string WithPort(const std::string& address, int port) {
+  const bool bracketed = !address.empty() && address.front() == '[';
+  const bool has_port = bracketed ? address.back() != ']' : address.find(':') != std::string::npos;
+  return has_port ? address : absl::StrCat(address, ":", port);
+}
+
 }  // namespace
 
 absl::Status ServerOptions::Validate() const {
@@ -188,6 +195,9 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
   if (server->server_ == nullptr || server->port_ == 0) {
     return absl::UnavailableError(
         absl::StrCat("could not listen on ", options.listen_address, " (address in use?)"));
+  }
+  if (!options.replica_address.empty()) {
+    server->service_.SetReplicaAddress(WithPort(options.replica_address, server->port_));
   }
   // The port is open, but health says NOT_SERVING until every layer is loaded, so probes
   // and load balancers can tell "starting" from "down" during a long repository load.

@@ -81,6 +81,9 @@ struct ServerOptions {
   // KV-cache sessions: the pool (--kv_cache_bytes, 0 turns sessions off) and their limits
   // (--max_sessions, --max_session_tokens, --session_ttl, --max_session_ttl, --replica_name).
   SessionTableOptions sessions;
+  // Where callers reach this replica, told in every SessionInfo (--replica_address): host or
+  // host:port; without a port the listening port is added. "" tells nothing.
+  std::string replica_address;
   // Largest request or response message, bytes. >= 1 MiB; default 64 MiB.
   int64_t max_message_bytes = wire::kDefaultMaxMessageBytes;
   // TLS or mutual TLS on the gRPC port (--tls_cert_file, --tls_key_file,

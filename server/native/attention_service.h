@@ -64,6 +64,9 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
 
   // Sets the loaded-layer gauges from the registry.
   void RefreshLayerMetrics();
+  // Where callers reach this replica (host:port), told in every SessionInfo so that a
+  // client pins a session's calls to it; set once the listening port is known.
+  void SetReplicaAddress(std::string address);
   // Sets the KV-cache gauges from the session table.
   void RefreshSessionMetrics();
   const InlineLayerCache& inline_layer_cache() const { return inline_cache_; }
@@ -210,6 +213,9 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   LoaderPool& loader_;
   InlineLayerCache inline_cache_;
   SessionTable* const sessions_;
+  std::string ReplicaAddress() const;
+  mutable core::Mutex replica_address_mu_;
+  std::string replica_address_ ABSL_GUARDED_BY(replica_address_mu_);
 };
 
 // Fills `info` from a snapshot.

@@ -52,8 +52,11 @@ v1::SessionConfig ConfigOf(const SessionShape& shape) {
   return config;
 }
 
-void Describe(const SessionInfo& info, absl::Time now, v1::SessionInfo* session) {
+void Describe(const SessionInfo& info, absl::Time now, const std::string& replica,
+              const std::string& replica_address, v1::SessionInfo* session) {
   session->set_session_id(info.id);
+  session->set_replica(replica);
+  session->set_replica_address(replica_address);
   *session->mutable_config() = ConfigOf(info.shape);
   session->set_length(info.length);
   session->set_reserved_tokens(info.reserved_tokens);
@@ -90,6 +93,16 @@ void AttentionServiceImpl::RefreshSessionMetrics() {
                       pool.blocks_shared * block);
 }
 
+void AttentionServiceImpl::SetReplicaAddress(std::string address) {
+  core::MutexLock lock(replica_address_mu_);
+  replica_address_ = std::move(address);
+}
+
+std::string AttentionServiceImpl::ReplicaAddress() const {
+  core::MutexLock lock(replica_address_mu_);
+  return replica_address_;
+}
+
 absl::Status AttentionServiceImpl::SessionsEnabled() const {
   if (sessions_ != nullptr) return absl::OkStatus();
   return WithReason(
@@ -121,7 +134,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CreateSession(
     sessions_->ExpireIdle(now);  // idle sessions give their blocks back first
     ASSIGN_OR_RETURN(const SessionInfo info,
                      sessions_->CreateSession(shape, request->reserved_tokens(), ttl, now));
-    Describe(info, now, response->mutable_session());
+    Describe(info, now, sessions_->replica(), ReplicaAddress(), response->mutable_session());
     return absl::OkStatus();
   });
 }
@@ -136,7 +149,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ForkSession(grpc::CallbackServer
     ASSIGN_OR_RETURN(const SessionInfo info,
                      sessions_->Fork(request->session_id(), request->tokens(),
                                      request->reserved_tokens(), ttl, now));
-    Describe(info, now, response->mutable_session());
+    Describe(info, now, sessions_->replica(), ReplicaAddress(), response->mutable_session());
     return absl::OkStatus();
   });
 }
@@ -148,7 +161,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::TruncateSession(
     const absl::Time now = absl::Now();
     ASSIGN_OR_RETURN(const SessionInfo info,
                      sessions_->Truncate(request->session_id(), request->tokens(), now));
-    Describe(info, now, response->mutable_session());
+    Describe(info, now, sessions_->replica(), ReplicaAddress(), response->mutable_session());
     return absl::OkStatus();
   });
 }
@@ -166,7 +179,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetSession(grpc::CallbackServerC
   return AnswerSessionCall(context, "GetSession", *request, [&]() -> absl::Status {
     const absl::Time now = absl::Now();
     ASSIGN_OR_RETURN(const SessionInfo info, sessions_->Get(request->session_id(), now));
-    Describe(info, now, response->mutable_session());
+    Describe(info, now, sessions_->replica(), ReplicaAddress(), response->mutable_session());
     return absl::OkStatus();
   });
 }
@@ -179,7 +192,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ListSessions(grpc::CallbackServe
     RETURN_IF_ERROR(CheckAdmin(*context, "ListSessions"));
     const absl::Time now = absl::Now();
     for (const SessionInfo& info : sessions_->List(now)) {
-      Describe(info, now, response->add_sessions());
+      Describe(info, now, sessions_->replica(), ReplicaAddress(), response->add_sessions());
     }
     return absl::OkStatus();
   });

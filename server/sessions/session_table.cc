@@ -210,6 +210,16 @@ absl::StatusOr<SessionTable::Session*> SessionTable::FindLocked(const std::strin
     return &found->second;
   }
   const auto tombstone = tombstones_.find(id);
+  const size_t slash = id.rfind('/');
+  if (tombstone == tombstones_.end() && slash != std::string::npos &&
+      absl::string_view(id).substr(0, slash) != options_.replica) {
+    return WithReason(
+        absl::FailedPreconditionError(
+            absl::StrCat("session ", Quoted(id), " is held by replica ",
+                         Quoted(id.substr(0, slash)), ", not this one (", Quoted(options_.replica),
+                         "); send its calls to the replica_address its CreateSession answer gave")),
+        "WRONG_REPLICA");
+  }
   if (tombstone == tombstones_.end()) {
     return WithReason(
         absl::NotFoundError(absl::StrCat("session ", Quoted(id), " is unknown on this server")),

@@ -13,6 +13,8 @@
 // - An idle session expires after its TTL; a tombstone then tells "expired" and "dropped"
 //   apart from "unknown".
 // - Time is passed in, so tests drive expiry with a fake clock.
+// - Sessions live in one replica's memory: an id names its replica, and an id of another
+//   replica is FAILED_PRECONDITION naming the holder, not "unknown".
 #ifndef ATTENTION_SERVER_SESSIONS_SESSION_TABLE_H_
 #define ATTENTION_SERVER_SESSIONS_SESSION_TABLE_H_
 
@@ -134,6 +136,7 @@ class SessionTable {
 
   SessionCounters Counters() const;
   int64_t block_bytes() const { return options_.block_bytes; }
+  const std::string& replica() const { return options_.replica; }
 
  private:
   struct Session {

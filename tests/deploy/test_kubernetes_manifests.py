@@ -197,7 +197,7 @@ def check_memory_budget(t, where, deployment):
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     flags = flag_values(container.get("args", []))
     required = ("batch_workers", "max_request_memory_bytes", "max_queued_bytes",
-                "max_message_bytes", "max_weight_bytes")
+                "max_message_bytes", "max_weight_bytes", "kv_cache_bytes")
     missing = [f for f in required if f not in flags]
     if not t.check(not missing, "%s: the server's args do not set %s (their defaults do not "
                    "fit the memory limit)" % (where, missing)):
@@ -206,11 +206,28 @@ def check_memory_budget(t, where, deployment):
     peak = (process + int(flags["max_weight_bytes"])
             + int(flags["batch_workers"]) * int(flags["max_request_memory_bytes"])
             + int(flags["max_queued_bytes"])
-            + messages_in_flight * int(flags["max_message_bytes"]))
+            + messages_in_flight * int(flags["max_message_bytes"])
+            + int(flags["kv_cache_bytes"]))
     limit = quantity_bytes(container["resources"]["limits"]["memory"])
     print("  memory: worst case %d MiB of the %d MiB limit" % (peak // MIB, limit // MIB))
     t.check(peak <= limit * 3 // 4, "%s: the server's bounds add up to %d MiB, more than 3/4 "
             "of the %d MiB memory limit" % (where, peak // MIB, limit // MIB))
+
+
+def check_replica_identity(t, where, deployment):
+    """Session pinning: --replica_name and --replica_address name the pod through the
+    Downward API (the env vars their $(VAR) references must exist, from the pod's fields)."""
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    flags = flag_values(container.get("args", []))
+    env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+           for e in container.get("env", [])}
+    for flag, field in (("replica_name", "metadata.name"), ("replica_address", "status.podIP")):
+        reference = re.fullmatch(r"\$\((\w+)\)", flags.get(flag, ""))
+        if not t.check(reference is not None, "%s: --%s is not set from the Downward API"
+                       % (where, flag)):
+            continue
+        t.check(env.get(reference.group(1)) == field, "%s: --%s reads $(%s), which is not the "
+                "pod's %s" % (where, flag, reference.group(1), field))
 
 
 def check_references(t, where, objects, deployment):
@@ -270,6 +287,7 @@ def main():
                     ", ".join(sorted({o["kind"] for o in schema_objects}))))
         check_references(t, where, objects, deployments[0])
         check_memory_budget(t, where, deployments[0])
+        check_replica_identity(t, where, deployments[0])
     print("%d overlays, %d failures" % (len(overlays), t.failures))
     return 1 if t.failures else 0
 

@@ -169,6 +169,55 @@ def check_sessions(t, client):
                  lambda: client.get_session(session.session_id))
 
 
+def check_replicas(t, binary):
+    """Two server processes behind one round-robin target (as a Kubernetes Service spreads
+    calls): every session answer names its replica's address, the client pins the session's
+    calls there, and the other replica refuses a session it does not hold, naming the holder."""
+    replicas = [harness.ServerProcess(binary, "--compute_threads=1", "--replica_name=" + name,
+                                      "--replica_address=127.0.0.1").start()
+                for name in ("py-a", "py-b")]
+    try:
+        target = "ipv4:" + ",".join(r.target for r in replicas)
+        rng = np.random.default_rng(4)
+        with AttentionClient(target, lb_policy="round_robin") as client:
+            sessions = []
+            for _ in range(40):  # round robin alternates once both replicas are connected
+                sessions.append(client.create_session(1, 4, 2, 16, reserved_tokens=16))
+                if len({s.replica for s in sessions}) == 2 and len(sessions) >= 4:
+                    break
+            address = {"py-a": replicas[0].target, "py-b": replicas[1].target}
+            t.check({s.replica for s in sessions} == {"py-a", "py-b"},
+                    "sessions on both replicas: %s" % sorted({s.replica for s in sessions}))
+            t.check(all(s.replica_address == address[s.replica] for s in sessions),
+                    "each answer names its replica's address")
+            for position in range(6):
+                entries = [(s.session_id, 0, position, rng.normal(size=(1, 4, 16)),
+                            rng.normal(size=(1, 2, 16)), rng.normal(size=(1, 2, 16)))
+                           for s in sessions]
+                outputs = client.session_step(entries)
+                t.check(len(outputs) == len(sessions) and outputs[0].shape == (1, 4, 16),
+                        "a step over sessions of both replicas")
+            t.check(all(client.get_session(s.session_id).length == 6 for s in sessions),
+                    "every session holds its 6 tokens")
+            held_by_a = next(s for s in sessions if s.replica == "py-a")
+            with AttentionClient(replicas[1].target) as replica_b:
+                expect_error(t, "a session of the other replica",
+                             grpc.StatusCode.FAILED_PRECONDITION,
+                             lambda: replica_b.get_session(held_by_a.session_id),
+                             'held by replica "py-a"')
+                replica_b.pin_session(held_by_a.session_id, held_by_a.replica_address)
+                t.check(replica_b.get_session(held_by_a.session_id).length == 6,
+                        "pinned by hand, another client reaches it")
+            for s in sessions:
+                client.drop_session(s.session_id)
+    except BaseException:
+        for r in replicas:
+            r.kill()
+        raise
+    for r in replicas:
+        t.check(r.stop() == 0, "replica exits 0 on SIGTERM")
+
+
 def check_layers(t, client):
     rng = np.random.default_rng(5)
     e, heads = 16, 4
@@ -217,7 +266,7 @@ def check_layers(t, client):
                 "GetLayer after UnloadLayer: %s %s" % (err.code(), err.details()))
 
 
-def expect_error(t, label, code, fn):
+def expect_error(t, label, code, fn, message_part=""):
     try:
         fn()
         t.check(False, "%s: succeeded, want %s" % (label, code))
@@ -225,6 +274,8 @@ def expect_error(t, label, code, fn):
         t.check(err.code() == code, "%s: got %s (%s), want %s"
                 % (label, err.code(), err.details(), code))
         t.check(bool(err.details()), "%s: error message is empty" % label)
+        t.check(message_part in err.details(),
+                "%s: %r does not say %r" % (label, err.details(), message_part))
 
 
 def check_errors(t, client):
@@ -287,6 +338,7 @@ def main():
     t = harness.Checker("test_python_client")
     check_codec(t)
     t.run("tls and admin token", check_tls_and_admin_token, t, harness.server_binary())
+    t.run("replicas", check_replicas, t, harness.server_binary())
     server = harness.ServerProcess(harness.server_binary(), "--compute_threads=2",
                                    "--demo_layer").start()
     try:

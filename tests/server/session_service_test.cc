@@ -2,7 +2,11 @@
 // drop, get and list through the native API, the step's answer against the table's own,
 // and every rejection with its code and a message naming the field.
 #include <random>
+#include <set>
 
+#include <grpcpp/create_channel.h>
+
+#include "absl/strings/match.h"
 #include "google/rpc/error_details.pb.h"
 #include "google/rpc/status.pb.h"
 #include "prometheus/metric_family.h"
@@ -83,6 +87,7 @@ class SessionServiceTest : public ServerTest {
     return response.session();
   }
 
+ public:
   // An entry of n random tokens at `position` of `layer`.
   static v1::SessionStepEntry Entry(const std::string& session_id, int64_t layer, int64_t position,
                                     int64_t n, std::mt19937_64& rng) {
@@ -99,6 +104,7 @@ class SessionServiceTest : public ServerTest {
     return entry;
   }
 
+ protected:
   grpc::Status Step(const v1::SessionStepRequest& request, v1::SessionStepResponse* response) {
     return Invoke(&v1::AttentionService::Stub::SessionStep, request, response);
   }
@@ -363,6 +369,95 @@ TEST_F(SessionsOffTest, SessionCallsSayHowToTurnThemOn) {
   EXPECT_NE(status.error_message().find("--kv_cache_bytes"), std::string::npos)
       << status.error_message();
   EXPECT_EQ(Reason(status), "SESSIONS_OFF");
+}
+
+// Two replicas behind one round-robin target, as a Kubernetes Service spreads calls: each
+// session answer names its replica and address, the C++ client pins the session's calls
+// there, and a call that reaches the other replica is FAILED_PRECONDITION naming the holder.
+TEST(SessionReplicasTest, TheClientPinsEachSessionToTheReplicaThatHoldsIt) {
+  std::vector<std::unique_ptr<AttentionServer>> replicas;
+  for (const std::string name : {"replica-a", "replica-b"}) {
+    ServerOptions options;
+    options.listen_address = "127.0.0.1:0";
+    options.metrics_address = "";
+    options.compute_threads = 1;
+    options.demo_layer = false;
+    options.sessions.kv_cache_bytes = 2 << 20;
+    options.sessions.replica = name;
+    options.replica_address = "127.0.0.1";  // the listening port is added
+    auto started = AttentionServer::Start(options);
+    ASSERT_TRUE(started.ok()) << started.status();
+    replicas.push_back(*std::move(started));
+  }
+  const auto address = [&](int r) { return "127.0.0.1:" + std::to_string(replicas[r]->port()); };
+  client::ClientOptions balanced;
+  balanced.lb_policy = "round_robin";
+  client::AttentionClient client("ipv4:" + address(0) + "," + address(1), balanced);
+
+  // Creates until both replicas hold sessions (round robin alternates once both connect).
+  std::vector<v1::SessionInfo> sessions;
+  std::set<std::string> holders;
+  v1::CreateSessionRequest create;
+  create.mutable_config()->set_num_layers(1);
+  create.mutable_config()->set_num_heads(4);
+  create.mutable_config()->set_num_kv_heads(2);
+  create.mutable_config()->set_head_dim(16);
+  create.set_reserved_tokens(32);
+  for (int attempt = 0; attempt < 40 && (holders.size() < 2 || sessions.size() < 4); ++attempt) {
+    absl::StatusOr<v1::SessionInfo> session = client.CreateSession(create);
+    ASSERT_TRUE(session.ok()) << session.status();
+    const int r = session->replica() == "replica-a" ? 0 : 1;
+    EXPECT_EQ(session->replica_address(), address(r)) << session->replica();
+    EXPECT_TRUE(absl::StartsWith(session->session_id(), session->replica() + "/"));
+    holders.insert(session->replica());
+    sessions.push_back(*session);
+  }
+  ASSERT_EQ(holders.size(), 2u) << "round robin never reached both replicas";
+
+  // Every step of every session reaches its holder, one step batching sessions of both.
+  std::mt19937_64 rng(11);
+  for (int64_t position = 0; position < 8; ++position) {
+    v1::SessionStepRequest step;
+    for (const v1::SessionInfo& session : sessions) {
+      *step.add_entries() = SessionServiceTest::Entry(session.session_id(), 0, position, 1, rng);
+    }
+    const absl::StatusOr<v1::SessionStepResponse> answer = client.SessionStep(step);
+    ASSERT_TRUE(answer.ok()) << answer.status();
+    ASSERT_EQ(answer->results_size(), static_cast<int>(sessions.size()));
+    for (const v1::SessionStepResult& result : answer->results()) {
+      EXPECT_EQ(
+          std::vector<int64_t>(result.output().shape().begin(), result.output().shape().end()),
+          (std::vector<int64_t>{1, 4, 16}));
+    }
+  }
+  for (const v1::SessionInfo& session : sessions) {
+    const absl::StatusOr<v1::SessionInfo> got = client.GetSession(session.session_id());
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->length(), 8);
+  }
+
+  // The other replica refuses, naming the holder.
+  const v1::SessionInfo& held_by_a =
+      *std::find_if(sessions.begin(), sessions.end(),
+                    [](const v1::SessionInfo& s) { return s.replica() == "replica-a"; });
+  auto replica_b = v1::AttentionService::NewStub(
+      grpc::CreateChannel(address(1), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  v1::SessionStepRequest misrouted;
+  *misrouted.add_entries() = SessionServiceTest::Entry(held_by_a.session_id(), 0, 8, 1, rng);
+  v1::SessionStepResponse response;
+  const grpc::Status status = replica_b->SessionStep(&context, misrouted, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_NE(status.error_message().find("is held by replica \"replica-a\", not this one "
+                                        "(\"replica-b\")"),
+            std::string::npos)
+      << status.error_message();
+  EXPECT_EQ(Reason(status), "WRONG_REPLICA");
+
+  for (const v1::SessionInfo& session : sessions) {
+    EXPECT_TRUE(client.DropSession(session.session_id()).ok());
+  }
+  for (const auto& replica : replicas) EXPECT_EQ(replica->sessions()->Counters().sessions, 0);
 }
 
 }  // namespace

@@ -6,6 +6,8 @@ The asyncio twin is attention_client.aio.AsyncAttentionClient; both build their 
 with attention_client.messages.
 """
 
+import threading
+
 import grpc
 
 from . import messages
@@ -22,24 +24,30 @@ class ClientBase:
 
     def __init__(self, target, timeout=60.0, max_message_bytes=64 << 20, admin_token=None,
                  tls_ca_file=None, tls_cert_file=None, tls_key_file=None,
-                 tls_server_name=None):
+                 tls_server_name=None, lb_policy=None):
         """admin_token: sent as "authorization: Bearer <token>" with load_layer and
         unload_layer, for a server started with --admin_token_file.
         tls_ca_file: PEM CA bundle of the server's certificate; connects with TLS (plaintext
         without it). tls_cert_file / tls_key_file: this client's certificate, for mutual TLS.
         tls_server_name: the name checked against the server's certificate, when not the
-        target's host."""
+        target's host. lb_policy: gRPC's load-balancing policy, e.g. "round_robin" to spread
+        calls over every address the target resolves to (pick_first when None)."""
         self._pb2, pb2_grpc, _ = stubs.load()
         self.timeout = timeout
         self._admin_metadata = messages.admin_metadata(admin_token)
         credentials, options = messages.channel_arguments(
             max_message_bytes, tls_ca_file, tls_cert_file, tls_key_file, tls_server_name)
-        if credentials is None:
-            self._channel = self._grpc.insecure_channel(target, options=options)
-        else:
-            self._channel = self._grpc.secure_channel(target, credentials, options=options)
+        self._credentials, self._channel_options = credentials, options
+        self._channel = self._open_channel(
+            target, options + ([("grpc.lb_policy_name", lb_policy)] if lb_policy else []))
+        self._stub_class = pb2_grpc.AttentionServiceStub
         self._stub = pb2_grpc.AttentionServiceStub(self._channel)
         self._health_check = messages.health_method(self._channel)
+
+    def _open_channel(self, target, options):
+        if self._credentials is None:
+            return self._grpc.insecure_channel(target, options=options)
+        return self._grpc.secure_channel(target, self._credentials, options=options)
 
     @property
     def pb2(self):
@@ -53,10 +61,22 @@ class ClientBase:
 class AttentionClient(ClientBase):
     """Thread-safe (gRPC channels are); one channel per instance. Constructor arguments as
     ClientBase: target, timeout, max_message_bytes, admin_token, tls_ca_file,
-    tls_cert_file, tls_key_file, tls_server_name."""
+    tls_cert_file, tls_key_file, tls_server_name, lb_policy."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Sessions live in one replica's memory: each session's calls go to the address its
+        # create / fork answer gave, over a channel to that replica alone.
+        self._replicas_lock = threading.Lock()
+        self._pinned = {}  # session id -> replica address
+        self._replica_channels = {}  # replica address -> (channel, stub)
 
     def close(self):
         self._channel.close()
+        with self._replicas_lock:
+            for channel, _ in self._replica_channels.values():
+                channel.close()
+            self._replica_channels.clear()
 
     def __enter__(self):
         return self
@@ -151,7 +171,7 @@ class AttentionClient(ClientBase):
             config.scale = scale
         request = self._pb2.CreateSessionRequest(config=config, reserved_tokens=reserved_tokens,
                                                  ttl_ms=ttl_ms)
-        return self._stub.CreateSession(request, timeout=self._timeout(timeout)).session
+        return self._pin(self._stub.CreateSession(request, timeout=self._timeout(timeout)).session)
 
     def session_step(self, entries, *, return_log_sum_exp=False, output_dtype=None,
                      timeout=None):
@@ -162,34 +182,75 @@ class AttentionClient(ClientBase):
         request = self._pb2.SessionStepRequest(return_log_sum_exp=return_log_sum_exp)
         if output_dtype is not None:
             request.output_dtype = tensors.dtype_enum(output_dtype)
-        for session_id, layer, position, query, key, value in entries:
-            entry = request.entries.add(session_id=session_id, layer=layer, position=position)
+        parts = {}  # stub -> (request, indices of its entries), one per replica
+        for index, (session_id, layer, position, query, key, value) in enumerate(entries):
+            stub = self._session_stub(session_id)
+            if stub not in parts:
+                part = self._pb2.SessionStepRequest()
+                part.CopyFrom(request)
+                parts[stub] = (part, [])
+            part, indices = parts[stub]
+            entry = part.entries.add(session_id=session_id, layer=layer, position=position)
             tensors.encode(query, out=entry.query)
             tensors.encode(key, out=entry.key)
             tensors.encode(value, out=entry.value)
-        response = self._stub.SessionStep(request, timeout=self._timeout(timeout))
+            indices.append(index)
+        if not parts:
+            parts[self._stub] = (request, [])
+        results = [None] * len(entries)
+        for stub, (part, indices) in parts.items():
+            response = stub.SessionStep(part, timeout=self._timeout(timeout))
+            for index, result in zip(indices, response.results):
+                results[index] = result
         decode = tensors.decode
         if return_log_sum_exp:
-            return [(decode(r.output), decode(r.log_sum_exp)) for r in response.results]
-        return [decode(r.output) for r in response.results]
+            return [(decode(r.output), decode(r.log_sum_exp)) for r in results]
+        return [decode(r.output) for r in results]
 
     def fork_session(self, session_id, tokens, reserved_tokens, *, ttl_ms=0, timeout=None):
         """A new session sharing the first `tokens` tokens (copy-on-write); its SessionInfo."""
         request = self._pb2.ForkSessionRequest(session_id=session_id, tokens=tokens,
                                                reserved_tokens=reserved_tokens, ttl_ms=ttl_ms)
-        return self._stub.ForkSession(request, timeout=self._timeout(timeout)).session
+        stub = self._session_stub(session_id)
+        return self._pin(stub.ForkSession(request, timeout=self._timeout(timeout)).session)
 
     def truncate_session(self, session_id, tokens, timeout=None):
         request = self._pb2.TruncateSessionRequest(session_id=session_id, tokens=tokens)
-        return self._stub.TruncateSession(request, timeout=self._timeout(timeout)).session
+        stub = self._session_stub(session_id)
+        return stub.TruncateSession(request, timeout=self._timeout(timeout)).session
 
     def drop_session(self, session_id, timeout=None):
-        self._stub.DropSession(self._pb2.DropSessionRequest(session_id=session_id),
-                               timeout=self._timeout(timeout))
+        self._session_stub(session_id).DropSession(
+            self._pb2.DropSessionRequest(session_id=session_id), timeout=self._timeout(timeout))
+        self.pin_session(session_id, "")
 
     def get_session(self, session_id, timeout=None):
-        return self._stub.GetSession(self._pb2.GetSessionRequest(session_id=session_id),
-                                     timeout=self._timeout(timeout)).session
+        stub = self._session_stub(session_id)
+        return stub.GetSession(self._pb2.GetSessionRequest(session_id=session_id),
+                               timeout=self._timeout(timeout)).session
+
+    def pin_session(self, session_id, replica_address):
+        """Sends `session_id`'s calls to `replica_address` (a session another client created:
+        its SessionInfo.replica_address); "" sends them to the target again."""
+        with self._replicas_lock:
+            if replica_address:
+                self._pinned[session_id] = replica_address
+            else:
+                self._pinned.pop(session_id, None)
+
+    def _pin(self, session):
+        self.pin_session(session.session_id, session.replica_address)
+        return session
+
+    def _session_stub(self, session_id):
+        with self._replicas_lock:
+            address = self._pinned.get(session_id)
+            if not address:
+                return self._stub
+            if address not in self._replica_channels:
+                channel = self._open_channel(address, self._channel_options)
+                self._replica_channels[address] = (channel, self._stub_class(channel))
+            return self._replica_channels[address][1]
 
     def list_sessions(self, timeout=None):
         return list(self._stub.ListSessions(self._pb2.ListSessionsRequest(),
