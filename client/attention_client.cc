@@ -232,7 +232,9 @@ absl::StatusOr<v1::SessionStepResponse> AttentionClient::SessionStep(
   v1::SessionStepResponse merged;
   merged.set_request_id(request.request_id());
   for (int i = 0; i < request.entries_size(); ++i) merged.add_results();
-  for (const auto& [stub, indices] : groups) {
+  for (const auto& group : groups) {
+    v1::AttentionService::Stub* stub = group.first;
+    const std::vector<int>& indices = group.second;
     v1::SessionStepRequest part = request;
     part.clear_entries();
     for (const int i : indices) *part.add_entries() = request.entries(i);
