@@ -214,6 +214,8 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   InlineLayerCache inline_cache_;
   SessionTable* const sessions_;
   std::string ReplicaAddress() const;
+  // Counts a refusal that carries a reason in attention_kv_session_refusals_total.
+  void CountSessionRefusal(const absl::Status& status);
   mutable core::Mutex replica_address_mu_;
   std::string replica_address_ ABSL_GUARDED_BY(replica_address_mu_);
 };

@@ -88,9 +88,26 @@ void AttentionServiceImpl::RefreshSessionMetrics() {
   const SessionCounters counters = sessions_->Counters();
   const int64_t block = sessions_->block_bytes();
   const core::kv_cache::KvPoolCounters& pool = counters.pool;
-  metrics_.SetKvCache(counters.sessions, pool.blocks_total * block,
-                      (pool.blocks_total - pool.blocks_free) * block, pool.blocks_reserved * block,
-                      pool.blocks_shared * block);
+  Metrics::KvCacheSnapshot snapshot;
+  snapshot.sessions = counters.sessions;
+  snapshot.total_bytes = pool.blocks_total * block;
+  snapshot.held_bytes = (pool.blocks_total - pool.blocks_free) * block;
+  snapshot.promised_bytes = pool.blocks_reserved * block;
+  snapshot.shared_bytes = pool.blocks_shared * block;
+  snapshot.written_tokens = counters.written_tokens;
+  snapshot.reserved_tokens = counters.reserved_tokens;
+  snapshot.created = counters.created;
+  snapshot.forked = counters.forked;
+  snapshot.dropped = counters.dropped;
+  snapshot.expired = counters.expired;
+  snapshot.kv_bytes_read = counters.kv_bytes_read;
+  snapshot.step_compute_seconds = absl::ToDoubleSeconds(counters.step_compute);
+  metrics_.SetKvCache(snapshot);
+}
+
+void AttentionServiceImpl::CountSessionRefusal(const absl::Status& status) {
+  const std::string reason = ReasonOf(status);
+  if (!reason.empty()) metrics_.CountSessionRefusal(reason);
 }
 
 void AttentionServiceImpl::SetReplicaAddress(std::string address) {
@@ -120,6 +137,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::AnswerSessionCall(
   if (status.ok()) status = SessionsEnabled();
   if (status.ok()) status = handle();
   RefreshSessionMetrics();
+  CountSessionRefusal(status);
   call.Answer(status);
   return call.reactor();
 }
@@ -202,7 +220,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::SessionStep(grpc::CallbackServer
                                                             const v1::SessionStepRequest* request,
                                                             v1::SessionStepResponse* response) {
   const UnaryCall call = StartCall(context, "SessionStep");
-  auto answer = [call, request](const absl::Status& status) {
+  auto answer = [this, call, request](const absl::Status& status) {
+    CountSessionRefusal(status);
     call.Answer(status, request->request_id());
   };
   const absl::Status status =

@@ -109,6 +109,32 @@ Metrics::Metrics(absl::string_view default_device, absl::string_view blas_core)
                           .Help("KV-cache pool bytes by state: total, held by sessions, "
                                 "promised to sessions' reservations, shared by forks")
                           .Register(*registry_)),
+      kv_session_tokens_(prometheus::BuildGauge()
+                             .Name("attention_kv_session_tokens")
+                             .Help("Tokens of live KV-cache sessions by state: written (in "
+                                   "every layer), reserved")
+                             .Register(*registry_)),
+      kv_session_events_(prometheus::BuildCounter()
+                             .Name("attention_kv_session_events_total")
+                             .Help("KV-cache sessions created, forked, dropped and expired")
+                             .Register(*registry_)),
+      kv_session_refusals_(prometheus::BuildCounter()
+                               .Name("attention_kv_session_refusals_total")
+                               .Help("Session calls refused, by reason (as in the status "
+                                     "details' google.rpc.ErrorInfo)")
+                               .Register(*registry_)),
+      kv_read_bytes_(prometheus::BuildCounter()
+                         .Name("attention_kv_read_bytes_total")
+                         .Help("Bytes of keys and values read by session steps; over "
+                               "attention_kv_step_compute_seconds_total, the achieved KV "
+                               "read bandwidth")
+                         .Register(*registry_)
+                         .Add({})),
+      kv_step_compute_seconds_(prometheus::BuildCounter()
+                                   .Name("attention_kv_step_compute_seconds_total")
+                                   .Help("Time session steps spent in the decode kernel")
+                                   .Register(*registry_)
+                                   .Add({})),
       device_memory_used_(prometheus::BuildGauge()
                               .Name("attention_device_memory_used_bytes")
                               .Help("Memory in use on an accelerator (all processes), by device")
@@ -190,13 +216,29 @@ void Metrics::SetInlineLayerCacheBytes(int64_t bytes) {
   inline_cache_bytes_.Set(static_cast<double>(bytes));
 }
 
-void Metrics::SetKvCache(int64_t sessions, int64_t total_bytes, int64_t held_bytes,
-                         int64_t promised_bytes, int64_t shared_bytes) {
-  kv_sessions_.Set(static_cast<double>(sessions));
-  kv_cache_bytes_.Add({{"state", "total"}}).Set(static_cast<double>(total_bytes));
-  kv_cache_bytes_.Add({{"state", "held"}}).Set(static_cast<double>(held_bytes));
-  kv_cache_bytes_.Add({{"state", "promised"}}).Set(static_cast<double>(promised_bytes));
-  kv_cache_bytes_.Add({{"state", "shared"}}).Set(static_cast<double>(shared_bytes));
+void Metrics::SetKvCache(const KvCacheSnapshot& s) {
+  kv_sessions_.Set(static_cast<double>(s.sessions));
+  kv_cache_bytes_.Add({{"state", "total"}}).Set(static_cast<double>(s.total_bytes));
+  kv_cache_bytes_.Add({{"state", "held"}}).Set(static_cast<double>(s.held_bytes));
+  kv_cache_bytes_.Add({{"state", "promised"}}).Set(static_cast<double>(s.promised_bytes));
+  kv_cache_bytes_.Add({{"state", "shared"}}).Set(static_cast<double>(s.shared_bytes));
+  kv_session_tokens_.Add({{"state", "written"}}).Set(static_cast<double>(s.written_tokens));
+  kv_session_tokens_.Add({{"state", "reserved"}}).Set(static_cast<double>(s.reserved_tokens));
+  // A counter only grows: it is raised to the table's total, never set.
+  const auto follow = [](prometheus::Counter& counter, double total) {
+    if (total > counter.Value()) counter.Increment(total - counter.Value());
+  };
+  core::MutexLock lock(kv_totals_mutex_);
+  follow(kv_session_events_.Add({{"event", "created"}}), static_cast<double>(s.created));
+  follow(kv_session_events_.Add({{"event", "forked"}}), static_cast<double>(s.forked));
+  follow(kv_session_events_.Add({{"event", "dropped"}}), static_cast<double>(s.dropped));
+  follow(kv_session_events_.Add({{"event", "expired"}}), static_cast<double>(s.expired));
+  follow(kv_read_bytes_, static_cast<double>(s.kv_bytes_read));
+  follow(kv_step_compute_seconds_, s.step_compute_seconds);
+}
+
+void Metrics::CountSessionRefusal(absl::string_view reason) {
+  kv_session_refusals_.Add({{"reason", std::string(reason)}}).Increment();
 }
 
 void Metrics::SetLoaderQueueDepth(int64_t jobs) {

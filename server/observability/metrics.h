@@ -59,11 +59,20 @@ class Metrics {
   void SetInlineLayerCacheBytes(int64_t bytes);
   // Jobs waiting for a layer-build thread (the loader pool's queue).
   void SetLoaderQueueDepth(int64_t jobs);
-  // KV-cache sessions: how many are live, and the pool's bytes by state: "total", "held"
-  // (by sessions), "promised" (free, reserved for sessions' growth), "shared" (held by
-  // more than one session: forks).
-  void SetKvCache(int64_t sessions, int64_t total_bytes, int64_t held_bytes, int64_t promised_bytes,
-                  int64_t shared_bytes);
+  // KV-cache sessions now (gauges) and since start (the counters follow these totals).
+  struct KvCacheSnapshot {
+    int64_t sessions = 0;
+    // The pool's bytes by state: "total", "held" (by sessions), "promised" (free, reserved
+    // for sessions' growth), "shared" (held by more than one session: forks).
+    int64_t total_bytes = 0, held_bytes = 0, promised_bytes = 0, shared_bytes = 0;
+    int64_t written_tokens = 0, reserved_tokens = 0;  // of live sessions
+    int64_t created = 0, forked = 0, dropped = 0, expired = 0;
+    int64_t kv_bytes_read = 0;  // by the steps' kernels
+    double step_compute_seconds = 0;
+  };
+  void SetKvCache(const KvCacheSnapshot& snapshot);
+  // A session call refused with a machine-readable reason (server/common/status_util.h).
+  void CountSessionRefusal(absl::string_view reason);
   // Memory of an accelerator: bytes in use (by this process and others) and in total.
   void SetDeviceMemory(absl::string_view device, int64_t used_bytes, int64_t total_bytes);
 
@@ -106,6 +115,12 @@ class Metrics {
   prometheus::Gauge& loader_queue_depth_;
   prometheus::Gauge& kv_sessions_;
   prometheus::Family<prometheus::Gauge>& kv_cache_bytes_;
+  prometheus::Family<prometheus::Gauge>& kv_session_tokens_;
+  prometheus::Family<prometheus::Counter>& kv_session_events_;
+  prometheus::Family<prometheus::Counter>& kv_session_refusals_;
+  prometheus::Counter& kv_read_bytes_;
+  prometheus::Counter& kv_step_compute_seconds_;
+  core::Mutex kv_totals_mutex_;  // counters follow the table's totals one refresh at a time
   prometheus::Family<prometheus::Gauge>& device_memory_used_;
   prometheus::Family<prometheus::Gauge>& device_memory_total_;
   mutable core::Mutex layer_statistics_mutex_;

@@ -194,6 +194,7 @@ absl::StatusOr<SessionInfo> SessionTable::CreateSession(const SessionShape& shap
   session.last_used = now;
   const std::string id = NewIdLocked();
   const Session& stored = sessions_[id] = std::move(session);
+  ++totals_.created;
   return InfoLocked(id, stored);
 }
 
@@ -281,6 +282,7 @@ absl::StatusOr<SessionInfo> SessionTable::Fork(const std::string& id, int64_t to
   fork.last_used = now;
   const std::string fork_id = NewIdLocked();
   const Session& stored = sessions_[fork_id] = std::move(fork);
+  ++totals_.forked;
   return InfoLocked(fork_id, stored);
 }
 
@@ -336,6 +338,7 @@ int64_t SessionTable::ExpireIdle(absl::Time now) {
 }
 
 void SessionTable::EndLocked(const std::string& id, Ending ending, absl::Time now) {
+  ++(ending == Ending::kExpired ? totals_.expired : totals_.dropped);
   const auto found = sessions_.find(id);
   std::vector<BlockId> freed;
   // Releasing a sequence the table holds cannot fail.
@@ -510,9 +513,21 @@ std::vector<absl::Status> SessionTable::Step(absl::Span<const StepEntry> entries
     batch.scale = ScaleOf(shape);
     batch.sliding_window = shape.sliding_window;
     batch.sequences = sequences;
+    const absl::Time start = absl::Now();
     const absl::Status computed = core::PagedDecodeCpu(batch, pool_);
+    totals_.step_compute += absl::Now() - start;
     if (!computed.ok()) {
       for (const size_t i : members) statuses[i] = computed;
+      continue;
+    }
+    // Each K/V head is read once for its query group, over the keys the first query sees.
+    for (const core::PagedDecodeSequence& sequence : sequences) {
+      const int64_t first_seen = sequence.length - sequence.num_queries;
+      const int64_t keys =
+          batch.sliding_window > 0
+              ? sequence.length - std::max<int64_t>(0, first_seen - batch.sliding_window + 1)
+              : sequence.length;
+      totals_.kv_bytes_read += keys * batch.layout.TokenBytes();
     }
   }
   return statuses;
@@ -524,6 +539,17 @@ SessionCounters SessionTable::Counters() const {
   counters.sessions = static_cast<int64_t>(sessions_.size());
   counters.tombstones = static_cast<int64_t>(tombstones_.size());
   counters.pool = block_pool_.Counters();
+  for (const auto& [id, session] : sessions_) {
+    counters.written_tokens +=
+        *std::min_element(session.layer_lengths.begin(), session.layer_lengths.end());
+    counters.reserved_tokens += (*block_pool_.Find(session.sequence))->reserved_tokens;
+  }
+  counters.created = totals_.created;
+  counters.forked = totals_.forked;
+  counters.dropped = totals_.dropped;
+  counters.expired = totals_.expired;
+  counters.kv_bytes_read = totals_.kv_bytes_read;
+  counters.step_compute = totals_.step_compute;
   return counters;
 }
 

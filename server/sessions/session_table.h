@@ -103,6 +103,14 @@ struct SessionCounters {
   int64_t sessions = 0;
   int64_t tombstones = 0;
   core::kv_cache::KvPoolCounters pool;
+  // Live sessions' tokens: written (in every layer) and reserved.
+  int64_t written_tokens = 0, reserved_tokens = 0;
+  // Since start: sessions created (forks not included), forked, dropped and expired; bytes
+  // of K and V the steps' kernels read, and their compute time (their ratio is the
+  // achieved KV read bandwidth).
+  int64_t created = 0, forked = 0, dropped = 0, expired = 0;
+  int64_t kv_bytes_read = 0;
+  absl::Duration step_compute;
 };
 
 // Thread-safe. One mutex covers the table, the pool and the KV bytes: a step writes and
@@ -191,6 +199,7 @@ class SessionTable {
   absl::node_hash_map<std::string, Session> sessions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, Tombstone> tombstones_ ABSL_GUARDED_BY(mu_);
   std::deque<std::string> tombstone_order_ ABSL_GUARDED_BY(mu_);  // oldest first
+  SessionCounters totals_ ABSL_GUARDED_BY(mu_);                   // the "since start" fields
 };
 
 }  // namespace attention::server

@@ -45,6 +45,21 @@ std::string Reason(const grpc::Status& status) {
   return "";
 }
 
+// The counter `name` with label `label`=`value` (or none, when `label` is empty), or -1.
+double Counter(Metrics& metrics, const std::string& name, const std::string& label = "",
+               const std::string& value = "") {
+  for (const prometheus::MetricFamily& family : metrics.registry().Collect()) {
+    if (family.name != name) continue;
+    for (const prometheus::ClientMetric& metric : family.metric) {
+      if (label.empty()) return metric.counter.value;
+      for (const prometheus::ClientMetric::Label& l : metric.label) {
+        if (l.name == label && l.value == value) return metric.counter.value;
+      }
+    }
+  }
+  return -1;
+}
+
 class SessionServiceTest : public ServerTest {
  protected:
   ServerOptions Options() override {
@@ -150,6 +165,13 @@ TEST_F(SessionServiceTest, StepsOfSeveralSessionsAnswerAsTheTableDoes) {
     EXPECT_EQ(wire::DecodeFloatTensor(result.output(), "output")->values, output);
     EXPECT_EQ(wire::DecodeFloatTensor(result.log_sum_exp(), "lse")->values, lse);
   }
+  // Tokens and the KV the kernel read: 5 steps of 3 entries of lengths 8, 16, .., 40, each
+  // token 2 KV heads x (16 + 16) floats.
+  EXPECT_EQ(Gauge(server_->metrics(), "attention_kv_session_tokens", "written"), 40);  // b
+  EXPECT_EQ(Gauge(server_->metrics(), "attention_kv_session_tokens", "reserved"), 512);
+  EXPECT_EQ(Counter(server_->metrics(), "attention_kv_read_bytes_total"),
+            3 * (8 + 16 + 24 + 32 + 40) * 2 * (16 + 16) * 4);
+  EXPECT_GT(Counter(server_->metrics(), "attention_kv_step_compute_seconds_total"), 0);
   // Fork a at 24 tokens, truncate a to 16, list, drop.
   v1::ForkSessionRequest fork;
   fork.set_session_id(a.session_id());
@@ -187,6 +209,12 @@ TEST_F(SessionServiceTest, StepsOfSeveralSessionsAnswerAsTheTableDoes) {
     ASSERT_TRUE(Invoke(&v1::AttentionService::Stub::DropSession, drop, &dropped).ok());
   }
   EXPECT_EQ(Gauge(server_->metrics(), "attention_kv_sessions"), 0);
+  for (const auto& [event, count] :
+       std::vector<std::pair<std::string, int>>{{"created", 2}, {"forked", 1}, {"dropped", 3}}) {
+    EXPECT_EQ(Counter(server_->metrics(), "attention_kv_session_events_total", "event", event),
+              count)
+        << event;
+  }
   EXPECT_EQ(Gauge(server_->metrics(), "attention_kv_cache_bytes", "held"), 0);
   EXPECT_EQ(Gauge(server_->metrics(), "attention_kv_cache_bytes", "promised"), 0);
   v1::GetSessionRequest get;
@@ -282,6 +310,11 @@ TEST_F(SessionServiceTest, EveryRejectionHasItsCodeAndNamesTheField) {
     EXPECT_NE(status.error_message().find(c.message_part), std::string::npos)
         << status.error_message();
     EXPECT_EQ(Reason(status), c.reason);
+    if (!c.reason.empty()) {
+      EXPECT_GE(
+          Counter(server_->metrics(), "attention_kv_session_refusals_total", "reason", c.reason),
+          1);
+    }
   }
   // A conflict: the same position with other keys.
   v1::SessionStepRequest first, second;
