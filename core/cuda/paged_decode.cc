@@ -105,16 +105,15 @@ absl::StatusOr<PagedDecodePlan> Plan(const PagedDecodeBatch& batch) {
   if (absl::Status status = Cuda(cudaGetDevice(&device), "cudaGetDevice"); !status.ok()) {
     return status;
   }
-  if (absl::Status status = Cuda(cudaDeviceGetAttribute(
-                                     &max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
-                                 "cudaDeviceGetAttribute");
+  if (absl::Status status =
+          Cuda(cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+               "cudaDeviceGetAttribute");
       !status.ok()) {
     return status;
   }
   const PagedDecodeDims dims = Dims(batch);
   const std::vector<PagedSequenceDims> sequences = SequenceDims(batch);
-  if (std::string why = PagedDecodeUnsupportedReason(dims, sequences, max_shared);
-      !why.empty()) {
+  if (std::string why = PagedDecodeUnsupportedReason(dims, sequences, max_shared); !why.empty()) {
     return absl::InvalidArgumentError(why);
   }
   return PlanPagedDecode(dims, sequences);
@@ -133,8 +132,8 @@ absl::Status Launch(const PagedDecodeBatch& batch, const PagedDecodePlan& plan, 
   launch.key_dim = static_cast<int32_t>(batch.layout.key_dim);
   launch.value_dim = static_cast<int32_t>(batch.layout.value_dim);
   // A window at least as long as any sequence (< 2^31 keys) hides nothing.
-  launch.sliding_window = static_cast<int32_t>(
-      batch.sliding_window > kInt32Max - 1 ? 0 : batch.sliding_window);
+  launch.sliding_window =
+      static_cast<int32_t>(batch.sliding_window > kInt32Max - 1 ? 0 : batch.sliding_window);
   launch.scale = batch.scale;
   launch.bfloat16 = batch.layout.dtype == DType::kBFloat16;
   launch.states = states;

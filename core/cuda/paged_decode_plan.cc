@@ -32,8 +32,8 @@ int ValueLanes(const PagedDecodeDims& d, int value_vector) {
 }
 
 int64_t SharedBytes(const PagedDecodeDims& d) {
-  const int64_t floats = kCudaPagedRowsPerBlock * d.key_dim +              // the rows' queries
-                         kCudaPagedRowsPerBlock * kCudaPagedSplitKeys +    // scores, then exps
+  const int64_t floats = kCudaPagedRowsPerBlock * d.key_dim +            // the rows' queries
+                         kCudaPagedRowsPerBlock * kCudaPagedSplitKeys +  // scores, then exps
                          int64_t{kCudaPagedThreads} * kCudaPagedRowsPerBlock *
                              ValueVector(d);  // every key group's value sums, to add up
   return floats * static_cast<int64_t>(sizeof(float));
@@ -86,8 +86,8 @@ PagedDecodePlan PlanPagedDecode(const PagedDecodeDims& d,
     }
     PagedLaunch& launch = plan.launches.back();
     PagedSequencePlan p;
-    p.first_split = PagedFirstVisibleKey(s.length - s.num_queries, d.sliding_window) /
-                    kCudaPagedSplitKeys;
+    p.first_split =
+        PagedFirstVisibleKey(s.length - s.num_queries, d.sliding_window) / kCudaPagedSplitKeys;
     p.run_splits = CeilDiv(s.length, kCudaPagedSplitKeys) - p.first_split;
     p.rows = s.num_queries * group;
     p.row_chunks = CeilDiv(p.rows, kCudaPagedRowsPerBlock);

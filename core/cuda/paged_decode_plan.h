@@ -45,10 +45,10 @@ inline constexpr int64_t kCudaPagedMaxGridBlocks = (int64_t{1} << 31) - 1;
 
 // The batch's shape, as the host sees it (PagedDecodeBatch without device pointers).
 struct PagedDecodeDims {
-  int64_t num_heads = 1;     // H
-  int64_t num_kv_heads = 1;  // H_kv
-  int64_t key_dim = 1;       // dk
-  int64_t value_dim = 1;     // dv
+  int64_t num_heads = 1;      // H
+  int64_t num_kv_heads = 1;   // H_kv
+  int64_t key_dim = 1;        // dk
+  int64_t value_dim = 1;      // dv
   int64_t element_bytes = 4;  // 4: float32 KV, 2: bfloat16
   int64_t tokens_per_block = 1;
   int64_t block_bytes = 1;
@@ -63,10 +63,10 @@ struct PagedSequenceDims {
 
 // One sequence's blocks and states.
 struct PagedSequencePlan {
-  int64_t first_split = 0;  // splits before it lie wholly before the first query's window
-  int64_t run_splits = 0;   // splits run: first_split .. ceil(L / split keys) - 1
-  int64_t rows = 0;         // n * group
-  int64_t row_chunks = 0;   // ceil(rows / kCudaPagedRowsPerBlock)
+  int64_t first_split = 0;   // splits before it lie wholly before the first query's window
+  int64_t run_splits = 0;    // splits run: first_split .. ceil(L / split keys) - 1
+  int64_t rows = 0;          // n * group
+  int64_t row_chunks = 0;    // ceil(rows / kCudaPagedRowsPerBlock)
   int64_t split_blocks = 0;  // H_kv * run_splits * row_chunks
   int64_t merge_blocks = 0;  // ceil(n * H / kCudaPagedMergeRowsPerBlock)
   // Blocks of the sequences before it in its launch (prefix sums the kernels search).
@@ -89,7 +89,7 @@ struct PagedDecodePlan {
   // Lanes across one key's value columns (a power of two, 8..32, covering dv / value_vector
   // column vectors, looping when wider); the block's other lanes take other keys.
   int value_lanes = 32;
-  int64_t shared_bytes = 0;  // dynamic shared memory of the split kernel
+  int64_t shared_bytes = 0;   // dynamic shared memory of the split kernel
   int64_t scratch_bytes = 0;  // the split states, float32
   std::vector<PagedSequencePlan> sequences;
   std::vector<PagedLaunch> launches;

@@ -145,10 +145,10 @@ TEST(CudaPagedDecodePlanTest, UnsupportedShapesNameTheField) {
   EXPECT_EQ(PagedDecodeUnsupportedReason(d, {{10, 1}}, kH100SharedBytes),
             "paged decode: key_dim 8192 and value_dim 128 need 282624 bytes of shared memory "
             "per block; the device has 232448");
-  EXPECT_EQ(PagedDecodeUnsupportedReason(Llama(), {{10, 1}, {int64_t{1} << 31, 1}},
-                                         kH100SharedBytes),
-            "paged decode: sequence 1 has length 2147483648; the CUDA kernel takes at most "
-            "2^31 - 1");
+  EXPECT_EQ(
+      PagedDecodeUnsupportedReason(Llama(), {{10, 1}, {int64_t{1} << 31, 1}}, kH100SharedBytes),
+      "paged decode: sequence 1 has length 2147483648; the CUDA kernel takes at most "
+      "2^31 - 1");
 }
 
 }  // namespace

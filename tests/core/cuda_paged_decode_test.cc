@@ -98,8 +98,9 @@ class DevicePagedPool {
       PagedSequence& s = host_.sequences()[i];
       EXPECT_EQ(cudaMemset(outputs_[i]->As<void>(), 0xff, s.output.size() * sizeof(float)),
                 cudaSuccess);
-      EXPECT_EQ(cudaMemset(log_sum_exps_[i]->As<void>(), 0xff, s.log_sum_exp.size() * sizeof(float)),
-                cudaSuccess);
+      EXPECT_EQ(
+          cudaMemset(log_sum_exps_[i]->As<void>(), 0xff, s.log_sum_exp.size() * sizeof(float)),
+          cudaSuccess);
       sequences.push_back({absl::Span<const BlockId>(tables_[i]->As<BlockId>(), s.table.size()),
                            s.length, s.queries, queries_[i]->As<float>(), outputs_[i]->As<float>(),
                            log_sum_exp ? log_sum_exps_[i]->As<float>() : nullptr});
@@ -201,7 +202,7 @@ TEST_F(CudaPagedDecodeTest, MatchesDenseReferencesOverASeededGrid) {
     }
   }
   EXPECT_EQ(cases, 6 * 3 * 4 * 2 - 2 * 4 * 2);  // n > L skipped for L = 1
-  EXPECT_GT(vector_cases, cases / 4);  // both load paths are covered
+  EXPECT_GT(vector_cases, cases / 4);           // both load paths are covered
   EXPECT_LT(vector_cases, cases);
 }
 

@@ -40,8 +40,8 @@ class HostPagedPool {
   // `slack` bytes past each block's tokens: storage blocks may be larger than their tokens
   // (8 leaves float32 blocks only 8-byte aligned, 16 keeps them 16-byte aligned).
   HostPagedPool(const PagedShape& shape,
-                const std::vector<std::pair<int64_t, int64_t>>& lengths_and_queries,
-                uint64_t seed, int64_t slack = 8)
+                const std::vector<std::pair<int64_t, int64_t>>& lengths_and_queries, uint64_t seed,
+                int64_t slack = 8)
       : shape_(shape), layout_{shape.kv_heads, shape.key_dim, shape.value_dim, shape.dtype} {
     std::mt19937_64 rng(seed);
     block_bytes_ = shape.tokens_per_block * layout_.TokenBytes() + slack;
