@@ -251,8 +251,8 @@ void RunCudaPagedDecode(benchmark::State& state, int64_t context, int64_t batch,
   const int64_t num_blocks = copies * batch * blocks_per_sequence;
   DeviceMemory storage(num_blocks * block_bytes);
   if (storage.error != cudaSuccess) {
-    state.SkipWithError(absl::StrCat("cudaMalloc(", num_blocks * block_bytes, " bytes) failed")
-                            .c_str());
+    state.SkipWithError(
+        absl::StrCat("cudaMalloc(", num_blocks * block_bytes, " bytes) failed").c_str());
     return;
   }
   cudaMemset(storage.data, 0x3c, num_blocks * block_bytes);  // 0.0115 in float32 and bf16
@@ -279,11 +279,11 @@ void RunCudaPagedDecode(benchmark::State& state, int64_t context, int64_t batch,
     for (int64_t b = 0; b < batch; ++b) {
       const auto* table = static_cast<const kv_cache::BlockId*>(tables.data) +
                           (copy * batch + b) * blocks_per_sequence;
-      sequences[copy].push_back(
-          {absl::Span<const kv_cache::BlockId>(table, blocks_per_sequence), context, 1,
-           static_cast<const float*>(query.data) + b * kHeads * kDim,
-           static_cast<float*>(output.data) + b * kHeads * kDim,
-           static_cast<float*>(log_sum_exp.data) + b * kHeads});
+      sequences[copy].push_back({absl::Span<const kv_cache::BlockId>(table, blocks_per_sequence),
+                                 context, 1,
+                                 static_cast<const float*>(query.data) + b * kHeads * kDim,
+                                 static_cast<float*>(output.data) + b * kHeads * kDim,
+                                 static_cast<float*>(log_sum_exp.data) + b * kHeads});
     }
     PagedDecodeBatch& p = batches[copy];
     p.storage = {storage.data, block_bytes, num_blocks};
@@ -305,8 +305,8 @@ void RunCudaPagedDecode(benchmark::State& state, int64_t context, int64_t batch,
   const std::string error = TimeGraph(
       stream,
       [&](int call) -> std::string {
-        const absl::Status status = cuda::PagedDecodeCuda(batches[call % copies], scratch.data,
-                                                          *scratch_bytes, stream);
+        const absl::Status status =
+            cuda::PagedDecodeCuda(batches[call % copies], scratch.data, *scratch_bytes, stream);
         return status.ok() ? "" : std::string(status.message());
       },
       &exec);

@@ -64,9 +64,7 @@ __device__ inline float Low(uint32_t word) { return __uint_as_float(word << 16);
 __device__ inline float High(uint32_t word) { return __uint_as_float(word & 0xffff0000u); }
 template <>
 struct Widen<uint16_t, 1> {
-  __device__ static void Load(const uint16_t* source, float* out) {
-    out[0] = Low(__ldg(source));
-  }
+  __device__ static void Load(const uint16_t* source, float* out) { out[0] = Low(__ldg(source)); }
 };
 template <>
 struct Widen<uint16_t, 4> {
@@ -104,10 +102,9 @@ __device__ const Element* KvRow(const PagedDeviceLaunch& launch, const int32_t* 
   if (block < 0 || block >= launch.num_blocks) return nullptr;
   const int64_t slot = key % launch.tokens_per_block;
   const int64_t tokens = launch.tokens_per_block;
-  const int64_t offset =
-      kValue ? tokens * launch.num_kv_heads * launch.key_dim +
-                   (kv_head * tokens + slot) * launch.value_dim
-             : (kv_head * tokens + slot) * launch.key_dim;
+  const int64_t offset = kValue ? tokens * launch.num_kv_heads * launch.key_dim +
+                                      (kv_head * tokens + slot) * launch.value_dim
+                                : (kv_head * tokens + slot) * launch.key_dim;
   return reinterpret_cast<const Element*>(static_cast<const char*>(launch.storage) +
                                           block * launch.block_bytes) +
          offset;
@@ -120,9 +117,9 @@ __global__ void __launch_bounds__(kCudaPagedThreads)
     PagedSplitKernel(const __grid_constant__ PagedDeviceLaunch launch, int value_lanes) {
   extern __shared__ float shared[];
   const int dk = launch.key_dim, dv = launch.value_dim;
-  float* queries = shared;                  // [kRows][dk]
-  float* scores = queries + kRows * dk;     // [kRows][kSplit]: scores, then their exps
-  float* sums = scores + kRows * kSplit;    // [key groups][kRows][value_lanes * kValueVector]
+  float* queries = shared;                // [kRows][dk]
+  float* scores = queries + kRows * dk;   // [kRows][kSplit]: scores, then their exps
+  float* sums = scores + kRows * kSplit;  // [key groups][kRows][value_lanes * kValueVector]
 
   const int64_t block = blockIdx.x;
   const PagedDeviceSequence& sequence = launch.sequences[FindSequence<false>(launch, block)];
@@ -208,8 +205,8 @@ __global__ void __launch_bounds__(kCudaPagedThreads)
   const int64_t states = sequence.state_offset;
   const auto state_of = [&](int r) {
     return launch.states + states +
-           PagedStateIndex(kv_head, work.split, first_row + r, sequence.run_splits,
-                           sequence.rows, dv);
+           PagedStateIndex(kv_head, work.split, first_row + r, sequence.run_splits, sequence.rows,
+                           dv);
   };
   {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -290,8 +287,8 @@ __global__ void __launch_bounds__(kCudaPagedThreads)
     PagedMergeKernel(const __grid_constant__ PagedDeviceLaunch launch) {
   const int64_t block = blockIdx.x;
   const PagedDeviceSequence& sequence = launch.sequences[FindSequence<true>(launch, block)];
-  const int64_t out_row = (block - sequence.merge_block_begin) * kCudaPagedMergeRowsPerBlock +
-                          threadIdx.x / 32;
+  const int64_t out_row =
+      (block - sequence.merge_block_begin) * kCudaPagedMergeRowsPerBlock + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int heads = launch.num_heads, dv = launch.value_dim;
   if (out_row >= static_cast<int64_t>(sequence.num_queries) * heads) return;
@@ -355,8 +352,8 @@ cudaError_t LaunchPagedDecode(const PagedDeviceLaunch& launch, const PagedDecode
                    : LaunchSplit<float, 1, 1>(launch, plan, blocks, stream);
   }
   if (error != cudaSuccess) return error;
-  PagedMergeKernel<<<static_cast<unsigned>(blocks.merge_blocks), kCudaPagedThreads, 0,
-                     stream>>>(launch);
+  PagedMergeKernel<<<static_cast<unsigned>(blocks.merge_blocks), kCudaPagedThreads, 0, stream>>>(
+      launch);
   return cudaGetLastError();
 }
 

@@ -29,7 +29,7 @@ struct PagedDeviceSequence {
   int64_t state_offset = 0;
 };
 
-// One launch's sequences: a kernel parameter (kCudaPagedSequencesPerLaunch * 72 bytes), so
+// One launch's sequences: a kernel parameter (kCudaPagedSequencesPerLaunch * 80 bytes), so
 // nothing is copied to the device before the kernels run.
 struct PagedDeviceLaunch {
   const void* storage = nullptr;
