@@ -4,10 +4,26 @@
 // reason as an error. bench/gpu_compare.py puts them next to PyTorch on the same GPU.
 //
 //   build/bench/cuda_bench --benchmark_counters_tabular=true
+//
+// Paged decode (issue 25): BM_CudaPagedDecode reads a Llama-3-8B layer's KV cache and reports
+// kv_GBps (bytes of K and V read per second of kernel time) and its fraction of
+// BM_CudaReadRoof's read bandwidth, measured in the same process:
+//
+//   build/bench/cuda_bench --benchmark_filter='Paged|ReadRoof' --benchmark_counters_tabular=true
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "bench/cuda_read_roof.h"
 #include "benchmark/benchmark.h"
+#include "core/cuda/paged_decode.h"
 #include "core/devices.h"
 #include "core/mha_layer.h"
 
@@ -80,6 +96,243 @@ BENCHMARK(BM_CudaMhaS4)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_CudaMhaS5)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_CudaMhaLarge)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_CudaMhaCausal16k)->UseRealTime()->Unit(benchmark::kMillisecond);
+
+// Paged decode and the read roof: kernel time from CUDA events around a CUDA graph of
+// kGraphCalls calls (no host time between them), per call.
+constexpr int kGraphCalls = 20;
+
+// Device memory that frees itself; null after a failed cudaMalloc (the error is kept).
+struct DeviceMemory {
+  explicit DeviceMemory(size_t bytes) { error = cudaMalloc(&data, bytes); }
+  ~DeviceMemory() { cudaFree(data); }
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
+  void* data = nullptr;
+  cudaError_t error;
+};
+
+// Seconds per call of `enqueue` (kGraphCalls calls captured once into a graph on `stream`),
+// or an error message.
+template <typename Enqueue>
+std::string TimeGraph(cudaStream_t stream, Enqueue enqueue, cudaGraphExec_t* exec) {
+  cudaGraph_t graph = nullptr;
+  if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+    return "cudaStreamBeginCapture failed";
+  }
+  std::string error;
+  for (int call = 0; call < kGraphCalls && error.empty(); ++call) error = enqueue(call);
+  const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
+  if (!error.empty()) return error;
+  if (ended != cudaSuccess) return absl::StrCat("capture: ", cudaGetErrorString(ended));
+  const cudaError_t made = cudaGraphInstantiate(exec, graph, 0);
+  cudaGraphDestroy(graph);
+  if (made != cudaSuccess) return absl::StrCat("cudaGraphInstantiate: ", cudaGetErrorString(made));
+  return "";
+}
+
+// Runs `exec` once per benchmark iteration, timing it with events; false on an error.
+bool RunTimedGraph(benchmark::State& state, cudaStream_t stream, cudaGraphExec_t exec,
+                   double* seconds_per_call) {
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  cudaGraphLaunch(exec, stream);  // warm-up
+  double total = 0;
+  int64_t calls = 0;
+  for (auto _ : state) {
+    cudaEventRecord(start, stream);
+    cudaGraphLaunch(exec, stream);
+    cudaEventRecord(stop, stream);
+    cudaEventSynchronize(stop);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start, stop);
+    state.SetIterationTime(ms / 1e3 / kGraphCalls);
+    total += ms / 1e3;
+    calls += kGraphCalls;
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  const cudaError_t error = cudaStreamSynchronize(stream);
+  if (error != cudaSuccess) {
+    state.SkipWithError(cudaGetErrorString(error));
+    return false;
+  }
+  *seconds_per_call = total / std::max<int64_t>(calls, 1);
+  return true;
+}
+
+std::string NoGpuReason() {
+  int count = 0;
+  const cudaError_t error = cudaGetDeviceCount(&count);
+  if (error != cudaSuccess) return absl::StrCat("no CUDA device: ", cudaGetErrorString(error));
+  return count == 0 ? "no CUDA device" : "";
+}
+
+// Bytes per second of ReadRoofKernel over a 2 GiB buffer, measured once per process (0 on
+// an error).
+double ReadRoofBytesPerSecond(benchmark::State* state = nullptr) {
+  static double measured = -1;
+  if (measured >= 0 && state == nullptr) return measured;
+  constexpr int64_t kBytes = int64_t{2} << 30;
+  DeviceMemory buffer(kBytes);
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const int blocks = sms * 8;  // 8 blocks of 256 threads: 2048 threads per SM
+  DeviceMemory sums(blocks * sizeof(float));
+  if (buffer.error != cudaSuccess || sums.error != cudaSuccess) {
+    if (state != nullptr) state->SkipWithError("cudaMalloc of the read roof's buffer failed");
+    return measured = 0;
+  }
+  cudaMemset(buffer.data, 0, kBytes);
+  cudaStream_t stream;
+  cudaStreamCreate(&stream);
+  cudaGraphExec_t exec = nullptr;
+  const std::string error = TimeGraph(
+      stream,
+      [&](int) -> std::string {
+        const cudaError_t e = attention::bench::LaunchReadRoof(
+            buffer.data, kBytes / 16, static_cast<float*>(sums.data), blocks, stream);
+        return e == cudaSuccess ? "" : cudaGetErrorString(e);
+      },
+      &exec);
+  double seconds = 0;
+  if (!error.empty()) {
+    if (state != nullptr) state->SkipWithError(error.c_str());
+    measured = 0;
+  } else if (state != nullptr) {
+    if (RunTimedGraph(*state, stream, exec, &seconds)) measured = kBytes / seconds;
+  } else {  // for the ratio, outside a benchmark: ten graph launches
+    cudaEvent_t start, stop;
+    cudaEventCreate(&start);
+    cudaEventCreate(&stop);
+    cudaGraphLaunch(exec, stream);
+    cudaEventRecord(start, stream);
+    for (int i = 0; i < 10; ++i) cudaGraphLaunch(exec, stream);
+    cudaEventRecord(stop, stream);
+    cudaEventSynchronize(stop);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start, stop);
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    measured = ms > 0 ? kBytes * 10.0 * kGraphCalls / (ms / 1e3) : 0;
+  }
+  if (exec != nullptr) cudaGraphExecDestroy(exec);
+  cudaStreamDestroy(stream);
+  return measured;
+}
+
+void BM_CudaReadRoof(benchmark::State& state) {
+  if (const std::string why = NoGpuReason(); !why.empty()) {
+    state.SkipWithError(why.c_str());
+    return;
+  }
+  const double bytes_per_second = ReadRoofBytesPerSecond(&state);
+  state.counters["read_GBps"] = bytes_per_second / 1e9;
+}
+BENCHMARK(BM_CudaReadRoof)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+// B sequences of `context` tokens of a Llama-3-8B layer (32 query heads, 8 KV heads of 128),
+// one new query each, in 256 KiB blocks at random places of the pool. Enough copies of the
+// KV cache that the calls of one graph rotate through 512 MiB: a small cache would otherwise
+// be read from L2 (50 MiB on an H100) from the second call on.
+void RunCudaPagedDecode(benchmark::State& state, int64_t context, int64_t batch, DType dtype) {
+  if (const std::string why = NoGpuReason(); !why.empty()) {
+    state.SkipWithError(why.c_str());
+    return;
+  }
+  constexpr int64_t kHeads = 32, kDim = 128;
+  const kv_cache::KvLayout layout{8, kDim, kDim, dtype};
+  const int64_t block_bytes = kv_cache::kDefaultBlockBytes;
+  const int64_t tokens_per_block = *kv_cache::TokensPerBlock(layout, block_bytes);
+  const int64_t blocks_per_sequence = (context + tokens_per_block - 1) / tokens_per_block;
+  const int64_t kv_bytes = batch * context * layout.TokenBytes();  // read per call
+  const int64_t copies = std::max<int64_t>(1, (int64_t{512} << 20) / kv_bytes);
+  const int64_t num_blocks = copies * batch * blocks_per_sequence;
+  DeviceMemory storage(num_blocks * block_bytes);
+  if (storage.error != cudaSuccess) {
+    state.SkipWithError(
+        absl::StrCat("cudaMalloc(", num_blocks * block_bytes, " bytes) failed").c_str());
+    return;
+  }
+  cudaMemset(storage.data, 0x3c, num_blocks * block_bytes);  // 0.0115 in float32 and bf16
+  std::mt19937_64 rng(1);
+  std::vector<kv_cache::BlockId> permutation(num_blocks);
+  std::iota(permutation.begin(), permutation.end(), 0);
+  std::shuffle(permutation.begin(), permutation.end(), rng);
+  DeviceMemory tables(num_blocks * sizeof(kv_cache::BlockId));
+  cudaMemcpy(tables.data, permutation.data(), num_blocks * sizeof(kv_cache::BlockId),
+             cudaMemcpyHostToDevice);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  std::vector<float> host_query(batch * kHeads * kDim);
+  for (float& x : host_query) x = uniform(rng);
+  DeviceMemory query(host_query.size() * sizeof(float));
+  cudaMemcpy(query.data, host_query.data(), host_query.size() * sizeof(float),
+             cudaMemcpyHostToDevice);
+  DeviceMemory output(batch * kHeads * kDim * sizeof(float));
+  DeviceMemory log_sum_exp(batch * kHeads * sizeof(float));
+
+  // One batch per copy of the cache.
+  std::vector<std::vector<PagedDecodeSequence>> sequences(copies);
+  std::vector<PagedDecodeBatch> batches(copies);
+  for (int64_t copy = 0; copy < copies; ++copy) {
+    for (int64_t b = 0; b < batch; ++b) {
+      const auto* table = static_cast<const kv_cache::BlockId*>(tables.data) +
+                          (copy * batch + b) * blocks_per_sequence;
+      sequences[copy].push_back({absl::Span<const kv_cache::BlockId>(table, blocks_per_sequence),
+                                 context, 1,
+                                 static_cast<const float*>(query.data) + b * kHeads * kDim,
+                                 static_cast<float*>(output.data) + b * kHeads * kDim,
+                                 static_cast<float*>(log_sum_exp.data) + b * kHeads});
+    }
+    PagedDecodeBatch& p = batches[copy];
+    p.storage = {storage.data, block_bytes, num_blocks};
+    p.layout = layout;
+    p.tokens_per_block = tokens_per_block;
+    p.num_heads = kHeads;
+    p.scale = 1.0f / std::sqrt(static_cast<float>(kDim));
+    p.sequences = sequences[copy];
+  }
+  const absl::StatusOr<int64_t> scratch_bytes = cuda::PagedDecodeCudaScratchBytes(batches[0]);
+  if (!scratch_bytes.ok()) {
+    state.SkipWithError(std::string(scratch_bytes.status().message()).c_str());
+    return;
+  }
+  DeviceMemory scratch(*scratch_bytes);
+  cudaStream_t stream;
+  cudaStreamCreate(&stream);
+  cudaGraphExec_t exec = nullptr;
+  const std::string error = TimeGraph(
+      stream,
+      [&](int call) -> std::string {
+        const absl::Status status =
+            cuda::PagedDecodeCuda(batches[call % copies], scratch.data, *scratch_bytes, stream);
+        return status.ok() ? "" : std::string(status.message());
+      },
+      &exec);
+  double seconds = 0;
+  if (!error.empty()) {
+    state.SkipWithError(error.c_str());
+  } else if (RunTimedGraph(state, stream, exec, &seconds)) {
+    const double bytes_per_second = kv_bytes / seconds;
+    state.counters["kv_MiB"] = kv_bytes / double(1 << 20);
+    state.counters["kv_GBps"] = bytes_per_second / 1e9;
+    const double roof = ReadRoofBytesPerSecond();
+    if (roof > 0) state.counters["of_read_roof"] = bytes_per_second / roof;
+  }
+  if (exec != nullptr) cudaGraphExecDestroy(exec);
+  cudaStreamDestroy(stream);
+}
+
+void BM_CudaPagedDecode(benchmark::State& state) {
+  RunCudaPagedDecode(state, state.range(0), state.range(1),
+                     state.range(2) == 0 ? DType::kFloat32 : DType::kBFloat16);
+}
+BENCHMARK(BM_CudaPagedDecode)
+    ->ArgNames({"context", "B", "bf16"})
+    ->ArgsProduct({{4096, 32768}, {1, 8}, {0, 1}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 }  // namespace attention::core

@@ -1,0 +1,393 @@
+// The CUDA paged decode kernel (core/cuda/paged_decode.h) against the dense references of
+// the CPU kernel's test (paged_attention_cpu_test.cc), over the same seeded grids:
+// FlashAttention's fidelity rule, NaN-filled blocks outside the tables, bitwise the same
+// alone and batched. Without a GPU every test that needs one reports SKIPPED with the
+// reason; the refusals, made before any device call, run everywhere.
+#include "core/cuda/paged_decode.h"
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/cuda/paged_decode_plan.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/core/fidelity.h"
+#include "tests/core/paged_decode_fixture.h"
+
+namespace attention::core::cuda {
+namespace {
+
+using kv_cache::BlockId;
+using testing::FidelityStats;
+using testing::HostPagedPool;
+using testing::PagedMatchesReferences;
+using testing::PagedSequence;
+using testing::PagedShape;
+
+// Why no test can run here, or empty.
+std::string NoGpuReason() {
+  int count = 0;
+  const cudaError_t error = cudaGetDeviceCount(&count);
+  if (error != cudaSuccess) return std::string("no CUDA device: ") + cudaGetErrorString(error);
+  if (count == 0) return "no CUDA device";
+  return "";
+}
+
+// One cudaMalloc'd array; a failure fails the test that made it.
+class DeviceArray {
+ public:
+  explicit DeviceArray(size_t bytes) : bytes_(bytes) {
+    EXPECT_EQ(cudaMalloc(&data_, bytes == 0 ? 1 : bytes), cudaSuccess) << bytes << " bytes";
+  }
+  DeviceArray(const void* host, size_t bytes) : DeviceArray(bytes) { Upload(host); }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  ~DeviceArray() { cudaFree(data_); }
+
+  void Upload(const void* host) {
+    EXPECT_EQ(cudaMemcpy(data_, host, bytes_, cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  void Download(void* host) const {
+    EXPECT_EQ(cudaMemcpy(host, data_, bytes_, cudaMemcpyDeviceToHost), cudaSuccess);
+  }
+  template <typename T>
+  T* As() const {
+    return static_cast<T*>(data_);
+  }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_;
+};
+
+template <typename T>
+std::unique_ptr<DeviceArray> ToDevice(const std::vector<T>& host) {
+  return std::make_unique<DeviceArray>(host.data(), host.size() * sizeof(T));
+}
+
+// The host pool's storage, tables and queries on the device; Run computes a batch there and
+// brings its outputs back into the host pool's sequences.
+class DevicePagedPool {
+ public:
+  explicit DevicePagedPool(HostPagedPool& host) : host_(host) {
+    EXPECT_EQ(cudaStreamCreate(&stream_), cudaSuccess);
+    storage_ = ToDevice(host.bytes());
+    for (const PagedSequence& s : host.sequences()) {
+      tables_.push_back(ToDevice(s.table));
+      queries_.push_back(ToDevice(s.query));
+      outputs_.push_back(std::make_unique<DeviceArray>(s.output.size() * sizeof(float)));
+      log_sum_exps_.push_back(std::make_unique<DeviceArray>(s.log_sum_exp.size() * sizeof(float)));
+    }
+  }
+  ~DevicePagedPool() { cudaStreamDestroy(stream_); }
+
+  // After the host changed sequence i's table.
+  void UploadTable(size_t i) { tables_[i] = ToDevice(host_.sequences()[i].table); }
+
+  // `indices` as one batch; outputs start as NaN on the device, so one not written shows.
+  absl::Status Run(const std::vector<size_t>& indices, bool log_sum_exp = true,
+                   bool own_scratch = false) {
+    std::vector<PagedDecodeSequence> sequences;
+    for (const size_t i : indices) {
+      PagedSequence& s = host_.sequences()[i];
+      EXPECT_EQ(cudaMemset(outputs_[i]->As<void>(), 0xff, s.output.size() * sizeof(float)),
+                cudaSuccess);
+      EXPECT_EQ(
+          cudaMemset(log_sum_exps_[i]->As<void>(), 0xff, s.log_sum_exp.size() * sizeof(float)),
+          cudaSuccess);
+      sequences.push_back({absl::Span<const BlockId>(tables_[i]->As<BlockId>(), s.table.size()),
+                           s.length, s.queries, queries_[i]->As<float>(), outputs_[i]->As<float>(),
+                           log_sum_exp ? log_sum_exps_[i]->As<float>() : nullptr});
+    }
+    PagedDecodeBatch batch;
+    batch.storage = {storage_->As<void>(), host_.block_bytes(), host_.num_blocks()};
+    batch.layout = host_.layout();
+    batch.tokens_per_block = host_.shape().tokens_per_block;
+    batch.num_heads = host_.shape().heads;
+    batch.scale = host_.scale();
+    batch.sliding_window = host_.sliding_window;
+    batch.sequences = sequences;
+    absl::Status status;
+    std::unique_ptr<DeviceArray> scratch;
+    if (own_scratch) {
+      const absl::StatusOr<int64_t> bytes = PagedDecodeCudaScratchBytes(batch);
+      if (!bytes.ok()) return bytes.status();
+      scratch = std::make_unique<DeviceArray>(*bytes);
+      status = PagedDecodeCuda(batch, scratch->As<void>(), *bytes, stream_);
+    } else {
+      status = PagedDecodeCuda(batch, stream_);
+    }
+    if (!status.ok()) return status;
+    const cudaError_t error = cudaStreamSynchronize(stream_);
+    if (error != cudaSuccess) return absl::InternalError(cudaGetErrorString(error));
+    for (const size_t i : indices) {
+      PagedSequence& s = host_.sequences()[i];
+      outputs_[i]->Download(s.output.data());
+      if (log_sum_exp) log_sum_exps_[i]->Download(s.log_sum_exp.data());
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  HostPagedPool& host_;
+  cudaStream_t stream_ = nullptr;
+  std::unique_ptr<DeviceArray> storage_;
+  std::vector<std::unique_ptr<DeviceArray>> tables_, queries_, outputs_, log_sum_exps_;
+};
+
+// Whether the kernel reads `pool` with vector loads (see PagedDecodePlan::key_vector).
+bool VectorLoads(HostPagedPool& pool, uint64_t storage_address) {
+  PagedDecodeDims d;
+  d.num_heads = pool.shape().heads;
+  d.num_kv_heads = pool.shape().kv_heads;
+  d.key_dim = pool.shape().key_dim;
+  d.value_dim = pool.shape().value_dim;
+  d.element_bytes = pool.layout().ElementBytes();
+  d.tokens_per_block = pool.shape().tokens_per_block;
+  d.block_bytes = pool.block_bytes();
+  d.storage_address = storage_address;
+  return PlanPagedDecode(d, {{1, 1}}).key_vector > 1;
+}
+
+class CudaPagedDecodeTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (const std::string why = NoGpuReason(); !why.empty()) GTEST_SKIP() << why;
+  }
+};
+
+TEST_F(CudaPagedDecodeTest, MatchesDenseReferencesOverASeededGrid) {
+  constexpr uint64_t kSeed = 25;  // the CPU test's grid
+  std::mt19937_64 rng(kSeed);
+  FidelityStats outputs("cuda paged decode output"), lses("cuda paged decode log-sum-exp");
+  struct Heads {
+    int64_t heads, kv_heads;
+  };
+  // GQA groups 1, 4 and 8, and MQA.
+  const Heads head_shapes[] = {{2, 2}, {8, 2}, {16, 2}, {4, 1}};
+  const std::pair<int64_t, int64_t> head_dims[] = {{40, 24}, {64, 80}, {16, 16}};
+  int cases = 0, vector_cases = 0;
+  for (const int64_t length : {1, 54, 97, 512, 1500, 5000}) {
+    for (const int64_t queries : {1, 3, 17}) {
+      if (queries > length) continue;
+      for (const Heads& heads : head_shapes) {
+        for (const DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+          const auto [key_dim, value_dim] = head_dims[rng() % 3];
+          // Blocks of 1, 5 or 16 tokens: partial last blocks for most lengths.
+          const int64_t tokens_per_block = std::vector<int64_t>{1, 5, 16}[rng() % 3];
+          const uint64_t seed = rng();
+          // Every other case with blocks 16-byte aligned (vector loads), else 8 (scalar).
+          const int64_t slack = cases % 2 == 0 ? 16 : 8;
+          const PagedShape shape{heads.heads, heads.kv_heads,   key_dim,
+                                 value_dim,   tokens_per_block, dtype};
+          SCOPED_TRACE(::testing::Message()
+                       << "seed " << seed << " (grid seed " << kSeed << "): L " << length << " n "
+                       << queries << " H " << heads.heads << " H_kv " << heads.kv_heads << " dk "
+                       << key_dim << " dv " << value_dim << " tokens/block " << tokens_per_block
+                       << " " << DTypeName(dtype) << " slack " << slack);
+          HostPagedPool pool(shape, {{length, queries}}, seed, slack);
+          DevicePagedPool device(pool);
+          ASSERT_TRUE(device.Run({0}).ok());
+          ASSERT_TRUE(PagedMatchesReferences(pool, 0, outputs, lses));
+          vector_cases += VectorLoads(pool, 256) ? 1 : 0;  // cudaMalloc: 256-byte aligned
+          ++cases;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(cases, 6 * 3 * 4 * 2 - 2 * 4 * 2);  // n > L skipped for L = 1
+  EXPECT_GT(vector_cases, cases / 4);           // both load paths are covered
+  EXPECT_LT(vector_cases, cases);
+}
+
+TEST_F(CudaPagedDecodeTest, SlidingWindowMatchesDenseReferences) {
+  // Windows shorter than a block, than a split and than the sequence, and longer than it;
+  // the splits before the first query's window are not run.
+  constexpr uint64_t kSeed = 26;  // the CPU test's grid
+  std::mt19937_64 rng(kSeed);
+  FidelityStats outputs("cuda windowed output"), lses("cuda windowed log-sum-exp");
+  int cases = 0;
+  for (const int64_t length : {54, 1500, 5000}) {
+    for (const int64_t queries : {1, 17}) {
+      for (const int64_t window : {1, 7, 1024, 1500, 4096}) {
+        const DType dtype = rng() % 2 == 0 ? DType::kFloat32 : DType::kBFloat16;
+        const uint64_t seed = rng();
+        const PagedShape shape{8, 2, 40, 24, 5, dtype};
+        SCOPED_TRACE(::testing::Message()
+                     << "seed " << seed << " (grid seed " << kSeed << "): L " << length << " n "
+                     << queries << " window " << window << " " << DTypeName(dtype));
+        HostPagedPool pool(shape, {{length, queries}}, seed, 16);
+        pool.sliding_window = window;
+        DevicePagedPool device(pool);
+        ASSERT_TRUE(device.Run({0}).ok());
+        ASSERT_TRUE(PagedMatchesReferences(pool, 0, outputs, lses));
+        ++cases;
+      }
+    }
+  }
+  EXPECT_EQ(cases, 3 * 2 * 5);
+}
+
+// Outputs and log-sum-exps of every sequence, to compare bitwise.
+std::vector<std::vector<float>> Results(HostPagedPool& pool) {
+  std::vector<std::vector<float>> results;
+  for (const PagedSequence& s : pool.sequences()) {
+    results.push_back(s.output);
+    results.push_back(s.log_sum_exp);
+  }
+  return results;
+}
+
+bool BitwiseEqual(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+TEST_F(CudaPagedDecodeTest, ResultsAreBitwiseTheSameAloneAndBatched) {
+  for (const int64_t window : {0, 700}) {
+    for (const int64_t slack : {16, 8}) {  // vector and scalar loads
+      SCOPED_TRACE(::testing::Message() << "window " << window << " slack " << slack);
+      const PagedShape shape{8, 2, 64, 48, 16, DType::kBFloat16};
+      // Several splits, and a short sequence.
+      HostPagedPool pool(shape, {{5000, 3}, {97, 1}, {2049, 17}}, 7, slack);
+      pool.sliding_window = window;
+      DevicePagedPool device(pool);
+      ASSERT_TRUE(device.Run({0, 1, 2}).ok());
+      const std::vector<std::vector<float>> batched = Results(pool);
+      FidelityStats outputs("cuda batched output"), lses("cuda batched log-sum-exp");
+      for (size_t i = 0; i < 3; ++i) ASSERT_TRUE(PagedMatchesReferences(pool, i, outputs, lses));
+      ASSERT_TRUE(device.Run({2, 0, 1}).ok());  // another order
+      EXPECT_EQ(Results(pool), batched);
+      for (size_t i = 0; i < 3; ++i) {
+        ASSERT_TRUE(device.Run({i}).ok());  // alone
+        EXPECT_TRUE(BitwiseEqual(pool.sequences()[i].output, batched[2 * i])) << "sequence " << i;
+        EXPECT_TRUE(BitwiseEqual(pool.sequences()[i].log_sum_exp, batched[2 * i + 1]))
+            << "sequence " << i;
+      }
+      // The caller's scratch, and no log-sum-exp asked for: the same outputs.
+      ASSERT_TRUE(device.Run({0, 1, 2}, /*log_sum_exp=*/false, /*own_scratch=*/true).ok());
+      for (size_t i = 0; i < 3; ++i) {
+        EXPECT_TRUE(BitwiseEqual(pool.sequences()[i].output, batched[2 * i])) << "sequence " << i;
+      }
+    }
+  }
+}
+
+TEST_F(CudaPagedDecodeTest, BatchesLargerThanALaunchMatchTheirSequencesAlone) {
+  // More sequences than one launch's parameter holds, of mixed lengths and query counts.
+  const PagedShape shape{4, 1, 32, 32, 8, DType::kFloat32};
+  std::vector<std::pair<int64_t, int64_t>> lengths;
+  std::vector<size_t> all;
+  for (int64_t b = 0; b < kCudaPagedSequencesPerLaunch + 9; ++b) {
+    lengths.push_back({1 + (b * 37) % 400, 1 + b % 3});
+    all.push_back(b);
+  }
+  HostPagedPool pool(shape, lengths, 5, 16);
+  DevicePagedPool device(pool);
+  ASSERT_TRUE(device.Run(all).ok());
+  const std::vector<std::vector<float>> batched = Results(pool);
+  FidelityStats outputs("cuda many output"), lses("cuda many log-sum-exp");
+  for (size_t i = 0; i < all.size(); ++i) {
+    ASSERT_TRUE(PagedMatchesReferences(pool, i, outputs, lses)) << "sequence " << i;
+    ASSERT_TRUE(device.Run({i}).ok());
+    EXPECT_TRUE(BitwiseEqual(pool.sequences()[i].output, batched[2 * i])) << "sequence " << i;
+  }
+}
+
+TEST_F(CudaPagedDecodeTest, AReadOutsideTheBlockTableShows) {
+  // The negative control of the NaN poisoning: a table naming one unwritten block.
+  const PagedShape shape{4, 2, 32, 32, 8, DType::kFloat32};
+  HostPagedPool pool(shape, {{40, 1}}, 11, 16);
+  std::vector<BlockId>& table = pool.sequences()[0].table;
+  const std::vector<BlockId> written = table;
+  for (BlockId b = 0; std::find(written.begin(), written.end(), table[2]) != written.end(); ++b) {
+    table[2] = b;  // the first block no sequence wrote
+  }
+  DevicePagedPool device(pool);
+  device.UploadTable(0);
+  ASSERT_TRUE(device.Run({0}).ok());
+  EXPECT_TRUE(std::isnan(pool.sequences()[0].output[0]));
+  FidelityStats outputs("poisoned"), lses("poisoned lse");
+  EXPECT_FALSE(PagedMatchesReferences(pool, 0, outputs, lses));
+  // A block id outside the storage is not read: NaN, and no fault.
+  table[2] = 1 << 20;
+  device.UploadTable(0);
+  ASSERT_TRUE(device.Run({0}).ok());
+  EXPECT_TRUE(std::isnan(pool.sequences()[0].output[0]));
+  table[2] = -1;
+  device.UploadTable(0);
+  ASSERT_TRUE(device.Run({0}).ok());
+  EXPECT_TRUE(std::isnan(pool.sequences()[0].log_sum_exp[0]));
+}
+
+TEST_F(CudaPagedDecodeTest, RefusesScratchTooSmall) {
+  const PagedShape shape{4, 2, 32, 32, 8, DType::kFloat32};
+  HostPagedPool pool(shape, {{300, 2}}, 3, 16);
+  PagedSequence& s = pool.sequences()[0];
+  const std::vector<PagedDecodeSequence> sequences = {
+      {s.table, s.length, s.queries, s.query.data(), s.output.data(), nullptr}};
+  PagedDecodeBatch batch;
+  batch.storage = {pool.bytes().data(), pool.block_bytes(), pool.num_blocks()};
+  batch.layout = pool.layout();
+  batch.tokens_per_block = 8;
+  batch.num_heads = 4;
+  batch.sequences = sequences;
+  // 2 KV heads * 3 splits * 4 rows * (32 + 2) floats.
+  EXPECT_EQ(*PagedDecodeCudaScratchBytes(batch), 4 * 2 * 3 * 4 * 34);
+  const absl::Status status = PagedDecodeCuda(batch, nullptr, 100, nullptr);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), ::testing::HasSubstr("scratch_bytes 100 < the 3264 needed"));
+}
+
+// The CPU kernel's refusals with its messages, but for block ids (on the device, not read by
+// the host). Made before any device call: no GPU needed.
+TEST(CudaPagedDecodeRefusalTest, RefusesMalformedBatches) {
+  const PagedShape shape{4, 2, 32, 32, 8, DType::kFloat32};
+  HostPagedPool pool(shape, {{20, 2}}, 3);
+  PagedSequence& s = pool.sequences()[0];
+  int64_t window = 0;
+  const float* query = s.query.data();
+  // Host pointers in place of device ones: a refused batch is never read.
+  const auto run = [&] {
+    const std::vector<PagedDecodeSequence> sequences = {
+        {s.table, s.length, s.queries, query, s.output.data(), nullptr}};
+    PagedDecodeBatch batch;
+    batch.storage = {pool.bytes().data(), pool.block_bytes(), pool.num_blocks()};
+    batch.layout = pool.layout();
+    batch.tokens_per_block = 8;
+    batch.num_heads = 4;
+    batch.sliding_window = window;
+    batch.sequences = sequences;
+    return PagedDecodeCuda(batch, nullptr);
+  };
+  s.length = 0, s.queries = 0;  // an empty sequence with no query
+  absl::Status status = run();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), ::testing::HasSubstr("num_queries 0 and length 0"));
+  s.length = 2, s.queries = 3;
+  EXPECT_EQ(run().code(), absl::StatusCode::kInvalidArgument);
+  s.length = 20, s.queries = 2;
+  s.table.pop_back();
+  status = run();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(),
+              ::testing::HasSubstr("needs 3 blocks of 8 tokens; its block table has 2"));
+  s.table.push_back(s.table.front());
+  window = -1;
+  status = run();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), ::testing::HasSubstr("sliding_window -1 must be >= 0"));
+  window = 0;
+  query = nullptr;
+  status = run();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), ::testing::HasSubstr("sequence 0 lacks its query or output"));
+}
+
+}  // namespace
+}  // namespace attention::core::cuda
