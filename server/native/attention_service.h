@@ -22,7 +22,10 @@
 
 namespace attention::server {
 
-class MultiHeadAttentionStreamReactor;  // stream_reactor.cc
+template <typename Request, typename StreamAnswer>
+class StreamReactor;  // stream_reactor.cc
+class MultiHeadAttentionStreamReactor;
+class SessionStepStreamReactor;
 
 // The call's deadline (infinite when the caller set none).
 absl::Time Deadline(const grpc::CallbackServerContext* context);
@@ -76,6 +79,8 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
                                                v1::MultiHeadAttentionResponse* response) override;
   grpc::ServerBidiReactor<v1::MultiHeadAttentionRequest, v1::MultiHeadAttentionStreamResponse>*
   MultiHeadAttentionStream(grpc::CallbackServerContext* context) override;
+  grpc::ServerBidiReactor<v1::SessionStepRequest, v1::SessionStepStreamResponse>* SessionStepStream(
+      grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* ScaledDotProductAttention(
       grpc::CallbackServerContext* context, const v1::ScaledDotProductAttentionRequest* request,
       v1::ScaledDotProductAttentionResponse* response) override;
@@ -152,7 +157,10 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
                                    v1::InspectCheckpointResponse* response);
 
  private:
-  friend class MultiHeadAttentionStreamReactor;  // stream_reactor.cc
+  template <typename Request, typename StreamAnswer>
+  friend class StreamReactor;  // stream_reactor.cc
+  friend class MultiHeadAttentionStreamReactor;
+  friend class SessionStepStreamReactor;
   // The Open Inference Protocol's service shares the admin check and call starts.
   friend class InferenceServiceImpl;
 

@@ -159,6 +159,22 @@ def check_sessions(t, client):
     t.check(client.get_session(session.session_id).length == length, "session length")
     retried = client.session_step([(session.session_id, 0, 10, q[10:], k[10:], v[10:])])
     t.check(np.array_equal(retried[0], outputs[-1]), "a retried step answers the same bits")
+    # The same steps again on a stream: rewrites of written positions, which answer the same
+    # bits in any order; and one step of a session held elsewhere, which fails alone.
+    steps, position = [], 0
+    for n in (5, 1, 1, 3, 10):
+        span = slice(position, position + n)
+        steps.append(("step%d" % position, [(session.session_id, 0, position, q[span], k[span],
+                                             v[span])]))
+        position += n
+    steps.insert(2, ("lost", [("nobody/00", 0, 0, q[:1], k[:1], v[:1])]))
+    answers = dict(client.session_step_stream(iter(steps)))
+    t.check(sorted(answers) == sorted(r for r, _ in steps), "one answer per streamed step")
+    streamed = np.concatenate([answers[r][0] for r, _ in steps if r != "lost"])
+    t.check(np.array_equal(streamed, np.concatenate(outputs)),
+            "streamed steps answer the unary steps' bits")
+    t.check(answers["lost"][0] == grpc.StatusCode.FAILED_PRECONDITION
+            and "nobody" in answers["lost"][1], "a failed streamed step: %s" % (answers["lost"],))
     fork = client.fork_session(session.session_id, 8, reserved_tokens=32)
     t.check(fork.length == 8, "fork length %d" % fork.length)
     t.check(client.truncate_session(session.session_id, 4).length == 4, "truncate")

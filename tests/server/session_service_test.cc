@@ -1,6 +1,7 @@
 // KV-cache sessions over gRPC (issue 25): create, step a batch of sessions, fork, truncate,
 // drop, get and list through the native API, the step's answer against the table's own,
 // and every rejection with its code and a message naming the field.
+#include <map>
 #include <random>
 #include <set>
 
@@ -227,6 +228,43 @@ TEST_F(SessionServiceTest, StepsOfSeveralSessionsAnswerAsTheTableDoes) {
   EXPECT_EQ(Reason(status), "SESSION_DROPPED");
   get.set_session_id("replica-a/ff");
   EXPECT_EQ(Reason(Invoke(&v1::AttentionService::Stub::GetSession, get, &got)), "SESSION_UNKNOWN");
+}
+
+TEST_F(SessionServiceTest, TheStepStreamAnswersEachStepAsTheUnaryCallAndGoesOnPastErrors) {
+  std::mt19937_64 rng(31);
+  const v1::SessionInfo a = Create(16), b = Create(16), twin = Create(16);
+  std::map<std::string, v1::SessionStepRequest> sent;
+  sent["a"].add_entries()->CopyFrom(Entry(a.session_id(), 0, 0, 4, rng));
+  sent["unknown"].add_entries()->CopyFrom(Entry("replica-a/00", 0, 0, 1, rng));
+  sent["b"].add_entries()->CopyFrom(Entry(b.session_id(), 1, 0, 2, rng));
+  grpc::ClientContext context;
+  auto stream = stub_->SessionStepStream(&context);
+  for (auto& [id, request] : sent) {
+    request.set_request_id(id);
+    ASSERT_TRUE(stream->Write(request));
+  }
+  ASSERT_TRUE(stream->WritesDone());
+  std::map<std::string, v1::SessionStepStreamResponse> answers;
+  for (v1::SessionStepStreamResponse answer; stream->Read(&answer);) {
+    answers[answer.request_id()] = answer;
+  }
+  ASSERT_TRUE(stream->Finish().ok());
+  ASSERT_EQ(answers.size(), 3u);
+  EXPECT_EQ(answers["unknown"].error_code(), static_cast<int>(grpc::StatusCode::NOT_FOUND));
+  EXPECT_NE(answers["unknown"].error_message().find("entries[0]: session \"replica-a/00\""),
+            std::string::npos)
+      << answers["unknown"].error_message();
+  EXPECT_EQ(answers["b"].error_code(), 0) << answers["b"].error_message();
+  EXPECT_EQ(answers["b"].response().results_size(), 1);
+  // The same step on a twin session, unary: the same bits.
+  v1::SessionStepRequest unary = sent["a"];
+  unary.mutable_entries(0)->set_session_id(twin.session_id());
+  v1::SessionStepResponse expected;
+  ASSERT_TRUE(Step(unary, &expected).ok());
+  ASSERT_EQ(answers["a"].error_code(), 0) << answers["a"].error_message();
+  EXPECT_EQ(answers["a"].response().results(0).output().raw_data(),
+            expected.results(0).output().raw_data());
+  EXPECT_EQ(answers["a"].response().request_id(), "a");
 }
 
 TEST_F(SessionServiceTest, EveryRejectionHasItsCodeAndNamesTheField) {

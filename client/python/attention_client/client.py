@@ -6,6 +6,7 @@ The asyncio twin is attention_client.aio.AsyncAttentionClient; both build their 
 with attention_client.messages.
 """
 
+import itertools
 import threading
 
 import grpc
@@ -14,6 +15,10 @@ from . import messages
 from . import stubs
 from . import tensors
 from .messages import AttentionResult, make_layer_config, make_layer_spec  # noqa: F401
+
+
+# grpc.StatusCode by number, for the error codes a stream's answers carry.
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class ClientBase:
@@ -182,7 +187,55 @@ class AttentionClient(ClientBase):
         request = self._pb2.SessionStepRequest(return_log_sum_exp=return_log_sum_exp)
         if output_dtype is not None:
             request.output_dtype = tensors.dtype_enum(output_dtype)
-        parts = {}  # stub -> (request, indices of its entries), one per replica
+        parts = self._step_requests(entries, request)
+        results = [None] * len(entries)
+        for stub, (part, indices) in parts.items():
+            response = stub.SessionStep(part, timeout=self._timeout(timeout))
+            for index, result in zip(indices, response.results):
+                results[index] = result
+        return self._step_outputs(results, return_log_sum_exp)
+
+    def session_step_stream(self, steps, *, return_log_sum_exp=False, output_dtype=None,
+                            timeout=None):
+        """SessionStep on one bidirectional stream, several steps in flight. `steps` yields
+        (request_id, entries), entries as in session_step; this yields (request_id, outputs)
+        in completion order, where a failed step's outputs are a (grpc.StatusCode, message)
+        pair and the stream goes on. Keep one step of a session in flight at a time. The
+        stream goes to the replica of the first step's first session."""
+        steps = iter(steps)
+        first = next(steps, None)
+        if first is None:
+            return
+        stub = self._session_stub(first[1][0][0]) if first[1] else self._stub
+
+        def requests():
+            for request_id, entries in itertools.chain([first], steps):
+                request = self._pb2.SessionStepRequest(return_log_sum_exp=return_log_sum_exp,
+                                                       request_id=request_id)
+                if output_dtype is not None:
+                    request.output_dtype = tensors.dtype_enum(output_dtype)
+                for session_id, layer, position, query, key, value in entries:
+                    self._add_entry(request, session_id, layer, position, query, key, value)
+                yield request
+
+        for answer in stub.SessionStepStream(requests(), timeout=self._timeout(timeout)):
+            if answer.error_code:
+                yield answer.request_id, (_STATUS_CODES[answer.error_code],
+                                          answer.error_message)
+            else:
+                yield answer.request_id, self._step_outputs(answer.response.results,
+                                                            return_log_sum_exp)
+
+    @staticmethod
+    def _add_entry(request, session_id, layer, position, query, key, value):
+        entry = request.entries.add(session_id=session_id, layer=layer, position=position)
+        tensors.encode(query, out=entry.query)
+        tensors.encode(key, out=entry.key)
+        tensors.encode(value, out=entry.value)
+
+    def _step_requests(self, entries, request):
+        """{stub: (request with the entries of that stub's replica, their indices)}."""
+        parts = {}
         for index, (session_id, layer, position, query, key, value) in enumerate(entries):
             stub = self._session_stub(session_id)
             if stub not in parts:
@@ -190,18 +243,14 @@ class AttentionClient(ClientBase):
                 part.CopyFrom(request)
                 parts[stub] = (part, [])
             part, indices = parts[stub]
-            entry = part.entries.add(session_id=session_id, layer=layer, position=position)
-            tensors.encode(query, out=entry.query)
-            tensors.encode(key, out=entry.key)
-            tensors.encode(value, out=entry.value)
+            self._add_entry(part, session_id, layer, position, query, key, value)
             indices.append(index)
         if not parts:
             parts[self._stub] = (request, [])
-        results = [None] * len(entries)
-        for stub, (part, indices) in parts.items():
-            response = stub.SessionStep(part, timeout=self._timeout(timeout))
-            for index, result in zip(indices, response.results):
-                results[index] = result
+        return parts
+
+    @staticmethod
+    def _step_outputs(results, return_log_sum_exp):
         decode = tensors.decode
         if return_log_sum_exp:
             return [(decode(r.output), decode(r.log_sum_exp)) for r in results]

@@ -64,6 +64,11 @@ class AttentionServiceStub(object):
                 request_serializer=attention_dot_v1_dot_attention__pb2.SessionStepRequest.SerializeToString,
                 response_deserializer=attention_dot_v1_dot_attention__pb2.SessionStepResponse.FromString,
                 )
+        self.SessionStepStream = channel.stream_stream(
+                '/attention.v1.AttentionService/SessionStepStream',
+                request_serializer=attention_dot_v1_dot_attention__pb2.SessionStepRequest.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.SessionStepStreamResponse.FromString,
+                )
         self.ForkSession = channel.unary_unary(
                 '/attention.v1.AttentionService/ForkSession',
                 request_serializer=attention_dot_v1_dot_attention__pb2.ForkSessionRequest.SerializeToString,
@@ -165,6 +170,18 @@ class AttentionServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SessionStepStream(self, request_iterator, context):
+        """SessionStep on a bidirectional stream, so a caller keeps several step batches in flight
+        (one per micro-batch) on one connection: answers come back in completion order, matched
+        by request_id. Steps in flight at once may run in any order: keep one step of a session
+        in flight (a later one could otherwise find a gap, OUT_OF_RANGE, and retrying it is
+        safe). Flow control as MultiHeadAttentionStream (at most 32 steps read and not yet
+        answered).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ForkSession(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -247,6 +264,11 @@ def add_AttentionServiceServicer_to_server(servicer, server):
                     servicer.SessionStep,
                     request_deserializer=attention_dot_v1_dot_attention__pb2.SessionStepRequest.FromString,
                     response_serializer=attention_dot_v1_dot_attention__pb2.SessionStepResponse.SerializeToString,
+            ),
+            'SessionStepStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.SessionStepStream,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.SessionStepRequest.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.SessionStepStreamResponse.SerializeToString,
             ),
             'ForkSession': grpc.unary_unary_rpc_method_handler(
                     servicer.ForkSession,
@@ -450,6 +472,23 @@ class AttentionService(object):
         return grpc.experimental.unary_unary(request, target, '/attention.v1.AttentionService/SessionStep',
             attention_dot_v1_dot_attention__pb2.SessionStepRequest.SerializeToString,
             attention_dot_v1_dot_attention__pb2.SessionStepResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def SessionStepStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(request_iterator, target, '/attention.v1.AttentionService/SessionStepStream',
+            attention_dot_v1_dot_attention__pb2.SessionStepRequest.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.SessionStepStreamResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
