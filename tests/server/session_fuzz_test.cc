@@ -510,7 +510,13 @@ class SessionFuzzer {
 
   void CreateOp() {
     const SessionShape& shape = Shapes()[Uniform(0, Shapes().size() - 1)];
-    const int64_t reserved = PickReservation();
+    int64_t reserved = PickReservation();
+    if (Coin(0.15)) {  // all the pool can still promise, so that rollbacks run out
+      const int64_t available = table_->Counters().pool.blocks_available;
+      reserved = std::clamp<int64_t>(available / shape.num_layers *
+                                         TokensPerBlockOf(shape, options_.block_bytes),
+                                     1, options_.max_session_tokens);
+    }
     const absl::Duration ttl = PickTtl();
     Log(absl::StrCat("create ", Describe(shape), " reserved=", reserved, " ttl=",
                      absl::FormatDuration(ttl)));
@@ -556,6 +562,11 @@ class SessionFuzzer {
     const int64_t written = source_it != sessions_.end() ? source_it->second.MinLength() : 3;
     const int64_t tokens = Coin(0.92) ? Uniform(0, written) : written + Uniform(1, 3);
     int64_t reserved = tokens + Uniform(0, 100);
+    if (Coin(0.15) && source_it != sessions_.end()) {  // about all the pool can still promise
+      const int64_t available = table_->Counters().pool.blocks_available;
+      reserved = tokens + available / source_it->second.shape.num_layers *
+                              source_it->second.sequence.tokens_per_block;
+    }
     if (Coin(0.05)) reserved = tokens - 1;
     if (Coin(0.02)) reserved = options_.max_session_tokens + 1;
     const absl::Duration ttl = PickTtl();
@@ -1023,8 +1034,9 @@ TEST(SessionTableFuzzTest, RandomOperationsMatchADenseReference) {
   const int64_t ops = EnvInt("ATTENTION_SESSION_FUZZ_OPS", 3000);
   SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
   core::ThreadPool pool(2);
-  // Small blocks (4 to 64 tokens) make forks share, copy and cross block boundaries often.
-  const FuzzConfig configs[] = {{1024, 480}, {4096, 160}};
+  // Small blocks (4 to 64 tokens) make forks share, copy and cross block boundaries often;
+  // the last pool is small enough that admission and rollbacks into shared blocks run out.
+  const FuzzConfig configs[] = {{1024, 480}, {4096, 160}, {1024, 64}};
   const auto start = std::chrono::steady_clock::now();
   std::map<std::string, int64_t> outcomes;
   int64_t steps = 0, tokens = 0;
