@@ -12,6 +12,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -21,7 +22,6 @@
 #include <map>
 #include <mutex>
 #include <random>
-#include <condition_variable>
 #include <set>
 #include <string>
 #include <thread>
@@ -142,9 +142,8 @@ void DenseDecode(const SessionShape& shape, const float* query, int64_t position
 ::testing::AssertionResult HasCode(const absl::Status& status, Code code,
                                    const std::vector<std::string>& parts = {}) {
   if (status.code() != code) {
-    return ::testing::AssertionFailure()
-           << status << "; want " << absl::StatusCodeToString(code) << " ("
-           << absl::StrJoin(parts, " or ") << ")";
+    return ::testing::AssertionFailure() << status << "; want " << absl::StatusCodeToString(code)
+                                         << " (" << absl::StrJoin(parts, " or ") << ")";
   }
   if (parts.empty()) return ::testing::AssertionSuccess();
   for (const std::string& part : parts) {
@@ -251,9 +250,7 @@ class SessionFuzzer {
     Last last;
     int64_t KeyRow() const { return shape.num_kv_heads * shape.head_dim; }
     int64_t ValueRow() const { return shape.num_kv_heads * ValueDim(shape); }
-    int64_t Length(int64_t layer) const {
-      return static_cast<int64_t>(k[layer].size()) / KeyRow();
-    }
+    int64_t Length(int64_t layer) const { return static_cast<int64_t>(k[layer].size()) / KeyRow(); }
     int64_t MinLength() const {
       int64_t length = std::numeric_limits<int64_t>::max();
       for (int64_t l = 0; l < shape.num_layers; ++l) length = std::min(length, Length(l));
@@ -329,9 +326,9 @@ class SessionFuzzer {
   }
   int64_t PickReservation() {
     const int64_t r = Uniform(0, 99);
-    if (r < 2) return 0;                                      // invalid
-    if (r < 4) return options_.max_session_tokens + 1;        // invalid
-    if (r < 20) return Uniform(1, 24);                        // small
+    if (r < 2) return 0;                                // invalid
+    if (r < 4) return options_.max_session_tokens + 1;  // invalid
+    if (r < 20) return Uniform(1, 24);                  // small
     if (r < 90) return Uniform(25, 160);
     return Uniform(161, options_.max_session_tokens);
   }
@@ -453,8 +450,7 @@ class SessionFuzzer {
     return nullptr;
   }
   static std::string EndingMessage(Ending ending) {
-    return ending == Ending::kExpired ? "expired: it was idle longer than its ttl"
-                                      : "was dropped";
+    return ending == Ending::kExpired ? "expired: it was idle longer than its ttl" : "was dropped";
   }
   std::vector<std::string> NotFoundMessages(const std::string& id) const {
     const auto ended = batch_of_.find(id);
@@ -483,10 +479,10 @@ class SessionFuzzer {
     EXPECT_EQ(info.id, session.id);
     EXPECT_EQ(info.length, session.MinLength());
     EXPECT_EQ(info.reserved_tokens, session.sequence.reserved);
-    EXPECT_EQ(info.kv_bytes, session.shape.num_layers *
-                                 CeilDiv(session.sequence.length,
-                                         session.sequence.tokens_per_block) *
-                                 options_.block_bytes);
+    EXPECT_EQ(info.kv_bytes,
+              session.shape.num_layers *
+                  CeilDiv(session.sequence.length, session.sequence.tokens_per_block) *
+                  options_.block_bytes);
     EXPECT_EQ(info.ttl, session.ttl);
     EXPECT_EQ(info.last_used, session.last_used);
     EXPECT_EQ(info.shape.num_heads, session.shape.num_heads);
@@ -513,13 +509,13 @@ class SessionFuzzer {
     int64_t reserved = PickReservation();
     if (Coin(0.15)) {  // all the pool can still promise, so that rollbacks run out
       const int64_t available = table_->Counters().pool.blocks_available;
-      reserved = std::clamp<int64_t>(available / shape.num_layers *
-                                         TokensPerBlockOf(shape, options_.block_bytes),
-                                     1, options_.max_session_tokens);
+      reserved = std::clamp<int64_t>(
+          available / shape.num_layers * TokensPerBlockOf(shape, options_.block_bytes), 1,
+          options_.max_session_tokens);
     }
     const absl::Duration ttl = PickTtl();
-    Log(absl::StrCat("create ", Describe(shape), " reserved=", reserved, " ttl=",
-                     absl::FormatDuration(ttl)));
+    Log(absl::StrCat("create ", Describe(shape), " reserved=", reserved,
+                     " ttl=", absl::FormatDuration(ttl)));
     const absl::StatusOr<SessionInfo> info = table_->CreateSession(shape, reserved, ttl, now_);
     Count("create", info.status());
     if (!ReservationValid(reserved) || !TtlValid(ttl)) {
@@ -572,8 +568,7 @@ class SessionFuzzer {
     const absl::Duration ttl = PickTtl();
     Log(absl::StrCat("fork ", source_id, " tokens=", tokens, " reserved=", reserved,
                      " ttl=", absl::FormatDuration(ttl)));
-    const absl::StatusOr<SessionInfo> info =
-        table_->Fork(source_id, tokens, reserved, ttl, now_);
+    const absl::StatusOr<SessionInfo> info = table_->Fork(source_id, tokens, reserved, ttl, now_);
     Count("fork", info.status());
     if (!ReservationValid(reserved) || !TtlValid(ttl)) {
       EXPECT_TRUE(HasCode(info.status(), Code::kInvalidArgument));
@@ -732,8 +727,8 @@ class SessionFuzzer {
   // Fills `data` for `n` tokens at `position` of `layer` of `session`: K/V of written
   // positions as the session holds them (as sent or as stored), new ones random; a conflict
   // changes one written value.
-  void MakeRows(const Session& session, int64_t layer, int64_t position, int64_t n,
-                bool conflict, EntryData* data) {
+  void MakeRows(const Session& session, int64_t layer, int64_t position, int64_t n, bool conflict,
+                EntryData* data) {
     const SessionShape& shape = session.shape;
     const int64_t key_row = session.KeyRow(), value_row = session.ValueRow();
     const int64_t length = layer >= 0 && layer < shape.num_layers ? session.Length(layer) : 0;
@@ -908,8 +903,7 @@ class SessionFuzzer {
         EXPECT_TRUE(HasCode(status, Code::kNotFound, parts)) << "entry " << i;
         continue;
       }
-      if (e.layer < 0 || e.layer >= s->shape.num_layers || e.num_tokens < 1 ||
-          e.position < 0) {
+      if (e.layer < 0 || e.layer >= s->shape.num_layers || e.num_tokens < 1 || e.position < 0) {
         EXPECT_TRUE(HasCode(status, Code::kInvalidArgument)) << "entry " << i;
         continue;
       }
@@ -971,11 +965,11 @@ class SessionFuzzer {
       EntryData& data = batch[i];
       const StepEntry& e = data.entry;
       if (ok[i] == nullptr) {
-        EXPECT_TRUE(std::all_of(data.output.begin(), data.output.end(),
-                                [](float x) { return x == -7.5f; }))
+        EXPECT_TRUE(
+            std::all_of(data.output.begin(), data.output.end(), [](float x) { return x == -7.5f; }))
             << "a failed entry wrote its output, entry " << i;
-        EXPECT_TRUE(std::all_of(data.lse.begin(), data.lse.end(),
-                                [](float x) { return x == -7.5f; }))
+        EXPECT_TRUE(
+            std::all_of(data.lse.begin(), data.lse.end(), [](float x) { return x == -7.5f; }))
             << "a failed entry wrote its log-sum-exp, entry " << i;
         continue;
       }
@@ -1066,7 +1060,6 @@ TEST(SessionTableFuzzTest, RandomOperationsMatchADenseReference) {
   }
 }
 
-
 // ---------------------------------------------------------------------------------------
 // Races: threads step, fork, truncate, drop and expire shared sessions. Every session of a
 // shape holds the same K/V at each position (a prefix of one source), whatever the
@@ -1139,7 +1132,7 @@ TEST(SessionTableRaceTest, StepsForksTruncationsDropsAndExpiriesOnSharedSessions
 
   std::mutex mu;  // std::, not absl::: TSAN cannot see into Debian's prebuilt Abseil
   std::vector<std::pair<std::string, size_t>> ids;  // session, source; under mu
-  std::map<std::string, int64_t> outcomes;  // under mu
+  std::map<std::string, int64_t> outcomes;          // under mu
   // The fake clock moves 10 ms with every call any thread makes, so a session no thread
   // touched in its last 400 calls (its TTL of 4 s) expires.
   std::atomic<int64_t> calls{0};
@@ -1292,8 +1285,8 @@ TEST(SessionTableRaceTest, StepsForksTruncationsDropsAndExpiriesOnSharedSessions
     for (int64_t layer = 0; layer < shape.num_layers; ++layer) {
       const std::vector<float> q(n * shape.num_heads * shape.head_dim, 0.5f);
       std::vector<float> output(n * shape.num_heads * ValueDim(shape));
-      const StepEntry entry{info->id,   layer, 0, n, q.data(), source.raw_k.data(),
-                            source.raw_v.data(), output.data()};
+      const StepEntry entry{
+          info->id, layer, 0, n, q.data(), source.raw_k.data(), source.raw_v.data(), output.data()};
       ASSERT_TRUE(table.Step({&entry, 1}, now())[0].ok());
     }
     std::lock_guard<std::mutex> lock(mu);
@@ -1391,7 +1384,7 @@ MemoryNumbers RunMemoryCase(const MemoryCase& c, uint64_t seed) {
       const std::vector<float> q = random(n * heads * dk), k = random(n * kv_heads * dk),
                                v = random(n * kv_heads * dv);
       std::vector<float> output(n * heads * dv);
-      const StepEntry entry{source->id, layer,    position,  n,
+      const StepEntry entry{source->id, layer,    position, n,
                             q.data(),   k.data(), v.data(), output.data()};
       const absl::Status status = table.Step({&entry, 1}, kT0)[0];
       EXPECT_TRUE(status.ok()) << status;
@@ -1432,8 +1425,8 @@ MemoryNumbers RunMemoryCase(const MemoryCase& c, uint64_t seed) {
   numbers.tokens_written = c.prefix + c.forks * c.suffix;
   numbers.ratio = static_cast<double>(numbers.tokens_held) / numbers.tokens_written;
   numbers.bytes_held = numbers.blocks_held * c.block_bytes;
-  numbers.bytes_written = numbers.tokens_written * layers * kv_heads * (dk + dv) *
-                          core::ElementSize(shape.kv_dtype);
+  numbers.bytes_written =
+      numbers.tokens_written * layers * kv_heads * (dk + dv) * core::ElementSize(shape.kv_dtype);
   for (const SessionInfo& info : table.List(kT0)) numbers.kv_bytes_listed += info.kv_bytes;
   EXPECT_EQ(numbers.blocks_held, numbers.expected_blocks);
   // Each fork sees the shared prefix and only its own suffix: its last token of layer 0
@@ -1447,8 +1440,8 @@ MemoryNumbers RunMemoryCase(const MemoryCase& c, uint64_t seed) {
     const int64_t last = 1, row = heads * dv;
     EXPECT_TRUE(MatchesDense(shape, qs[i].data() + (c.suffix - last) * heads * dk,
                              c.prefix + c.suffix - last, last, k.data(), v.data(),
-                             absl::MakeConstSpan(outputs[i]).subspan((c.suffix - last) * row),
-                             {}, output_stats, lse_stats))
+                             absl::MakeConstSpan(outputs[i]).subspan((c.suffix - last) * row), {},
+                             output_stats, lse_stats))
         << "fork " << f;
   }
 
@@ -1463,8 +1456,7 @@ MemoryNumbers RunMemoryCase(const MemoryCase& c, uint64_t seed) {
   EXPECT_EQ(after.pool.blocks_reserved, 0);
   EXPECT_EQ(after.pool.blocks_shared, 0);
   EXPECT_EQ(after.pool.sequences, 0);
-  numbers.seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  numbers.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf(
       "%s (%s, %lld-byte blocks, %lld tokens a block): %lld forks of %lld tokens + %lld each: "
       "%lld blocks held = %lld tokens for %lld written (%.3fx); %.2f MiB held for %.2f MiB "
@@ -1473,9 +1465,8 @@ MemoryNumbers RunMemoryCase(const MemoryCase& c, uint64_t seed) {
       static_cast<long long>(tpb), static_cast<long long>(c.forks),
       static_cast<long long>(c.prefix), static_cast<long long>(c.suffix),
       static_cast<long long>(numbers.blocks_held), static_cast<long long>(numbers.tokens_held),
-      static_cast<long long>(numbers.tokens_written), numbers.ratio,
-      numbers.bytes_held / 1048576.0, numbers.bytes_written / 1048576.0,
-      numbers.kv_bytes_listed / 1048576.0, numbers.seconds);
+      static_cast<long long>(numbers.tokens_written), numbers.ratio, numbers.bytes_held / 1048576.0,
+      numbers.bytes_written / 1048576.0, numbers.kv_bytes_listed / 1048576.0, numbers.seconds);
   return numbers;
 }
 
@@ -1514,13 +1505,11 @@ TEST(SessionTableMemoryTest, BlockGranularityAcrossLayouts) {
   };
   const Case cases[] = {
       {{"llama bf16", {1, 8, 8, 128, 0, DType::kBFloat16, 0}, kDefault, 4096, 256, 16}, true},
-      {{"llama prefix 4100", {1, 8, 8, 128, 0, DType::kFloat32, 0}, kDefault, 4100, 256, 16},
-       true},
+      {{"llama prefix 4100", {1, 8, 8, 128, 0, DType::kFloat32, 0}, kDefault, 4100, 256, 16}, true},
       {{"small gqa bf16", {1, 2, 2, 64, 0, DType::kBFloat16, 0}, kDefault, 4096, 256, 16}, false},
       {{"small gqa bf16 64k", {1, 2, 2, 64, 0, DType::kBFloat16, 0}, 64 << 10, 4096, 256, 16},
        false},
-      {{"mqa f32 2 layers", {2, 2, 1, 64, 0, DType::kFloat32, 0}, kDefault, 4096, 256, 16},
-       false},
+      {{"mqa f32 2 layers", {2, 2, 1, 64, 0, DType::kFloat32, 0}, kDefault, 4096, 256, 16}, false},
   };
   for (const Case& c : cases) {
     if (c.slow && !all) continue;
