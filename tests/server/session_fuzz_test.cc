@@ -1300,6 +1300,9 @@ TEST(SessionTableRaceTest, StepsForksTruncationsDropsAndExpiriesOnSharedSessions
   std::vector<std::thread> threads;
   for (size_t t = 0; t < roles.size(); ++t) {
     threads.emplace_back([&, t] {
+      // gtest's traces are per thread.
+      SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED), thread " +
+                   std::to_string(t));
       std::mt19937_64 rng(seed + 1 + t);
       roles[t](rng, rounds);
     });
