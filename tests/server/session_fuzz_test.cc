@@ -46,8 +46,8 @@ using Code = absl::StatusCode;
 
 const absl::Time kT0 = absl::FromUnixSeconds(1'000'000);
 
-// ASAN and TSAN builds (scripts/test-asan, scripts/test-tsan) run the long memory cases
-// scaled down.
+// ASAN and TSAN builds (scripts/test-asan, scripts/test-tsan) run fewer fuzzer operations and
+// the long memory cases scaled down.
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
 constexpr bool kSanitized = true;
 #elif defined(__has_feature)
@@ -1025,7 +1025,7 @@ class SessionFuzzer {
 
 TEST(SessionTableFuzzTest, RandomOperationsMatchADenseReference) {
   const uint64_t seed = TestSeed(20260325);
-  const int64_t ops = EnvInt("ATTENTION_SESSION_FUZZ_OPS", 3000);
+  const int64_t ops = EnvInt("ATTENTION_SESSION_FUZZ_OPS", kSanitized ? 1000 : 3000);
   SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
   core::ThreadPool pool(2);
   // Small blocks (4 to 64 tokens) make forks share, copy and cross block boundaries often;
