@@ -191,6 +191,10 @@ class SessionFuzzer {
     for (op_ = 0; op_ < ops; ++op_) {
       now_ += absl::Milliseconds(Uniform(0, 1500));
       OneOperation();
+      // Sessions ended by this operation, in creation order (a step ends them in id order).
+      std::sort(ended_this_op_.begin(), ended_this_op_.end());
+      for (const auto& [serial, id] : ended_this_op_) ended_.push_back(id);
+      ended_this_op_.clear();
       if (!::testing::Test::HasFailure()) CheckCounters();
       if (::testing::Test::HasFailure()) {
         ADD_FAILURE() << "at operation " << op_ << "; the last operations, oldest first:\n  "
@@ -241,6 +245,7 @@ class SessionFuzzer {
   };
   struct Session {
     std::string id;
+    int64_t serial = 0;  // creation order
     SessionShape shape;
     absl::Duration ttl;
     absl::Time last_used;
@@ -293,18 +298,18 @@ class SessionFuzzer {
     ++outcomes_[absl::StrCat(op, " ", absl::StatusCodeToString(status.code()))];
   }
 
-  std::vector<std::string> AliveIds() const {
-    std::vector<std::string> ids;
-    for (const auto& [id, session] : sessions_) ids.push_back(id);
-    return ids;
+  // Live sessions in creation order. Ids are random, so nothing the random choices depend on
+  // may follow their order: a seed must replay the same operations.
+  std::vector<std::string> AliveIds() const { return alive_; }
+  void Add(Session session) {
+    session.serial = next_serial_++;
+    alive_.push_back(session.id);
+    const std::string id = session.id;
+    sessions_[id] = std::move(session);
   }
   // An id to use: mostly a live session's, else an ended or unknown one.
   std::string PickId(double alive = 0.93) {
-    if (!sessions_.empty() && Coin(alive)) {
-      auto it = sessions_.begin();
-      std::advance(it, Uniform(0, static_cast<int64_t>(sessions_.size()) - 1));
-      return it->first;
-    }
+    if (!alive_.empty() && Coin(alive)) return alive_[Uniform(0, alive_.size() - 1)];
     if (!ended_.empty() && Coin(0.8)) return ended_[Uniform(0, ended_.size() - 1)];
     return absl::StrCat("no-such-session-", Uniform(0, 3));
   }
@@ -421,8 +426,9 @@ class SessionFuzzer {
   // them in hash order, so when max_tombstones evicts part of a batch the model no longer
   // knows which, and accepts either answer for its ids.
   void End(const std::string& id, Ending ending, int64_t batch) {
+    ended_this_op_.emplace_back(sessions_.at(id).serial, id);
+    alive_.erase(std::find(alive_.begin(), alive_.end(), id));
     sessions_.erase(id);
-    ended_.push_back(id);
     if (options_.max_tombstones == 0) return;
     while (static_cast<int64_t>(tombstones_.size()) >= options_.max_tombstones) {
       const int64_t evicted = tombstones_.front().batch;
@@ -467,7 +473,8 @@ class SessionFuzzer {
   int64_t ExpireModel() {
     Forget();
     std::vector<std::string> idle;
-    for (const auto& [id, session] : sessions_) {
+    for (const std::string& id : alive_) {
+      const Session& session = sessions_.at(id);
       if (now_ - session.last_used > session.ttl) idle.push_back(id);
     }
     const int64_t batch = NewBatch();
@@ -547,7 +554,8 @@ class SessionFuzzer {
     session.raw_k.resize(shape.num_layers);
     session.raw_v.resize(shape.num_layers);
     ASSERT_FALSE((sessions_.count(info->id) > 0));
-    const Session& stored = sessions_[info->id] = std::move(session);
+    Add(std::move(session));
+    const Session& stored = sessions_.at(info->id);
     CheckInfo(*info, stored);
     Log(absl::StrCat("  -> ", info->id));
   }
@@ -617,7 +625,8 @@ class SessionFuzzer {
                               source->raw_v[l].begin() + tokens * value_row);
     }
     ASSERT_FALSE((sessions_.count(info->id) > 0));
-    const Session& stored = sessions_[info->id] = std::move(fork);
+    Add(std::move(fork));
+    const Session& stored = sessions_.at(info->id);
     CheckInfo(*info, stored);
     Log(absl::StrCat("  -> ", info->id));
   }
@@ -1009,7 +1018,9 @@ class SessionFuzzer {
   absl::Time now_ = kT0;
   int64_t op_ = 0;
   std::map<std::string, Session> sessions_;
-  std::vector<std::string> ended_;
+  std::vector<std::string> alive_, ended_;
+  std::vector<std::pair<int64_t, std::string>> ended_this_op_;
+  int64_t next_serial_ = 0;
   std::deque<Tombstone> tombstones_;
   std::map<std::string, std::pair<int64_t, Ending>> batch_of_;
   std::map<int64_t, int64_t> batch_count_;
