@@ -159,6 +159,8 @@ TEST_F(SessionTableTest, IncrementalDecodeHoldsTheRuleAgainstTheOneShotForward) 
   };
   for (const SessionShape& shape : shapes) {
     for (const int64_t length : {1, 37, 300, 1500}) {
+      // The window is exercised past its width by 300 tokens; the kernel test covers more.
+      if (shape.sliding_window > 0 && length > 300) continue;
       for (const int64_t chunk : {1, 7, 64}) {
         SCOPED_TRACE(::testing::Message()
                      << "seed " << seed << " H=" << shape.num_heads << " Hkv=" << shape.num_kv_heads
