@@ -1,4 +1,14 @@
-// The paged decode kernels; see paged_decode_plan.h for the mapping of blocks and warps.
+// The paged decode kernels; see paged_decode_plan.h for the mapping of blocks, warps and
+// lanes.
+//
+// Why the split kernel streams at the read roof: its warps never wait on each other before
+// the end of the split, and each has a whole tile of keys and values in flight at a time:
+// kUnroll steps of 32 / lanes keys, every lane loading 16 bytes of each key row and value
+// row it covers (Llama-3-8B, float32: 4 steps * 1 key * 1 KiB of K and V = 4 KiB per warp;
+// bfloat16: 4 steps * 2 keys * 512 bytes, the same). At 8 warps a block that is 32 KiB in
+// flight per block, 64 KiB per SM at two blocks: by Little's law, at ~1 us of loaded DRAM
+// latency, 32-64 GB/s per SM, against the 4.4-4.8 TB/s / 132 SMs = 34-36 GB/s each SM needs.
+// The block-table look-ups are made once per key, up front, one key per lane.
 #include <cstdint>
 
 #include "core/cuda/paged_decode_kernels.h"
@@ -9,20 +19,21 @@ namespace {
 constexpr unsigned kFullWarp = 0xffffffffu;
 constexpr int kRows = kCudaPagedRowsPerBlock;
 constexpr int kSplit = static_cast<int>(kCudaPagedSplitKeys);
-constexpr int kKeyLanes = kCudaPagedKeyLanes;
-constexpr int kKeyGroups = kCudaPagedThreads / kKeyLanes;
+constexpr int kWarps = kCudaPagedWarps;
+constexpr int kWarpKeys = kCudaPagedWarpKeys;
 constexpr int kDefaultSharedLimit = 48 << 10;
+static_assert(kWarpKeys == 32, "one key of a warp's range per lane");
+
+// The weight of a softmax state of max `max` in a merged state of max `merged` (>= max):
+// exactly 1 when the max is unchanged (so states merge with nothing bitwise unchanged), and
+// 0 for an empty state (max -inf) when the merged one is not empty.
+__device__ inline float Weight(float max, float merged) {
+  return max == merged ? 1.0f : expf(max - merged);
+}
 
 __device__ float WarpMax(float value) {
   for (int offset = 16; offset > 0; offset >>= 1) {
     value = fmaxf(value, __shfl_xor_sync(kFullWarp, value, offset));
-  }
-  return value;
-}
-
-__device__ float WarpSum(float value) {
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    value += __shfl_xor_sync(kFullWarp, value, offset);
   }
   return value;
 }
@@ -44,83 +55,82 @@ __device__ int FindSequence(const PagedDeviceLaunch& launch, int64_t block) {
   return low;
 }
 
-// N elements at `source` as float32, in one load of N * sizeof(Element) bytes (bfloat16 is
-// the high half of a float32). The bytes are read once per block: through the read-only
-// path, not kept in L1 beyond it.
+// N elements of a key or value row in one load of N * sizeof(Element) bytes, kept raw in
+// registers until used (bfloat16 is the high half of a float32): Load, Zero (past the row's
+// end), NaN (a block outside the storage), and At, element e as float32.
 template <typename Element, int N>
-struct Widen;
-template <>
-struct Widen<float, 1> {
-  __device__ static void Load(const float* source, float* out) { out[0] = __ldg(source); }
-};
-template <>
-struct Widen<float, 4> {
-  __device__ static void Load(const float* source, float* out) {
-    const float4 v = __ldg(reinterpret_cast<const float4*>(source));
-    out[0] = v.x, out[1] = v.y, out[2] = v.z, out[3] = v.w;
-  }
-};
+struct Vec;
 __device__ inline float Low(uint32_t word) { return __uint_as_float(word << 16); }
 __device__ inline float High(uint32_t word) { return __uint_as_float(word & 0xffff0000u); }
 template <>
-struct Widen<uint16_t, 1> {
-  __device__ static void Load(const uint16_t* source, float* out) { out[0] = Low(__ldg(source)); }
+struct Vec<float, 1> {
+  using Raw = float;
+  __device__ static Raw Load(const Raw* p) { return __ldg(p); }
+  __device__ static Raw Zero() { return 0.0f; }
+  __device__ static Raw NaN() { return __int_as_float(0x7fffffff); }
+  __device__ static float At(const Raw& r, int) { return r; }
 };
 template <>
-struct Widen<uint16_t, 4> {
-  __device__ static void Load(const uint16_t* source, float* out) {
-    const uint2 v = __ldg(reinterpret_cast<const uint2*>(source));
-    out[0] = Low(v.x), out[1] = High(v.x), out[2] = Low(v.y), out[3] = High(v.y);
+struct Vec<float, 4> {
+  using Raw = float4;
+  __device__ static Raw Load(const Raw* p) { return __ldg(p); }
+  __device__ static Raw Zero() { return make_float4(0.0f, 0.0f, 0.0f, 0.0f); }
+  __device__ static Raw NaN() {
+    const float nan = __int_as_float(0x7fffffff);
+    return make_float4(nan, nan, nan, nan);
+  }
+  __device__ static float At(const Raw& r, int e) {
+    return e == 0 ? r.x : e == 1 ? r.y : e == 2 ? r.z : r.w;
   }
 };
 template <>
-struct Widen<uint16_t, 8> {
-  __device__ static void Load(const uint16_t* source, float* out) {
-    const uint4 v = __ldg(reinterpret_cast<const uint4*>(source));
-    out[0] = Low(v.x), out[1] = High(v.x), out[2] = Low(v.y), out[3] = High(v.y);
-    out[4] = Low(v.z), out[5] = High(v.z), out[6] = Low(v.w), out[7] = High(v.w);
+struct Vec<uint16_t, 1> {
+  using Raw = uint16_t;
+  __device__ static Raw Load(const Raw* p) { return __ldg(p); }
+  __device__ static Raw Zero() { return 0; }
+  __device__ static Raw NaN() { return 0x7fc0; }
+  __device__ static float At(const Raw& r, int) { return Low(r); }
+};
+template <>
+struct Vec<uint16_t, 8> {
+  using Raw = uint4;
+  __device__ static Raw Load(const Raw* p) { return __ldg(p); }
+  __device__ static Raw Zero() { return make_uint4(0, 0, 0, 0); }
+  __device__ static Raw NaN() { return make_uint4(0x7fc07fc0, 0x7fc07fc0, 0x7fc07fc0, 0x7fc07fc0); }
+  __device__ static float At(const Raw& r, int e) {
+    const uint32_t word = e < 2 ? r.x : e < 4 ? r.y : e < 6 ? r.z : r.w;
+    return e % 2 == 0 ? Low(word) : High(word);
   }
 };
 
-// As Widen, but NaN from a block that is not in the storage (see LaunchPagedDecode).
-template <typename Element, int N>
-__device__ void LoadOrNaN(const Element* source, float* out) {
-  if (source != nullptr) {
-    Widen<Element, N>::Load(source, out);
-  } else {
-#pragma unroll
-    for (int e = 0; e < N; ++e) out[e] = __int_as_float(0x7fffffff);
-  }
+// Blocks per SM the split kernel is compiled for: two (at most 128 registers a thread) where
+// each lane holds one 16-byte vector of a row, or four scalars; else one.
+template <typename Element, int kVec, int kChunks>
+constexpr int MinSplitBlocks() {
+  return kChunks * kVec * static_cast<int>(sizeof(Element)) <= 16 ? 2 : 1;
 }
 
-// Where key `key`'s keys (or values) of `kv_head` start: block_table[key / tokens_per_block],
-// laid out as kv_cache::KeyOffset and ValueOffset; null for a block id outside the storage.
-template <typename Element, bool kValue>
-__device__ const Element* KvRow(const PagedDeviceLaunch& launch, const int32_t* block_table,
-                                int32_t key, int32_t kv_head) {
-  const int32_t block = __ldg(block_table + key / launch.tokens_per_block);
-  if (block < 0 || block >= launch.num_blocks) return nullptr;
-  const int64_t slot = key % launch.tokens_per_block;
-  const int64_t tokens = launch.tokens_per_block;
-  const int64_t offset = kValue ? tokens * launch.num_kv_heads * launch.key_dim +
-                                      (kv_head * tokens + slot) * launch.value_dim
-                                : (kv_head * tokens + slot) * launch.key_dim;
-  return reinterpret_cast<const Element*>(static_cast<const char*>(launch.storage) +
-                                          block * launch.block_bytes) +
-         offset;
-}
+// One (sequence, KV head, split, chunk of rows): see paged_decode_plan.h. kVec and kChunks
+// are PagedDecodePlan::vector and chunks; `lanes` is PagedDecodePlan::lanes.
+template <typename Element, int kVec, int kChunks>
+__global__ void __launch_bounds__(kCudaPagedThreads, MinSplitBlocks<Element, kVec, kChunks>())
+    PagedSplitKernel(const __grid_constant__ PagedDeviceLaunch launch, int lanes) {
+  using V = Vec<Element, kVec>;
+  using Raw = typename V::Raw;
+  // Steps per tile: up to 16 registers of raw keys (and as many of values) per lane.
+  constexpr int kWords = kChunks * static_cast<int>(sizeof(Raw) >= 4 ? sizeof(Raw) / 4 : 1);
+  constexpr int kUnroll = kWords >= 16 ? 1 : (16 / kWords > 4 ? 4 : 16 / kWords);
 
-// One (sequence, KV head, split, chunk of rows): see paged_decode_plan.h. kKeyVector and
-// kValueVector are the elements per load (PagedDecodePlan::key_vector, value_vector).
-template <typename Element, int kKeyVector, int kValueVector>
-__global__ void __launch_bounds__(kCudaPagedThreads)
-    PagedSplitKernel(const __grid_constant__ PagedDeviceLaunch launch, int value_lanes) {
-  extern __shared__ float shared[];
+  extern __shared__ __align__(16) unsigned char shared[];
+  // [warps][32]: the byte offsets in the storage of each warp key's K row and V row (of this
+  // KV head), -1 for a block outside the storage.
+  long long* key_offsets = reinterpret_cast<long long*>(shared);
+  long long* value_offsets = key_offsets + kWarps * kWarpKeys;
+  // [warps][kRows][dv + 2]: each warp's states, to merge in warp order.
+  float* warp_states = reinterpret_cast<float*>(value_offsets + kWarps * kWarpKeys);
+
   const int dk = launch.key_dim, dv = launch.value_dim;
-  float* queries = shared;                // [kRows][dk]
-  float* scores = queries + kRows * dk;   // [kRows][kSplit]: scores, then their exps
-  float* sums = scores + kRows * kSplit;  // [key groups][kRows][value_lanes * kValueVector]
-
+  const int key_vectors = dk / kVec, value_vectors = dv / kVec;  // exact: see Plan::vector
   const int64_t block = blockIdx.x;
   const PagedDeviceSequence& sequence = launch.sequences[FindSequence<false>(launch, block)];
   const PagedSplitBlock work = DecodePagedSplitBlock(block - sequence.split_block_begin,
@@ -131,229 +141,334 @@ __global__ void __launch_bounds__(kCudaPagedThreads)
   const int rows = min(kRows, sequence.rows - first_row);
   const int n = sequence.num_queries, length = sequence.length;
   const int window = launch.sliding_window;
+  // Keys are below length < 2^31; ends of key ranges may be 2^31, so they are int64.
   const int split_begin = (sequence.first_split + static_cast<int>(work.split)) * kSplit;
 
-  // Bottom-right causal: row r's query, at position length - n + i, sees [lo, position].
-  // The block reads the keys any of its rows sees.
-  const int first_position = length - n + first_row / group;
-  const int last_position = length - n + (first_row + rows - 1) / group;
-  const int key_begin =
-      max(split_begin, static_cast<int>(PagedFirstVisibleKey(first_position, window)));
-  const int key_end = min(split_begin + kSplit, last_position + 1);
-
-  for (int e = threadIdx.x; e < kRows * dk; e += blockDim.x) {
-    const int r = e / dk, c = e % dk;
-    float q = 0.0f;
-    if (r < rows) {
-      const int row = first_row + r;
-      const int64_t head = kv_head * group + row % group;
-      q = sequence.query[(static_cast<int64_t>(row / group) * launch.num_heads + head) * dk + c];
-    }
-    queries[e] = q;
+  // Bottom-right causal: row r's query, at position length - n + i, sees [first_key, position]
+  // (rows past the chunk's end see nothing). The block reads the keys any of its rows sees.
+  int position[kRows], first_key[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    position[r] = r < rows ? length - n + (first_row + r) / group : -1;
+    first_key[r] = r < rows ? static_cast<int>(PagedFirstVisibleKey(position[r], window)) : 0;
   }
-  for (int e = threadIdx.x; e < kRows * kSplit; e += blockDim.x) scores[e] = -INFINITY;
-  __syncthreads();
+  const int key_begin = max(split_begin, first_key[0]);
+  const int64_t key_end = min(int64_t{split_begin} + kSplit,
+                              int64_t{length} - n + (first_row + rows - 1) / group + 1);
 
-  // Scores: groups of kKeyLanes lanes per key, key k of the split to group k % kKeyGroups
-  // (a uniform trip count: the shuffles need every lane of the warp).
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp_begin = split_begin + warp * kWarpKeys;
+  // Lane `lane` looks up key warp_begin + lane.
   {
-    const int lane = threadIdx.x % kKeyLanes, key_group = threadIdx.x / kKeyLanes;
-    const int key_vectors = dk / kKeyVector;  // exact: see PagedDecodePlan::key_vector
-    for (int offset = key_group; offset < kSplit; offset += kKeyGroups) {
-      const int key = split_begin + offset;
-      const bool active = key >= key_begin && key < key_end;
-      float partial[kRows];
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) partial[r] = 0.0f;
-      if (active) {
-        const Element* k = KvRow<Element, false>(launch, sequence.block_table, key, kv_head);
-#pragma unroll 2
-        for (int v = lane; v < key_vectors; v += kKeyLanes) {
-          float x[kKeyVector];
-          LoadOrNaN<Element, kKeyVector>(k == nullptr ? nullptr : k + v * kKeyVector, x);
-#pragma unroll
-          for (int r = 0; r < kRows; ++r) {
-            if (r >= rows) break;
-            const float* q = queries + r * dk + v * kKeyVector;
-#pragma unroll
-            for (int e = 0; e < kKeyVector; ++e) partial[r] = fmaf(q[e], x[e], partial[r]);
-          }
-        }
+    const int key = warp_begin + lane;
+    long long key_offset = -1, value_offset = -1;
+    if (key >= key_begin && key < key_end) {
+      const int tokens = launch.tokens_per_block;
+      const int32_t id = __ldg(sequence.block_table + key / tokens);
+      if (id >= 0 && id < launch.num_blocks) {
+        const int64_t slot = key % tokens;
+        const int64_t base = int64_t{id} * launch.block_bytes;
+        const int64_t element = sizeof(Element);
+        key_offset = base + (int64_t{kv_head} * tokens + slot) * dk * element;
+        value_offset = base + (int64_t{tokens} * launch.num_kv_heads * dk +
+                               (int64_t{kv_head} * tokens + slot) * dv) *
+                                  element;
       }
+    }
+    key_offsets[warp * kWarpKeys + lane] = key_offset;
+    value_offsets[warp * kWarpKeys + lane] = value_offset;
+  }
+
+  // Lanes: key group `key_group` takes key warp_begin + step * groups + key_group at each
+  // step; lane `sub` of it holds vectors sub, sub + lanes, ... of the key, value and query
+  // rows, chunk c being vector c * lanes + sub.
+  const int key_group = lane / lanes, sub = lane % lanes;
+  const int groups = 32 / lanes;
+  const int steps = kWarpKeys / groups;
+  float query[kRows][kChunks][kVec];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int row = first_row + r;
+    const int64_t head = int64_t{kv_head} * group + row % group;
+    const float* q = sequence.query + (int64_t{row / group} * launch.num_heads + head) * dk;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int vector = c * lanes + sub;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        query[r][c][e] = r < rows && vector < key_vectors ? q[vector * kVec + e] : 0.0f;
+      }
+    }
+  }
+  // Each key group's online softmax state per row: max, sum of exps, weighted values.
+  float row_max[kRows], row_sum[kRows], acc[kRows][kChunks][kVec];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    row_max[r] = -INFINITY;
+    row_sum[r] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) acc[r][c][e] = 0.0f;
+    }
+  }
+  __syncwarp();  // the offsets
+
+  const char* storage = static_cast<const char*>(launch.storage);
+  for (int tile = 0; tile < steps; tile += kUnroll) {
+    // Tiles are fixed in absolute keys; one with none of the block's keys changes no state.
+    const int64_t tile_begin = int64_t{warp_begin} + int64_t{tile} * groups;
+    const int64_t tile_end = int64_t{warp_begin} + int64_t{min(tile + kUnroll, steps)} * groups;
+    if (tile_end <= key_begin || tile_begin >= key_end) continue;  // uniform in the warp
+
+    // Every load of the tile first.
+    int key[kUnroll];
+    bool live[kUnroll];
+    Raw k[kUnroll][kChunks], v[kUnroll][kChunks];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int step = tile + u;
+      const int index = step < steps ? step * groups + key_group : 0;
+      key[u] = warp_begin + index;
+      live[u] = step < steps && key[u] >= key_begin && key[u] < key_end;
+      const long long key_offset = live[u] ? key_offsets[warp * kWarpKeys + index] : 0;
+      const long long value_offset = live[u] ? value_offsets[warp * kWarpKeys + index] : 0;
+      const Raw* key_row = reinterpret_cast<const Raw*>(storage + max(key_offset, 0ll));
+      const Raw* value_row = reinterpret_cast<const Raw*>(storage + max(value_offset, 0ll));
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        const int vector = c * lanes + sub;
+        k[u][c] = !live[u] || vector >= key_vectors ? V::Zero()
+                  : key_offset < 0                  ? V::NaN()
+                                                    : V::Load(key_row + vector);
+        v[u][c] = !live[u] || vector >= value_vectors ? V::Zero()
+                  : value_offset < 0                  ? V::NaN()
+                                                      : V::Load(value_row + vector);
+      }
+    }
+
+    // Scores: each lane's part of the dot products, added over the key group's lanes.
+    float score[kRows][kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
-        for (int o = kKeyLanes / 2; o > 0; o >>= 1) {
-          partial[r] += __shfl_xor_sync(kFullWarp, partial[r], o);
+        float partial = 0.0f;
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) partial = fmaf(query[r][c][e], V::At(k[u][c], e), partial);
+        }
+        for (int offset = lanes / 2; offset > 0; offset >>= 1) {
+          partial += __shfl_xor_sync(kFullWarp, partial, offset);
+        }
+        score[r][u] = partial * launch.scale;
+      }
+    }
+
+    // The online softmax over the tile's keys that each row sees.
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      bool seen[kUnroll];
+      float tile_max = -INFINITY;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        seen[u] = live[u] && key[u] <= position[r] && key[u] >= first_key[r];
+        if (seen[u]) tile_max = fmaxf(tile_max, score[r][u]);
+      }
+      const float new_max = fmaxf(row_max[r], tile_max);
+      const float rescale = Weight(row_max[r], new_max);
+      row_sum[r] *= rescale;
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) acc[r][c][e] *= rescale;
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (!seen[u]) continue;
+        const float p = score[r][u] == -INFINITY ? 0.0f : expf(score[r][u] - new_max);
+        row_sum[r] += p;
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) acc[r][c][e] = fmaf(p, V::At(v[u][c], e), acc[r][c][e]);
         }
       }
-      if (active && lane < rows) {  // lane r writes row r's score, if row r sees the key
+      row_max[r] = new_max;
+    }
+  }
+
+  // The warp's key groups, merged by shuffles (lanes of one sub across groups).
+  for (int offset = lanes; offset < 32; offset <<= 1) {
 #pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-          if (r != lane) continue;
-          const int position = length - n + (first_row + r) / group;
-          if (key <= position && key >= PagedFirstVisibleKey(position, window)) {
-            scores[r * kSplit + offset] = partial[r] * launch.scale;
-          }
+    for (int r = 0; r < kRows; ++r) {
+      const float other_max = __shfl_xor_sync(kFullWarp, row_max[r], offset);
+      const float other_sum = __shfl_xor_sync(kFullWarp, row_sum[r], offset);
+      const float new_max = fmaxf(row_max[r], other_max);
+      const float mine = Weight(row_max[r], new_max), theirs = Weight(other_max, new_max);
+      row_sum[r] = row_sum[r] * mine + other_sum * theirs;
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          const float other = __shfl_xor_sync(kFullWarp, acc[r][c][e], offset);
+          acc[r][c][e] = acc[r][c][e] * mine + other * theirs;
+        }
+      }
+      row_max[r] = new_max;
+    }
+  }
+  const int state_floats = dv + 2;
+  if (key_group == 0) {
+    float* state = warp_states + warp * kRows * state_floats;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (sub == 0) {
+        state[r * state_floats] = row_max[r];
+        state[r * state_floats + 1] = row_sum[r];
+      }
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        const int vector = c * lanes + sub;
+        if (vector >= value_vectors) continue;
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          state[r * state_floats + 2 + vector * kVec + e] = acc[r][c][e];
         }
       }
     }
   }
   __syncthreads();
 
-  // Each row's softmax over the split: one warp per row. A row that sees none of the split's
-  // keys keeps max -inf and sum 0, which the merge skips.
-  const int64_t states = sequence.state_offset;
-  const auto state_of = [&](int r) {
-    return launch.states + states +
-           PagedStateIndex(kv_head, work.split, first_row + r, sequence.run_splits, sequence.rows,
-                           dv);
-  };
-  {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int r = warp; r < rows; r += kCudaPagedThreads / 32) {
-      float* row_scores = scores + r * kSplit;
-      float row_max = -INFINITY;
-      for (int j = lane; j < kSplit; j += 32) row_max = fmaxf(row_max, row_scores[j]);
-      row_max = WarpMax(row_max);
-      float sum = 0.0f;
-      for (int j = lane; j < kSplit; j += 32) {
-        const float p = row_scores[j] == -INFINITY ? 0.0f : expf(row_scores[j] - row_max);
-        row_scores[j] = p;
-        sum += p;
-      }
-      sum = WarpSum(sum);
-      if (lane == 0) {
-        float* state = state_of(r);
-        state[0] = row_max;
-        state[1] = sum;
-      }
+  // The warps' states, merged in warp order: the block's state per row.
+  float* states = launch.states + sequence.state_offset;
+  for (int e = threadIdx.x; e < rows * dv; e += kCudaPagedThreads) {
+    const int r = e / dv, column = e % dv;
+    float new_max = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      new_max = fmaxf(new_max, warp_states[(w * kRows + r) * state_floats]);
     }
-  }
-  __syncthreads();
-
-  // Values: value_lanes lanes across a key's columns, kValueVector each; the block's key
-  // groups take keys k % groups, then add their sums in group order. Wider rows take passes.
-  const int value_vectors = (dv + kValueVector - 1) / kValueVector;
-  const int lane = threadIdx.x % value_lanes, key_group = threadIdx.x / value_lanes;
-  const int groups = kCudaPagedThreads / value_lanes;
-  const int width = value_lanes * kValueVector;  // columns per pass
-  for (int pass = 0; pass < value_vectors; pass += value_lanes) {
-    const int vector = pass + lane;
-    float acc[kRows][kValueVector];
+    float sum = 0.0f, total = 0.0f;
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-#pragma unroll
-      for (int e = 0; e < kValueVector; ++e) acc[r][e] = 0.0f;
+    for (int w = 0; w < kWarps; ++w) {
+      const float* state = warp_states + (w * kRows + r) * state_floats;
+      const float weight = Weight(state[0], new_max);
+      sum += state[1] * weight;
+      total += state[2 + column] * weight;
     }
-    if (vector < value_vectors) {
-#pragma unroll 4
-      for (int offset = key_group; offset < kSplit; offset += groups) {
-        const int key = split_begin + offset;
-        if (key < key_begin || key >= key_end) continue;
-        const Element* v = KvRow<Element, true>(launch, sequence.block_table, key, kv_head);
-        float x[kValueVector];
-        LoadOrNaN<Element, kValueVector>(v == nullptr ? nullptr : v + vector * kValueVector, x);
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-          if (r >= rows) break;
-          const float p = scores[r * kSplit + offset];
-#pragma unroll
-          for (int e = 0; e < kValueVector; ++e) acc[r][e] = fmaf(p, x[e], acc[r][e]);
-        }
-      }
+    float* out = states + PagedStateIndex(kv_head, work.split, first_row + r,
+                                          sequence.run_splits, sequence.rows, dv);
+    out[2 + column] = total;
+    if (column == 0) {
+      out[0] = new_max;
+      out[1] = sum;
     }
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-#pragma unroll
-      for (int e = 0; e < kValueVector; ++e) {
-        sums[(key_group * kRows + r) * width + lane * kValueVector + e] = acc[r][e];
-      }
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < rows * width; e += blockDim.x) {
-      const int r = e / width, column = pass * kValueVector + e % width;
-      if (column >= dv) continue;
-      float total = 0.0f;
-      for (int g = 0; g < groups; ++g) total += sums[(g * kRows + r) * width + e % width];
-      state_of(r)[2 + column] = total;
-    }
-    __syncthreads();  // before the next pass writes `sums`
   }
 }
 
-// One output row (query i, head h) per warp: the row's split states folded in split order,
-// as the CPU kernel's MergeSplits.
-__global__ void __launch_bounds__(kCudaPagedThreads)
+// One (output row, chunk of kCudaPagedMergeColumns columns) per block: warp p adds splits
+// p, p + kCudaPagedMergeParts, ... of its lane's column, then the parts add up in part order.
+// Split states of no key (max -inf, sum 0) weigh 0.
+__global__ void __launch_bounds__(kCudaPagedMergeThreads)
     PagedMergeKernel(const __grid_constant__ PagedDeviceLaunch launch) {
+  constexpr int kParts = kCudaPagedMergeParts, kColumns = kCudaPagedMergeColumns;
+  static_assert(kColumns == 32, "one column per lane");
+  __shared__ float part_max[kParts], part_sum[kParts], part_total[kParts][kColumns];
   const int64_t block = blockIdx.x;
   const PagedDeviceSequence& sequence = launch.sequences[FindSequence<true>(launch, block)];
-  const int64_t out_row =
-      (block - sequence.merge_block_begin) * kCudaPagedMergeRowsPerBlock + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
   const int heads = launch.num_heads, dv = launch.value_dim;
-  if (out_row >= static_cast<int64_t>(sequence.num_queries) * heads) return;
+  const PagedMergeBlock work = DecodePagedMergeBlock(block - sequence.merge_block_begin, dv);
   const int group = heads / launch.num_kv_heads;
-  const int i = static_cast<int>(out_row / heads), h = static_cast<int>(out_row % heads);
+  const int i = static_cast<int>(work.out_row / heads), h = static_cast<int>(work.out_row % heads);
   const int kv_head = h / group, row = i * group + h % group;
+  const int part = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int splits = sequence.run_splits;
   const float* states = launch.states + sequence.state_offset;
   const auto state_of = [&](int split) {
-    return states + PagedStateIndex(kv_head, split, row, sequence.run_splits, sequence.rows, dv);
+    return states + PagedStateIndex(kv_head, split, row, splits, sequence.rows, dv);
   };
+
   float row_max = -INFINITY;
-  for (int s = 0; s < sequence.run_splits; ++s) {
+  for (int s = threadIdx.x; s < splits; s += kCudaPagedMergeThreads) {
+    row_max = fmaxf(row_max, state_of(s)[0]);
+  }
+  row_max = WarpMax(row_max);
+  if (lane == 0) part_max[part] = row_max;
+  __syncthreads();
+#pragma unroll
+  for (int p = 0; p < kParts; ++p) row_max = fmaxf(row_max, part_max[p]);
+
+  const int column = static_cast<int>(work.column_chunk) * kColumns + lane;
+  float sum = 0.0f, total = 0.0f;  // the sums are the same in every lane of the warp
+#pragma unroll 8
+  for (int s = part; s < splits; s += kParts) {
     const float* state = state_of(s);
-    if (state[1] != 0.0f) row_max = fmaxf(row_max, state[0]);  // a sum of 0: the split saw no key
+    const float weight = Weight(state[0], row_max);
+    sum += state[1] * weight;
+    if (column < dv) total += state[2 + column] * weight;
   }
-  float sum = 0.0f;
-  for (int s = 0; s < sequence.run_splits; ++s) {
-    const float* state = state_of(s);
-    if (state[1] != 0.0f) sum += state[1] * expf(state[0] - row_max);
+  if (lane == 0) part_sum[part] = sum;
+  part_total[part][lane] = total;
+  __syncthreads();
+  if (part != 0 || column >= dv) return;
+  sum = 0.0f, total = 0.0f;
+#pragma unroll
+  for (int p = 0; p < kParts; ++p) {
+    sum += part_sum[p];
+    total += part_total[p][lane];
   }
-  float* out = sequence.output + out_row * dv;
-  for (int c = lane; c < dv; c += 32) {
-    float total = 0.0f;
-#pragma unroll 4
-    for (int s = 0; s < sequence.run_splits; ++s) {
-      const float* state = state_of(s);
-      if (state[1] != 0.0f) total += state[2 + c] * expf(state[0] - row_max);
-    }
-    out[c] = total / sum;
-  }
-  if (sequence.log_sum_exp != nullptr && lane == 0) {
-    sequence.log_sum_exp[out_row] = row_max + logf(sum);
+  sequence.output[work.out_row * dv + column] = total / sum;
+  if (sequence.log_sum_exp != nullptr && column == 0) {
+    sequence.log_sum_exp[work.out_row] = row_max + logf(sum);
   }
 }
 
-template <typename Element, int kKeyVector, int kValueVector>
+template <typename Element, int kVec, int kChunks>
 cudaError_t LaunchSplit(const PagedDeviceLaunch& launch, const PagedDecodePlan& plan,
                         const PagedLaunch& blocks, cudaStream_t stream) {
-  const auto kernel = PagedSplitKernel<Element, kKeyVector, kValueVector>;
+  const auto kernel = PagedSplitKernel<Element, kVec, kChunks>;
   if (plan.shared_bytes > kDefaultSharedLimit) {
     const cudaError_t raised = cudaFuncSetAttribute(
         kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan.shared_bytes));
     if (raised != cudaSuccess) return raised;
   }
   kernel<<<static_cast<unsigned>(blocks.split_blocks), kCudaPagedThreads,
-           static_cast<size_t>(plan.shared_bytes), stream>>>(launch, plan.value_lanes);
+           static_cast<size_t>(plan.shared_bytes), stream>>>(launch, plan.lanes);
   return cudaGetLastError();
+}
+
+// The kernels built: see PagedDecodePlan::chunks.
+template <typename Element, int kVectorElements>
+cudaError_t LaunchSplitOf(const PagedDeviceLaunch& launch, const PagedDecodePlan& plan,
+                          const PagedLaunch& blocks, cudaStream_t stream) {
+  constexpr bool kFloat = sizeof(Element) == 4;
+  if (plan.vector == 1) {
+    switch (plan.chunks) {
+      case 4: return LaunchSplit<Element, 1, 4>(launch, plan, blocks, stream);
+      case 16: return LaunchSplit<Element, 1, 16>(launch, plan, blocks, stream);
+      default: return cudaErrorInvalidValue;
+    }
+  }
+  switch (plan.chunks) {
+    case 1: return LaunchSplit<Element, kVectorElements, 1>(launch, plan, blocks, stream);
+    case kFloat ? 4 : 2:
+      return LaunchSplit<Element, kVectorElements, kFloat ? 4 : 2>(launch, plan, blocks, stream);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 }  // namespace
 
 cudaError_t LaunchPagedDecode(const PagedDeviceLaunch& launch, const PagedDecodePlan& plan,
                               const PagedLaunch& blocks, cudaStream_t stream) {
-  const bool vector = plan.key_vector > 1;
-  cudaError_t error = cudaSuccess;
-  if (launch.bfloat16) {
-    error = vector ? LaunchSplit<uint16_t, 8, 4>(launch, plan, blocks, stream)
-                   : LaunchSplit<uint16_t, 1, 1>(launch, plan, blocks, stream);
-  } else {
-    error = vector ? LaunchSplit<float, 4, 4>(launch, plan, blocks, stream)
-                   : LaunchSplit<float, 1, 1>(launch, plan, blocks, stream);
-  }
+  const cudaError_t error = launch.bfloat16
+                                ? LaunchSplitOf<uint16_t, 8>(launch, plan, blocks, stream)
+                                : LaunchSplitOf<float, 4>(launch, plan, blocks, stream);
   if (error != cudaSuccess) return error;
-  PagedMergeKernel<<<static_cast<unsigned>(blocks.merge_blocks), kCudaPagedThreads, 0, stream>>>(
-      launch);
+  PagedMergeKernel<<<static_cast<unsigned>(blocks.merge_blocks), kCudaPagedMergeThreads, 0,
+                     stream>>>(launch);
   return cudaGetLastError();
 }
 

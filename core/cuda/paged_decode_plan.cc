@@ -16,27 +16,36 @@ bool VectorAligned(const PagedDecodeDims& d) {
          d.value_dim * d.element_bytes % kVectorBytes == 0;
 }
 
-int KeyVector(const PagedDecodeDims& d) {
+int Vector(const PagedDecodeDims& d) {
   return VectorAligned(d) ? static_cast<int>(kVectorBytes / d.element_bytes) : 1;
 }
 
-// 4 values per load: float4, or 8 bytes of bfloat16 (a warp's 32 lanes still read 256
-// contiguous bytes of a 128-wide row), keeping 8 rows * 4 accumulators per lane.
-int ValueVector(const PagedDecodeDims& d) { return VectorAligned(d) ? 4 : 1; }
+// Vectors of the wider row.
+int64_t RowVectors(const PagedDecodeDims& d, int vector) {
+  return CeilDiv(std::max(d.key_dim, d.value_dim), vector);
+}
 
-int ValueLanes(const PagedDecodeDims& d, int value_vector) {
-  const int64_t vectors = CeilDiv(d.value_dim, value_vector);
-  int lanes = 8;
+int Lanes(int64_t vectors) {
+  int lanes = 1;
   while (lanes < 32 && lanes < vectors) lanes *= 2;
   return lanes;
 }
 
-int64_t SharedBytes(const PagedDecodeDims& d) {
-  const int64_t floats = kCudaPagedRowsPerBlock * d.key_dim +            // the rows' queries
-                         kCudaPagedRowsPerBlock * kCudaPagedSplitKeys +  // scores, then exps
-                         int64_t{kCudaPagedThreads} * kCudaPagedRowsPerBlock *
-                             ValueVector(d);  // every key group's value sums, to add up
-  return floats * static_cast<int64_t>(sizeof(float));
+// The kernels instantiated (paged_decode.cu): the fewest chunks of those that cover the row.
+int Chunks(const PagedDecodeDims& d, int vector, int lanes) {
+  const int64_t needed = CeilDiv(RowVectors(d, vector), lanes);
+  std::vector<int> built;
+  if (vector == 1) {
+    built = {4, 16};
+  } else if (d.element_bytes == 4) {
+    built = {1, 4};
+  } else {
+    built = {1, 2};
+  }
+  for (const int chunks : built) {
+    if (needed <= chunks) return chunks;
+  }
+  return 0;
 }
 
 }  // namespace
@@ -44,9 +53,14 @@ int64_t SharedBytes(const PagedDecodeDims& d) {
 std::string PagedDecodeUnsupportedReason(const PagedDecodeDims& d,
                                          const std::vector<PagedSequenceDims>& sequences,
                                          int64_t max_shared_bytes) {
-  if (SharedBytes(d) > max_shared_bytes) {
+  if (std::max(d.key_dim, d.value_dim) > kCudaPagedMaxHeadDim) {
     return "paged decode: key_dim " + std::to_string(d.key_dim) + " and value_dim " +
-           std::to_string(d.value_dim) + " need " + std::to_string(SharedBytes(d)) +
+           std::to_string(d.value_dim) + ": the CUDA kernel takes rows of at most " +
+           std::to_string(kCudaPagedMaxHeadDim) + " elements";
+  }
+  if (PagedSplitSharedBytes(d.value_dim) > max_shared_bytes) {
+    return "paged decode: value_dim " + std::to_string(d.value_dim) + " needs " +
+           std::to_string(PagedSplitSharedBytes(d.value_dim)) +
            " bytes of shared memory per block; the device has " + std::to_string(max_shared_bytes);
   }
   // Key indices are 32-bit in the kernels' inner loops.
@@ -73,10 +87,10 @@ std::string PagedDecodeUnsupportedReason(const PagedDecodeDims& d,
 PagedDecodePlan PlanPagedDecode(const PagedDecodeDims& d,
                                 const std::vector<PagedSequenceDims>& sequences) {
   PagedDecodePlan plan;
-  plan.key_vector = KeyVector(d);
-  plan.value_vector = ValueVector(d);
-  plan.value_lanes = ValueLanes(d, plan.value_vector);
-  plan.shared_bytes = SharedBytes(d);
+  plan.vector = Vector(d);
+  plan.lanes = Lanes(RowVectors(d, plan.vector));
+  plan.chunks = Chunks(d, plan.vector, plan.lanes);
+  plan.shared_bytes = PagedSplitSharedBytes(d.value_dim);
   const int64_t group = d.num_heads / d.num_kv_heads;
   int64_t state_floats = 0;
   for (size_t b = 0; b < sequences.size(); ++b) {
@@ -92,7 +106,7 @@ PagedDecodePlan PlanPagedDecode(const PagedDecodeDims& d,
     p.rows = s.num_queries * group;
     p.row_chunks = CeilDiv(p.rows, kCudaPagedRowsPerBlock);
     p.split_blocks = d.num_kv_heads * p.run_splits * p.row_chunks;
-    p.merge_blocks = CeilDiv(s.num_queries * d.num_heads, kCudaPagedMergeRowsPerBlock);
+    p.merge_blocks = s.num_queries * d.num_heads * PagedMergeColumnChunks(d.value_dim);
     p.split_block_begin = launch.split_blocks;
     p.merge_block_begin = launch.merge_blocks;
     p.state_offset = state_floats;

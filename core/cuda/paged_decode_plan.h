@@ -2,14 +2,22 @@
 // host-side arithmetic (plus the index decoding the kernels share), built into every
 // configuration so that machines without a GPU test it.
 //
-// The split kernel: one block of kCudaPagedThreads threads per (sequence, KV head, split of
-// kCudaPagedSplitKeys absolute keys, chunk of kCudaPagedRowsPerBlock query rows). It reads the
-// split's keys and values of its KV head once for every query row of the chunk (rows
-// r = i * group + g: query i, head kv_head * group + g), so a GQA group's heads share one read.
-// It writes one partial softmax state per row: max, sum of exp(score - max), and the values
-// weighted by those exps. The merge kernel: one warp per output row (query, head), which folds
-// the row's split states in split order. Every sum runs in an order fixed by the layout alone,
-// so results are bitwise the same for any batch composition.
+// The split kernel: one block of kCudaPagedWarps warps per (sequence, KV head, split of
+// kCudaPagedSplitKeys absolute keys, chunk of kCudaPagedRowsPerBlock query rows). Rows are
+// r = i * group + g: query i, head kv_head * group + g, so a GQA group's heads share one read
+// of the split's keys and values. Warp w owns the split's keys [32 w, 32 w + 32) and streams
+// them in tiles with an online softmax kept in registers: its lanes form groups of
+// PagedDecodePlan::lanes lanes, one key per group at a time, each lane holding `chunks`
+// vectors of `vector` elements of every row's query and value accumulator (and of the key
+// and value rows it loads, 16 bytes per load). A key group keeps its own (max, sum, values)
+// per row; the groups merge by shuffles at the end of the warp, the warps in warp order
+// through shared memory, and the block writes one partial state per row: max, sum of
+// exp(score - max), and the values weighted by those exps.
+//
+// The merge kernel: one block of kCudaPagedMergeThreads per (sequence, output row (query,
+// head), chunk of kCudaPagedMergeColumns value columns); one thread per (column, part of the
+// splits), the parts added in part order. Every sum runs in an order fixed by the layout
+// alone, so results are bitwise the same for any batch composition.
 #ifndef ATTENTION_CORE_CUDA_PAGED_DECODE_PLAN_H_
 #define ATTENTION_CORE_CUDA_PAGED_DECODE_PLAN_H_
 
@@ -21,25 +29,36 @@
 
 namespace attention::core::cuda {
 
-// Keys per split. Fixed in absolute keys (key k is in split k / kCudaPagedSplitKeys whatever
-// the batch), and small, so that one short sequence still fills a GPU: Llama-3-8B at 4096
-// tokens is 8 KV heads * 32 splits = 256 blocks, two per SM of an H100. The merge reads
-// (dv + 2) floats per row per split: 2% more than the 128 keys' float32 K and V it replaces.
-inline constexpr int64_t kCudaPagedSplitKeys = 128;
-// Four warps: small blocks, so that many of them (and their loads) are in flight per SM.
-inline constexpr int kCudaPagedThreads = 128;
-// Query rows per block: a lane keeps rows * (values per load) float accumulators. Decode
-// (n = 1) with GQA groups up to 8 is one chunk; n * group rows beyond it take more chunks,
-// each reading the split again (from L2, as chunks of one split are neighbours in the grid).
-inline constexpr int kCudaPagedRowsPerBlock = 8;
-// Lanes that share one key's dot product: they read 8 * 16 = 128 contiguous bytes (one
-// cache line) per load, and reduce the rows' partial sums in three shuffles.
-inline constexpr int kCudaPagedKeyLanes = 8;
+// Keys per split, fixed in absolute keys (key k is in split k / kCudaPagedSplitKeys whatever
+// the batch): a constant, so that a sequence's results depend on nothing but itself. 256
+// balances two needs. Filling the GPU: Llama-3-8B (8 KV heads) at 4096 tokens is 8 * 16 =
+// 128 blocks of 8 warps, one per SM of an H100 / H200 (132), each with 32 KiB of loads in
+// flight (see paged_decode.cu); 32768 tokens is 1024 blocks. The merge's cost: it reads
+// (dv + 2) floats per row per split, 1.6% (float32) or 3.2% (bfloat16) of the split's K and
+// V bytes for a GQA group of 4, each merge thread adding 1/8 of a row's splits (16 at 32768
+// tokens).
+inline constexpr int64_t kCudaPagedSplitKeys = 256;
+// Warps of a split block; each owns 32 consecutive keys of the split (one per lane, for the
+// block-table look-ups).
+inline constexpr int kCudaPagedWarps = 8;
+inline constexpr int kCudaPagedThreads = kCudaPagedWarps * 32;
+inline constexpr int kCudaPagedWarpKeys = 32;
+static_assert(kCudaPagedWarps * kCudaPagedWarpKeys == kCudaPagedSplitKeys);
+// Query rows per split block: each lane keeps rows * chunks * vector float32 query elements
+// and as many accumulators in registers. A GQA group of up to 4 at n = 1 is one chunk; more
+// rows take more chunks, each reading the split again (from L2: chunks of one split are
+// neighbours in the grid).
+inline constexpr int kCudaPagedRowsPerBlock = 4;
+// The widest key or value row the kernels take (registers: see PagedDecodePlan::chunks).
+inline constexpr int64_t kCudaPagedMaxHeadDim = 512;
 // Sequences per launch: their descriptors travel as a kernel parameter (under 4 KiB), so a
 // call copies nothing to the device but its results; larger batches take several launches.
 inline constexpr int kCudaPagedSequencesPerLaunch = 32;
-// Output rows per merge block: one warp each.
-inline constexpr int kCudaPagedMergeRowsPerBlock = kCudaPagedThreads / 32;
+// The merge kernel: blocks of kCudaPagedMergeParts warps, lane c of warp p adding column c of
+// the block's chunk over splits p, p + parts, ...
+inline constexpr int kCudaPagedMergeColumns = 32;
+inline constexpr int kCudaPagedMergeParts = 8;
+inline constexpr int kCudaPagedMergeThreads = kCudaPagedMergeColumns * kCudaPagedMergeParts;
 // CUDA's limit on grid.x.
 inline constexpr int64_t kCudaPagedMaxGridBlocks = (int64_t{1} << 31) - 1;
 
@@ -68,7 +87,7 @@ struct PagedSequencePlan {
   int64_t rows = 0;          // n * group
   int64_t row_chunks = 0;    // ceil(rows / kCudaPagedRowsPerBlock)
   int64_t split_blocks = 0;  // H_kv * run_splits * row_chunks
-  int64_t merge_blocks = 0;  // ceil(n * H / kCudaPagedMergeRowsPerBlock)
+  int64_t merge_blocks = 0;  // n * H * ceil(dv / kCudaPagedMergeColumns)
   // Blocks of the sequences before it in its launch (prefix sums the kernels search).
   int64_t split_block_begin = 0;
   int64_t merge_block_begin = 0;
@@ -82,13 +101,16 @@ struct PagedLaunch {
 };
 
 struct PagedDecodePlan {
-  // Elements per K and V load: 16 bytes' worth of K (4 float32, 8 bfloat16) and 4 values,
-  // when every row starts 16-byte aligned; else 1 (scalar loads).
-  int key_vector = 1;
-  int value_vector = 1;
-  // Lanes across one key's value columns (a power of two, 8..32, covering dv / value_vector
-  // column vectors, looping when wider); the block's other lanes take other keys.
-  int value_lanes = 32;
+  // Elements per K and V load: 16 bytes' worth (4 float32, 8 bfloat16) when every row starts
+  // 16-byte aligned; else 1 (scalar loads).
+  int vector = 1;
+  // Lanes across one key's row (a power of two up to 32: the fewest that cover the wider of
+  // the key and value rows in vectors, or 32); a warp takes 32 / lanes keys at a time.
+  int lanes = 32;
+  // Vectors per lane per row (a kernel template argument: 1 or 4 for float32 vectors, 1 or 2
+  // for bfloat16 vectors, 4 or 16 for scalars): lane l of a key group holds the row's vectors
+  // l, l + lanes, ... Zero when the rows are wider than kCudaPagedMaxHeadDim.
+  int chunks = 1;
   int64_t shared_bytes = 0;   // dynamic shared memory of the split kernel
   int64_t scratch_bytes = 0;  // the split states, float32
   std::vector<PagedSequencePlan> sequences;
@@ -124,12 +146,33 @@ ATTENTION_HOST_DEVICE inline PagedSplitBlock DecodePagedSplitBlock(int64_t block
   return {split_and_head / run_splits, split_and_head % run_splits, row_chunk};
 }
 
+// A merge block of one sequence: the output row (query i, head h as i * H + h), then the
+// chunk of kCudaPagedMergeColumns columns, varying fastest.
+struct PagedMergeBlock {
+  int64_t out_row, column_chunk;
+};
+ATTENTION_HOST_DEVICE inline int64_t PagedMergeColumnChunks(int64_t value_dim) {
+  return (value_dim + kCudaPagedMergeColumns - 1) / kCudaPagedMergeColumns;
+}
+ATTENTION_HOST_DEVICE inline PagedMergeBlock DecodePagedMergeBlock(int64_t block,
+                                                                   int64_t value_dim) {
+  const int64_t chunks = PagedMergeColumnChunks(value_dim);
+  return {block / chunks, block % chunks};
+}
+
 // Floats of one row's state, and where a row's state is among a sequence's.
 ATTENTION_HOST_DEVICE inline int64_t PagedStateFloats(int64_t value_dim) { return value_dim + 2; }
 ATTENTION_HOST_DEVICE inline int64_t PagedStateIndex(int64_t kv_head, int64_t split, int64_t row,
                                                      int64_t run_splits, int64_t rows,
                                                      int64_t value_dim) {
   return ((kv_head * run_splits + split) * rows + row) * PagedStateFloats(value_dim);
+}
+
+// The split kernel's dynamic shared memory: every warp's key and value row offsets (two
+// int64 per key), then every warp's per-row states to merge, [warps][rows][dv + 2] floats.
+ATTENTION_HOST_DEVICE inline int64_t PagedSplitSharedBytes(int64_t value_dim) {
+  return int64_t{kCudaPagedWarps} * kCudaPagedWarpKeys * 2 * 8 +
+         int64_t{kCudaPagedWarps} * kCudaPagedRowsPerBlock * PagedStateFloats(value_dim) * 4;
 }
 
 }  // namespace attention::core::cuda

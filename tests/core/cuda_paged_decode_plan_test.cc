@@ -31,17 +31,20 @@ TEST(CudaPagedDecodePlanTest, SplitsAreFixedInAbsoluteKeys) {
   ASSERT_EQ(plan.sequences.size(), 4u);
   EXPECT_EQ(plan.sequences[0].run_splits, 4096 / kCudaPagedSplitKeys);
   EXPECT_EQ(plan.sequences[1].run_splits, 1);
-  EXPECT_EQ(plan.sequences[2].run_splits, 2);
+  EXPECT_EQ(plan.sequences[2].run_splits, 1);
   EXPECT_EQ(plan.sequences[3].run_splits, 32768 / kCudaPagedSplitKeys);
-  // Rows: n * group (group 4), in chunks of 8 rows.
+  EXPECT_EQ(kCudaPagedSplitKeys, 256);
+  // Rows: n * group (group 4), in chunks of 4 rows.
   EXPECT_EQ(plan.sequences[0].rows, 4);
   EXPECT_EQ(plan.sequences[0].row_chunks, 1);
   EXPECT_EQ(plan.sequences[2].rows, 12);
-  EXPECT_EQ(plan.sequences[2].row_chunks, 2);
-  EXPECT_EQ(plan.sequences[0].split_blocks, 8 * 32);  // 256 blocks for one 4k sequence
-  EXPECT_EQ(plan.sequences[2].split_blocks, 8 * 2 * 2);
-  EXPECT_EQ(plan.sequences[0].merge_blocks, 32 / kCudaPagedMergeRowsPerBlock);
-  EXPECT_EQ(plan.sequences[2].merge_blocks, 3 * 32 / kCudaPagedMergeRowsPerBlock);
+  EXPECT_EQ(plan.sequences[2].row_chunks, 3);
+  EXPECT_EQ(plan.sequences[0].split_blocks, 8 * 16);  // 128 blocks for one 4k sequence
+  EXPECT_EQ(plan.sequences[2].split_blocks, 8 * 1 * 3);
+  EXPECT_EQ(plan.sequences[3].split_blocks, 8 * 128);
+  // Merge blocks: (query, head, 32 value columns).
+  EXPECT_EQ(plan.sequences[0].merge_blocks, 32 * 4);
+  EXPECT_EQ(plan.sequences[2].merge_blocks, 3 * 32 * 4);
   // One launch; prefix sums of blocks and states.
   ASSERT_EQ(plan.launches.size(), 1u);
   int64_t split = 0, merge = 0, states = 0;
@@ -66,7 +69,8 @@ TEST(CudaPagedDecodePlanTest, SplitBlocksCoverEveryHeadSplitAndChunkOnce) {
   const PagedDecodePlan plan = PlanPagedDecode(Llama(), {{1000, 17}});
   const PagedSequencePlan& p = plan.sequences[0];
   EXPECT_EQ(p.rows, 17 * 4);
-  EXPECT_EQ(p.row_chunks, 9);
+  EXPECT_EQ(p.row_chunks, 17);
+  EXPECT_EQ(p.run_splits, 4);
   std::set<std::tuple<int64_t, int64_t, int64_t>> seen;
   for (int64_t block = 0; block < p.split_blocks; ++block) {
     const PagedSplitBlock b = DecodePagedSplitBlock(block, p.run_splits, p.row_chunks);
@@ -87,10 +91,10 @@ TEST(CudaPagedDecodePlanTest, SplitBlocksCoverEveryHeadSplitAndChunkOnce) {
 TEST(CudaPagedDecodePlanTest, SlidingWindowsSkipSplitsBeforeTheFirstQuerysWindow) {
   PagedDecodeDims d = Llama();
   d.sliding_window = 300;
-  // The first query sits at 5000 - 3 = 4997 and sees 4698.. : splits from 4698 / 128 = 36.
-  const PagedDecodePlan plan = PlanPagedDecode(d, {{5000, 3}, {200, 1}});
-  EXPECT_EQ(plan.sequences[0].first_split, 36);
-  EXPECT_EQ(plan.sequences[0].run_splits, 40 - 36);
+  // The first query sits at 5000 - 3 = 4997 and sees 4698.. : splits from 4698 / 256 = 18.
+  const PagedDecodePlan plan = PlanPagedDecode(d, {{5000, 3}, {300, 1}});
+  EXPECT_EQ(plan.sequences[0].first_split, 18);
+  EXPECT_EQ(plan.sequences[0].run_splits, 20 - 18);
   EXPECT_EQ(plan.sequences[1].first_split, 0);
   EXPECT_EQ(plan.sequences[1].run_splits, 2);
   EXPECT_EQ(PagedFirstVisibleKey(4997, 300), 4698);
@@ -101,28 +105,74 @@ TEST(CudaPagedDecodePlanTest, SlidingWindowsSkipSplitsBeforeTheFirstQuerysWindow
 
 TEST(CudaPagedDecodePlanTest, VectorLoadsNeedSixteenByteRows) {
   const PagedDecodePlan f32 = PlanPagedDecode(Llama(4), {{10, 1}});
-  EXPECT_EQ(f32.key_vector, 4);
-  EXPECT_EQ(f32.value_vector, 4);
-  EXPECT_EQ(f32.value_lanes, 32);  // 128 columns in float4s
+  EXPECT_EQ(f32.vector, 4);
+  EXPECT_EQ(f32.lanes, 32);  // 128 columns in float4s: one key per warp step
+  EXPECT_EQ(f32.chunks, 1);
   const PagedDecodePlan bf16 = PlanPagedDecode(Llama(2), {{10, 1}});
-  EXPECT_EQ(bf16.key_vector, 8);
-  EXPECT_EQ(bf16.value_vector, 4);
-  // Shared memory: the rows' queries, their scores, and the key groups' value sums.
-  EXPECT_EQ(f32.shared_bytes, 4 * (8 * 128 + 8 * kCudaPagedSplitKeys + 128 * 8 * 4));
+  EXPECT_EQ(bf16.vector, 8);
+  EXPECT_EQ(bf16.lanes, 16);  // two keys per warp step
+  EXPECT_EQ(bf16.chunks, 1);
+  // Shared memory: each warp's 32 keys' two offsets, and its states of 4 rows.
+  EXPECT_EQ(f32.shared_bytes, 8 * 32 * 2 * 8 + 8 * 4 * (128 + 2) * 4);
+  EXPECT_EQ(f32.shared_bytes, PagedSplitSharedBytes(128));
   PagedDecodeDims d = Llama(2);
-  d.value_dim = 24;  // 48 bytes: still aligned; 6 vectors of 4
-  EXPECT_EQ(PlanPagedDecode(d, {{10, 1}}).key_vector, 8);
-  EXPECT_EQ(PlanPagedDecode(d, {{10, 1}}).value_lanes, 8);
+  d.value_dim = 24;  // 48 bytes: still aligned; 3 vectors of 8, the key's 16 the wider
+  EXPECT_EQ(PlanPagedDecode(d, {{10, 1}}).vector, 8);
+  EXPECT_EQ(PlanPagedDecode(d, {{10, 1}}).lanes, 16);
+  d.key_dim = 24;  // 3 vectors: 4 lanes
+  EXPECT_EQ(PlanPagedDecode(d, {{10, 1}}).lanes, 4);
+  EXPECT_EQ(PlanPagedDecode(d, {{10, 1}}).chunks, 1);
+  d = Llama(2);
   d.value_dim = 20;  // 40 bytes
-  EXPECT_EQ(PlanPagedDecode(d, {{10, 1}}).key_vector, 1);
-  EXPECT_EQ(PlanPagedDecode(d, {{10, 1}}).value_vector, 1);
-  EXPECT_EQ(PlanPagedDecode(d, {{10, 1}}).value_lanes, 32);
+  EXPECT_EQ(PlanPagedDecode(d, {{10, 1}}).vector, 1);
+  EXPECT_EQ(PlanPagedDecode(d, {{10, 1}}).lanes, 32);
+  EXPECT_EQ(PlanPagedDecode(d, {{10, 1}}).chunks, 4);  // 128 scalars
   d = Llama(4);
   d.block_bytes += 8;  // blocks 8 bytes apart from 16
-  EXPECT_EQ(PlanPagedDecode(d, {{10, 1}}).key_vector, 1);
+  EXPECT_EQ(PlanPagedDecode(d, {{10, 1}}).vector, 1);
   d = Llama(4);
   d.storage_address += 4;
-  EXPECT_EQ(PlanPagedDecode(d, {{10, 1}}).key_vector, 1);
+  EXPECT_EQ(PlanPagedDecode(d, {{10, 1}}).vector, 1);
+}
+
+TEST(CudaPagedDecodePlanTest, ChunksCoverTheWiderRowWithTheKernelsBuilt) {
+  PagedDecodeDims d = Llama(4);
+  d.key_dim = 256;  // 64 float4s: 2 per lane, in the kernel of 4
+  EXPECT_EQ(PlanPagedDecode(d, {{10, 1}}).chunks, 4);
+  d.value_dim = 512;
+  EXPECT_EQ(PlanPagedDecode(d, {{10, 1}}).chunks, 4);
+  d = Llama(2);
+  d.value_dim = 256;  // 32 vectors of 8 bfloat16
+  EXPECT_EQ(PlanPagedDecode(d, {{10, 1}}).lanes, 32);
+  EXPECT_EQ(PlanPagedDecode(d, {{10, 1}}).chunks, 1);
+  d.value_dim = 512;
+  EXPECT_EQ(PlanPagedDecode(d, {{10, 1}}).chunks, 2);
+  d.storage_address += 2;  // scalars: 512 per row, 16 per lane
+  EXPECT_EQ(PlanPagedDecode(d, {{10, 1}}).vector, 1);
+  EXPECT_EQ(PlanPagedDecode(d, {{10, 1}}).chunks, 16);
+  d.key_dim = d.value_dim = 80;  // 3 per lane, in the kernel of 4
+  EXPECT_EQ(PlanPagedDecode(d, {{10, 1}}).chunks, 4);
+  d.key_dim = d.value_dim = 16;  // 16 lanes, one each
+  EXPECT_EQ(PlanPagedDecode(d, {{10, 1}}).lanes, 16);
+  EXPECT_EQ(PlanPagedDecode(d, {{10, 1}}).chunks, 4);
+}
+
+TEST(CudaPagedDecodePlanTest, MergeBlocksCoverEveryRowAndColumnChunkOnce) {
+  PagedDecodeDims d = Llama();
+  d.value_dim = 80;  // 3 chunks of 32 columns, the last partial
+  const PagedDecodePlan plan = PlanPagedDecode(d, {{1000, 3}});
+  const PagedSequencePlan& p = plan.sequences[0];
+  EXPECT_EQ(PagedMergeColumnChunks(80), 3);
+  EXPECT_EQ(p.merge_blocks, 3 * 32 * 3);
+  std::set<std::pair<int64_t, int64_t>> seen;
+  for (int64_t block = 0; block < p.merge_blocks; ++block) {
+    const PagedMergeBlock b = DecodePagedMergeBlock(block, 80);
+    EXPECT_LT(b.out_row, 3 * 32);
+    EXPECT_LT(b.column_chunk, 3);
+    seen.insert({b.out_row, b.column_chunk});
+  }
+  EXPECT_EQ(static_cast<int64_t>(seen.size()), p.merge_blocks);
+  EXPECT_EQ(kCudaPagedMergeThreads, kCudaPagedMergeParts * kCudaPagedMergeColumns);
 }
 
 TEST(CudaPagedDecodePlanTest, LargeBatchesTakeSeveralLaunches) {
@@ -132,7 +182,7 @@ TEST(CudaPagedDecodePlanTest, LargeBatchesTakeSeveralLaunches) {
   EXPECT_EQ(plan.launches[1].first_sequence, kCudaPagedSequencesPerLaunch);
   EXPECT_EQ(plan.launches[1].count, kCudaPagedSequencesPerLaunch);
   EXPECT_EQ(plan.launches[2].count, 1);
-  EXPECT_EQ(plan.launches[2].split_blocks, 8 * 3);
+  EXPECT_EQ(plan.launches[2].split_blocks, 8 * 2);  // 300 keys: 2 splits
   // Block offsets restart per launch; state offsets do not.
   EXPECT_EQ(plan.sequences[kCudaPagedSequencesPerLaunch].split_block_begin, 0);
   EXPECT_GT(plan.sequences[kCudaPagedSequencesPerLaunch].state_offset, 0);
@@ -141,10 +191,17 @@ TEST(CudaPagedDecodePlanTest, LargeBatchesTakeSeveralLaunches) {
 TEST(CudaPagedDecodePlanTest, UnsupportedShapesNameTheField) {
   EXPECT_EQ(PagedDecodeUnsupportedReason(Llama(), {{32768, 1}}, kH100SharedBytes), "");
   PagedDecodeDims d = Llama();
+  d.key_dim = 512;
+  d.value_dim = 512;
+  EXPECT_EQ(PagedDecodeUnsupportedReason(d, {{10, 1}}, kH100SharedBytes), "");
   d.key_dim = 8192;
   EXPECT_EQ(PagedDecodeUnsupportedReason(d, {{10, 1}}, kH100SharedBytes),
-            "paged decode: key_dim 8192 and value_dim 128 need 282624 bytes of shared memory "
-            "per block; the device has 232448");
+            "paged decode: key_dim 8192 and value_dim 512: the CUDA kernel takes rows of at "
+            "most 512 elements");
+  d.key_dim = 128;
+  EXPECT_EQ(PagedDecodeUnsupportedReason(d, {{10, 1}}, 48 << 10),
+            "paged decode: value_dim 512 needs 69888 bytes of shared memory per block; the "
+            "device has 49152");
   EXPECT_EQ(
       PagedDecodeUnsupportedReason(Llama(), {{10, 1}, {int64_t{1} << 31, 1}}, kH100SharedBytes),
       "paged decode: sequence 1 has length 2147483648; the CUDA kernel takes at most "

@@ -152,7 +152,7 @@ bool VectorLoads(HostPagedPool& pool, uint64_t storage_address) {
   d.tokens_per_block = pool.shape().tokens_per_block;
   d.block_bytes = pool.block_bytes();
   d.storage_address = storage_address;
-  return PlanPagedDecode(d, {{1, 1}}).key_vector > 1;
+  return PlanPagedDecode(d, {{1, 1}}).vector > 1;
 }
 
 class CudaPagedDecodeTest : public ::testing::Test {
@@ -232,6 +232,46 @@ TEST_F(CudaPagedDecodeTest, SlidingWindowMatchesDenseReferences) {
     }
   }
   EXPECT_EQ(cases, 3 * 2 * 5);
+}
+
+TEST_F(CudaPagedDecodeTest, WideRowsMatchDenseReferences) {
+  // The kernels of more vectors per lane (PagedDecodePlan::chunks): float32 rows of 256 and
+  // 512 (4 float4s a lane), bfloat16 of 512 (2 vectors of 8), and scalars of 200 (16 a lane).
+  FidelityStats outputs("cuda wide output"), lses("cuda wide log-sum-exp");
+  struct Case {
+    int64_t key_dim, value_dim;
+    DType dtype;
+    int64_t slack;
+    int chunks;
+  };
+  const Case cases[] = {{256, 256, DType::kFloat32, 16, 4},
+                        {512, 384, DType::kFloat32, 16, 4},
+                        {192, 512, DType::kBFloat16, 16, 2},
+                        {200, 200, DType::kFloat32, 8, 16},
+                        {136, 72, DType::kBFloat16, 8, 16}};
+  uint64_t seed = 40;
+  for (const Case& c : cases) {
+    for (const int64_t length : {97, 700}) {
+      SCOPED_TRACE(::testing::Message() << "dk " << c.key_dim << " dv " << c.value_dim << " "
+                                        << DTypeName(c.dtype) << " slack " << c.slack << " L "
+                                        << length);
+      const PagedShape shape{8, 2, c.key_dim, c.value_dim, 16, c.dtype};
+      HostPagedPool pool(shape, {{length, 3}}, ++seed, c.slack);
+      PagedDecodeDims d;
+      d.num_heads = 8;
+      d.num_kv_heads = 2;
+      d.key_dim = c.key_dim;
+      d.value_dim = c.value_dim;
+      d.element_bytes = pool.layout().ElementBytes();
+      d.tokens_per_block = 16;
+      d.block_bytes = pool.block_bytes();
+      d.storage_address = 256;  // cudaMalloc's alignment
+      EXPECT_EQ(PlanPagedDecode(d, {{length, 3}}).chunks, c.chunks);
+      DevicePagedPool device(pool);
+      ASSERT_TRUE(device.Run({0}).ok());
+      ASSERT_TRUE(PagedMatchesReferences(pool, 0, outputs, lses));
+    }
+  }
 }
 
 // Outputs and log-sum-exps of every sequence, to compare bitwise.
@@ -337,11 +377,11 @@ TEST_F(CudaPagedDecodeTest, RefusesScratchTooSmall) {
   batch.tokens_per_block = 8;
   batch.num_heads = 4;
   batch.sequences = sequences;
-  // 2 KV heads * 3 splits * 4 rows * (32 + 2) floats.
-  EXPECT_EQ(*PagedDecodeCudaScratchBytes(batch), 4 * 2 * 3 * 4 * 34);
+  // 2 KV heads * 2 splits * 4 rows * (32 + 2) floats.
+  EXPECT_EQ(*PagedDecodeCudaScratchBytes(batch), 4 * 2 * 2 * 4 * 34);
   const absl::Status status = PagedDecodeCuda(batch, nullptr, 100, nullptr);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(status.message(), ::testing::HasSubstr("scratch_bytes 100 < the 3264 needed"));
+  EXPECT_THAT(status.message(), ::testing::HasSubstr("scratch_bytes 100 < the 2176 needed"));
 }
 
 // The CPU kernel's refusals with its messages, but for block ids (on the device, not read by
