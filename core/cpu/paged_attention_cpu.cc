@@ -369,7 +369,9 @@ void MergeSplits(const PagedDecodeBatch& batch, const HeadWork& work, const floa
   }
 }
 
-absl::Status Validate(const PagedDecodeBatch& batch) {
+}  // namespace
+
+absl::Status ValidatePagedDecodeBatch(const PagedDecodeBatch& batch, bool check_block_ids) {
   const KvLayout& layout = batch.layout;
   if (layout.dtype != DType::kFloat32 && layout.dtype != DType::kBFloat16) {
     return absl::InvalidArgumentError(absl::StrCat("paged decode: KV dtype must be float32 or ",
@@ -415,7 +417,7 @@ absl::Status Validate(const PagedDecodeBatch& batch) {
                        blocks, " blocks of ", batch.tokens_per_block,
                        " tokens; its block table has ", sequence.block_table.size()));
     }
-    for (int64_t i = 0; i < blocks; ++i) {
+    for (int64_t i = 0; check_block_ids && i < blocks; ++i) {
       const BlockId block = sequence.block_table[i];
       if (block < 0 || block >= batch.storage.num_blocks) {
         return absl::InvalidArgumentError(
@@ -431,10 +433,11 @@ absl::Status Validate(const PagedDecodeBatch& batch) {
   return absl::OkStatus();
 }
 
-}  // namespace
-
 absl::Status PagedDecodeCpu(const PagedDecodeBatch& batch, ThreadPool& pool, SimdLevel level) {
-  if (absl::Status status = Validate(batch); !status.ok()) return status;
+  if (absl::Status status = ValidatePagedDecodeBatch(batch, /*check_block_ids=*/true);
+      !status.ok()) {
+    return status;
+  }
   if (!CpuSupports(level)) {
     return absl::InvalidArgumentError(
         absl::StrCat("paged decode: this CPU cannot run ", SimdLevelName(level)));

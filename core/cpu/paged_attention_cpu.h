@@ -51,6 +51,11 @@ struct PagedDecodeBatch {
   absl::Span<const PagedDecodeSequence> sequences;
 };
 
+// The checks of a batch every backend makes on the host: INVALID_ARGUMENT naming the field
+// when it is malformed (see PagedDecodeCpu). `check_block_ids`: the block tables are host
+// memory, so each id is checked against the storage (a GPU's live on the device).
+absl::Status ValidatePagedDecodeBatch(const PagedDecodeBatch& batch, bool check_block_ids);
+
 // INVALID_ARGUMENT naming the field when the batch is malformed (n < 1, n > L, a block
 // table too short or naming a block outside the storage, heads not a multiple of the KV
 // heads, a negative window); otherwise computes every sequence's output. `level` picks the SIMD

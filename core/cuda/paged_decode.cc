@@ -22,61 +22,6 @@ absl::Status Cuda(cudaError_t error, absl::string_view what) {
   return absl::InternalError(message);
 }
 
-// The CPU kernel's validation (paged_attention_cpu.cc), word for word, but for the block
-// ids, which live on the device.
-absl::Status Validate(const PagedDecodeBatch& batch) {
-  const KvLayout& layout = batch.layout;
-  if (layout.dtype != DType::kFloat32 && layout.dtype != DType::kBFloat16) {
-    return absl::InvalidArgumentError(absl::StrCat("paged decode: KV dtype must be float32 or ",
-                                                   "bfloat16, not ", DTypeName(layout.dtype)));
-  }
-  if (layout.num_kv_heads < 1 || layout.key_dim < 1 || layout.value_dim < 1 ||
-      batch.num_heads % layout.num_kv_heads != 0 || batch.num_heads < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "paged decode: num_heads ", batch.num_heads, " must be a positive multiple of ",
-        "num_kv_heads ", layout.num_kv_heads, ", and key_dim ", layout.key_dim, " and value_dim ",
-        layout.value_dim, " positive"));
-  }
-  if (batch.sliding_window < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "paged decode: sliding_window ", batch.sliding_window, " must be >= 0 (0 for none)"));
-  }
-  if (batch.tokens_per_block < 1 ||
-      batch.tokens_per_block * layout.TokenBytes() > batch.storage.block_bytes ||
-      batch.storage.data == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "paged decode: tokens_per_block ", batch.tokens_per_block, " of ", layout.TokenBytes(),
-        " bytes do not fit a storage block of ", batch.storage.block_bytes, " bytes"));
-  }
-  const int64_t element = layout.ElementBytes();
-  if (batch.storage.block_bytes % element != 0 ||
-      reinterpret_cast<uintptr_t>(batch.storage.data) % element != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("paged decode: the storage and its blocks of ", batch.storage.block_bytes,
-                     " bytes must be aligned to the KV element's ", element, " bytes"));
-  }
-  for (size_t b = 0; b < batch.sequences.size(); ++b) {
-    const PagedDecodeSequence& sequence = batch.sequences[b];
-    if (sequence.num_queries < 1 || sequence.num_queries > sequence.length) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("paged decode: sequence ", b, " has num_queries ", sequence.num_queries,
-                       " and length ", sequence.length, "; it needs 1 <= num_queries <= length"));
-    }
-    const int64_t blocks = (sequence.length + batch.tokens_per_block - 1) / batch.tokens_per_block;
-    if (static_cast<int64_t>(sequence.block_table.size()) < blocks) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("paged decode: sequence ", b, " of length ", sequence.length, " needs ",
-                       blocks, " blocks of ", batch.tokens_per_block,
-                       " tokens; its block table has ", sequence.block_table.size()));
-    }
-    if (sequence.query == nullptr || sequence.output == nullptr) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("paged decode: sequence ", b, " lacks its query or output"));
-    }
-  }
-  return absl::OkStatus();
-}
-
 PagedDecodeDims Dims(const PagedDecodeBatch& batch) {
   PagedDecodeDims d;
   d.num_heads = batch.num_heads;
@@ -100,7 +45,11 @@ std::vector<PagedSequenceDims> SequenceDims(const PagedDecodeBatch& batch) {
 
 // Validation, then the plan; INVALID_ARGUMENT for what the kernels cannot run.
 absl::StatusOr<PagedDecodePlan> Plan(const PagedDecodeBatch& batch) {
-  if (absl::Status status = Validate(batch); !status.ok()) return status;
+  // Block ids live on the device: one outside the storage reads as NaN (see the header).
+  if (absl::Status status = ValidatePagedDecodeBatch(batch, /*check_block_ids=*/false);
+      !status.ok()) {
+    return status;
+  }
   int device = 0, max_shared = 0;
   if (absl::Status status = Cuda(cudaGetDevice(&device), "cudaGetDevice"); !status.ok()) {
     return status;

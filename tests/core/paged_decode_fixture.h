@@ -1,5 +1,5 @@
 // A paged KV pool in host memory and the dense references for testing paged decode kernels
-// (the CPU test's fixture, for the CUDA kernel's test): several sequences at randomly
+// (the fixture of the CPU and CUDA kernels' tests): several sequences at randomly
 // permuted blocks of a pool three times too large whose other blocks hold NaN, so a read
 // outside a block table shows, and the textbook loops in float32 and float64 on the
 // gathered KV, for FlashAttention's fidelity rule (tests/core/fidelity.h).

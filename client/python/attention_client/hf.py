@@ -24,8 +24,9 @@ stay on the client as bookkeeping and their query rows get zeros. Before a forwa
 its 4D mask is compared with what the sessions will compute; a mask they cannot reproduce
 (right padding, a custom 4D mask) raises ValueError instead of answering differently.
 
-Supported: transformers >= 5.23, < 6 (SUPPORTED_TRANSFORMERS; tested with 5.23.0; earlier
-releases pass cache_position to the cache and size masks by it), PyTorch 2.x. Not supported: attention dropout
+Supported: transformers >= 5.23, < 6 (SUPPORTED_TRANSFORMERS; tested at both ends released,
+5.23.0 and 5.24.0; earlier releases pass cache_position to the cache and size masks by it),
+PyTorch 2.x. Not supported: attention dropout
 (training), output_attentions (no weights come back), layers with different head shapes or
 softmax scales in one model, chunked attention, sliding-window layers on a server without
 SessionConfig.sliding_window (refused), torch.compile (the cache is not compileable).
