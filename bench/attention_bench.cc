@@ -99,6 +99,32 @@ void BM_FmaPeak(benchmark::State& state) {
   SetGflops(state, flops);
 }
 BENCHMARK(BM_FmaPeak)->UseRealTime();
+
+// BM_FmaPeak's twin for bfloat16 (issue 26's ceiling): 12 independent chains of vdpbf16ps,
+// each a 16-lane float32 accumulation of two bf16 products per lane (64 flops).
+__attribute__((target("avx512f,avx512bf16"))) double Bf16DotChains(int64_t steps) {
+  __m512 chains[12];
+  for (int i = 0; i < 12; ++i) chains[i] = _mm512_set1_ps(0.001f * i);
+  const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3a83);
+  for (int64_t n = 0; n < steps; ++n) {
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i) chains[i] = _mm512_dpbf16_ps(chains[i], a, b);
+  }
+  benchmark::DoNotOptimize(chains);
+  return 12.0 * 64 * steps;
+}
+
+void BM_Bf16DotPeak(benchmark::State& state) {
+  if (!__builtin_cpu_supports("avx512bf16")) {
+    state.SkipWithError("no AVX512-BF16 (vdpbf16ps) on this CPU");
+    return;
+  }
+  constexpr int64_t kSteps = 1 << 20;
+  double flops = 0;
+  for (auto _ : state) flops = Bf16DotChains(kSteps);
+  SetGflops(state, flops);
+}
+BENCHMARK(BM_Bf16DotPeak)->UseRealTime();
 #endif
 
 // The QKV projection of E=768 (N=2304, K=768) on 2 threads for `rows` tokens: OpenBLAS on the

@@ -1,0 +1,101 @@
+// What a bfloat16 compute path could buy on this host (issue 26's first measurement): the
+// projection GEMM of S1, S2 and S4 (4096 tokens x 768 -> 2304, and the 768 -> 768 output
+// projection) by OpenBLAS sgemm in float32 and by oneDNN's matmul in float32 and in
+// bfloat16 (bf16 inputs and weights, float32 accumulation and output), on the same threads.
+// Each oneDNN row's label is the implementation it picked (e.g. brg:avx512_core_bf16 uses
+// vdpbf16ps; without bf16 instructions it converts and runs float32 kernels).
+//
+//   OMP_NUM_THREADS=2 build/bench/bf16_gemm_bench --benchmark_counters_tabular=true
+#include <cblas.h>
+
+#include <random>
+#include <string>
+#include <vector>
+
+#include "benchmark/benchmark.h"
+#include "oneapi/dnnl/dnnl.hpp"
+
+namespace {
+
+using dnnl::memory;
+
+std::vector<float> RandomValues(size_t count, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  std::vector<float> values(count);
+  for (float& v : values) v = uniform(rng);
+  return values;
+}
+
+void SetGflops(benchmark::State& state, double flops_per_iteration) {
+  state.counters["GFLOPS"] = benchmark::Counter(flops_per_iteration * state.iterations() / 1e9,
+                                                benchmark::Counter::kIsRate);
+}
+
+// y[M][N] = x[M][K] * w[N][K]^T, as the layers' projections (weights row-major [out][in]).
+void BM_Sgemm(benchmark::State& state) {
+  const int64_t m = state.range(0), n = state.range(1), k = state.range(2);
+  openblas_set_num_threads(static_cast<int>(state.range(3)));
+  const auto x = RandomValues(m * k, 1), w = RandomValues(n * k, 2);
+  std::vector<float> y(m * n);
+  for (auto _ : state) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, x.data(), k, w.data(), k,
+                0.0f, y.data(), n);
+    benchmark::DoNotOptimize(y.data());
+  }
+  SetGflops(state, 2.0 * m * n * k);
+}
+
+// `values`, float32 in `layout`, converted into memory of `wanted`.
+memory Reordered(const std::vector<float>& values, memory::format_tag layout,
+                 const memory::desc& wanted, const dnnl::engine& engine, dnnl::stream& stream) {
+  memory source(memory::desc(wanted.dims(), memory::data_type::f32, layout), engine,
+                const_cast<float*>(values.data()));
+  memory target(wanted, engine);
+  dnnl::reorder(source, target).execute(stream, source, target);
+  stream.wait();
+  return target;
+}
+
+// The same product by oneDNN, inputs and weights in `dtype` (f32 or bf16), float32 out; the
+// weights reordered once into the layout the primitive wants, as a loaded layer would keep
+// them.
+void OneDnnMatmul(benchmark::State& state, memory::data_type dtype) {
+  const int64_t m = state.range(0), n = state.range(1), k = state.range(2);
+  dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  dnnl::stream stream(engine);
+  const memory::desc x_md({m, k}, dtype, memory::format_tag::ab);
+  const memory::desc w_any({k, n}, dtype, memory::format_tag::any);
+  const memory::desc y_md({m, n}, memory::data_type::f32, memory::format_tag::ab);
+  const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(x_md, w_any, y_md), engine);
+  const dnnl::matmul matmul(pd);
+
+  const auto x_values = RandomValues(m * k, 1), w_values = RandomValues(n * k, 2);
+  memory x = Reordered(x_values, memory::format_tag::ab, x_md, engine, stream);
+  // The weights are row-major [n][k]: a {k, n} matrix in layout ba.
+  memory w = Reordered(w_values, memory::format_tag::ba, pd.weights_desc(), engine, stream);
+  memory y(y_md, engine);
+  for (auto _ : state) {
+    matmul.execute(stream, {{DNNL_ARG_SRC, x}, {DNNL_ARG_WEIGHTS, w}, {DNNL_ARG_DST, y}});
+    stream.wait();
+  }
+  SetGflops(state, 2.0 * m * n * k);
+  state.SetLabel(pd.impl_info_str());
+}
+
+void BM_OneDnnF32(benchmark::State& state) { OneDnnMatmul(state, memory::data_type::f32); }
+void BM_OneDnnBf16(benchmark::State& state) { OneDnnMatmul(state, memory::data_type::bf16); }
+
+// QKV (768 -> 2304) and output (768 -> 768) projections of 4096 tokens; 2 threads for sgemm
+// (oneDNN takes OMP_NUM_THREADS).
+void Shapes(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"m", "n", "k", "threads"})->Args({4096, 2304, 768, 2})->Args({4096, 768, 768, 2});
+  b->UseRealTime();
+}
+BENCHMARK(BM_Sgemm)->Apply(Shapes);
+BENCHMARK(BM_OneDnnF32)->Apply(Shapes);
+BENCHMARK(BM_OneDnnBf16)->Apply(Shapes);
+
+}  // namespace
+
+BENCHMARK_MAIN();
