@@ -9,6 +9,10 @@
 // flight per block, 64 KiB per SM at two blocks: by Little's law, at ~1 us of loaded DRAM
 // latency, 32-64 GB/s per SM, against the 4.4-4.8 TB/s / 132 SMs = 34-36 GB/s each SM needs.
 // The block-table look-ups are made once per key, up front, one key per lane.
+// Between tiles a warp computes, and nothing of its own is in flight, so the compute of a
+// tile is kept short: the kRows * kUnroll dot products' shuffle reductions go one level at a
+// time for all of them (their latencies overlap, rather than 5 shuffles waited on in turn per
+// score), and no branch skips an expf (each would wait on the one before).
 #include <cstdint>
 
 #include "core/cuda/paged_decode_kernels.h"
@@ -26,9 +30,11 @@ static_assert(kWarpKeys == 32, "one key of a warp's range per lane");
 
 // The weight of a softmax state of max `max` in a merged state of max `merged` (>= max):
 // exactly 1 when the max is unchanged (so states merge with nothing bitwise unchanged), and
-// 0 for an empty state (max -inf) when the merged one is not empty.
+// 0 for an empty state (max -inf) when the merged one is not empty. The test picks expf's
+// argument rather than its result (expf(0) is exactly 1), so that no branch skips the expf:
+// branches around expfs make them wait on one another.
 __device__ inline float Weight(float max, float merged) {
-  return max == merged ? 1.0f : expf(max - merged);
+  return expf(max == merged ? 0.0f : max - merged);
 }
 
 __device__ float WarpMax(float value) {
@@ -247,7 +253,9 @@ __global__ void __launch_bounds__(kCudaPagedThreads, MinSplitBlocks<Element, kVe
       }
     }
 
-    // Scores: each lane's part of the dot products, added over the key group's lanes.
+    // Scores: each lane's part of the dot products, added over the key group's lanes (offsets
+    // lanes / 2, ..., 1), one level of shuffles at a time for all kRows * kUnroll of them, so
+    // that their latencies overlap (a loop per score would wait on each shuffle in turn).
     float score[kRows][kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -259,11 +267,24 @@ __global__ void __launch_bounds__(kCudaPagedThreads, MinSplitBlocks<Element, kVe
 #pragma unroll
           for (int e = 0; e < kVec; ++e) partial = fmaf(query[r][c][e], V::At(k[u][c], e), partial);
         }
-        for (int offset = lanes / 2; offset > 0; offset >>= 1) {
-          partial += __shfl_xor_sync(kFullWarp, partial, offset);
-        }
-        score[r][u] = partial * launch.scale;
+        score[r][u] = partial;
       }
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      if (offset >= lanes) continue;  // uniform in the warp
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          score[r][u] += __shfl_xor_sync(kFullWarp, score[r][u], offset);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) score[r][u] *= launch.scale;
     }
 
     // The online softmax over the tile's keys that each row sees.
@@ -284,15 +305,26 @@ __global__ void __launch_bounds__(kCudaPagedThreads, MinSplitBlocks<Element, kVe
 #pragma unroll
         for (int e = 0; e < kVec; ++e) acc[r][c][e] *= rescale;
       }
+      // Every key's exp first, without branches (those of keys the row does not see are
+      // dropped), so that they overlap; then the sums, in key order. A score of -inf weighs
+      // expf(-inf) = 0, also when new_max is -inf.
+      float p[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        if (!seen[u]) continue;
-        const float p = score[r][u] == -INFINITY ? 0.0f : expf(score[r][u] - new_max);
-        row_sum[r] += p;
+        p[u] = expf(score[r][u] == -INFINITY ? -INFINITY : score[r][u] - new_max);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        // Adding +0 leaves the sum as it was (it is never -0), and keeps the expf out of a
+        // branch; the values are picked (a value the row does not see may be NaN).
+        row_sum[r] += seen[u] ? p[u] : 0.0f;
 #pragma unroll
         for (int c = 0; c < kChunks; ++c) {
 #pragma unroll
-          for (int e = 0; e < kVec; ++e) acc[r][c][e] = fmaf(p, V::At(v[u][c], e), acc[r][c][e]);
+          for (int e = 0; e < kVec; ++e) {
+            const float added = fmaf(p[u], V::At(v[u][c], e), acc[r][c][e]);
+            acc[r][c][e] = seen[u] ? added : acc[r][c][e];
+          }
         }
       }
       row_max[r] = new_max;
