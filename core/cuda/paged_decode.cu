@@ -8,7 +8,10 @@
 // bfloat16: 4 steps * 2 keys * 512 bytes, the same). At 8 warps a block that is 32 KiB in
 // flight per block, 64 KiB per SM at two blocks: by Little's law, at ~1 us of loaded DRAM
 // latency, 32-64 GB/s per SM, against the 4.4-4.8 TB/s / 132 SMs = 34-36 GB/s each SM needs.
-// The block-table look-ups are made once per key, up front, one key per lane.
+// The block-table look-ups are made once per key, up front, one key per lane. While a tile's
+// loads wait, the warp also prefetches the next tile's rows into L2 (kPrefetchTiles), so that
+// 2 tiles (8 KiB) per warp, 128 KiB per SM, are in flight from DRAM, and a tile's own loads
+// mostly wait on L2 rather than DRAM.
 // Between tiles a warp computes, and nothing of its own is in flight, so the compute of a
 // tile is kept short: the kRows * kUnroll dot products' shuffle reductions go one level at a
 // time for all of them (their latencies overlap, rather than 5 shuffles waited on in turn per
@@ -108,6 +111,13 @@ struct Vec<uint16_t, 8> {
     return e % 2 == 0 ? Low(word) : High(word);
   }
 };
+
+// Tiles a warp prefetches into L2 ahead of the one it loads (see PagedSplitKernel).
+constexpr int kPrefetchTiles = 1;
+
+__device__ inline void PrefetchL2(const void* address) {
+  asm volatile("prefetch.L2 [%0];" : : "l"(address));
+}
 
 // Blocks per SM the split kernel is compiled for: two (at most 128 registers a thread) where
 // each lane holds one 16-byte vector of a row, or four scalars; else one.
@@ -250,6 +260,32 @@ __global__ void __launch_bounds__(kCudaPagedThreads, MinSplitBlocks<Element, kVe
         v[u][c] = !live[u] || vector >= value_vectors ? V::Zero()
                   : value_offset < 0                  ? V::NaN()
                                                       : V::Load(value_row + vector);
+      }
+    }
+
+    // The next kPrefetchTiles tiles' rows, into L2 while this one waits and computes (a hint
+    // that holds no register and changes no result): its loads then find them there, and
+    // the warp has the next tile's bytes in flight from DRAM as well as this one's.
+#pragma unroll
+    for (int ahead = 1; ahead <= kPrefetchTiles; ++ahead) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int step = tile + ahead * kUnroll + u;
+        const int index = step * groups + key_group;
+        const int next_key = warp_begin + index;
+        if (step >= steps || next_key < key_begin || next_key >= key_end) continue;
+        const long long key_offset = key_offsets[warp * kWarpKeys + index];
+        const long long value_offset = value_offsets[warp * kWarpKeys + index];
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+          const int vector = c * lanes + sub;
+          if (key_offset >= 0 && vector < key_vectors) {
+            PrefetchL2(reinterpret_cast<const Raw*>(storage + key_offset) + vector);
+          }
+          if (value_offset >= 0 && vector < value_vectors) {
+            PrefetchL2(reinterpret_cast<const Raw*>(storage + value_offset) + vector);
+          }
+        }
       }
     }
 
