@@ -10,8 +10,9 @@
 // latency, 32-64 GB/s per SM, against the 4.4-4.8 TB/s / 132 SMs = 34-36 GB/s each SM needs.
 // The block-table look-ups are made once per key, up front, one key per lane. While a tile's
 // loads wait, the warp also prefetches the next tile's rows into L2 (kPrefetchTiles), so that
-// 2 tiles (8 KiB) per warp, 128 KiB per SM, are in flight from DRAM, and a tile's own loads
-// mostly wait on L2 rather than DRAM.
+// up to 2 tiles (8 KiB) per warp, 128 KiB per SM, are in flight from DRAM, 4 KiB of them
+// through the whole tile (the compute included), and a tile's own loads mostly wait on L2
+// rather than DRAM.
 // Between tiles a warp computes, and nothing of its own is in flight, so the compute of a
 // tile is kept short: the kRows * kUnroll dot products' shuffle reductions go one level at a
 // time for all of them (their latencies overlap, rather than 5 shuffles waited on in turn per
