@@ -8,7 +8,15 @@
 // bfloat16: 4 steps * 2 keys * 512 bytes, the same). At 8 warps a block that is 32 KiB in
 // flight per block, 64 KiB per SM at two blocks: by Little's law, at ~1 us of loaded DRAM
 // latency, 32-64 GB/s per SM, against the 4.4-4.8 TB/s / 132 SMs = 34-36 GB/s each SM needs.
-// The block-table look-ups are made once per key, up front, one key per lane.
+// The block-table look-ups are made once per key, up front, one key per lane. While a tile's
+// loads wait, the warp also prefetches the next tile's rows into L2 (kPrefetchTiles), so that
+// up to 2 tiles (8 KiB) per warp, 128 KiB per SM, are in flight from DRAM, 4 KiB of them
+// through the whole tile (the compute included), and a tile's own loads mostly wait on L2
+// rather than DRAM.
+// Between tiles a warp computes, and nothing of its own is in flight, so the compute of a
+// tile is kept short: the kRows * kUnroll dot products' shuffle reductions go one level at a
+// time for all of them (their latencies overlap, rather than 5 shuffles waited on in turn per
+// score), and no branch skips an expf (each would wait on the one before).
 #include <cstdint>
 
 #include "core/cuda/paged_decode_kernels.h"
@@ -26,9 +34,11 @@ static_assert(kWarpKeys == 32, "one key of a warp's range per lane");
 
 // The weight of a softmax state of max `max` in a merged state of max `merged` (>= max):
 // exactly 1 when the max is unchanged (so states merge with nothing bitwise unchanged), and
-// 0 for an empty state (max -inf) when the merged one is not empty.
+// 0 for an empty state (max -inf) when the merged one is not empty. The test picks expf's
+// argument rather than its result (expf(0) is exactly 1), so that no branch skips the expf:
+// branches around expfs make them wait on one another.
 __device__ inline float Weight(float max, float merged) {
-  return max == merged ? 1.0f : expf(max - merged);
+  return expf(max == merged ? 0.0f : max - merged);
 }
 
 __device__ float WarpMax(float value) {
@@ -102,6 +112,13 @@ struct Vec<uint16_t, 8> {
     return e % 2 == 0 ? Low(word) : High(word);
   }
 };
+
+// Tiles a warp prefetches into L2 ahead of the one it loads (see PagedSplitKernel).
+constexpr int kPrefetchTiles = 1;
+
+__device__ inline void PrefetchL2(const void* address) {
+  asm volatile("prefetch.L2 [%0];" : : "l"(address));
+}
 
 // Blocks per SM the split kernel is compiled for: two (at most 128 registers a thread) where
 // each lane holds one 16-byte vector of a row, or four scalars; else one.
@@ -247,7 +264,35 @@ __global__ void __launch_bounds__(kCudaPagedThreads, MinSplitBlocks<Element, kVe
       }
     }
 
-    // Scores: each lane's part of the dot products, added over the key group's lanes.
+    // The next kPrefetchTiles tiles' rows, into L2 while this one waits and computes (a hint
+    // that holds no register and changes no result): its loads then find them there, and
+    // the warp has the next tile's bytes in flight from DRAM as well as this one's.
+#pragma unroll
+    for (int ahead = 1; ahead <= kPrefetchTiles; ++ahead) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int step = tile + ahead * kUnroll + u;
+        const int index = step * groups + key_group;
+        const int next_key = warp_begin + index;
+        if (step >= steps || next_key < key_begin || next_key >= key_end) continue;
+        const long long key_offset = key_offsets[warp * kWarpKeys + index];
+        const long long value_offset = value_offsets[warp * kWarpKeys + index];
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+          const int vector = c * lanes + sub;
+          if (key_offset >= 0 && vector < key_vectors) {
+            PrefetchL2(reinterpret_cast<const Raw*>(storage + key_offset) + vector);
+          }
+          if (value_offset >= 0 && vector < value_vectors) {
+            PrefetchL2(reinterpret_cast<const Raw*>(storage + value_offset) + vector);
+          }
+        }
+      }
+    }
+
+    // Scores: each lane's part of the dot products, added over the key group's lanes (offsets
+    // lanes / 2, ..., 1), one level of shuffles at a time for all kRows * kUnroll of them, so
+    // that their latencies overlap (a loop per score would wait on each shuffle in turn).
     float score[kRows][kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -259,11 +304,24 @@ __global__ void __launch_bounds__(kCudaPagedThreads, MinSplitBlocks<Element, kVe
 #pragma unroll
           for (int e = 0; e < kVec; ++e) partial = fmaf(query[r][c][e], V::At(k[u][c], e), partial);
         }
-        for (int offset = lanes / 2; offset > 0; offset >>= 1) {
-          partial += __shfl_xor_sync(kFullWarp, partial, offset);
-        }
-        score[r][u] = partial * launch.scale;
+        score[r][u] = partial;
       }
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      if (offset >= lanes) continue;  // uniform in the warp
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          score[r][u] += __shfl_xor_sync(kFullWarp, score[r][u], offset);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) score[r][u] *= launch.scale;
     }
 
     // The online softmax over the tile's keys that each row sees.
@@ -284,15 +342,26 @@ __global__ void __launch_bounds__(kCudaPagedThreads, MinSplitBlocks<Element, kVe
 #pragma unroll
         for (int e = 0; e < kVec; ++e) acc[r][c][e] *= rescale;
       }
+      // Every key's exp first, without branches (those of keys the row does not see are
+      // dropped), so that they overlap; then the sums, in key order. A score of -inf weighs
+      // expf(-inf) = 0, also when new_max is -inf.
+      float p[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        if (!seen[u]) continue;
-        const float p = score[r][u] == -INFINITY ? 0.0f : expf(score[r][u] - new_max);
-        row_sum[r] += p;
+        p[u] = expf(score[r][u] == -INFINITY ? -INFINITY : score[r][u] - new_max);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        // Adding +0 leaves the sum as it was (it is never -0), and keeps the expf out of a
+        // branch; the values are picked (a value the row does not see may be NaN).
+        row_sum[r] += seen[u] ? p[u] : 0.0f;
 #pragma unroll
         for (int c = 0; c < kChunks; ++c) {
 #pragma unroll
-          for (int e = 0; e < kVec; ++e) acc[r][c][e] = fmaf(p, V::At(v[u][c], e), acc[r][c][e]);
+          for (int e = 0; e < kVec; ++e) {
+            const float added = fmaf(p[u], V::At(v[u][c], e), acc[r][c][e]);
+            acc[r][c][e] = seen[u] ? added : acc[r][c][e];
+          }
         }
       }
       row_max[r] = new_max;
