@@ -170,8 +170,8 @@ __global__ void __launch_bounds__(kCudaPagedThreads, MinSplitBlocks<Element, kVe
     first_key[r] = r < rows ? static_cast<int>(PagedFirstVisibleKey(position[r], window)) : 0;
   }
   const int key_begin = max(split_begin, first_key[0]);
-  const int64_t key_end = min(int64_t{split_begin} + kSplit,
-                              int64_t{length} - n + (first_row + rows - 1) / group + 1);
+  const int64_t key_end =
+      min(int64_t{split_begin} + kSplit, int64_t{length} - n + (first_row + rows - 1) / group + 1);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int warp_begin = split_begin + warp * kWarpKeys;
@@ -427,8 +427,8 @@ __global__ void __launch_bounds__(kCudaPagedThreads, MinSplitBlocks<Element, kVe
       sum += state[1] * weight;
       total += state[2 + column] * weight;
     }
-    float* out = states + PagedStateIndex(kv_head, work.split, first_row + r,
-                                          sequence.run_splits, sequence.rows, dv);
+    float* out = states + PagedStateIndex(kv_head, work.split, first_row + r, sequence.run_splits,
+                                          sequence.rows, dv);
     out[2 + column] = total;
     if (column == 0) {
       out[0] = new_max;
@@ -515,16 +515,22 @@ cudaError_t LaunchSplitOf(const PagedDeviceLaunch& launch, const PagedDecodePlan
   constexpr bool kFloat = sizeof(Element) == 4;
   if (plan.vector == 1) {
     switch (plan.chunks) {
-      case 4: return LaunchSplit<Element, 1, 4>(launch, plan, blocks, stream);
-      case 16: return LaunchSplit<Element, 1, 16>(launch, plan, blocks, stream);
-      default: return cudaErrorInvalidValue;
+      case 4:
+        return LaunchSplit<Element, 1, 4>(launch, plan, blocks, stream);
+      case 16:
+        return LaunchSplit<Element, 1, 16>(launch, plan, blocks, stream);
+      default:
+        return cudaErrorInvalidValue;
     }
   }
   switch (plan.chunks) {
-    case 1: return LaunchSplit<Element, kVectorElements, 1>(launch, plan, blocks, stream);
-    case kFloat ? 4 : 2:
-      return LaunchSplit<Element, kVectorElements, kFloat ? 4 : 2>(launch, plan, blocks, stream);
-    default: return cudaErrorInvalidValue;
+    case 1:
+      return LaunchSplit<Element, kVectorElements, 1>(launch, plan, blocks, stream);
+    case kFloat ? 4:
+      2 : return LaunchSplit < Element, kVectorElements,
+          kFloat ? 4 : 2 > (launch, plan, blocks, stream);
+    default:
+      return cudaErrorInvalidValue;
   }
 }
 

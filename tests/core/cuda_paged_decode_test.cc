@@ -252,9 +252,9 @@ TEST_F(CudaPagedDecodeTest, WideRowsMatchDenseReferences) {
   uint64_t seed = 40;
   for (const Case& c : cases) {
     for (const int64_t length : {97, 700}) {
-      SCOPED_TRACE(::testing::Message() << "dk " << c.key_dim << " dv " << c.value_dim << " "
-                                        << DTypeName(c.dtype) << " slack " << c.slack << " L "
-                                        << length);
+      SCOPED_TRACE(::testing::Message()
+                   << "dk " << c.key_dim << " dv " << c.value_dim << " " << DTypeName(c.dtype)
+                   << " slack " << c.slack << " L " << length);
       const PagedShape shape{8, 2, c.key_dim, c.value_dim, 16, c.dtype};
       HostPagedPool pool(shape, {{length, 3}}, ++seed, c.slack);
       PagedDecodeDims d;
