@@ -284,7 +284,7 @@ absl::Status AttentionClient::DropSession(const std::string& session_id, absl::D
   v1::DropSessionRequest request;
   request.set_session_id(session_id);
   v1::AttentionService::Stub* stub = StubFor(session_id);
-  const absl::Status status =
+  absl::Status status =
       Call<v1::DropSessionResponse>(
           [stub](auto* c, const auto& q, auto* r) { return stub->DropSession(c, q, r); }, request,
           timeout, channel_status_)

@@ -12,8 +12,6 @@
 namespace attention::core::cuda {
 namespace {
 
-using kv_cache::KvLayout;
-
 // As cuda_status.h's CudaStatus (not linked here: that file also needs cuBLAS).
 absl::Status Cuda(cudaError_t error, absl::string_view what) {
   if (error == cudaSuccess) return absl::OkStatus();

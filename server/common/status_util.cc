@@ -90,7 +90,7 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
   google::protobuf::Any* any = details.add_details();
   any->set_type_url(kErrorInfoType);
   any->set_value(std::string(*reason));
-  return grpc::Status(code, std::move(message), details.SerializeAsString());
+  return grpc::Status(code, message, details.SerializeAsString());
 }
 
 }  // namespace attention::server

@@ -24,7 +24,6 @@ namespace attention::core {
 namespace {
 
 using kv_cache::BlockId;
-using kv_cache::KvLayout;
 using testing::FidelityStats;
 
 using Shape = testing::PagedShape;

@@ -27,6 +27,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/base/casts.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -45,6 +46,11 @@ using core::testing::TestSeed;
 using Code = absl::StatusCode;
 
 const absl::Time kT0 = absl::FromUnixSeconds(1'000'000);
+
+// Whether two floats are the same bits (what the table stores and compares; NaN included).
+bool SameBits(float a, float b) {
+  return absl::bit_cast<uint32_t>(a) == absl::bit_cast<uint32_t>(b);
+}
 
 // ASAN and TSAN builds (scripts/test-asan, scripts/test-tsan) run fewer fuzzer operations and
 // the long memory cases scaled down.
@@ -290,7 +296,7 @@ class SessionFuzzer {
   bool Coin(double p) { return std::bernoulli_distribution(p)(rng_); }
   float Normal() { return std::normal_distribution<float>(0.0f, 1.0f)(rng_); }
 
-  void Log(std::string line) {
+  void Log(const std::string& line) {
     log_.push_back(absl::StrCat(op_, " t=", absl::FormatDuration(now_ - kT0), ": ", line));
     if (log_.size() > 24) log_.pop_front();
   }
@@ -932,13 +938,11 @@ class SessionFuzzer {
         const int64_t row = t - e.position;
         for (int64_t c = 0; c < key_row && conflict < 0; ++c) {
           const float x = AsStored(e.key[row * key_row + c], s->shape.kv_dtype);
-          if (std::memcmp(&x, &s->k[e.layer][t * key_row + c], sizeof(float)) != 0) conflict = t;
+          if (!SameBits(x, s->k[e.layer][t * key_row + c])) conflict = t;
         }
         for (int64_t c = 0; c < value_row && conflict < 0; ++c) {
           const float x = AsStored(e.value[row * value_row + c], s->shape.kv_dtype);
-          if (std::memcmp(&x, &s->v[e.layer][t * value_row + c], sizeof(float)) != 0) {
-            conflict = t;
-          }
+          if (!SameBits(x, s->v[e.layer][t * value_row + c])) conflict = t;
         }
       }
       if (conflict >= 0) {
