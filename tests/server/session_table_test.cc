@@ -4,6 +4,7 @@
 // expiry on a fake clock, admission control and the pool back at its baseline.
 #include "server/sessions/session_table.h"
 
+#include <functional>
 #include <random>
 
 #include "absl/strings/match.h"
@@ -278,6 +279,33 @@ TEST_F(SessionTableTest, AForkSharesThePrefixAndEachBranchSeesOnlyItsOwnTokens) 
                             absl::MakeConstSpan(reference).subspan(prefix * row),
                             absl::MakeConstSpan(oracle).subspan(prefix * row)));
   }
+}
+
+TEST_F(SessionTableTest, OptionsOutOfRangeAreRefusedNamingTheField) {
+  struct Case {
+    std::function<void(SessionTableOptions&)> change;
+    std::string message_part;
+  };
+  const std::vector<Case> cases = {
+      {[](auto& o) { o.block_bytes = 100; }, "block_bytes = 100 must be a positive multiple of 64"},
+      {[](auto& o) { o.block_bytes = 0; }, "block_bytes = 0 must be"},
+      {[](auto& o) { o.kv_cache_bytes = 1000; }, "kv_cache_bytes = 1000 must hold at least one"},
+      {[](auto& o) { o.max_sessions = 0; }, "max_sessions = 0 must be >= 1"},
+      {[](auto& o) { o.max_session_tokens = 0; }, "max_session_tokens = 0 must be >= 1"},
+      {[](auto& o) { o.default_ttl = absl::ZeroDuration(); }, "default_ttl = 0 must be > 0"},
+      {[](auto& o) { o.max_ttl = absl::Seconds(1); }, "<= max_ttl = 1s"},
+      {[](auto& o) { o.max_tombstones = -1; }, "max_tombstones must be >= 0"},
+  };
+  for (const Case& c : cases) {
+    SessionTableOptions options = Options();
+    c.change(options);
+    const absl::Status status = SessionTable::Create(options, pool_).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.message_part;
+    EXPECT_TRUE(absl::StrContains(status.message(), c.message_part)) << status.message();
+  }
+  // A small block for small heads: 64 KiB holds 128 tokens of 2 bf16 KV heads of 64 dims.
+  SessionTableOptions small = Options(1 << 20, 64 << 10);
+  EXPECT_TRUE(SessionTable::Create(small, pool_).ok());
 }
 
 TEST_F(SessionTableTest, ExpiredDroppedAndUnknownAreToldApart) {
