@@ -13,33 +13,24 @@
 
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "bench/bench_util.h"
 #include "benchmark/benchmark.h"
-#include "core/mha_layer.h"
 #include "core/attention_kernels.h"
 #include "core/cpu/attention_cpu.h"
 #include "core/cpu/cpu_backend.h"
 #include "core/cpu/gemm.h"
 #include "core/cpu/thread_pool.h"
+#include "core/mha_layer.h"
 
 namespace attention::core {
 namespace {
 
-std::vector<float> RandomValues(size_t count, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
-  std::vector<float> values(count);
-  for (float& v : values) v = uniform(rng);
-  return values;
-}
+using bench::RandomValues;
+using bench::SetGflops;
 
 double UsefulFlops(int64_t tokens, int64_t embed_dim, bool causal) {
   const double n = static_cast<double>(tokens), e = static_cast<double>(embed_dim);
   return 8.0 * n * e * e + (causal ? 2.0 : 4.0) * n * n * e;
-}
-
-void SetGflops(benchmark::State& state, double flops_per_iteration) {
-  state.counters["GFLOPS"] = benchmark::Counter(flops_per_iteration * state.iterations() / 1e9,
-                                                benchmark::Counter::kIsRate);
 }
 
 // OpenBLAS sgemm, square n, with its own threading: the hardware reference.

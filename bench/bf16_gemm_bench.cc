@@ -12,25 +12,15 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "benchmark/benchmark.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
 namespace {
 
+using attention::bench::RandomValues;
+using attention::bench::SetGflops;
 using dnnl::memory;
-
-std::vector<float> RandomValues(size_t count, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
-  std::vector<float> values(count);
-  for (float& v : values) v = uniform(rng);
-  return values;
-}
-
-void SetGflops(benchmark::State& state, double flops_per_iteration) {
-  state.counters["GFLOPS"] = benchmark::Counter(flops_per_iteration * state.iterations() / 1e9,
-                                                benchmark::Counter::kIsRate);
-}
 
 // y[M][N] = x[M][K] * w[N][K]^T, as the layers' projections (weights row-major [out][in]).
 void BM_Sgemm(benchmark::State& state) {

@@ -50,11 +50,6 @@ absl::Status RunCpu(PagedPool& pool, const std::vector<size_t>& indices, ThreadP
   return PagedDecodeCpu(batch, threads, level);
 }
 
-::testing::AssertionResult MatchesReferences(PagedPool& pool, size_t index, FidelityStats& outputs,
-                                             FidelityStats& lses) {
-  return testing::PagedMatchesReferences(pool, index, outputs, lses);
-}
-
 // Every SIMD level this CPU runs; the others are skipped.
 class PagedDecodeLevelTest : public ::testing::TestWithParam<SimdLevel> {
  protected:
@@ -98,7 +93,7 @@ TEST_P(PagedDecodeLevelTest, MatchesDenseReferencesOverASeededGrid) {
                        << " " << DTypeName(dtype));
           PagedPool pool(shape, {{length, queries}}, seed);
           ASSERT_TRUE(RunCpu(pool, {0}, threads, GetParam()).ok());
-          ASSERT_TRUE(MatchesReferences(pool, 0, outputs, lses));
+          ASSERT_TRUE(testing::PagedMatchesReferences(pool, 0, outputs, lses));
           ++cases;
         }
       }
@@ -128,7 +123,7 @@ TEST_P(PagedDecodeLevelTest, SlidingWindowMatchesDenseReferences) {
         PagedPool pool(shape, {{length, queries}}, seed);
         pool.sliding_window = window;
         ASSERT_TRUE(RunCpu(pool, {0}, threads, GetParam()).ok());
-        ASSERT_TRUE(MatchesReferences(pool, 0, outputs, lses));
+        ASSERT_TRUE(testing::PagedMatchesReferences(pool, 0, outputs, lses));
         ++cases;
       }
     }
@@ -169,7 +164,7 @@ TEST(PagedDecodeCpuTest, AReadOutsideTheBlockTableShows) {
   ASSERT_TRUE(RunCpu(pool, {0}, threads).ok());
   EXPECT_TRUE(std::isnan(pool.sequences()[0].output[0]));
   FidelityStats outputs("poisoned"), lses("poisoned lse");
-  EXPECT_FALSE(MatchesReferences(pool, 0, outputs, lses));
+  EXPECT_FALSE(testing::PagedMatchesReferences(pool, 0, outputs, lses));
 }
 
 TEST(PagedDecodeCpuTest, RefusesMalformedBatches) {
