@@ -43,6 +43,22 @@ class PreparedLayer {
   // Bytes of weights this copy holds besides the host weights: a device's copy, or the
   // CPU's copy packed for its small-batch microkernel.
   virtual int64_t DeviceWeightBytes() const = 0;
+
+  // The decode entry of KV-cache sessions (server/sessions), for backends that opt in; the
+  // attention between the two runs on the session's paged cache. ProjectForDecode projects
+  // `positions.size()` tokens of hidden states `x` [rows, E] into q [rows, H * dk],
+  // k [rows, Hkv * dk] and v [rows, Hkv * dv], rotating q and k when the layer has RoPE,
+  // row r at absolute position positions[r]. ProjectDecodeOutput maps attended rows
+  // [rows, H * dv] to the layer's output [rows, output_dim]. Host pointers.
+  virtual bool HasDecodeEntry() const { return false; }
+  virtual absl::Status ProjectForDecode(const float* /*x*/, absl::Span<const int64_t> /*positions*/,
+                                        float* /*q*/, float* /*k*/, float* /*v*/) const {
+    return absl::UnimplementedError("this backend has no decode entry");
+  }
+  virtual absl::Status ProjectDecodeOutput(const float* /*attended*/, int64_t /*rows*/,
+                                           float* /*output*/) const {
+    return absl::UnimplementedError("this backend has no decode entry");
+  }
 };
 
 // Memory of an accelerator, for the metrics.

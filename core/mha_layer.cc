@@ -234,6 +234,27 @@ MhaLayer::MhaLayer(const MhaConfig& config, MhaWeights weights,
   }
 }
 
+absl::Status MhaLayer::DecodeSupport() const {
+  const MhaConfig& c = config_;
+  if (c.kdim != c.embed_dim || c.vdim != c.embed_dim) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "a session projects keys and values from the hidden states: the layer's kdim = ", c.kdim,
+        " and vdim = ", c.vdim, " must equal embed_dim = ", c.embed_dim));
+  }
+  if (c.rope_scaling.type == RopeScaling::kDynamic) {
+    return absl::FailedPreconditionError(
+        "the layer's rope_scaling is dynamic, whose rotary base grows with the sequence under "
+        "keys already cached; sessions need a fixed base (linear, llama3 or none)");
+  }
+  if (!prepared_->HasDecodeEntry()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the layer runs on ", device(),
+                     ", whose backend has no decode entry for sessions; load "
+                     "it on cpu"));
+  }
+  return absl::OkStatus();
+}
+
 MhaWeightsView MhaLayer::WeightsView() const {
   MhaWeightsView view;
   view.out_weight = weights_.out_weight;

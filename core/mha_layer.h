@@ -68,6 +68,20 @@ class MhaLayer {
     return prepared_->ForwardBatch(inputs);
   }
 
+  // KV-cache sessions over this layer (hidden states in): OK, or FAILED_PRECONDITION
+  // saying what stands in the way (keys and values projected from other inputs than the
+  // queries', dynamic RoPE scaling, a backend without a decode entry).
+  absl::Status DecodeSupport() const;
+  // The decode entry of the prepared layer (see PreparedLayer::ProjectForDecode); callers
+  // check DecodeSupport first.
+  absl::Status ProjectForDecode(const float* x, absl::Span<const int64_t> positions, float* q,
+                                float* k, float* v) const {
+    return prepared_->ProjectForDecode(x, positions, q, k, v);
+  }
+  absl::Status ProjectDecodeOutput(const float* attended, int64_t rows, float* output) const {
+    return prepared_->ProjectDecodeOutput(attended, rows, output);
+  }
+
  private:
   MhaLayer(const MhaConfig& config, MhaWeights weights, std::shared_ptr<const Backend> backend);
   AttentionDims Dims(const MhaInput& input) const;

@@ -69,6 +69,13 @@ class CpuPreparedLayer final : public PreparedLayer {
   // query block, one GEMM for the output.
   absl::StatusOr<std::vector<AttentionResult>> ForwardBatch(
       absl::Span<const MhaInput* const> inputs) const override;
+  // Sessions' decode entry: the same projections over the given rows, RoPE at each row's
+  // absolute position.
+  bool HasDecodeEntry() const override { return true; }
+  absl::Status ProjectForDecode(const float* x, absl::Span<const int64_t> positions, float* q,
+                                float* k, float* v) const override;
+  absl::Status ProjectDecodeOutput(const float* attended, int64_t rows,
+                                   float* output) const override;
   // The packed copies, held besides the host weights.
   int64_t DeviceWeightBytes() const override {
     int64_t bytes = 0;
@@ -181,17 +188,55 @@ absl::StatusOr<std::vector<AttentionResult>> CpuPreparedLayer::ForwardBatch(
   return results;
 }
 
+absl::Status CpuPreparedLayer::ProjectForDecode(const float* x, absl::Span<const int64_t> positions,
+                                                float* q, float* k, float* v) const {
+  const MhaConfig& c = config_;
+  const MhaWeightsView& w = weights_;
+  const auto rows = static_cast<int64_t>(positions.size());
+  LinearForward(pool_, x, rows, c.embed_dim, w.q_weight, w.q_bias, c.QWidth(), q, q_panels_);
+  LinearForward(pool_, x, rows, c.kdim, w.k_weight, w.k_bias, c.KWidth(), k, k_panels_);
+  LinearForward(pool_, x, rows, c.vdim, w.v_weight, w.v_bias, c.VWidth(), v, v_panels_);
+  if (c.rope_theta > 0.0) {
+    // The base is theta: MhaLayer::DecodeSupport refuses dynamic scaling, whose base moves
+    // with the sequence length under keys already cached.
+    ApplyRotaryAt(q, positions, c.num_heads, c.head_dim, c.rope_theta, c.QWidth(), c.rope_scaling);
+    ApplyRotaryAt(k, positions, c.num_kv_heads, c.head_dim, c.rope_theta, c.KWidth(),
+                  c.rope_scaling);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuPreparedLayer::ProjectDecodeOutput(const float* attended, int64_t rows,
+                                                   float* output) const {
+  const MhaConfig& c = config_;
+  if (!c.output_projection) {
+    std::copy(attended, attended + rows * c.AttentionWidth(), output);
+    return absl::OkStatus();
+  }
+  LinearForward(pool_, attended, rows, c.AttentionWidth(), weights_.out_weight, weights_.out_bias,
+                c.output_dim, output, packed_out_->panels());
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 void ApplyRotary(float* data, int64_t rows, int64_t seq_len, int64_t heads, int64_t head_dim,
                  double base, int64_t row_stride, const RopeScaling& scaling) {
+  std::vector<int64_t> positions(rows);
+  for (int64_t r = 0; r < rows; ++r) positions[r] = r % seq_len;
+  ApplyRotaryAt(data, positions, heads, head_dim, base, row_stride, scaling);
+}
+
+void ApplyRotaryAt(float* data, absl::Span<const int64_t> positions, int64_t heads,
+                   int64_t head_dim, double base, int64_t row_stride, const RopeScaling& scaling) {
+  const auto rows = static_cast<int64_t>(positions.size());
   const int64_t half = head_dim / 2;
   std::vector<double> inverse_frequency(half);
   for (int64_t c = 0; c < half; ++c) {
     inverse_frequency[c] = RotaryInverseFrequency(c, head_dim, base, scaling);
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const double position = static_cast<double>(r % seq_len);
+    const auto position = static_cast<double>(positions[r]);
     for (int64_t c = 0; c < half; ++c) {
       const float cos_a = static_cast<float>(std::cos(position * inverse_frequency[c]));
       const float sin_a = static_cast<float>(std::sin(position * inverse_frequency[c]));

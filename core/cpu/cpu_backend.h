@@ -50,6 +50,10 @@ class CpuBackend final : public Backend {
 // position r % seq_len. `base` comes from RotaryBase (theta unless scaling is dynamic).
 void ApplyRotary(float* data, int64_t rows, int64_t seq_len, int64_t heads, int64_t head_dim,
                  double base, int64_t row_stride, const RopeScaling& scaling = {});
+// The same with row r at absolute position positions[r] (a session's new tokens).
+void ApplyRotaryAt(float* data, absl::Span<const int64_t> positions, int64_t heads,
+                   int64_t head_dim, double base, int64_t row_stride,
+                   const RopeScaling& scaling = {});
 
 }  // namespace attention::core
 

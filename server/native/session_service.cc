@@ -1,6 +1,10 @@
 // The native API's KV-cache sessions: CreateSession, SessionStep, ForkSession,
 // TruncateSession, DropSession, GetSession, ListSessions, over server/sessions.
 #include <cmath>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -15,7 +19,9 @@ namespace {
 
 constexpr int kMaxStepEntries = 4096;
 
-absl::StatusOr<SessionShape> ShapeOf(const v1::SessionConfig& config) {
+// The shape a config asks for; `registry` resolves its layers, when it names some.
+absl::StatusOr<SessionShape> ShapeOf(const v1::SessionConfig& config,
+                                     const LayerRegistry& registry) {
   SessionShape shape;
   shape.num_layers = config.num_layers();
   shape.num_heads = config.num_heads();
@@ -36,7 +42,16 @@ absl::StatusOr<SessionShape> ShapeOf(const v1::SessionConfig& config) {
                    " must be >= 0 (0 for none)");
   }
   shape.sliding_window = config.sliding_window();
-  return shape;
+  if (config.layers().empty()) return shape;
+  std::vector<std::shared_ptr<const core::MhaLayer>> layers;
+  std::vector<std::string> names;
+  for (int l = 0; l < config.layers_size(); ++l) {
+    absl::StatusOr<std::shared_ptr<const LayerSnapshot>> snapshot = registry.Get(config.layers(l));
+    if (!snapshot.ok()) return Prefixed(snapshot.status(), absl::StrCat("config.layers[", l, "]"));
+    layers.push_back((*snapshot)->layer);
+    names.push_back(config.layers(l));
+  }
+  return ShapeOverLayers(shape, std::move(layers), std::move(names));
 }
 
 v1::SessionConfig ConfigOf(const SessionShape& shape) {
@@ -49,6 +64,7 @@ v1::SessionConfig ConfigOf(const SessionShape& shape) {
   config.set_kv_dtype(wire::WireDType(shape.kv_dtype));
   if (shape.scale > 0) config.set_scale(shape.scale);
   config.set_sliding_window(shape.sliding_window);
+  for (const std::string& name : shape.layer_names) config.add_layers(name);
   return config;
 }
 
@@ -146,7 +162,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CreateSession(
     grpc::CallbackServerContext* context, const v1::CreateSessionRequest* request,
     v1::CreateSessionResponse* response) {
   return AnswerSessionCall(context, "CreateSession", *request, [&]() -> absl::Status {
-    ASSIGN_OR_RETURN(const SessionShape shape, ShapeOf(request->config()));
+    ASSIGN_OR_RETURN(const SessionShape shape, ShapeOf(request->config(), registry_));
     ASSIGN_OR_RETURN(const absl::Duration ttl, TtlOf(request->ttl_ms()));
     const absl::Time now = absl::Now();
     sessions_->ExpireIdle(now);  // idle sessions give their blocks back first
@@ -240,15 +256,23 @@ absl::Status AttentionServiceImpl::SubmitSessionStep(
   if (request.entries_size() > kMaxStepEntries) {
     return Invalid("entries has ", request.entries_size(), " entries; at most ", kMaxStepEntries);
   }
-  ASSIGN_OR_RETURN(const core::DType output_dtype,
-                   OutputDType(request.output_dtype(), request.entries(0).query().dtype(),
-                               /*float_data_output=*/false));
+  const v1::SessionStepEntry& first = request.entries(0);
+  ASSIGN_OR_RETURN(
+      const core::DType output_dtype,
+      OutputDType(request.output_dtype(),
+                  first.has_hidden_states() ? first.hidden_states().dtype() : first.query().dtype(),
+                  /*float_data_output=*/false));
   auto item = std::make_unique<SessionStepItem>(*sessions_, devices_.cpu()->name());
+  // Where each entry's answer will be: its output and log-sum-exp, in buffers of the item.
   struct Answer {
-    int64_t tokens, heads, v_head_dim;
+    std::vector<int64_t> output_shape;
+    int64_t output_floats;
+    const float* output;
+    int64_t tokens, heads;
+    const float* log_sum_exp;
   };
   std::vector<Answer> answers;
-  int64_t output_bytes = 0;
+  int64_t output_bytes = 0, work_bytes = 0;
   const absl::Time now = absl::Now();
   for (int i = 0; i < request.entries_size(); ++i) {
     const v1::SessionStepEntry& wire_entry = request.entries(i);
@@ -259,72 +283,123 @@ absl::Status AttentionServiceImpl::SubmitSessionStep(
     }
     const SessionShape& shape = info->shape;
     const int64_t dv = shape.v_head_dim > 0 ? shape.v_head_dim : shape.head_dim;
-    ASSIGN_OR_RETURN(wire::FloatTensor query,
-                     DecodeInput(wire_entry.query(), field + ".query", budget_));
-    ASSIGN_OR_RETURN(wire::FloatTensor key, DecodeInput(wire_entry.key(), field + ".key", budget_));
-    ASSIGN_OR_RETURN(wire::FloatTensor value,
-                     DecodeInput(wire_entry.value(), field + ".value", budget_));
-    const int64_t n = query.shape.empty() ? 0 : query.shape[0];
-    RETURN_IF_ERROR(CheckStepTensor(query, field + ".query", n, shape.num_heads, shape.head_dim,
-                                    "[n, num_heads, head_dim]"));
-    RETURN_IF_ERROR(CheckStepTensor(key, field + ".key", n, shape.num_kv_heads, shape.head_dim,
-                                    "[n, num_kv_heads, head_dim]"));
-    RETURN_IF_ERROR(CheckStepTensor(value, field + ".value", n, shape.num_kv_heads, dv,
-                                    "[n, num_kv_heads, v_head_dim]"));
+    StepEntry entry;
+    entry.session_id = wire_entry.session_id();
+    entry.layer = wire_entry.layer();
+    entry.position = wire_entry.position();
+    LayerStepInput layered;
+    Answer answer;
+    if (!shape.layers.empty()) {
+      if (wire_entry.has_query() || wire_entry.has_key() || wire_entry.has_value()) {
+        return Invalid(field, " gives query, key or value, but the session runs over served ",
+                       "layers (config.layers): send hidden_states only");
+      }
+      if (entry.layer < 0 || entry.layer >= shape.num_layers) {
+        return Invalid(field, ".layer = ", entry.layer, " is outside [0, ", shape.num_layers, ")");
+      }
+      const std::shared_ptr<const core::MhaLayer>& layer = shape.layers[entry.layer];
+      const core::MhaConfig& c = layer->config();
+      ASSIGN_OR_RETURN(wire::FloatTensor hidden,
+                       DecodeInput(wire_entry.hidden_states(), field + ".hidden_states", budget_));
+      if (hidden.shape.size() != 2 || hidden.shape[1] != c.embed_dim) {
+        return Invalid(field, ".hidden_states.shape ", wire::ShapeString(hidden.shape),
+                       " must be [n, embed_dim] = [n, ", c.embed_dim, "] for layer '",
+                       shape.layer_names[entry.layer], "'");
+      }
+      entry.num_tokens = hidden.shape[0];
+      answer.output_shape = {entry.num_tokens, c.output_dim};
+      answer.output_floats = CheckedProduct({entry.num_tokens, c.output_dim});
+      // StepOverLayers' projected and attended rows.
+      work_bytes = CheckedSum(
+          {work_bytes, CheckedProduct({entry.num_tokens,
+                                       c.embed_dim + c.QWidth() + c.KWidth() + c.VWidth() +
+                                           2 * c.AttentionWidth() + c.output_dim,
+                                       static_cast<int64_t>(sizeof(float))})});
+      item->buffers.push_back(std::move(hidden.values));
+      layered.layer = layer.get();
+      layered.hidden_states = item->buffers.back().data();
+      item->buffers.emplace_back(entry.num_tokens * c.output_dim);
+      layered.output = item->buffers.back().data();
+      answer.output = layered.output;
+      item->layers.push_back(layer);
+    } else {
+      if (wire_entry.has_hidden_states()) {
+        return Invalid(field, ".hidden_states is for sessions over served layers ",
+                       "(config.layers); this session takes query, key and value");
+      }
+      ASSIGN_OR_RETURN(wire::FloatTensor query,
+                       DecodeInput(wire_entry.query(), field + ".query", budget_));
+      ASSIGN_OR_RETURN(wire::FloatTensor key,
+                       DecodeInput(wire_entry.key(), field + ".key", budget_));
+      ASSIGN_OR_RETURN(wire::FloatTensor value,
+                       DecodeInput(wire_entry.value(), field + ".value", budget_));
+      const int64_t n = query.shape.empty() ? 0 : query.shape[0];
+      RETURN_IF_ERROR(CheckStepTensor(query, field + ".query", n, shape.num_heads, shape.head_dim,
+                                      "[n, num_heads, head_dim]"));
+      RETURN_IF_ERROR(CheckStepTensor(key, field + ".key", n, shape.num_kv_heads, shape.head_dim,
+                                      "[n, num_kv_heads, head_dim]"));
+      RETURN_IF_ERROR(CheckStepTensor(value, field + ".value", n, shape.num_kv_heads, dv,
+                                      "[n, num_kv_heads, v_head_dim]"));
+      entry.num_tokens = n;
+      answer.output_shape = {n, shape.num_heads, dv};
+      answer.output_floats = CheckedProduct({n, shape.num_heads, dv});
+      // Moved vectors keep their buffers, so these pointers survive `buffers` growing.
+      item->buffers.push_back(std::move(query.values));
+      entry.query = item->buffers.back().data();
+      item->buffers.push_back(std::move(key.values));
+      entry.key = item->buffers.back().data();
+      item->buffers.push_back(std::move(value.values));
+      entry.value = item->buffers.back().data();
+    }
+    const int64_t n = entry.num_tokens;
     // The answers' size grows with the session's heads, not the request's bytes: bound it
     // before allocating (checked arithmetic saturates).
     output_bytes = CheckedSum(
-        {output_bytes,
-         CheckedProduct({n, shape.num_heads, dv + 1, static_cast<int64_t>(sizeof(float))})});
+        {output_bytes, CheckedProduct({CheckedSum({answer.output_floats, n * shape.num_heads}),
+                                       static_cast<int64_t>(sizeof(float))})});
     if (output_bytes > budget_.max_response_bytes) {
       return absl::ResourceExhaustedError(absl::StrCat(
           field, ": the answers up to here need ", output_bytes, " bytes, past the limit of ",
           budget_.max_response_bytes, " (--max_message_bytes); send fewer tokens per step"));
     }
-    StepEntry entry;
-    entry.session_id = wire_entry.session_id();
-    entry.layer = wire_entry.layer();
-    entry.position = wire_entry.position();
-    entry.num_tokens = n;
-    // Moved vectors keep their buffers, so these pointers survive `buffers` growing.
-    item->buffers.push_back(std::move(query.values));
-    entry.query = item->buffers.back().data();
-    item->buffers.push_back(std::move(key.values));
-    entry.key = item->buffers.back().data();
-    item->buffers.push_back(std::move(value.values));
-    entry.value = item->buffers.back().data();
-    item->buffers.emplace_back(n * shape.num_heads * dv);
-    entry.output = item->buffers.back().data();
+    if (shape.layers.empty()) {
+      item->buffers.emplace_back(answer.output_floats);
+      entry.output = item->buffers.back().data();
+      answer.output = entry.output;
+    }
     if (request.return_log_sum_exp()) {
       item->buffers.emplace_back(n * shape.num_heads);
       entry.log_sum_exp = item->buffers.back().data();
     }
+    answer.tokens = n;
+    answer.heads = shape.num_heads;
+    answer.log_sum_exp = entry.log_sum_exp;
     item->entries.push_back(entry);
-    answers.push_back({n, shape.num_heads, dv});
+    item->layered.push_back(layered);
+    answers.push_back(std::move(answer));
     item->tokens += n;
   }
-  item->bytes = CheckedSum({output_bytes, 2 * static_cast<int64_t>(request.ByteSizeLong())});
+  item->bytes =
+      CheckedSum({output_bytes, work_bytes, 2 * static_cast<int64_t>(request.ByteSizeLong())});
   item->deadline = deadline;
   item->is_cancelled = std::move(is_cancelled);
   SessionStepItem* step = item.get();  // the batcher answers while it still holds the item
   item->done = [this, step, answers, response, output_dtype, finish = std::move(finish),
-                log_sum_exp = request.return_log_sum_exp(), request_id = request.request_id()](
-                   const absl::StatusOr<core::AttentionResult>& result) {
+                request_id =
+                    request.request_id()](const absl::StatusOr<core::AttentionResult>& result) {
     RefreshSessionMetrics();
     const absl::Status status = result.ok() ? step->status() : result.status();
     if (!status.ok()) {
       finish(status);
       return;
     }
-    for (size_t i = 0; i < answers.size(); ++i) {
-      const Answer& a = answers[i];
-      const StepEntry& entry = step->entries[i];
+    for (const Answer& a : answers) {
       v1::SessionStepResult* out = response->add_results();
-      EncodeTensor(absl::MakeConstSpan(entry.output, a.tokens * a.heads * a.v_head_dim),
-                   {a.tokens, a.heads, a.v_head_dim}, output_dtype, out->mutable_output());
-      if (log_sum_exp) {
-        EncodeTensor(absl::MakeConstSpan(entry.log_sum_exp, a.tokens * a.heads),
-                     {a.tokens, a.heads}, core::DType::kFloat32, out->mutable_log_sum_exp());
+      EncodeTensor(absl::MakeConstSpan(a.output, a.output_floats), a.output_shape, output_dtype,
+                   out->mutable_output());
+      if (a.log_sum_exp != nullptr) {
+        EncodeTensor(absl::MakeConstSpan(a.log_sum_exp, a.tokens * a.heads), {a.tokens, a.heads},
+                     core::DType::kFloat32, out->mutable_log_sum_exp());
       }
     }
     response->set_request_id(request_id);

@@ -1,5 +1,7 @@
 #include "server/sessions/session_step.h"
 
+#include <utility>
+
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "server/common/status_util.h"
@@ -9,12 +11,15 @@ namespace attention::server {
 absl::StatusOr<std::vector<core::AttentionResult>> SessionStepItem::Compute(
     absl::Span<WorkItem* const> batch) {
   std::vector<StepEntry> all;
+  std::vector<LayerStepInput> layered;
   for (WorkItem* item : batch) {
     // Items of one batch_key() are all SessionStepItems of this table.
     const auto& step = *static_cast<SessionStepItem*>(item);
     all.insert(all.end(), step.entries.begin(), step.entries.end());
+    layered.insert(layered.end(), step.layered.begin(), step.layered.end());
   }
-  const std::vector<absl::Status> statuses = table_.Step(all, absl::Now());
+  const std::vector<absl::Status> statuses =
+      StepOverLayers(table_, std::move(all), layered, absl::Now());
   size_t next = 0;
   for (WorkItem* item : batch) {
     auto& step = *static_cast<SessionStepItem*>(item);

@@ -4,11 +4,13 @@
 #ifndef ATTENTION_SERVER_SESSIONS_SESSION_STEP_H_
 #define ATTENTION_SERVER_SESSIONS_SESSION_STEP_H_
 
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "server/batching/batcher.h"
+#include "server/sessions/session_layers.h"
 #include "server/sessions/session_table.h"
 
 namespace attention::server {
@@ -22,13 +24,17 @@ class SessionStepItem final : public WorkItem {
   std::string queue_name() const override { return kSessionStepQueue; }
   const void* batch_key() const override { return &table_; }
   std::string device() const override { return device_; }
-  // Steps every entry of every item of `batch` in one SessionTable::Step; each item's
+  // Steps every entry of every item of `batch` in one StepOverLayers; each item's
   // status() is then its first failed entry's, naming entries[i].
   absl::StatusOr<std::vector<core::AttentionResult>> Compute(
       absl::Span<WorkItem* const> batch) override;
 
-  // The entries; their pointers point into buffers the item owns.
+  // The entries; their pointers point into buffers the item owns. `layered[i]` belongs to
+  // entries[i] (see StepOverLayers); `layers` keeps the layers it names alive, whatever
+  // happens to their sessions meanwhile.
   std::vector<StepEntry> entries;
+  std::vector<LayerStepInput> layered;
+  std::vector<std::shared_ptr<const core::MhaLayer>> layers;
   std::vector<std::vector<float>> buffers;
   const absl::Status& status() const { return status_; }
 

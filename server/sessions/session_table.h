@@ -36,12 +36,14 @@
 #include "core/cpu/thread_pool.h"
 #include "core/dtype.h"
 #include "core/kv_cache/block_pool.h"
+#include "core/mha_layer.h"
 #include "core/mutex.h"
 
 namespace attention::server {
 
 // The heads a session attends with. The caller projects and rotates (RoPE) its queries and
-// keys; the session stores K/V in `kv_dtype` (float32 or bfloat16) and computes in float32.
+// keys, or the session's served layers do; the session stores K/V in `kv_dtype` (float32 or
+// bfloat16) and computes in float32.
 struct SessionShape {
   int64_t num_layers = 1;
   int64_t num_heads = 1;     // H, a multiple of num_kv_heads
@@ -52,6 +54,11 @@ struct SessionShape {
   float scale = 0;  // softmax scale; 0 means 1/sqrt(dk)
   // Keys each query sees, its own included (Mistral's and Qwen2's sliding window); 0: all.
   int64_t sliding_window = 0;
+  // A session over served layers (see session_layers.h): its layer l is layers[l], loaded
+  // as layer_names[l] and pinned at Create, so reloading a name does not change a live
+  // session. Empty for a session whose caller projects Q, K and V itself.
+  std::vector<std::shared_ptr<const core::MhaLayer>> layers;
+  std::vector<std::string> layer_names;
 };
 
 struct SessionTableOptions {

@@ -185,6 +185,62 @@ def check_sessions(t, client):
                  lambda: client.get_session(session.session_id))
 
 
+def decoder_layer(x, w, heads, kv_heads, theta, dtype):
+    """A Llama-style layer in `dtype` over x [L, E]: projections with biases, RoPE
+    (rotate-half) at positions 0..L-1, causal GQA attention, output projection."""
+    x = x.astype(dtype)
+    proj = lambda name: x @ w[name + ".weight"].T.astype(dtype) + w[name + ".bias"].astype(dtype)
+    length, dk = x.shape[0], w["q_proj.weight"].shape[0] // heads
+    q = proj("q_proj").reshape(length, heads, dk)
+    k = proj("k_proj").reshape(length, kv_heads, dk)
+    v = proj("v_proj").reshape(length, kv_heads, dk)
+    half = dk // 2
+    angle = np.arange(length)[:, None] * theta ** (-2.0 * np.arange(half) / dk)[None, :]
+    cos, sin = np.cos(angle).astype(dtype)[:, None, :], np.sin(angle).astype(dtype)[:, None, :]
+    rotate = lambda t: np.concatenate([t[..., :half] * cos - t[..., half:] * sin,
+                                       t[..., half:] * cos + t[..., :half] * sin], axis=-1)
+    attended = causal_attention(rotate(q), rotate(k), v, dk ** -0.5, dtype)
+    out = w["out_proj.weight"].astype(dtype)
+    return attended.reshape(length, heads * dk) @ out.T + w["out_proj.bias"].astype(dtype)
+
+
+def check_layer_sessions(t, client):
+    """A session over a served layer: hidden states in, the layer's output out, equal to the
+    one-shot causal layer by FlashAttention's rule."""
+    rng = np.random.default_rng(11)
+    e, heads, kv_heads, dk, theta, length = 32, 4, 2, 8, 10000.0, 12
+    shapes = {"q_proj": heads * dk, "k_proj": kv_heads * dk, "v_proj": kv_heads * dk,
+              "out_proj": e}
+    weights = {}
+    for name, rows in shapes.items():
+        columns = heads * dk if name == "out_proj" else e
+        weights[name + ".weight"] = rng.uniform(-0.3, 0.3, size=(rows, columns)).astype(np.float32)
+        weights[name + ".bias"] = rng.uniform(-0.3, 0.3, size=(rows,)).astype(np.float32)
+    config = {"embed_dim": e, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": dk,
+              "rope_theta": theta, "always_causal": True}
+    client.load_layer("py-decoder", config, weights)
+    session = client.create_layer_session(["py-decoder"], reserved_tokens=32)
+    t.check(list(session.config.layers) == ["py-decoder"] and session.config.num_heads == heads
+            and session.config.num_kv_heads == kv_heads, "heads from the layer: %s"
+            % session.config)
+    x = rng.normal(size=(length, e)).astype(np.float32)
+    outputs, position = [], 0
+    for n in (5, 1, 1, 5):
+        (got,) = client.session_step([(session.session_id, 0, position, x[position:position + n])])
+        t.check(got.shape == (n, e), "output shape %s" % (got.shape,))
+        outputs.append(got)
+        position += n
+    oracle = decoder_layer(x, weights, heads, kv_heads, theta, np.float64)
+    reference = decoder_layer(x, weights, heads, kv_heads, theta, np.float32)
+    ours_error = np.max(np.abs(np.concatenate(outputs) - oracle))
+    reference_error = np.max(np.abs(reference - oracle))
+    t.check(ours_error <= 2 * reference_error + 1e-6,
+            "layer session vs numpy: max err %g, numpy float32's %g"
+            % (ours_error, reference_error))
+    client.drop_session(session.session_id)
+    client.unload_layer("py-decoder")
+
+
 def check_replicas(t, binary):
     """Two server processes behind one round-robin target (as a Kubernetes Service spreads
     calls): every session answer names its replica's address, the client pins the session's
@@ -367,6 +423,7 @@ def main():
             t.run("layers", check_layers, t, client)
             t.run("errors", check_errors, t, client)
             t.run("sessions", check_sessions, t, client)
+            t.run("layer sessions", check_layer_sessions, t, client)
     except BaseException:
         server.kill()
         raise

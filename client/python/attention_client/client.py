@@ -178,12 +178,25 @@ class AttentionClient(ClientBase):
                                                  ttl_ms=ttl_ms)
         return self._pin(self._stub.CreateSession(request, timeout=self._timeout(timeout)).session)
 
+    def create_layer_session(self, layers, reserved_tokens, *, kv_dtype="float32", ttl_ms=0,
+                             timeout=None):
+        """A session over layers loaded on the server (names, one per session layer): its steps
+        send hidden states, and the server projects, rotates, attends and projects out. The
+        heads come from the layers. Returns the attention.v1.SessionInfo."""
+        config = self._pb2.SessionConfig(layers=list(layers),
+                                         kv_dtype=tensors.dtype_enum(kv_dtype))
+        request = self._pb2.CreateSessionRequest(config=config, reserved_tokens=reserved_tokens,
+                                                 ttl_ms=ttl_ms)
+        return self._pin(self._stub.CreateSession(request, timeout=self._timeout(timeout)).session)
+
     def session_step(self, entries, *, return_log_sum_exp=False, output_dtype=None,
                      timeout=None):
         """entries: (session_id, layer, position, query [n, H, dk], key [n, Hkv, dk],
-        value [n, Hkv, dv]) tuples, numpy or torch. Writes each entry's K/V at
-        [position, position + n) and attends; returns one output [n, H, dv] per entry (with
-        log_sum_exp, (output, log_sum_exp [n, H]) pairs). Retrying a step is safe."""
+        value [n, Hkv, dv]) tuples, numpy or torch, or for a session over served layers
+        (create_layer_session) (session_id, layer, position, hidden_states [n, E]). Writes
+        each entry's K/V at [position, position + n) and attends; returns one output per
+        entry, [n, H, dv] (the layer's [n, output_dim] for hidden states); with log_sum_exp,
+        (output, log_sum_exp [n, H]) pairs. Retrying a step is safe."""
         request = self._pb2.SessionStepRequest(return_log_sum_exp=return_log_sum_exp)
         if output_dtype is not None:
             request.output_dtype = tensors.dtype_enum(output_dtype)
@@ -214,8 +227,8 @@ class AttentionClient(ClientBase):
                                                        request_id=request_id)
                 if output_dtype is not None:
                     request.output_dtype = tensors.dtype_enum(output_dtype)
-                for session_id, layer, position, query, key, value in entries:
-                    self._add_entry(request, session_id, layer, position, query, key, value)
+                for entry in entries:
+                    self._add_entry(request, entry)
                 yield request
 
         for answer in stub.SessionStepStream(requests(), timeout=self._timeout(timeout)):
@@ -227,23 +240,29 @@ class AttentionClient(ClientBase):
                                                             return_log_sum_exp)
 
     @staticmethod
-    def _add_entry(request, session_id, layer, position, query, key, value):
-        entry = request.entries.add(session_id=session_id, layer=layer, position=position)
-        tensors.encode(query, out=entry.query)
-        tensors.encode(key, out=entry.key)
-        tensors.encode(value, out=entry.value)
+    def _add_entry(request, entry):
+        """Adds one entries tuple of session_step to `request`."""
+        session_id, layer, position, *inputs = entry
+        added = request.entries.add(session_id=session_id, layer=layer, position=position)
+        if len(inputs) == 1:
+            tensors.encode(inputs[0], out=added.hidden_states)
+            return
+        query, key, value = inputs
+        tensors.encode(query, out=added.query)
+        tensors.encode(key, out=added.key)
+        tensors.encode(value, out=added.value)
 
     def _step_requests(self, entries, request):
         """{stub: (request with the entries of that stub's replica, their indices)}."""
         parts = {}
-        for index, (session_id, layer, position, query, key, value) in enumerate(entries):
-            stub = self._session_stub(session_id)
+        for index, entry in enumerate(entries):
+            stub = self._session_stub(entry[0])
             if stub not in parts:
                 part = self._pb2.SessionStepRequest()
                 part.CopyFrom(request)
                 parts[stub] = (part, [])
             part, indices = parts[stub]
-            self._add_entry(part, session_id, layer, position, query, key, value)
+            self._add_entry(part, entry)
             indices.append(index)
         if not parts:
             parts[self._stub] = (request, [])
