@@ -14,7 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "core/cpu/paged_attention_cpu.h"  // PagedDecodeBatch, shared with the CPU kernel
+#include "core/kv_cache/paged_batch.h"
 
 namespace attention::core::cuda {
 

@@ -1,7 +1,6 @@
 #include "server/sessions/session_table.h"
 
 #include <openssl/rand.h>
-#include <sys/mman.h>
 
 #include <algorithm>
 #include <cmath>
@@ -14,7 +13,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "core/attention_options.h"
-#include "core/cpu/paged_attention_cpu.h"
+#include "core/cpu/host_kv_storage.h"
 #include "core/status_macros.h"
 #include "server/common/status_util.h"
 
@@ -70,18 +69,7 @@ absl::Status CheckShape(const SessionShape& shape) {
   return absl::OkStatus();
 }
 
-// One K or V row of `count` values as stored: `stored` in the KV dtype.
-bool SameAsStored(const float* values, int64_t count, const std::byte* stored, core::DType dtype) {
-  if (dtype == core::DType::kFloat32) {
-    return std::memcmp(values, stored, count * sizeof(float)) == 0;
-  }
-  const auto* bits = reinterpret_cast<const uint16_t*>(stored);
-  for (int64_t i = 0; i < count; ++i) {
-    if (core::FloatToBFloat16(values[i]) != bits[i]) return false;
-  }
-  return true;
-}
-
+// `count` values as the KV dtype stores them.
 void Store(const float* values, int64_t count, std::byte* stored, core::DType dtype) {
   if (dtype == core::DType::kFloat32) {
     std::memcpy(stored, values, count * sizeof(float));
@@ -118,24 +106,37 @@ absl::Status SessionTableOptions::Validate() const {
 absl::StatusOr<std::unique_ptr<SessionTable>> SessionTable::Create(
     const SessionTableOptions& options, core::ThreadPool& pool) {
   RETURN_IF_ERROR(options.Validate());
+  return Create(options,
+                std::make_unique<core::HostKvStorage>(options.kv_cache_bytes / options.block_bytes,
+                                                      options.block_bytes, pool));
+}
+
+absl::StatusOr<std::unique_ptr<SessionTable>> SessionTable::Create(
+    const SessionTableOptions& options, std::unique_ptr<core::kv_cache::KvStorage> storage) {
+  RETURN_IF_ERROR(options.Validate());
   ASSIGN_OR_RETURN(
       core::kv_cache::KvBlockPool block_pool,
       core::kv_cache::KvBlockPool::Create(options.kv_cache_bytes, options.block_bytes));
-  return std::unique_ptr<SessionTable>(new SessionTable(options, std::move(block_pool), pool));
+  const int64_t blocks = block_pool.Counters().blocks_total;
+  if (storage->num_blocks() != blocks || storage->block_bytes() != options.block_bytes) {
+    return absl::InternalError(absl::StrCat(
+        "the KV storage has ", storage->num_blocks(), " blocks of ", storage->block_bytes(),
+        " bytes; the options ask for ", blocks, " of ", options.block_bytes));
+  }
+  return std::unique_ptr<SessionTable>(
+      new SessionTable(options, std::move(block_pool), std::move(storage)));
 }
 
 SessionTable::SessionTable(const SessionTableOptions& options,
-                           core::kv_cache::KvBlockPool block_pool, core::ThreadPool& pool)
-    : options_(options), pool_(pool), block_pool_(std::move(block_pool)) {
-  const int64_t blocks = block_pool_.Counters().blocks_total;
-  constexpr int64_t kHugePage = int64_t{2} << 20;
-  const int64_t bytes = (blocks * options_.block_bytes + kHugePage - 1) / kHugePage * kHugePage;
-  storage_.reset(static_cast<std::byte*>(std::aligned_alloc(kHugePage, bytes)));
-  if (storage_ == nullptr) throw std::bad_alloc();
-  madvise(storage_.get(), bytes, MADV_HUGEPAGE);  // advice only: failure changes nothing
+                           core::kv_cache::KvBlockPool block_pool,
+                           std::unique_ptr<core::kv_cache::KvStorage> storage)
+    : options_(options),
+      device_(storage->device()),
+      block_pool_(std::move(block_pool)),
+      storage_(std::move(storage)) {
   if (options_.poison_freed_blocks) {
-    std::vector<BlockId> all(blocks);
-    for (BlockId b = 0; b < blocks; ++b) all[b] = b;
+    std::vector<BlockId> all(storage_->num_blocks());
+    for (BlockId b = 0; b < storage_->num_blocks(); ++b) all[b] = b;
     core::MutexLock lock(mu_);
     FreeBlocksLocked(all);
   }
@@ -367,16 +368,15 @@ void SessionTable::ForgetTombstonesLocked(absl::Time now) {
   }
 }
 
-void SessionTable::CopyBlocksLocked(absl::Span<const core::kv_cache::BlockCopy> copies) {
-  for (const auto& copy : copies) {
-    std::memcpy(Block(copy.to), Block(copy.from), options_.block_bytes);
-  }
+absl::Status SessionTable::CopyBlocksLocked(absl::Span<const core::kv_cache::BlockCopy> copies) {
+  for (const auto& copy : copies) RETURN_IF_ERROR(storage_->CopyBlock(copy.from, copy.to));
+  return absl::OkStatus();
 }
 
 void SessionTable::FreeBlocksLocked(absl::Span<const BlockId> freed) {
   if (!options_.poison_freed_blocks) return;
-  // All-ones bytes are a NaN in float32 and in bfloat16 alike.
-  for (const BlockId block : freed) std::memset(Block(block), 0xff, options_.block_bytes);
+  // A test aid: a block that could not be poisoned is merely freed.
+  for (const BlockId block : freed) storage_->Poison(block).IgnoreError();
 }
 
 absl::Status SessionTable::WriteLocked(const StepEntry& entry, Session& session) {
@@ -406,40 +406,54 @@ absl::Status SessionTable::WriteLocked(const StepEntry& entry, Session& session)
   const KvLayout layout = LayoutOf(shape);
   const int64_t heads = layout.num_kv_heads, dk = layout.key_dim, dv = layout.value_dim;
   const int64_t element = layout.ElementBytes();
-  // The lambda below runs under mu_ too, but clang's analysis does not see into lambdas.
-  std::byte* const storage = storage_.get();
-  const int64_t block_bytes = options_.block_bytes;
-  // Visits every (token, head) of the entry in [from, to) with its stored K and V rows.
-  auto for_each_row = [&](int64_t from, int64_t to, auto&& visit) {
-    const auto& table = sequence->block_tables[entry.layer];
+  // Visits the entry's tokens [from, to) a block at a time: the run's block, first slot,
+  // token count and first position, with its K and V as the storage holds them ([Hkv]
+  // [count][d] in the KV dtype) in `keys` and `values`.
+  std::vector<std::byte> keys, values;
+  auto for_each_run = [&](int64_t from, int64_t to, auto&& visit) -> absl::Status {
     const int64_t per_block = sequence->tokens_per_block;
-    for (int64_t t = from; t < to; ++t) {
-      std::byte* block = storage + table[t / per_block] * block_bytes;
+    for (int64_t t = from; t < to;) {
       const int64_t slot = t % per_block;
-      const int64_t row = t - entry.position;
+      const int64_t count = std::min(to - t, per_block - slot);
+      keys.resize(heads * count * dk * element);
+      values.resize(heads * count * dv * element);
       for (int64_t h = 0; h < heads; ++h) {
-        if (!visit(t, entry.key + (row * heads + h) * dk,
-                   block + core::kv_cache::KeyOffset(layout, per_block, slot, h) * element,
-                   entry.value + (row * heads + h) * dv,
-                   block + core::kv_cache::ValueOffset(layout, per_block, slot, h) * element)) {
-          return false;
+        for (int64_t i = 0; i < count; ++i) {
+          const int64_t row = t + i - entry.position;
+          Store(entry.key + (row * heads + h) * dk, dk,
+                keys.data() + (h * count + i) * dk * element, layout.dtype);
+          Store(entry.value + (row * heads + h) * dv, dv,
+                values.data() + (h * count + i) * dv * element, layout.dtype);
         }
       }
+      RETURN_IF_ERROR(visit(sequence->block_tables[entry.layer][t / per_block], slot, count, t));
+      t += count;
     }
-    return true;
+    return absl::OkStatus();
   };
-  // Positions written already must hold the same K/V: then the step is a retry.
+  // Positions written already must hold the same K/V, bit for bit: then the step is a retry.
+  std::vector<std::byte> stored_keys, stored_values;
   int64_t conflict = -1;
-  for_each_row(entry.position, std::min(end, length),
-               [&](int64_t t, const float* key, const std::byte* stored_key, const float* value,
-                   const std::byte* stored_value) {
-                 if (SameAsStored(key, dk, stored_key, layout.dtype) &&
-                     SameAsStored(value, dv, stored_value, layout.dtype)) {
-                   return true;
-                 }
-                 conflict = t;
-                 return false;
-               });
+  RETURN_IF_ERROR(for_each_run(
+      entry.position, std::min(end, length),
+      [&](BlockId block, int64_t slot, int64_t count, int64_t first) -> absl::Status {
+        if (conflict >= 0) return absl::OkStatus();  // the first one is named
+        stored_keys.resize(keys.size());
+        stored_values.resize(values.size());
+        RETURN_IF_ERROR(storage_->ReadTokens(block, layout, sequence->tokens_per_block, slot, count,
+                                             stored_keys.data(), stored_values.data()));
+        for (int64_t i = 0; i < count && conflict < 0; ++i) {
+          for (int64_t h = 0; h < heads; ++h) {
+            const int64_t k = (h * count + i) * dk * element, v = (h * count + i) * dv * element;
+            if (std::memcmp(&keys[k], &stored_keys[k], dk * element) != 0 ||
+                std::memcmp(&values[v], &stored_values[v], dv * element) != 0) {
+              conflict = first + i;
+              break;
+            }
+          }
+        }
+        return absl::OkStatus();
+      }));
   if (conflict >= 0) {
     return WithReason(absl::FailedPreconditionError(absl::StrCat(
                           "position ", conflict, " of layer ", entry.layer,
@@ -450,15 +464,13 @@ absl::Status SessionTable::WriteLocked(const StepEntry& entry, Session& session)
   if (end <= length) return absl::OkStatus();
   ASSIGN_OR_RETURN(const std::vector<core::kv_cache::BlockCopy> copies,
                    block_pool_.EnsureCapacity(session.sequence, end));
-  CopyBlocksLocked(copies);
+  RETURN_IF_ERROR(CopyBlocksLocked(copies));
   sequence = *block_pool_.Find(session.sequence);  // EnsureCapacity may have moved it
-  for_each_row(length, end,
-               [&](int64_t, const float* key, std::byte* stored_key, const float* value,
-                   std::byte* stored_value) {
-                 Store(key, dk, stored_key, layout.dtype);
-                 Store(value, dv, stored_value, layout.dtype);
-                 return true;
-               });
+  RETURN_IF_ERROR(
+      for_each_run(length, end, [&](BlockId block, int64_t slot, int64_t count, int64_t) {
+        return storage_->WriteTokens(block, layout, sequence->tokens_per_block, slot, count,
+                                     keys.data(), values.data());
+      }));
   length = end;
   return absl::OkStatus();
 }
@@ -510,7 +522,6 @@ std::vector<absl::Status> SessionTable::Step(absl::Span<const StepEntry> entries
       sequences.push_back(decode);
     }
     core::PagedDecodeBatch batch;
-    batch.storage = {storage_.get(), options_.block_bytes, block_pool_.Counters().blocks_total};
     batch.layout = LayoutOf(shape);
     batch.tokens_per_block = tokens_per_block;
     batch.num_heads = shape.num_heads;
@@ -518,7 +529,7 @@ std::vector<absl::Status> SessionTable::Step(absl::Span<const StepEntry> entries
     batch.sliding_window = shape.sliding_window;
     batch.sequences = sequences;
     const absl::Time start = absl::Now();
-    const absl::Status computed = core::PagedDecodeCpu(batch, pool_);
+    const absl::Status computed = storage_->Attend(batch);
     totals_.step_compute += absl::Now() - start;
     if (!computed.ok()) {
       for (const size_t i : members) statuses[i] = computed;

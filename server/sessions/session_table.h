@@ -18,9 +18,7 @@
 #ifndef ATTENTION_SERVER_SESSIONS_SESSION_TABLE_H_
 #define ATTENTION_SERVER_SESSIONS_SESSION_TABLE_H_
 
-#include <cstddef>
 #include <cstdint>
-#include <cstdlib>
 #include <deque>
 #include <memory>
 #include <string>
@@ -36,6 +34,7 @@
 #include "core/cpu/thread_pool.h"
 #include "core/dtype.h"
 #include "core/kv_cache/block_pool.h"
+#include "core/kv_cache/kv_storage.h"
 #include "core/mha_layer.h"
 #include "core/mutex.h"
 
@@ -124,8 +123,13 @@ struct SessionCounters {
 // attends under it, so a drop, truncation or fork never races a step's reads.
 class SessionTable {
  public:
+  // A table whose KV blocks live in host memory, attended on `pool`.
   static absl::StatusOr<std::unique_ptr<SessionTable>> Create(const SessionTableOptions& options,
                                                               core::ThreadPool& pool);
+  // A table over `storage` (core::Devices::CreateKvStorage: where a backend keeps memory),
+  // which must have kv_cache_bytes / block_bytes blocks of block_bytes.
+  static absl::StatusOr<std::unique_ptr<SessionTable>> Create(
+      const SessionTableOptions& options, std::unique_ptr<core::kv_cache::KvStorage> storage);
 
   // A new session of `shape` that may grow to `reserved_tokens`; `ttl` zero means the
   // default.
@@ -151,6 +155,8 @@ class SessionTable {
 
   SessionCounters Counters() const;
   int64_t block_bytes() const { return options_.block_bytes; }
+  // Where the KV blocks are and attention over them runs: "cpu", "cuda:0".
+  const std::string& device() const { return device_; }
   const std::string& replica() const { return options_.replica; }
 
  private:
@@ -168,7 +174,7 @@ class SessionTable {
   };
 
   SessionTable(const SessionTableOptions& options, core::kv_cache::KvBlockPool block_pool,
-               core::ThreadPool& pool);
+               std::unique_ptr<core::kv_cache::KvStorage> storage);
 
   absl::StatusOr<Session*> FindLocked(const std::string& id, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -181,28 +187,19 @@ class SessionTable {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ForgetTombstonesLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Copies and poisons blocks as the pool says.
-  void CopyBlocksLocked(absl::Span<const core::kv_cache::BlockCopy> copies)
+  absl::Status CopyBlocksLocked(absl::Span<const core::kv_cache::BlockCopy> copies)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FreeBlocksLocked(absl::Span<const core::kv_cache::BlockId> freed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Writes one entry's K/V (checking positions already written), or says why not.
   absl::Status WriteLocked(const StepEntry& entry, Session& session)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  std::byte* Block(core::kv_cache::BlockId block) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return storage_.get() + static_cast<int64_t>(block) * options_.block_bytes;
-  }
 
   const SessionTableOptions options_;
-  core::ThreadPool& pool_;
+  const std::string device_;  // the storage's
   mutable core::Mutex mu_;  // see core/mutex.h
   core::kv_cache::KvBlockPool block_pool_ ABSL_GUARDED_BY(mu_);
-  struct Free {
-    void operator()(std::byte* bytes) const { std::free(bytes); }
-  };
-  // The pool's blocks, on huge pages where the kernel gives them (a decode step streams
-  // through blocks; 4 KiB pages cost TLB misses); left uninitialized, so pages are
-  // committed as sessions fill them.
-  std::unique_ptr<std::byte[], Free> storage_ ABSL_GUARDED_BY(mu_);
+  const std::unique_ptr<core::kv_cache::KvStorage> storage_ ABSL_PT_GUARDED_BY(mu_);
   absl::node_hash_map<std::string, Session> sessions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, Tombstone> tombstones_ ABSL_GUARDED_BY(mu_);
   std::deque<std::string> tombstone_order_ ABSL_GUARDED_BY(mu_);  // oldest first
