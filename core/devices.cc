@@ -9,7 +9,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
+#include "core/cpu/host_kv_storage.h"
 #include "core/cuda/cuda_backend.h"
+#include "core/status_macros.h"
 
 namespace attention::core {
 namespace {
@@ -112,6 +114,21 @@ absl::StatusOr<std::shared_ptr<const Backend>> Devices::Get(absl::string_view de
     backend = *std::move(opened);
   }
   return backend;
+}
+
+absl::StatusOr<std::unique_ptr<kv_cache::KvStorage>> Devices::CreateKvStorage(
+    absl::string_view device, int64_t num_blocks, int64_t block_bytes) {
+  ASSIGN_OR_RETURN(const std::shared_ptr<const Backend> backend, Get(device));
+  if (backend == cpu_) {
+    return std::unique_ptr<kv_cache::KvStorage>(
+        std::make_unique<HostKvStorage>(num_blocks, block_bytes, cpu_->pool()));
+  }
+  int index = 0;
+  absl::string_view number = backend->name();
+  if (!absl::ConsumePrefix(&number, "cuda:") || !absl::SimpleAtoi(number, &index)) {
+    return absl::InternalError(absl::StrCat("unexpected backend name ", backend->name()));
+  }
+  return (*CudaPluginOnce())->create_kv_storage(index, num_blocks, block_bytes);
 }
 
 }  // namespace attention::core

@@ -13,6 +13,7 @@
 #include "absl/strings/string_view.h"
 #include "core/backend.h"
 #include "core/cpu/cpu_backend.h"
+#include "core/kv_cache/kv_storage.h"
 #include "core/mutex.h"
 
 namespace attention::core {
@@ -36,6 +37,13 @@ class Devices {
   // when there is one, else the CPU). INVALID_ARGUMENT for another name; FAILED_PRECONDITION
   // naming the device and why when it is a GPU this process cannot use.
   absl::StatusOr<std::shared_ptr<const Backend>> Get(absl::string_view device);
+
+  // A KV-cache pool of `num_blocks` blocks of `block_bytes` where `device` keeps memory
+  // (host memory for "cpu", attended on the CPU backend's pool; the GPU's for "cuda:N"),
+  // for sessions. Get's errors for the name; RESOURCE_EXHAUSTED when it does not fit.
+  absl::StatusOr<std::unique_ptr<kv_cache::KvStorage>> CreateKvStorage(absl::string_view device,
+                                                                       int64_t num_blocks,
+                                                                       int64_t block_bytes);
 
  private:
   const std::shared_ptr<const CpuBackend> cpu_;

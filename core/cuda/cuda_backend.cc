@@ -1,9 +1,10 @@
-// The plugin's entry point: the device count and the backend of each GPU.
+// The plugin's entry point: the device count, the backend of each GPU and KV-cache pools.
 #include "core/cuda/cuda_backend.h"
 
 #include <cuda_runtime.h>
 
 #include "absl/strings/str_cat.h"
+#include "core/cuda/cuda_kv_storage.h"
 #include "core/cuda/device_backend.h"
 
 namespace attention::core {
@@ -37,6 +38,7 @@ absl::StatusOr<std::shared_ptr<const Backend>> OpenCudaBackend(int device) {
 extern "C" __attribute__((visibility("default"))) const attention::core::CudaPlugin*
 AttentionCudaPlugin() {
   static const attention::core::CudaPlugin plugin = {&attention::core::CudaDeviceCount,
-                                                     &attention::core::OpenCudaBackend};
+                                                     &attention::core::OpenCudaBackend,
+                                                     &attention::core::cuda::CudaKvStorage::Create};
   return &plugin;
 }

@@ -12,10 +12,12 @@
 #ifndef ATTENTION_CORE_CUDA_CUDA_BACKEND_H_
 #define ATTENTION_CORE_CUDA_CUDA_BACKEND_H_
 
+#include <cstdint>
 #include <memory>
 
 #include "absl/status/statusor.h"
 #include "core/backend.h"
+#include "core/kv_cache/kv_storage.h"
 
 namespace attention::core {
 
@@ -27,6 +29,11 @@ struct CudaPlugin {
   // The backend of GPU `device` ("cuda:<device>"); FAILED_PRECONDITION when it cannot be
   // opened.
   absl::StatusOr<std::shared_ptr<const Backend>> (*open_backend)(int device);
+  // A KV-cache pool on GPU `device` (see core/cuda/cuda_kv_storage.h); RESOURCE_EXHAUSTED
+  // when it does not fit.
+  absl::StatusOr<std::unique_ptr<kv_cache::KvStorage>> (*create_kv_storage)(int device,
+                                                                            int64_t num_blocks,
+                                                                            int64_t block_bytes);
 };
 inline constexpr char kCudaPluginEntry[] = "AttentionCudaPlugin";
 using CudaPluginEntry = const CudaPlugin* (*)();

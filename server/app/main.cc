@@ -112,6 +112,9 @@ ABSL_FLAG(int64_t, kv_block_bytes, attention::core::kv_cache::kDefaultBlockBytes
           "multiple of 64): a session holds at least one per layer, so small heads waste less "
           "with smaller blocks (16 forks of a 4096-token prefix of 2 KV heads of 64 dims in "
           "bf16 hold 1.5x their tokens at 256 KiB, 1.0x at 64 KiB)");
+ABSL_FLAG(std::string, kv_cache_device, "cpu",
+          "where the KV-cache pool lives and sessions' attention runs: cpu (host memory) or "
+          "cuda:N (that GPU's memory, attended by the CUDA paged decode kernel)");
 ABSL_FLAG(int64_t, max_sessions, 1024, "live KV-cache sessions at once");
 ABSL_FLAG(int64_t, max_session_tokens, int64_t{128} << 10,
           "tokens one session may reserve (CreateSessionRequest.reserved_tokens)");
@@ -236,6 +239,7 @@ int main(int argc, char** argv) {
   options.inline_layer_cache_bytes = absl::GetFlag(FLAGS_inline_layer_cache_bytes);
   options.sessions.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
   options.sessions.block_bytes = absl::GetFlag(FLAGS_kv_block_bytes);
+  options.kv_cache_device = absl::GetFlag(FLAGS_kv_cache_device);
   options.sessions.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   options.sessions.max_session_tokens = absl::GetFlag(FLAGS_max_session_tokens);
   options.sessions.default_ttl = absl::GetFlag(FLAGS_session_ttl);
@@ -274,8 +278,8 @@ int main(int argc, char** argv) {
   if (const attention::server::SessionTable* sessions = (*server)->sessions()) {
     const attention::core::kv_cache::KvPoolCounters pool = sessions->Counters().pool;
     // In tokens of a Llama-3-8B layer (8 KV heads of 128 dims, float32 K and V: 8 KiB).
-    std::cerr << "attention-service: KV cache " << pool.blocks_total << " blocks of "
-              << (sessions->block_bytes() >> 10) << " KiB, "
+    std::cerr << "attention-service: KV cache on " << sessions->device() << ", "
+              << pool.blocks_total << " blocks of " << (sessions->block_bytes() >> 10) << " KiB, "
               << pool.blocks_total * sessions->block_bytes() / 8192
               << " tokens x layers at 8 KiB a token (8 KV heads x 128 dims, float32)" << std::endl;
   }

@@ -52,18 +52,20 @@ int ComputeThreads(int requested) {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
-// The session table on the CPU's compute threads, or null when sessions are off. `options`
-// were validated with the server's.
-std::unique_ptr<SessionTable> MakeSessionTable(const SessionTableOptions& options,
-                                               core::Devices& devices) {
-  if (options.kv_cache_bytes == 0) return nullptr;
-  absl::StatusOr<std::unique_ptr<SessionTable>> table =
-      SessionTable::Create(options, devices.cpu()->pool());
-  if (!table.ok()) {
-    std::cerr << "attention-service: sessions: " << table.status() << std::endl;
-    return nullptr;
+// The session table, its KV blocks on --kv_cache_device, or null when sessions are off.
+// `options` were validated with the server's.
+absl::StatusOr<std::unique_ptr<SessionTable>> MakeSessionTable(const ServerOptions& options,
+                                                               core::Devices& devices) {
+  const SessionTableOptions& sessions = options.sessions;
+  if (sessions.kv_cache_bytes == 0) return nullptr;
+  absl::StatusOr<std::unique_ptr<core::kv_cache::KvStorage>> storage =
+      devices.CreateKvStorage(options.kv_cache_device,
+                              sessions.kv_cache_bytes / sessions.block_bytes, sessions.block_bytes);
+  if (!storage.ok()) {
+    return absl::Status(storage.status().code(),
+                        absl::StrCat("--kv_cache_device: ", storage.status().message()));
   }
-  return *std::move(table);
+  return SessionTable::Create(sessions, *std::move(storage));
 }
 
 // `address` with `port` added when it names none ("10.0.0.7", "[fd00::7]").
@@ -137,7 +139,8 @@ RequestBudget ServerOptions::RequestBudgetWithMessageLimit() const {
 
 AttentionServer::AttentionServer(const ServerOptions& options,
                                  std::unique_ptr<core::Devices> devices,
-                                 std::shared_ptr<const core::Backend> default_backend)
+                                 std::shared_ptr<const core::Backend> default_backend,
+                                 std::unique_ptr<SessionTable> sessions)
     : devices_(std::move(devices)),
       default_backend_(std::move(default_backend)),
       metrics_(default_backend_->name(), core::CpuBackend::BlasCore()),
@@ -145,7 +148,7 @@ AttentionServer::AttentionServer(const ServerOptions& options,
       drain_delay_(options.drain_delay),
       batcher_(options.batcher, &metrics_),
       loader_({options.max_concurrent_loads, options.max_queued_loads}, &batcher_, &metrics_),
-      sessions_(MakeSessionTable(options.sessions, *devices_)),
+      sessions_(std::move(sessions)),
       service_(registry_, batcher_, metrics_, request_log_, options.RequestBudgetWithMessageLimit(),
                *devices_, default_backend_, options.access, loader_,
                options.inline_layer_cache_bytes, sessions_.get()),
@@ -161,8 +164,9 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
     return absl::Status(default_backend.status().code(),
                         absl::StrCat("--device: ", default_backend.status().message()));
   }
-  std::unique_ptr<AttentionServer> server(
-      new AttentionServer(options, std::move(devices), *std::move(default_backend)));
+  ASSIGN_OR_RETURN(std::unique_ptr<SessionTable> sessions, MakeSessionTable(options, *devices));
+  std::unique_ptr<AttentionServer> server(new AttentionServer(
+      options, std::move(devices), *std::move(default_backend), std::move(sessions)));
   RETURN_IF_ERROR(server->registry_.Configure(options.registry));
   if (!options.metrics_address.empty()) {
     RETURN_IF_ERROR(server->metrics_.Expose(options.metrics_address));

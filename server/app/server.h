@@ -81,6 +81,10 @@ struct ServerOptions {
   // KV-cache sessions: the pool (--kv_cache_bytes, 0 turns sessions off) and their limits
   // (--max_sessions, --max_session_tokens, --session_ttl, --max_session_ttl, --replica_name).
   SessionTableOptions sessions;
+  // Where the KV blocks of sessions live and their attention runs (--kv_cache_device): "cpu"
+  // (default) or "cuda:N". Sessions over served layers still project on their layers'
+  // device.
+  std::string kv_cache_device = "cpu";
   // Where callers reach this replica, told in every SessionInfo (--replica_address): host or
   // host:port; without a port the listening port is added. "" tells nothing.
   std::string replica_address;
@@ -129,7 +133,8 @@ class AttentionServer {
 
  private:
   AttentionServer(const ServerOptions& options, std::unique_ptr<core::Devices> devices,
-                  std::shared_ptr<const core::Backend> default_backend);
+                  std::shared_ptr<const core::Backend> default_backend,
+                  std::unique_ptr<SessionTable> sessions);
 
   const std::unique_ptr<core::Devices> devices_;
   const std::shared_ptr<const core::Backend> default_backend_;

@@ -262,7 +262,7 @@ absl::Status AttentionServiceImpl::SubmitSessionStep(
       OutputDType(request.output_dtype(),
                   first.has_hidden_states() ? first.hidden_states().dtype() : first.query().dtype(),
                   /*float_data_output=*/false));
-  auto item = std::make_unique<SessionStepItem>(*sessions_, devices_.cpu()->name());
+  auto item = std::make_unique<SessionStepItem>(*sessions_, sessions_->device());
   // Where each entry's answer will be: its output and log-sum-exp, in buffers of the item.
   struct Answer {
     std::vector<int64_t> output_shape;

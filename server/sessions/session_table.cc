@@ -114,6 +114,7 @@ absl::StatusOr<std::unique_ptr<SessionTable>> SessionTable::Create(
 absl::StatusOr<std::unique_ptr<SessionTable>> SessionTable::Create(
     const SessionTableOptions& options, std::unique_ptr<core::kv_cache::KvStorage> storage) {
   RETURN_IF_ERROR(options.Validate());
+  if (storage == nullptr) return absl::InvalidArgumentError("no KV storage");
   ASSIGN_OR_RETURN(
       core::kv_cache::KvBlockPool block_pool,
       core::kv_cache::KvBlockPool::Create(options.kv_cache_bytes, options.block_bytes));
@@ -431,6 +432,8 @@ absl::Status SessionTable::WriteLocked(const StepEntry& entry, Session& session)
     }
     return absl::OkStatus();
   };
+  // The lambdas below run under mu_ too, but clang's analysis does not see into lambdas.
+  core::kv_cache::KvStorage& storage = *storage_;
   // Positions written already must hold the same K/V, bit for bit: then the step is a retry.
   std::vector<std::byte> stored_keys, stored_values;
   int64_t conflict = -1;
@@ -440,8 +443,8 @@ absl::Status SessionTable::WriteLocked(const StepEntry& entry, Session& session)
         if (conflict >= 0) return absl::OkStatus();  // the first one is named
         stored_keys.resize(keys.size());
         stored_values.resize(values.size());
-        RETURN_IF_ERROR(storage_->ReadTokens(block, layout, sequence->tokens_per_block, slot, count,
-                                             stored_keys.data(), stored_values.data()));
+        RETURN_IF_ERROR(storage.ReadTokens(block, layout, sequence->tokens_per_block, slot, count,
+                                           stored_keys.data(), stored_values.data()));
         for (int64_t i = 0; i < count && conflict < 0; ++i) {
           for (int64_t h = 0; h < heads; ++h) {
             const int64_t k = (h * count + i) * dk * element, v = (h * count + i) * dv * element;
@@ -468,8 +471,8 @@ absl::Status SessionTable::WriteLocked(const StepEntry& entry, Session& session)
   sequence = *block_pool_.Find(session.sequence);  // EnsureCapacity may have moved it
   RETURN_IF_ERROR(
       for_each_run(length, end, [&](BlockId block, int64_t slot, int64_t count, int64_t) {
-        return storage_->WriteTokens(block, layout, sequence->tokens_per_block, slot, count,
-                                     keys.data(), values.data());
+        return storage.WriteTokens(block, layout, sequence->tokens_per_block, slot, count,
+                                   keys.data(), values.data());
       }));
   length = end;
   return absl::OkStatus();

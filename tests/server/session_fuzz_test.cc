@@ -31,6 +31,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/devices.h"
 #include "core/dtype.h"
 #include "gtest/gtest.h"
 #include "server/sessions/session_table.h"
@@ -172,9 +173,14 @@ struct FuzzConfig {
   int64_t blocks;
 };
 
+// Where a fuzzed table keeps its blocks: null makes a host table on the fuzzer's pool.
+using StorageFactory = std::function<std::unique_ptr<core::kv_cache::KvStorage>(
+    int64_t num_blocks, int64_t block_bytes)>;
+
 class SessionFuzzer {
  public:
-  SessionFuzzer(uint64_t seed, const FuzzConfig& config, core::ThreadPool& pool)
+  SessionFuzzer(uint64_t seed, const FuzzConfig& config, core::ThreadPool& pool,
+                const StorageFactory& storage = nullptr)
       : rng_(seed), config_(config) {
     options_.kv_cache_bytes = config.blocks * config.block_bytes;
     options_.block_bytes = config.block_bytes;
@@ -185,7 +191,9 @@ class SessionFuzzer {
     options_.tombstone_ttl = absl::Seconds(100);
     options_.max_tombstones = 6;
     options_.poison_freed_blocks = true;
-    auto table = SessionTable::Create(options_, pool);
+    auto table = storage == nullptr
+                     ? SessionTable::Create(options_, pool)
+                     : SessionTable::Create(options_, storage(config.blocks, config.block_bytes));
     EXPECT_TRUE(table.ok()) << table.status();
     table_ = *std::move(table);
     total_blocks_ = table_->Counters().pool.blocks_total;
@@ -1038,9 +1046,9 @@ class SessionFuzzer {
   FidelityStats lse_stats_{"session fuzz log-sum-exp"};
 };
 
-TEST(SessionTableFuzzTest, RandomOperationsMatchADenseReference) {
-  const uint64_t seed = TestSeed(20260325);
-  const int64_t ops = EnvInt("ATTENTION_SESSION_FUZZ_OPS", kSanitized ? 1000 : 3000);
+// Runs the fuzzer over each block layout, a third of `ops` each, on `storage`'s blocks, and
+// checks that every outcome the table can give came up.
+void FuzzTables(uint64_t seed, int64_t ops, const StorageFactory& storage) {
   SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
   core::ThreadPool pool(2);
   // Small blocks (4 to 64 tokens) make forks share, copy and cross block boundaries often;
@@ -1051,7 +1059,7 @@ TEST(SessionTableFuzzTest, RandomOperationsMatchADenseReference) {
   int64_t steps = 0, tokens = 0;
   for (size_t c = 0; c < std::size(configs); ++c) {
     SCOPED_TRACE(absl::StrCat("block_bytes ", configs[c].block_bytes));
-    SessionFuzzer fuzzer(seed + c, configs[c], pool);
+    SessionFuzzer fuzzer(seed + c, configs[c], pool, storage);
     fuzzer.Run(ops / static_cast<int64_t>(std::size(configs)));
     for (const auto& [name, count] : fuzzer.outcomes()) outcomes[name] += count;
     steps += fuzzer.steps_checked();
@@ -1073,6 +1081,28 @@ TEST(SessionTableFuzzTest, RandomOperationsMatchADenseReference) {
         "expired sessions"}) {
     EXPECT_GT(outcomes[outcome], 0) << outcome;
   }
+}
+
+TEST(SessionTableFuzzTest, RandomOperationsMatchADenseReference) {
+  FuzzTables(TestSeed(20260325), EnvInt("ATTENTION_SESSION_FUZZ_OPS", kSanitized ? 1000 : 3000),
+             nullptr);
+}
+
+// The same on a GPU's KV storage (--kv_cache_device=cuda:0): writes, retries, block copies,
+// poisoned frees and the CUDA paged decode kernel against the same dense reference.
+TEST(SessionTableFuzzTest, OnCudaStorageRandomOperationsMatchADenseReference) {
+  core::Devices devices(1);
+  std::string why_none;
+  if (devices.GpuCount(&why_none) == 0) GTEST_SKIP() << "no GPU: " << why_none;
+  const auto probe = devices.CreateKvStorage("cuda:0", 1, 1024);
+  ASSERT_TRUE(probe.ok()) << probe.status();
+  FuzzTables(TestSeed(20261126), EnvInt("ATTENTION_SESSION_FUZZ_OPS", 3000),
+             [&](int64_t num_blocks, int64_t block_bytes) {
+               auto storage = devices.CreateKvStorage("cuda:0", num_blocks, block_bytes);
+               EXPECT_TRUE(storage.ok()) << storage.status();
+               EXPECT_EQ((*storage)->device(), "cuda:0");
+               return *std::move(storage);
+             });
 }
 
 // ---------------------------------------------------------------------------------------

@@ -531,5 +531,28 @@ TEST(SessionReplicasTest, TheClientPinsEachSessionToTheReplicaThatHoldsIt) {
   for (const auto& replica : replicas) EXPECT_EQ(replica->sessions()->Counters().sessions, 0);
 }
 
+// --kv_cache_device names where the pool lives: a name that is not a device, or a GPU this
+// machine lacks, stops the server at start-up instead of turning sessions off.
+TEST(SessionDeviceTest, AnUnusableKvCacheDeviceStopsTheStart) {
+  ServerOptions options;
+  options.listen_address = "127.0.0.1:0";
+  options.metrics_address = "";
+  options.sessions.kv_cache_bytes = 1 << 20;
+  options.kv_cache_device = "tpu";
+  absl::StatusOr<std::unique_ptr<AttentionServer>> started = AttentionServer::Start(options);
+  EXPECT_EQ(started.status().code(), absl::StatusCode::kInvalidArgument) << started.status();
+  EXPECT_TRUE(absl::StrContains(started.status().message(),
+                                "--kv_cache_device: device \"tpu\" is not one of"))
+      << started.status();
+  core::Devices devices(1);
+  if (devices.GpuCount() > 0) return;  // cuda:0 is usable there (see the fuzzer's CUDA test)
+  options.kv_cache_device = "cuda:0";
+  started = AttentionServer::Start(options);
+  EXPECT_EQ(started.status().code(), absl::StatusCode::kFailedPrecondition) << started.status();
+  EXPECT_TRUE(absl::StrContains(started.status().message(),
+                                "--kv_cache_device: device cuda:0 is not available"))
+      << started.status();
+}
+
 }  // namespace
 }  // namespace attention::server::testing
