@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/attention_options.h"
 #include "core/cpu/paged_attention_cpu.h"
+#include "core/cpu/paged_prefill_cpu.h"
 #include "core/status_macros.h"
 #include "server/common/status_util.h"
 
@@ -107,6 +108,9 @@ absl::Status SessionTableOptions::Validate() const {
   }
   if (tombstone_ttl < absl::ZeroDuration() || max_tombstones < 0) {
     return Invalid("tombstone_ttl and max_tombstones must be >= 0");
+  }
+  if (prefill_min_queries < 1) {
+    return Invalid("prefill_min_queries = ", prefill_min_queries, " must be >= 1");
   }
   return absl::OkStatus();
 }
@@ -476,8 +480,9 @@ std::vector<absl::Status> SessionTable::Step(absl::Span<const StepEntry> entries
     if (session.ok()) statuses[i] = WriteLocked(entries[i], **session);
     if (statuses[i].ok()) sessions[i] = *session;
   }
-  // Attend: one kernel pass per group of entries that share a KV layout, heads, scale and
-  // window.
+  // Attend: one pass per group of entries that share a KV layout, heads, scale and window;
+  // the dispatcher sends decode entries to the decode kernel and prefill chunks to the
+  // blocked flash-style kernel (core/cpu/paged_prefill_cpu.h).
   using GroupKey = std::tuple<int64_t, int64_t, int64_t, int, int64_t, float, int64_t>;
   std::map<GroupKey, std::vector<size_t>> groups;
   for (size_t i = 0; i < entries.size(); ++i) {
@@ -514,13 +519,15 @@ std::vector<absl::Status> SessionTable::Step(absl::Span<const StepEntry> entries
     batch.sliding_window = shape.sliding_window;
     batch.sequences = sequences;
     const absl::Time start = absl::Now();
-    const absl::Status computed = core::PagedDecodeCpu(batch, pool_);
+    const absl::Status computed =
+        core::PagedAttentionCpu(batch, pool_, options_.prefill_min_queries);
     totals_.step_compute += absl::Now() - start;
     if (!computed.ok()) {
       for (const size_t i : members) statuses[i] = computed;
       continue;
     }
-    // Each K/V head is read once for its query group, over the keys the first query sees.
+    // Each K/V head is read once for its query group (or gathered once for a prefill
+    // chunk), over the keys the first query sees.
     for (const core::PagedDecodeSequence& sequence : sequences) {
       const int64_t first_seen = sequence.length - sequence.num_queries;
       const int64_t keys =

@@ -33,6 +33,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "core/cpu/paged_prefill_cpu.h"
 #include "core/cpu/thread_pool.h"
 #include "core/dtype.h"
 #include "core/kv_cache/block_pool.h"
@@ -67,6 +68,10 @@ struct SessionTableOptions {
   // How long "expired" and "dropped" are remembered, and for how many sessions at most.
   absl::Duration tombstone_ttl = absl::Hours(1);
   int64_t max_tombstones = 65536;
+  // Entries of at least this many tokens (prefill chunks) attend on the blocked flash-style
+  // kernel, shorter ones on the decode kernel (core/cpu/paged_prefill_cpu.h); >= 1, and
+  // larger than any entry keeps every entry on the decode kernel (the bench's old path).
+  int64_t prefill_min_queries = core::kPagedPrefillMinQueries;
   // Fill freed blocks with NaN, so that a read outside a block table shows (tests).
   bool poison_freed_blocks = false;
   // Prefix of every session id, naming the replica that holds it ("" for none).
@@ -136,7 +141,10 @@ class SessionTable {
   // Writes every entry's K/V, then attends every entry in one pass. Entries of one session
   // and layer apply in position order, so an entry sees the tokens of earlier entries; an
   // entry attends to keys 0 .. position + i for its token i. One status per entry; a
-  // failed entry writes nothing and leaves its output untouched.
+  // failed entry writes nothing and leaves its output untouched. An entry of n >=
+  // options.prefill_min_queries tokens (a prefill chunk) runs on the blocked flash-style
+  // kernel, shorter ones on the decode kernel; outputs are bitwise the same for the same
+  // entry whatever else the step holds.
   std::vector<absl::Status> Step(absl::Span<const StepEntry> entries, absl::Time now);
 
   // Ends the sessions idle past their TTL (tombstoned "expired"); returns how many.
