@@ -79,7 +79,9 @@ absl::Status PagedPrefillCpu(const PagedDecodeBatch& batch, ThreadPool& pool) {
             ? std::max<int64_t>(0, sequence.length - n - batch.sliding_window + 1)
             : 0;
     const int64_t keys = sequence.length - first_key;
-    gathered.resize(layout.num_kv_heads * keys * (layout.key_dim + layout.value_dim));
+    const int64_t floats = layout.num_kv_heads * keys * (layout.key_dim + layout.value_dim);
+    // Never shrunk: growing back would zero-fill what the gather overwrites anyway.
+    if (static_cast<int64_t>(gathered.size()) < floats) gathered.resize(floats);
     GatherKv(batch, sequence, first_key, gathered.data(), pool);
 
     AttentionProblem problem;

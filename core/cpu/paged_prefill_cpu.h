@@ -26,9 +26,11 @@
 namespace attention::core {
 
 // Sequences with at least this many new queries go to the prefill path (see
-// PagedAttentionCpu); below it the decode kernel wins. Measured by session_prefill_bench's
-// BM_PagedKernelCrossover (docs/benchmarks.md).
-inline constexpr int64_t kPagedPrefillMinQueries = 16;
+// PagedAttentionCpu). session_prefill_bench's BM_PagedKernelCrossover (docs/benchmarks.md):
+// at 32 queries the prefill path was 1.0-3.3x the decode kernel's speed from 512 to 16k
+// keys; at 16 it lost up to 1.7x at 4k-16k keys, where gathering the context costs more
+// than the decode kernel's whole pass.
+inline constexpr int64_t kPagedPrefillMinQueries = 32;
 
 // INVALID_ARGUMENT as PagedDecodeCpu (ValidatePagedDecodeBatch); otherwise computes every
 // sequence of the batch, whatever its number of queries, on the blocked kernel.
