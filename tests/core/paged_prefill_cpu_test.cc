@@ -1,9 +1,9 @@
 // The CPU paged prefill path (the blocked kernel over KV gathered from the blocks) against
 // dense references on the gathered KV (tests/core/paged_decode_fixture.h): FlashAttention's
 // fidelity rule over a seeded grid of whole prefills (n = L) and later chunks (n < L), GQA
-// groups, block sizes, sliding windows and KV dtypes. The dispatcher's two paths must both
-// meet the rule on the same sequences, and results must be bitwise the same for any thread
-// count and batch composition.
+// groups, block sizes, sliding windows and KV dtypes, and bitwise the blocked kernel on the
+// dense KV. The dispatcher's two paths must both meet the rule on the same sequences, and
+// results must be bitwise the same for any thread count and batch composition.
 #include "core/cpu/paged_prefill_cpu.h"
 
 #include <algorithm>
@@ -14,6 +14,9 @@
 #include <utility>
 #include <vector>
 
+#include "core/attention_kernels.h"
+#include "core/attention_options.h"
+#include "core/cpu/attention_cpu.h"
 #include "core/cpu/paged_attention_cpu.h"
 #include "core/dtype.h"
 #include "gmock/gmock.h"
@@ -178,6 +181,43 @@ TEST(PagedPrefillCpuTest, ResultsAreBitwiseTheSameForAnyThreadCountAndBatch) {
   std::fill(pool.sequences()[0].output.begin(), pool.sequences()[0].output.end(), 0.0f);
   ASSERT_TRUE(RunPath(Path::kDispatch, pool, {0}, two, /*with_log_sum_exp=*/false).ok());
   EXPECT_EQ(serial[0].output, pool.sequences()[0].output);
+}
+
+TEST(PagedPrefillCpuTest, EqualsTheBlockedKernelOnTheDenseKvBitwise) {
+  // The gathered pages (float32 copied, bfloat16 widened) are the very keys and values of a
+  // dense problem, so the blocked kernel gives the same bits either way.
+  ThreadPool threads(2);
+  for (const DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    for (const int64_t tokens_per_block : {1, 5, 16, 64}) {
+      SCOPED_TRACE(::testing::Message()
+                   << DTypeName(dtype) << " tokens/block " << tokens_per_block);
+      const Shape shape{8, 2, 40, 24, tokens_per_block, dtype};
+      PagedPool pool(shape, {{1100, 300}}, 31 + tokens_per_block);
+      ASSERT_TRUE(RunPath(Path::kPrefill, pool, {0}, threads).ok());
+      const Sequence& s = pool.sequences()[0];
+      AttentionOptions options;
+      options.causal = true;
+      options.scale = pool.scale();
+      std::vector<float> output(s.output.size()), log_sum_exp(s.log_sum_exp.size());
+      AttentionProblem dense;
+      dense.dims = {1,        shape.heads,   shape.kv_heads, s.queries,
+                    s.length, shape.key_dim, shape.value_dim};
+      dense.query = s.query.data();
+      dense.query_layout = HeadLayout::BatchRowHead(shape.heads, s.queries, shape.key_dim);
+      dense.key = s.keys.data();  // [L][H_kv][dk]
+      dense.key_layout = HeadLayout::BatchRowHead(shape.kv_heads, s.length, shape.key_dim);
+      dense.value = s.values.data();
+      dense.value_layout = HeadLayout::BatchRowHead(shape.kv_heads, s.length, shape.value_dim);
+      dense.output = output.data();
+      dense.output_layout = HeadLayout::BatchRowHead(shape.heads, s.queries, shape.value_dim);
+      dense.log_sum_exp = log_sum_exp.data();
+      dense.log_sum_exp_layout = HeadLayout::BatchRowHead(shape.heads, s.queries, 1);
+      dense.options = &options;
+      AttentionBlockedCpu({dense}, threads);
+      EXPECT_EQ(s.output, output);
+      EXPECT_EQ(s.log_sum_exp, log_sum_exp);
+    }
+  }
 }
 
 TEST(PagedPrefillCpuTest, AReadOutsideTheBlockTableShows) {
