@@ -8,7 +8,9 @@
 // the blocked kernel's GEMM microkernel does that work several times faster. It reads keys
 // and values from contiguous rows, so each sequence's visible keys and values of the layer
 // are gathered from its blocks into float32 buffers first (bfloat16 widened): L tokens x
-// H_kv x (dk + dv) floats of the calling thread's scratch, reused by the next call.
+// H_kv x (dk + dv) floats of the calling thread's scratch, kept for its next call (so at
+// most the KV pool's size, twice that for bfloat16, per calling thread). Reading the blocks
+// in place instead was measured slower at long contexts (docs/benchmarks.md).
 //
 // Same semantics as PagedDecodeCpu: bottom-right causal alignment, the batch's sliding
 // window and scale; log-sum-exp when a sequence asks for it. Each sequence is one problem
