@@ -52,6 +52,11 @@ struct AttentionProblemOf {
   HeadLayout output_layout;
   // Null, or dense per-head attention weights [B, H, Nq, Nk] after masking and dropout.
   T* weights = nullptr;
+  // Null, or per row the natural log of its softmax normaliser over the scaled, masked
+  // scores (before dropout), -inf for a fully masked row: one float per (b, h, i) at
+  // log_sum_exp_layout.Offset(b, h, i). Only AttentionBlockedCpu writes it (paged prefill).
+  T* log_sum_exp = nullptr;
+  HeadLayout log_sum_exp_layout;
   const AttentionOptions* options = nullptr;  // validated against dims; not owned
 };
 using AttentionProblem = AttentionProblemOf<float>;

@@ -254,6 +254,11 @@ void DropOutRow(const AttentionOptions& options, int64_t b, int64_t h, int64_t i
   }
 }
 
+// Where row i of head h of sequence b keeps its log-sum-exp (the problem asks for it).
+float* LogSumExpAt(const AttentionProblem& p, int64_t b, int64_t h, int64_t i) {
+  return p.log_sum_exp + p.log_sum_exp_layout.Offset(b, h, i);
+}
+
 // Flash-style pass for one query block over `key_count` keys in blocks of kKeyBlock: a
 // running row maximum and sum rescale what is already accumulated in `out`, so no row of
 // scores longer than kKeyBlock is ever held. Used when no attention weights are returned.
@@ -295,6 +300,11 @@ void AttendBlockOnline(const AttentionProblem& p, int64_t b, int64_t h, int64_t 
   for (int64_t r = 0; r < rows; ++r) {
     // A fully masked row has sum 0 and an all-zero accumulator: it stays zeros.
     ScaleRow(out + r * out_stride, d.v_head_dim, softmax[r].InverseSum());
+    if (p.log_sum_exp != nullptr) {
+      *LogSumExpAt(p, b, h, first_row + r) = softmax[r].sum > 0.0f
+                                                 ? softmax[r].max + std::log(softmax[r].sum)
+                                                 : -std::numeric_limits<float>::infinity();
+    }
   }
 }
 
@@ -316,6 +326,9 @@ void AttendBlock(const AttentionProblem& p, int64_t b, int64_t h, int64_t block)
   if (weights != nullptr) std::fill(weights, weights + rows * d.kv_len, 0.0f);
   if (key_count == 0) {
     ZeroRows(out, rows, p.output_layout.row_stride, d.v_head_dim);
+    for (int64_t r = 0; p.log_sum_exp != nullptr && r < rows; ++r) {
+      *LogSumExpAt(p, b, h, first_row + r) = -std::numeric_limits<float>::infinity();
+    }
     return;
   }
   if (weights == nullptr && key_count > kKeyBlock) {
@@ -337,9 +350,11 @@ void AttendBlock(const AttentionProblem& p, int64_t b, int64_t h, int64_t block)
     const float max_score = RowMax(row, limit);
     if (max_score == -std::numeric_limits<float>::infinity()) {
       std::fill(row, row + limit, 0.0f);  // fully masked row: zeros, never NaN
+      if (p.log_sum_exp != nullptr) *LogSumExpAt(p, b, h, i) = max_score;
       continue;
     }
     const float sum = ExpAndSum(row, limit, max_score);
+    if (p.log_sum_exp != nullptr) *LogSumExpAt(p, b, h, i) = max_score + std::log(sum);
     ScaleRow(row, limit, 1.0f / sum);
     DropOutRow(options, b, h, i, 0, limit, row);
     if (weights != nullptr) std::copy(row, row + key_count, weights + r * d.kv_len);

@@ -18,7 +18,8 @@ namespace attention::core {
 // the keys are taken in blocks with an online softmax (running max and sum, flash-style),
 // so extra memory is at most rows x 1024 floats per thread: no Nq x Nk matrix unless
 // weights are requested. All problems share one ParallelFor, so a batch of many small
-// requests keeps every thread busy.
+// requests keeps every thread busy. Writes each row's log-sum-exp when a problem asks
+// (the paged prefill path's, core/cpu/paged_prefill_cpu.h).
 void AttentionBlockedCpu(absl::Span<const AttentionProblem> problems, ThreadPool& pool);
 
 // Query rows per block: as many as keep the block's scores within 1 MiB (half of a

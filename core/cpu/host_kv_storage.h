@@ -1,5 +1,7 @@
 // The CPU backend's KV storage: the pool's blocks in host memory, on huge pages where the
-// kernel gives them, attended by the CPU paged decode kernel.
+// kernel gives them, attended by the CPU paged kernels (PagedAttentionCpu: sequences of at
+// least `prefill_min_queries` new tokens on the blocked flash-style kernel, the rest on the
+// decode kernel).
 #ifndef ATTENTION_CORE_CPU_HOST_KV_STORAGE_H_
 #define ATTENTION_CORE_CPU_HOST_KV_STORAGE_H_
 
@@ -8,6 +10,7 @@
 #include <memory>
 #include <string>
 
+#include "core/cpu/paged_prefill_cpu.h"
 #include "core/cpu/thread_pool.h"
 #include "core/kv_cache/kv_storage.h"
 
@@ -16,7 +19,8 @@ namespace attention::core {
 class HostKvStorage final : public kv_cache::KvStorage {
  public:
   // Throws std::bad_alloc when the memory cannot be had (as a vector would).
-  HostKvStorage(int64_t num_blocks, int64_t block_bytes, ThreadPool& pool);
+  HostKvStorage(int64_t num_blocks, int64_t block_bytes, ThreadPool& pool,
+                int64_t prefill_min_queries = kPagedPrefillMinQueries);
 
   const std::string& device() const override { return device_; }
   absl::Status WriteTokens(kv_cache::BlockId block, const kv_cache::KvLayout& layout,
@@ -39,6 +43,7 @@ class HostKvStorage final : public kv_cache::KvStorage {
   };
   const std::string device_ = "cpu";
   ThreadPool& pool_;
+  const int64_t prefill_min_queries_;
   // Left uninitialized, so pages are committed as sessions fill them; huge pages because a
   // decode step streams through blocks and 4 KiB pages cost TLB misses.
   std::unique_ptr<std::byte[], Free> bytes_;

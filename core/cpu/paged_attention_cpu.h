@@ -7,6 +7,9 @@
 // group, and long contexts are split across threads at fixed absolute key boundaries
 // (kPagedSplitKeys) whose partial softmax states merge in a fixed order, so results are
 // bitwise the same for any thread count and any batch composition.
+//
+// Steps of many queries (prefill chunks) are compute-bound: PagedAttentionCpu
+// (core/cpu/paged_prefill_cpu.h) sends those to the blocked flash-style kernel instead.
 #ifndef ATTENTION_CORE_CPU_PAGED_ATTENTION_CPU_H_
 #define ATTENTION_CORE_CPU_PAGED_ATTENTION_CPU_H_
 

@@ -100,15 +100,18 @@ absl::Status SessionTableOptions::Validate() const {
   if (tombstone_ttl < absl::ZeroDuration() || max_tombstones < 0) {
     return Invalid("tombstone_ttl and max_tombstones must be >= 0");
   }
+  if (prefill_min_queries < 1) {
+    return Invalid("prefill_min_queries = ", prefill_min_queries, " must be >= 1");
+  }
   return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<SessionTable>> SessionTable::Create(
     const SessionTableOptions& options, core::ThreadPool& pool) {
   RETURN_IF_ERROR(options.Validate());
-  return Create(options,
-                std::make_unique<core::HostKvStorage>(options.kv_cache_bytes / options.block_bytes,
-                                                      options.block_bytes, pool));
+  return Create(options, std::make_unique<core::HostKvStorage>(
+                             options.kv_cache_bytes / options.block_bytes, options.block_bytes,
+                             pool, options.prefill_min_queries));
 }
 
 absl::StatusOr<std::unique_ptr<SessionTable>> SessionTable::Create(
@@ -495,8 +498,9 @@ std::vector<absl::Status> SessionTable::Step(absl::Span<const StepEntry> entries
     if (session.ok()) statuses[i] = WriteLocked(entries[i], **session);
     if (statuses[i].ok()) sessions[i] = *session;
   }
-  // Attend: one kernel pass per group of entries that share a KV layout, heads, scale and
-  // window.
+  // Attend: one pass per group of entries that share a KV layout, heads, scale and window;
+  // the dispatcher sends decode entries to the decode kernel and prefill chunks to the
+  // blocked flash-style kernel (core/cpu/paged_prefill_cpu.h).
   using GroupKey = std::tuple<int64_t, int64_t, int64_t, int, int64_t, float, int64_t>;
   std::map<GroupKey, std::vector<size_t>> groups;
   for (size_t i = 0; i < entries.size(); ++i) {
@@ -538,7 +542,8 @@ std::vector<absl::Status> SessionTable::Step(absl::Span<const StepEntry> entries
       for (const size_t i : members) statuses[i] = computed;
       continue;
     }
-    // Each K/V head is read once for its query group, over the keys the first query sees.
+    // Each K/V head is read once for its query group (or gathered once for a prefill
+    // chunk), over the keys the first query sees.
     for (const core::PagedDecodeSequence& sequence : sequences) {
       const int64_t first_seen = sequence.length - sequence.num_queries;
       const int64_t keys =

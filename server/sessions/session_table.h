@@ -31,6 +31,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "core/cpu/paged_prefill_cpu.h"
 #include "core/cpu/thread_pool.h"
 #include "core/dtype.h"
 #include "core/kv_cache/block_pool.h"
@@ -73,6 +74,11 @@ struct SessionTableOptions {
   // How long "expired" and "dropped" are remembered, and for how many sessions at most.
   absl::Duration tombstone_ttl = absl::Hours(1);
   int64_t max_tombstones = 65536;
+  // On a host table: entries of at least this many tokens (prefill chunks) attend on the
+  // blocked flash-style kernel, shorter ones on the decode kernel
+  // (core/cpu/paged_prefill_cpu.h); >= 1, and larger than any entry keeps every entry on the
+  // decode kernel (the bench's old path). A GPU's storage runs its decode kernel for all.
+  int64_t prefill_min_queries = core::kPagedPrefillMinQueries;
   // Fill freed blocks with NaN, so that a read outside a block table shows (tests).
   bool poison_freed_blocks = false;
   // Prefix of every session id, naming the replica that holds it ("" for none).
@@ -112,8 +118,8 @@ struct SessionCounters {
   // Live sessions' tokens: written (in every layer) and reserved.
   int64_t written_tokens = 0, reserved_tokens = 0;
   // Since start: sessions created (forks not included), forked, dropped and expired; bytes
-  // of K and V the steps' kernels read, and their compute time (their ratio is the
-  // achieved KV read bandwidth).
+  // of K and V the steps' kernels read, and their compute time (for decode steps their
+  // ratio is the achieved KV read bandwidth; prefill chunks are compute-bound).
   int64_t created = 0, forked = 0, dropped = 0, expired = 0;
   int64_t kv_bytes_read = 0;
   absl::Duration step_compute;
@@ -147,7 +153,10 @@ class SessionTable {
   // Writes every entry's K/V, then attends every entry in one pass. Entries of one session
   // and layer apply in position order, so an entry sees the tokens of earlier entries; an
   // entry attends to keys 0 .. position + i for its token i. One status per entry; a
-  // failed entry writes nothing and leaves its output untouched.
+  // failed entry writes nothing and leaves its output untouched. An entry of n >=
+  // options.prefill_min_queries tokens (a prefill chunk) runs on the blocked flash-style
+  // kernel, shorter ones on the decode kernel; outputs are bitwise the same for the same
+  // entry whatever else the step holds.
   std::vector<absl::Status> Step(absl::Span<const StepEntry> entries, absl::Time now);
 
   // Ends the sessions idle past their TTL (tombstoned "expired"); returns how many.

@@ -295,6 +295,7 @@ TEST_F(SessionTableTest, OptionsOutOfRangeAreRefusedNamingTheField) {
       {[](auto& o) { o.default_ttl = absl::ZeroDuration(); }, "default_ttl = 0 must be > 0"},
       {[](auto& o) { o.max_ttl = absl::Seconds(1); }, "<= max_ttl = 1s"},
       {[](auto& o) { o.max_tombstones = -1; }, "max_tombstones must be >= 0"},
+      {[](auto& o) { o.prefill_min_queries = 0; }, "prefill_min_queries = 0 must be >= 1"},
   };
   for (const Case& c : cases) {
     SessionTableOptions options = Options();
