@@ -266,6 +266,10 @@ void AttendSplit(const RowKernels& kernels, const PagedDecodeBatch& batch,
 constexpr int kLanes = 16;
 // Keys per chunk: all their scores, then all their values, so each streams in a long run.
 constexpr int64_t kChunkKeys = 64;
+// How far ahead, in rows of the order keys and values are read in, each load prefetches one
+// line: half a chunk keeps one stream per thread (a whole chunk, K prefetching V and V the
+// next K, ran two and read 20-30% slower from DRAM; a quarter was too short for bf16 rows).
+constexpr int64_t kPrefetchRows = 32;
 // Value columns per pass over a tile: 4 float32 registers.
 constexpr int64_t kValueColumnsPerPass = 64;
 
@@ -352,7 +356,8 @@ PAGED_AVX512_INLINE __m512 ExpOfNonPositiveAvx512(__m512 x) {
 
 // scores[r] lane j = query row r . key j for kRows rows (`query_stride` floats apart, in
 // widened order, zero-padded) and 16 keys. Each key chunk is loaded once for all rows; the
-// 16 (row, key) dot-product registers of 16 / kRows keys reduce in one tree.
+// 16 (row, key) dot-product registers of 16 / kRows keys reduce in one tree. kPrefetch:
+// each load of key k's line prefetches the same line of prefetch_rows[k].
 template <int kRows, bool kBFloat16, bool kPrefetch>
 PAGED_AVX512_INLINE void ScoreTile(const float* queries, int64_t query_stride,
                                    const char* const* keys, int64_t dim,
@@ -402,7 +407,8 @@ PAGED_AVX512_INLINE void ScoreTile(const float* queries, int64_t query_stride,
 
 // Row r's accumulators (`accumulator_stride` floats apart, widened order) = themselves *
 // corrections[r] + the sum over keys j in [lo, hi) of weights[r * kChunkKeys + j] * value
-// j. Each value chunk is loaded once for all rows.
+// j. Each value chunk is loaded once for all rows. kPrefetch: each load of value j's line
+// prefetches the same line of prefetch_rows[j].
 template <int kRows, bool kBFloat16, bool kPrefetch>
 PAGED_AVX512_INLINE void AccumulateChunk(float* accumulators, int64_t accumulator_stride,
                                          const float* corrections, const float* weights,
@@ -458,16 +464,17 @@ struct SplitRows {
 // values, so that the keys and then the values stream from memory in long runs.
 template <int kRows, bool kBFloat16, bool kPrefetch>
 PAGED_AVX512_INLINE void AttendChunkRows(const SplitRows& split, int64_t row, float scale,
-                                         const char* const* keys, const char* const* values,
-                                         const char* const* next_keys, int64_t lo, int64_t hi,
+                                         const char* const* stream, int64_t lo, int64_t hi,
                                          int64_t key_dim, int64_t value_dim) {
+  const char* const* keys = stream;
+  const char* const* values = stream + kChunkKeys;
   constexpr int kTiles = kChunkKeys / kLanes;
   const int64_t tiles = (hi + kLanes - 1) / kLanes;
   __m512 scores[kTiles][kRows];
   for (int64_t t = lo / kLanes; t < tiles; ++t) {
     ScoreTile<kRows, kBFloat16, kPrefetch>(split.queries + row * split.query_stride,
                                            split.query_stride, keys + t * kLanes, key_dim,
-                                           values + t * kLanes, scores[t]);
+                                           keys + kPrefetchRows + t * kLanes, scores[t]);
   }
   alignas(64) float weights[kRows * kChunkKeys];
   float corrections[kRows];
@@ -499,28 +506,23 @@ PAGED_AVX512_INLINE void AttendChunkRows(const SplitRows& split, int64_t row, fl
   }
   AccumulateChunk<kRows, kBFloat16, kPrefetch>(split.accumulators + row * split.accumulator_stride,
                                                split.accumulator_stride, corrections, weights,
-                                               values, lo, hi, value_dim, next_keys);
+                                               values, lo, hi, value_dim, values + kPrefetchRows);
 }
 
 // Rows [row, row + 4, 2 or 1) of the `left` rows of one query's group; returns how many.
 template <bool kBFloat16, bool kPrefetch>
 PAGED_AVX512_INLINE int64_t AttendChunkRowBlock(const SplitRows& split, int64_t row, int64_t left,
-                                                float scale, const char* const* keys,
-                                                const char* const* values,
-                                                const char* const* next_keys, int64_t lo,
+                                                float scale, const char* const* stream, int64_t lo,
                                                 int64_t hi, int64_t key_dim, int64_t value_dim) {
   if (left >= 4) {
-    AttendChunkRows<4, kBFloat16, kPrefetch>(split, row, scale, keys, values, next_keys, lo, hi,
-                                             key_dim, value_dim);
+    AttendChunkRows<4, kBFloat16, kPrefetch>(split, row, scale, stream, lo, hi, key_dim, value_dim);
     return 4;
   }
   if (left >= 2) {
-    AttendChunkRows<2, kBFloat16, kPrefetch>(split, row, scale, keys, values, next_keys, lo, hi,
-                                             key_dim, value_dim);
+    AttendChunkRows<2, kBFloat16, kPrefetch>(split, row, scale, stream, lo, hi, key_dim, value_dim);
     return 2;
   }
-  AttendChunkRows<1, kBFloat16, kPrefetch>(split, row, scale, keys, values, next_keys, lo, hi,
-                                           key_dim, value_dim);
+  AttendChunkRows<1, kBFloat16, kPrefetch>(split, row, scale, stream, lo, hi, key_dim, value_dim);
   return 1;
 }
 
@@ -574,21 +576,15 @@ PAGED_AVX512 void AttendSplitAvx512(const PagedDecodeBatch& batch,
     for (int64_t j = count; j < kChunkKeys; ++j)
       keys[j] = keys[count - 1], values[j] = values[count - 1];
   };
-  const char* rows_a[2][kChunkKeys];
-  const char* rows_b[2][kChunkKeys];
-  const char** keys = rows_a[0];
-  const char** values = rows_a[1];
-  const char** next_keys = rows_b[0];
-  const char** next_values = rows_b[1];
-  if (start < key_end) chunk_rows(start, keys, values);
+  // The rows in the order they are read: this chunk's keys and values, then the next's.
+  const char* stream[4 * kChunkKeys];
+  if (start < key_end) chunk_rows(start, stream, stream + kChunkKeys);
   for (int64_t first = start; first < key_end; first += kChunkKeys) {
     const int64_t count = std::min<int64_t>(kChunkKeys, key_end - first);
-    // The next chunk's keys are prefetched while this chunk's values are summed, and this
-    // chunk's values while its keys are scored: one prefetch per load.
     if (first + count < key_end) {
-      chunk_rows(first + count, next_keys, next_values);
+      chunk_rows(first + count, stream + 2 * kChunkKeys, stream + 3 * kChunkKeys);
     } else {  // the last chunk prefetches itself, harmlessly
-      std::copy_n(keys, kChunkKeys, next_keys);
+      std::copy_n(stream, 2 * kChunkKeys, stream + 2 * kChunkKeys);
     }
     bool prefetched = false;
     for (int64_t i = 0; i < n; ++i) {
@@ -599,17 +595,16 @@ PAGED_AVX512 void AttendSplitAvx512(const PagedDecodeBatch& batch,
       if (hi <= lo) continue;
       for (int64_t g = 0; g < group;) {
         // The first row block of a chunk prefetches; the others find the bytes in cache.
-        g += prefetched ? AttendChunkRowBlock<kBFloat16, false>(
-                              split, i * group + g, group - g, batch.scale, keys, values, next_keys,
-                              lo, hi, key_dim, value_dim)
+        g += prefetched ? AttendChunkRowBlock<kBFloat16, false>(split, i * group + g, group - g,
+                                                                batch.scale, stream, lo, hi,
+                                                                key_dim, value_dim)
                         : AttendChunkRowBlock<kBFloat16, true>(split, i * group + g, group - g,
-                                                               batch.scale, keys, values, next_keys,
-                                                               lo, hi, key_dim, value_dim);
+                                                               batch.scale, stream, lo, hi, key_dim,
+                                                               value_dim);
         prefetched = true;
       }
     }
-    std::swap(keys, next_keys);
-    std::swap(values, next_values);
+    std::copy_n(stream + 2 * kChunkKeys, 2 * kChunkKeys, stream);
   }
 
   const int64_t state_floats = StateFloats(layout);
