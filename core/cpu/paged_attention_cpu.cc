@@ -268,7 +268,7 @@ constexpr int kLanes = 16;
 constexpr int64_t kChunkKeys = 64;
 // How far ahead, in rows of the order keys and values are read in, each load prefetches one
 // line: half a chunk keeps one stream per thread (a whole chunk, K prefetching V and V the
-// next K, ran two and read 20-30% slower from DRAM; a quarter was too short for bf16 rows).
+// next K, runs two and read DRAM slower in alternated runs; a quarter was short for bf16).
 constexpr int64_t kPrefetchRows = 32;
 // Value columns per pass over a tile: 4 float32 registers.
 constexpr int64_t kValueColumnsPerPass = 64;
