@@ -33,21 +33,8 @@ using PagedPool = testing::HostPagedPool;
 // The CPU kernel over `indices` of the pool's sequences, as one batch.
 absl::Status RunCpu(PagedPool& pool, const std::vector<size_t>& indices, ThreadPool& threads,
                     SimdLevel level = BestSimdLevel()) {
-  std::vector<PagedDecodeSequence> batch_sequences;
-  for (const size_t i : indices) {
-    Sequence& s = pool.sequences()[i];
-    batch_sequences.push_back(
-        {s.table, s.length, s.queries, s.query.data(), s.output.data(), s.log_sum_exp.data()});
-  }
-  PagedDecodeBatch batch;
-  batch.storage = {pool.bytes().data(), pool.block_bytes(), pool.num_blocks()};
-  batch.layout = pool.layout();
-  batch.tokens_per_block = pool.shape().tokens_per_block;
-  batch.num_heads = pool.shape().heads;
-  batch.scale = pool.scale();
-  batch.sliding_window = pool.sliding_window;
-  batch.sequences = batch_sequences;
-  return PagedDecodeCpu(batch, threads, level);
+  std::vector<PagedDecodeSequence> entries;
+  return PagedDecodeCpu(pool.Batch(indices, entries), threads, level);
 }
 
 // Every SIMD level this CPU runs; the others are skipped.

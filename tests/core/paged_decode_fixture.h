@@ -17,6 +17,7 @@
 
 #include "core/dtype.h"
 #include "core/kv_cache/block_pool.h"
+#include "core/kv_cache/paged_batch.h"
 #include "gtest/gtest.h"
 #include "tests/core/fidelity.h"
 
@@ -77,6 +78,27 @@ class HostPagedPool {
   }
 
   std::vector<PagedSequence>& sequences() { return sequences_; }
+
+  // The sequences `indices` as one kernel batch over this pool; `entries` holds the batch's
+  // sequences and must outlive it. Without log-sum-exps when `with_log_sum_exp` is false.
+  PagedDecodeBatch Batch(const std::vector<size_t>& indices,
+                         std::vector<PagedDecodeSequence>& entries, bool with_log_sum_exp = true) {
+    entries.clear();
+    for (const size_t i : indices) {
+      PagedSequence& s = sequences_[i];
+      entries.push_back({s.table, s.length, s.queries, s.query.data(), s.output.data(),
+                         with_log_sum_exp ? s.log_sum_exp.data() : nullptr});
+    }
+    PagedDecodeBatch batch;
+    batch.storage = {bytes_.data(), block_bytes_, num_blocks_};
+    batch.layout = layout_;
+    batch.tokens_per_block = shape_.tokens_per_block;
+    batch.num_heads = shape_.heads;
+    batch.scale = scale();
+    batch.sliding_window = sliding_window;
+    batch.sequences = entries;
+    return batch;
+  }
   const PagedShape& shape() const { return shape_; }
   const kv_cache::KvLayout& layout() const { return layout_; }
   const std::vector<uint8_t>& bytes() const { return bytes_; }

@@ -38,20 +38,8 @@ enum class Path { kPrefill, kDecode, kDispatch };
 // when `with_log_sum_exp` is false.
 absl::Status RunPath(Path path, PagedPool& pool, const std::vector<size_t>& indices,
                      ThreadPool& threads, bool with_log_sum_exp = true) {
-  std::vector<PagedDecodeSequence> sequences;
-  for (const size_t i : indices) {
-    Sequence& s = pool.sequences()[i];
-    sequences.push_back({s.table, s.length, s.queries, s.query.data(), s.output.data(),
-                         with_log_sum_exp ? s.log_sum_exp.data() : nullptr});
-  }
-  PagedDecodeBatch batch;
-  batch.storage = {pool.bytes().data(), pool.block_bytes(), pool.num_blocks()};
-  batch.layout = pool.layout();
-  batch.tokens_per_block = pool.shape().tokens_per_block;
-  batch.num_heads = pool.shape().heads;
-  batch.scale = pool.scale();
-  batch.sliding_window = pool.sliding_window;
-  batch.sequences = sequences;
+  std::vector<PagedDecodeSequence> entries;
+  const PagedDecodeBatch batch = pool.Batch(indices, entries, with_log_sum_exp);
   switch (path) {
     case Path::kPrefill:
       return PagedPrefillCpu(batch, threads);
