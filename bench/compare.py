@@ -1,9 +1,9 @@
 #!/usr/bin/python3
 """Runs OpenBLAS sgemm, this project's core, Debian's PyTorch 1.13 nn.MultiheadAttention, and
 from the bench venv (scripts/bench-deps; columns left out without it) ONNX Runtime
-(bench/ort_peer.py) and PyTorch 2.x's SDPA module and nn.MultiheadAttention
-(bench/torch_peer.py) on the benchmark shapes in one go; prints GFLOPS and ratios as a
-markdown table.
+(bench/ort_peer.py) and PyTorch 2.x's SDPA module and nn.MultiheadAttention in float32 and
+bfloat16 (bench/torch_peer.py) on the benchmark shapes in one go; prints GFLOPS and ratios as
+a markdown table.
 
     /usr/bin/python3 bench/compare.py [--bench build/bench/attention_bench] [--repeats 3] [--s5]
         [--peer-python build/bench-venv/bin/python] [--shapes S1,S4] [--threads 2] [--no-ragged]
@@ -97,7 +97,8 @@ def main():
         columns += [("ORT GFLOPS", ".1f"), ("core / ORT", ".2f")]
     if with_torch2:
         columns += [("PyTorch 2.x SDPA GFLOPS", ".1f"), ("core / SDPA", ".2f"),
-                    ("PyTorch 2.x MHA GFLOPS", ".1f")]
+                    ("PyTorch 2.x MHA GFLOPS", ".1f"), ("PyTorch 2.x SDPA bf16 GFLOPS", ".1f"),
+                    ("PyTorch 2.x MHA bf16 GFLOPS", ".1f"), ("core / SDPA bf16", ".2f")]
     print("| shape | threads | " + " | ".join(heading for heading, _ in columns) + " |")
     print("|---|---|" + "---|" * len(columns))
     shapes = args.shapes.split(",")
@@ -126,7 +127,8 @@ def main():
                     torch2 = run_peer(args.peer_python, "torch_peer.py", *shape, threads,
                                       args.min_time)
                     row += [torch2["sdpa_gflops"], ours / torch2["sdpa_gflops"],
-                            torch2["mha_gflops"]]
+                            torch2["mha_gflops"], torch2["sdpa_bf16_gflops"],
+                            torch2["mha_bf16_gflops"], ours / torch2["sdpa_bf16_gflops"]]
                 rows.append(row)
             if not rows:
                 continue

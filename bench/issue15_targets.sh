@@ -16,7 +16,7 @@ echo "### serving, own choice"
 "${own[@]}" /usr/bin/python3 bench/serving.py --rounds 3
 echo "### ceiling"
 "${own[@]}" build/bench/attention_bench \
-  --benchmark_filter='BM_FmaPeak|BM_Sgemm/n:1024/threads:1|BM_LinearCpu/rows:2048/packed:1'
+  --benchmark_filter='BM_FmaPeak|BM_Bf16DotPeak|BM_Sgemm/n:1024/threads:1|BM_LinearCpu/rows:2048/packed:1'
 echo "### S5 (peak RSS)"
 "${own[@]}" /usr/bin/time -f 'peak RSS %M KiB' build/bench/attention_bench --benchmark_filter='BM_MhaS5'
 echo "### scaling"

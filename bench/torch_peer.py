@@ -1,9 +1,11 @@
 """PyTorch 2.x as the peer of bench/compare.py: an "SDPA module" (one fused QKV nn.Linear(E, 3E),
 split into heads, torch.nn.functional.scaled_dot_product_attention, merge heads, output
-nn.Linear(E, E)) and nn.MultiheadAttention, timed on random inputs. Run with the bench venv's
-Python (scripts/bench-deps), which has torch 2.x; prints useful GFLOPS of both as JSON. Exits
-non-zero before timing if the two disagree with the same weights, so a wrong peer is never
-reported.
+nn.Linear(E, E)) and nn.MultiheadAttention, timed on random inputs, in float32 and in
+bfloat16 (the same modules `.to(torch.bfloat16)`: PyTorch's bf16 path, issue 26's peer). Run
+with the bench venv's Python (scripts/bench-deps), which has torch 2.x; prints useful GFLOPS
+of all four as JSON. Exits non-zero before timing if the two float32 modules disagree with the
+same weights, or a bf16 one strays from them by more than bf16's rounding could (a twentieth
+of the largest output), so a wrong peer is never reported.
 
     build/bench-venv/bin/python bench/torch_peer.py B N E H CAUSAL THREADS [MIN_SECONDS]
 """
@@ -54,10 +56,22 @@ def main():
         if difference >= 1e-4:
             sys.exit(f"torch_peer: SDPA module and nn.MultiheadAttention differ by {difference}")
         flops = useful_flops(batch, tokens, embed_dim, causal)
-        sdpa_gflops = flops / seconds_per_call(sdpa_call, min_seconds) / 1e9
-        mha_gflops = flops / seconds_per_call(mha_call, min_seconds) / 1e9
-    print(json.dumps({"torch": torch.__version__, "sdpa_gflops": sdpa_gflops,
-                      "mha_gflops": mha_gflops}))
+        result = {"torch": torch.__version__}
+        reference = sdpa_call().float()
+        result["sdpa_gflops"] = flops / seconds_per_call(sdpa_call, min_seconds) / 1e9
+        result["mha_gflops"] = flops / seconds_per_call(mha_call, min_seconds) / 1e9
+        sdpa.to(torch.bfloat16)
+        mha.to(torch.bfloat16)
+        x16 = x.to(torch.bfloat16)
+        sdpa16_call = lambda: sdpa(x16, causal)
+        mha16_call = lambda: mha(x16, x16, x16, attn_mask=mask, need_weights=False,
+                                 is_causal=causal)[0]
+        for name, call in (("sdpa_bf16", sdpa16_call), ("mha_bf16", mha16_call)):
+            stray = (call().float() - reference).abs().max().item()
+            if not stray <= reference.abs().max().item() / 20:
+                sys.exit(f"torch_peer: {name} strays from float32 by {stray}")
+            result[name + "_gflops"] = flops / seconds_per_call(call, min_seconds) / 1e9
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":
