@@ -8,6 +8,7 @@
 #include "core/attention_kernels.h"
 #include "core/attention_options.h"
 #include "core/cpu/attention_cpu.h"
+#include "core/half_bits.h"
 
 namespace attention::core {
 namespace {
@@ -21,10 +22,7 @@ void CopyAsFloat(const char* source, DType dtype, int64_t count, float* destinat
     return;
   }
   const auto* bits = reinterpret_cast<const uint16_t*>(source);
-  for (int64_t i = 0; i < count; ++i) {
-    const uint32_t widened = static_cast<uint32_t>(bits[i]) << 16;  // bfloat16: the high half
-    std::memcpy(&destination[i], &widened, sizeof(float));
-  }
+  for (int64_t i = 0; i < count; ++i) destination[i] = BFloat16BitsToFloat(bits[i]);
 }
 
 // One sequence's keys [first_key, length) of every KV head: keys [H_kv][keys][dk] then

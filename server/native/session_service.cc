@@ -64,7 +64,9 @@ v1::SessionConfig ConfigOf(const SessionShape& shape) {
   config.set_kv_dtype(wire::WireDType(shape.kv_dtype));
   if (shape.scale > 0) config.set_scale(shape.scale);
   config.set_sliding_window(shape.sliding_window);
-  for (const std::string& name : shape.layer_names) config.add_layers(name);
+  if (shape.layers != nullptr) {
+    for (const std::string& name : shape.layers->names) config.add_layers(name);
+  }
   return config;
 }
 
@@ -289,7 +291,7 @@ absl::Status AttentionServiceImpl::SubmitSessionStep(
     entry.position = wire_entry.position();
     LayerStepInput layered;
     Answer answer;
-    if (!shape.layers.empty()) {
+    if (shape.layers != nullptr) {
       if (wire_entry.has_query() || wire_entry.has_key() || wire_entry.has_value()) {
         return Invalid(field, " gives query, key or value, but the session runs over served ",
                        "layers (config.layers): send hidden_states only");
@@ -297,14 +299,14 @@ absl::Status AttentionServiceImpl::SubmitSessionStep(
       if (entry.layer < 0 || entry.layer >= shape.num_layers) {
         return Invalid(field, ".layer = ", entry.layer, " is outside [0, ", shape.num_layers, ")");
       }
-      const std::shared_ptr<const core::MhaLayer>& layer = shape.layers[entry.layer];
+      const std::shared_ptr<const core::MhaLayer>& layer = shape.layers->layers[entry.layer];
       const core::MhaConfig& c = layer->config();
       ASSIGN_OR_RETURN(wire::FloatTensor hidden,
                        DecodeInput(wire_entry.hidden_states(), field + ".hidden_states", budget_));
       if (hidden.shape.size() != 2 || hidden.shape[1] != c.embed_dim) {
         return Invalid(field, ".hidden_states.shape ", wire::ShapeString(hidden.shape),
                        " must be [n, embed_dim] = [n, ", c.embed_dim, "] for layer '",
-                       shape.layer_names[entry.layer], "'");
+                       shape.layers->names[entry.layer], "'");
       }
       entry.num_tokens = hidden.shape[0];
       answer.output_shape = {entry.num_tokens, c.output_dim};
@@ -362,7 +364,7 @@ absl::Status AttentionServiceImpl::SubmitSessionStep(
           field, ": the answers up to here need ", output_bytes, " bytes, past the limit of ",
           budget_.max_response_bytes, " (--max_message_bytes); send fewer tokens per step"));
     }
-    if (shape.layers.empty()) {
+    if (shape.layers == nullptr) {
       item->buffers.emplace_back(answer.output_floats);
       entry.output = item->buffers.back().data();
       answer.output = entry.output;

@@ -73,8 +73,8 @@ absl::StatusOr<SessionShape> ShapeOverLayers(
   SessionShape shape = first;
   shape.num_layers = static_cast<int64_t>(layers.size());
   shape.kv_dtype = requested.kv_dtype;
-  shape.layers = std::move(layers);
-  shape.layer_names = std::move(names);
+  shape.layers =
+      std::make_shared<const ServedLayers>(ServedLayers{std::move(layers), std::move(names)});
   return shape;
 }
 

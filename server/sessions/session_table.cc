@@ -62,8 +62,9 @@ absl::Status CheckShape(const SessionShape& shape) {
   if (shape.sliding_window < 0) {
     return Invalid("sliding_window = ", shape.sliding_window, " must be >= 0 (0 for none)");
   }
-  if (!shape.layers.empty() && static_cast<int64_t>(shape.layers.size()) != shape.num_layers) {
-    return Invalid("layers has ", shape.layers.size(),
+  if (shape.layers != nullptr &&
+      static_cast<int64_t>(shape.layers->layers.size()) != shape.num_layers) {
+    return Invalid("layers has ", shape.layers->layers.size(),
                    " layers for num_layers = ", shape.num_layers);
   }
   return absl::OkStatus();

@@ -41,6 +41,13 @@
 
 namespace attention::server {
 
+// The served layers of a session: its layer l is layers[l], loaded as names[l] and pinned at
+// Create, so reloading a name does not change a live session.
+struct ServedLayers {
+  std::vector<std::shared_ptr<const core::MhaLayer>> layers;
+  std::vector<std::string> names;
+};
+
 // The heads a session attends with. The caller projects and rotates (RoPE) its queries and
 // keys, or the session's served layers do; the session stores K/V in `kv_dtype` (float32 or
 // bfloat16) and computes in float32.
@@ -54,11 +61,9 @@ struct SessionShape {
   float scale = 0;  // softmax scale; 0 means 1/sqrt(dk)
   // Keys each query sees, its own included (Mistral's and Qwen2's sliding window); 0: all.
   int64_t sliding_window = 0;
-  // A session over served layers (see session_layers.h): its layer l is layers[l], loaded
-  // as layer_names[l] and pinned at Create, so reloading a name does not change a live
-  // session. Empty for a session whose caller projects Q, K and V itself.
-  std::vector<std::shared_ptr<const core::MhaLayer>> layers;
-  std::vector<std::string> layer_names;
+  // A session over served layers (see session_layers.h), or null for a session whose caller
+  // projects Q, K and V itself. Shared and immutable, so copying a shape stays cheap.
+  std::shared_ptr<const ServedLayers> layers;
 };
 
 struct SessionTableOptions {
