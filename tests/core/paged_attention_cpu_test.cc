@@ -89,6 +89,41 @@ TEST_P(PagedDecodeLevelTest, MatchesDenseReferencesOverASeededGrid) {
   EXPECT_EQ(cases, 6 * 3 * 4 * 2 - 2 * 4 * 2);  // n > L skipped for L = 1
 }
 
+// Head sizes that are not multiples of a vector (1, 7, 33, 129 and unequal dk/dv), so every
+// SIMD level's row tails run; few and many query rows (1, a GQA block of 4 and leftovers, 17)
+// and lengths around a 64-key chunk and a 1024-key split.
+TEST_P(PagedDecodeLevelTest, OddHeadSizesMatchDenseReferences) {
+  constexpr uint64_t kSeed = 31;
+  std::mt19937_64 rng(kSeed);
+  ThreadPool threads(2);
+  const std::string level = SimdLevelName(GetParam());
+  FidelityStats outputs("odd head sizes output " + level),
+      lses("odd head sizes log-sum-exp " + level);
+  const std::pair<int64_t, int64_t> head_dims[] = {{1, 1}, {7, 33}, {33, 7}, {129, 65}};
+  int cases = 0;
+  for (const auto& [key_dim, value_dim] : head_dims) {
+    for (const int64_t length : {1, 63, 65, 1025}) {
+      for (const int64_t queries : {1, 5, 17}) {
+        if (queries > length) continue;
+        for (const DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+          const int64_t tokens_per_block = std::vector<int64_t>{1, 5, 16}[rng() % 3];
+          const uint64_t seed = rng();
+          const Shape shape{12, 3, key_dim, value_dim, tokens_per_block, dtype};
+          SCOPED_TRACE(::testing::Message()
+                       << "seed " << seed << " (grid seed " << kSeed << "): L " << length << " n "
+                       << queries << " dk " << key_dim << " dv " << value_dim << " tokens/block "
+                       << tokens_per_block << " " << DTypeName(dtype));
+          PagedPool pool(shape, {{length, queries}}, seed);
+          ASSERT_TRUE(RunCpu(pool, {0}, threads, GetParam()).ok());
+          ASSERT_TRUE(testing::PagedMatchesReferences(pool, 0, outputs, lses));
+          ++cases;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(cases, 4 * (4 * 3 - 2) * 2);  // n > L skipped for L = 1
+}
+
 TEST_P(PagedDecodeLevelTest, SlidingWindowMatchesDenseReferences) {
   // Windows shorter than a block, than a split and than the sequence, and longer than it;
   // the splits before the first query's window are not run.

@@ -90,6 +90,37 @@ TEST(PagedPrefillCpuTest, MatchesDenseReferencesOverASeededGrid) {
   EXPECT_EQ(cases, 8 * 2);
 }
 
+// Head sizes that are not multiples of a vector (1, 7, 33, 129 and unequal dk/dv), chunks of
+// 32 and of a whole prompt, the blocked kernel's log-sum-exp included.
+TEST(PagedPrefillCpuTest, OddHeadSizesMatchDenseReferences) {
+  constexpr uint64_t kSeed = 30;
+  std::mt19937_64 rng(kSeed);
+  ThreadPool threads(2);
+  FidelityStats outputs("odd head sizes prefill output"),
+      lses("odd head sizes prefill log-sum-exp");
+  const std::pair<int64_t, int64_t> head_dims[] = {{1, 1}, {7, 33}, {33, 7}, {129, 65}};
+  int cases = 0;
+  for (const auto& [key_dim, value_dim] : head_dims) {
+    for (const auto& [length, queries] :
+         std::vector<std::pair<int64_t, int64_t>>{{40, 40}, {300, 32}, {1100, 70}}) {
+      for (const DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+        const int64_t tokens_per_block = std::vector<int64_t>{1, 5, 16}[rng() % 3];
+        const uint64_t seed = rng();
+        const Shape shape{12, 3, key_dim, value_dim, tokens_per_block, dtype};
+        SCOPED_TRACE(::testing::Message()
+                     << "seed " << seed << " (grid seed " << kSeed << "): L " << length << " n "
+                     << queries << " dk " << key_dim << " dv " << value_dim << " tokens/block "
+                     << tokens_per_block << " " << DTypeName(dtype));
+        PagedPool pool(shape, {{length, queries}}, seed);
+        ASSERT_TRUE(RunPath(Path::kPrefill, pool, {0}, threads).ok());
+        ASSERT_TRUE(testing::PagedMatchesReferences(pool, 0, outputs, lses));
+        ++cases;
+      }
+    }
+  }
+  EXPECT_EQ(cases, 4 * 3 * 2);
+}
+
 TEST(PagedPrefillCpuTest, SlidingWindowMatchesDenseReferences) {
   // Windows of one key, shorter than a block, than the chunk and than the sequence, and
   // longer than it; keys before the first query's window are not gathered.
