@@ -14,6 +14,10 @@
 
 #include "bench/bench_util.h"
 #include "benchmark/benchmark.h"
+#include "core/cpu/gemm.h"
+#include "core/cpu/gemm_bf16.h"
+#include "core/cpu/thread_pool.h"
+#include "core/dtype.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
 namespace {
@@ -73,18 +77,59 @@ void OneDnnMatmul(benchmark::State& state, memory::data_type dtype) {
   state.SetLabel(pd.impl_info_str());
 }
 
+// The service's own kernels on weights packed once: its float32 microkernel and its bf16
+// one (vdpbf16ps), on its thread pool.
+void BM_OwnF32(benchmark::State& state) {
+  const int64_t m = state.range(0), n = state.range(1), k = state.range(2);
+  attention::core::ThreadPool pool(static_cast<int>(state.range(3)));
+  const auto x = RandomValues(m * k, 1), w = RandomValues(n * k, 2);
+  const attention::core::PackedWeight packed(w, n, k);
+  std::vector<float> y(m * n);
+  for (auto _ : state) {
+    attention::core::LinearForward(pool, x.data(), m, k, w, {}, n, y.data(), packed.panels());
+    benchmark::DoNotOptimize(y.data());
+  }
+  SetGflops(state, 2.0 * m * n * k);
+}
+
+void BM_OwnBf16(benchmark::State& state) {
+  using attention::core::Bf16Kernel;
+  if (attention::core::BestBf16Kernel() != Bf16Kernel::kAvx512Bf16) {
+    state.SkipWithError("no AVX512-BF16 on this CPU");
+    return;
+  }
+  const int64_t m = state.range(0), n = state.range(1), k = state.range(2);
+  attention::core::ThreadPool pool(static_cast<int>(state.range(3)));
+  const auto x = RandomValues(m * k, 1), w = RandomValues(n * k, 2);
+  std::vector<uint16_t> x_bf16(x.size()), w_bf16(w.size());
+  for (size_t i = 0; i < x.size(); ++i) x_bf16[i] = attention::core::FloatToBFloat16(x[i]);
+  for (size_t i = 0; i < w.size(); ++i) w_bf16[i] = attention::core::FloatToBFloat16(w[i]);
+  const attention::core::PackedBf16Weight packed(w_bf16, n, k);
+  std::vector<float> y(m * n);
+  for (auto _ : state) {
+    attention::core::LinearForwardBf16(pool, x_bf16.data(), m, k, packed, {}, n, y.data());
+    benchmark::DoNotOptimize(y.data());
+  }
+  SetGflops(state, 2.0 * m * n * k);
+}
+
 void BM_OneDnnF32(benchmark::State& state) { OneDnnMatmul(state, memory::data_type::f32); }
 void BM_OneDnnBf16(benchmark::State& state) { OneDnnMatmul(state, memory::data_type::bf16); }
 
 // QKV (768 -> 2304) and output (768 -> 768) projections of 4096 tokens; 2 threads for sgemm
 // (oneDNN takes OMP_NUM_THREADS).
 void Shapes(benchmark::internal::Benchmark* b) {
-  b->ArgNames({"m", "n", "k", "threads"})->Args({4096, 2304, 768, 2})->Args({4096, 768, 768, 2});
+  b->ArgNames({"m", "n", "k", "threads"})
+      ->Args({4096, 2304, 768, 2})
+      ->Args({4096, 768, 768, 2})
+      ->Args({16, 2304, 768, 2});
   b->UseRealTime();
 }
 BENCHMARK(BM_Sgemm)->Apply(Shapes);
 BENCHMARK(BM_OneDnnF32)->Apply(Shapes);
 BENCHMARK(BM_OneDnnBf16)->Apply(Shapes);
+BENCHMARK(BM_OwnF32)->Apply(Shapes);
+BENCHMARK(BM_OwnBf16)->Apply(Shapes);
 
 }  // namespace
 

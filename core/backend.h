@@ -5,6 +5,7 @@
 #ifndef ATTENTION_CORE_BACKEND_H_
 #define ATTENTION_CORE_BACKEND_H_
 
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -21,10 +22,16 @@ namespace attention::core {
 // A layer's weights as a backend receives them, in PyTorch layout (see MhaWeights), read
 // only. When `fused_qkv_weight` is set, Q, K and V are one [Q + K + V, E] matrix (rows in
 // that order, biases likewise) and the q/k/v spans are ranges of it.
+// A BFLOAT16 layer (MhaConfig::compute_dtype) holds its weight matrices as bf16 bits in
+// `bf16`, laid out alike, and the float32 matrix spans are empty; its biases stay float32
+// spans (of bf16 values).
 struct MhaWeightsView {
   absl::Span<const float> q_weight, k_weight, v_weight, out_weight;
   absl::Span<const float> q_bias, k_bias, v_bias, out_bias;
   absl::Span<const float> fused_qkv_weight, fused_qkv_bias;
+  struct Bf16Matrices {
+    absl::Span<const uint16_t> q_weight, k_weight, v_weight, out_weight, fused_qkv_weight;
+  } bf16;
 };
 
 // A layer prepared by a backend: its weights packed or resident where the backend computes.

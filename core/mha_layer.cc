@@ -140,6 +140,10 @@ absl::StatusOr<MhaConfig> MhaConfig::Resolve(MhaConfig c) {
         c.sliding_window < 0 ? " must be >= 0"
                              : " needs config.always_causal (the window applies with causal)"));
   }
+  if (c.compute_dtype != DType::kFloat32 && c.compute_dtype != DType::kBFloat16) {
+    return Invalid("config.compute_dtype = ", DTypeName(c.compute_dtype),
+                   " is not a compute precision; expected FLOAT32 or BFLOAT16");
+  }
   constexpr int64_t kMaxDim = 1 << 16;  // keeps every weight matrix far below 2^63 elements
   for (auto [name, value] :
        {std::pair<const char*, int64_t>{"config.embed_dim", c.embed_dim},
@@ -222,7 +226,11 @@ absl::StatusOr<std::shared_ptr<const MhaLayer>> MhaLayer::Create(
 MhaLayer::MhaLayer(const MhaConfig& config, MhaWeights weights,
                    std::shared_ptr<const Backend> backend)
     : config_(config), weights_(std::move(weights)), backend_(std::move(backend)) {
-  if (config_.kdim != config_.embed_dim || config_.vdim != config_.embed_dim) return;
+  if (config_.kdim == config_.embed_dim && config_.vdim == config_.embed_dim) FuseQkv();
+  if (config_.compute_dtype == DType::kBFloat16) HoldBf16();
+}
+
+void MhaLayer::FuseQkv() {
   // Move Q, K and V into the fused matrix; peak memory is one extra projection briefly.
   for (std::vector<float>* part : {&weights_.q_weight, &weights_.k_weight, &weights_.v_weight}) {
     fused_qkv_weight_.insert(fused_qkv_weight_.end(), part->begin(), part->end());
@@ -232,6 +240,39 @@ MhaLayer::MhaLayer(const MhaConfig& config, MhaWeights weights,
     fused_qkv_bias_.insert(fused_qkv_bias_.end(), part->begin(), part->end());
     std::vector<float>().swap(*part);
   }
+}
+
+void MhaLayer::HoldBf16() {
+  // Each float32 matrix is freed as soon as its bf16 copy exists.
+  const auto round = [](std::vector<float>& from, std::vector<uint16_t>& to) {
+    to.resize(from.size());
+    for (size_t i = 0; i < from.size(); ++i) to[i] = FloatToBFloat16(from[i]);
+    std::vector<float>().swap(from);
+  };
+  round(weights_.q_weight, bf16_.q_weight);
+  round(weights_.k_weight, bf16_.k_weight);
+  round(weights_.v_weight, bf16_.v_weight);
+  round(weights_.out_weight, bf16_.out_weight);
+  round(fused_qkv_weight_, bf16_.fused_qkv_weight);
+  for (std::vector<float>* bias : {&weights_.q_bias, &weights_.k_bias, &weights_.v_bias,
+                                   &weights_.out_bias, &fused_qkv_bias_}) {
+    for (float& b : *bias) b = BFloat16ToFloat(FloatToBFloat16(b));
+  }
+}
+
+int64_t MhaLayer::WeightBytes() const {
+  int64_t bytes = 0;
+  for (const std::vector<float>* part :
+       {&weights_.q_weight, &weights_.k_weight, &weights_.v_weight, &weights_.out_weight,
+        &weights_.q_bias, &weights_.k_bias, &weights_.v_bias, &weights_.out_bias,
+        &fused_qkv_weight_, &fused_qkv_bias_}) {
+    bytes += static_cast<int64_t>(part->size() * sizeof(float));
+  }
+  for (const std::vector<uint16_t>* part : {&bf16_.q_weight, &bf16_.k_weight, &bf16_.v_weight,
+                                            &bf16_.out_weight, &bf16_.fused_qkv_weight}) {
+    bytes += static_cast<int64_t>(part->size() * sizeof(uint16_t));
+  }
+  return bytes;
 }
 
 absl::Status MhaLayer::DecodeSupport() const {
@@ -259,22 +300,33 @@ MhaWeightsView MhaLayer::WeightsView() const {
   MhaWeightsView view;
   view.out_weight = weights_.out_weight;
   view.out_bias = weights_.out_bias;
-  if (fused_qkv_weight_.empty()) {
+  view.bf16.out_weight = bf16_.out_weight;
+  if (fused_qkv_weight_.empty() && bf16_.fused_qkv_weight.empty()) {
     view.q_weight = weights_.q_weight;
     view.k_weight = weights_.k_weight;
     view.v_weight = weights_.v_weight;
     view.q_bias = weights_.q_bias;
     view.k_bias = weights_.k_bias;
     view.v_bias = weights_.v_bias;
+    view.bf16.q_weight = bf16_.q_weight;
+    view.bf16.k_weight = bf16_.k_weight;
+    view.bf16.v_weight = bf16_.v_weight;
     return view;
   }
   const MhaConfig& c = config_;
+  // Q, K and V as row ranges of the fused matrix, in whichever precision it is held.
+  const auto split = [&c](auto fused, auto& q, auto& k, auto& v) {
+    if (fused.empty()) return;
+    q = fused.subspan(0, c.QWidth() * c.embed_dim);
+    k = fused.subspan(c.QWidth() * c.embed_dim, c.KWidth() * c.embed_dim);
+    v = fused.subspan((c.QWidth() + c.KWidth()) * c.embed_dim);
+  };
   const absl::Span<const float> weight = fused_qkv_weight_, bias = fused_qkv_bias_;
   view.fused_qkv_weight = weight;
   view.fused_qkv_bias = bias;
-  view.q_weight = weight.subspan(0, c.QWidth() * c.embed_dim);
-  view.k_weight = weight.subspan(c.QWidth() * c.embed_dim, c.KWidth() * c.embed_dim);
-  view.v_weight = weight.subspan((c.QWidth() + c.KWidth()) * c.embed_dim);
+  split(weight, view.q_weight, view.k_weight, view.v_weight);
+  view.bf16.fused_qkv_weight = bf16_.fused_qkv_weight;
+  split(view.bf16.fused_qkv_weight, view.bf16.q_weight, view.bf16.k_weight, view.bf16.v_weight);
   if (!bias.empty()) {
     view.q_bias = bias.subspan(0, c.QWidth());
     view.k_bias = bias.subspan(c.QWidth(), c.KWidth());
@@ -285,11 +337,22 @@ MhaWeightsView MhaLayer::WeightsView() const {
 
 MhaWeights MhaLayer::weights() const {
   MhaWeights copy = weights_;
-  if (!fused_qkv_weight_.empty()) {
-    const MhaWeightsView view = WeightsView();
+  const MhaWeightsView view = WeightsView();
+  if (config_.compute_dtype == DType::kBFloat16) {
+    const auto widen = [](absl::Span<const uint16_t> bits, std::vector<float>& to) {
+      to.resize(bits.size());
+      for (size_t i = 0; i < bits.size(); ++i) to[i] = BFloat16ToFloat(bits[i]);
+    };
+    widen(view.bf16.q_weight, copy.q_weight);
+    widen(view.bf16.k_weight, copy.k_weight);
+    widen(view.bf16.v_weight, copy.v_weight);
+    widen(view.bf16.out_weight, copy.out_weight);
+  } else if (!fused_qkv_weight_.empty()) {
     copy.q_weight.assign(view.q_weight.begin(), view.q_weight.end());
     copy.k_weight.assign(view.k_weight.begin(), view.k_weight.end());
     copy.v_weight.assign(view.v_weight.begin(), view.v_weight.end());
+  }
+  if (!fused_qkv_bias_.empty()) {
     copy.q_bias.assign(view.q_bias.begin(), view.q_bias.end());
     copy.k_bias.assign(view.k_bias.begin(), view.k_bias.end());
     copy.v_bias.assign(view.v_bias.begin(), view.v_bias.end());
@@ -368,24 +431,45 @@ absl::Status MhaLayer::ValidateInput(const MhaInput& in) const {
 
 template <typename T>
 TextbookResult<T> MhaLayer::ForwardTextbook(const MhaInput& input) const {
+  return Textbook<T>(input, /*bf16_stages=*/false);
+}
+
+TextbookResult<float> MhaLayer::ForwardBf16Textbook(const MhaInput& input) const {
+  return Textbook<float>(input, /*bf16_stages=*/true);
+}
+
+template <typename T>
+TextbookResult<T> MhaLayer::Textbook(const MhaInput& input, bool bf16_stages) const {
+  // Rounds a stage's values to bf16 where PyTorch's bf16 modules hold them in bf16.
+  const auto stage = [bf16_stages](std::vector<T>& values) {
+    if (!bf16_stages) return;
+    for (T& value : values) value = BFloat16ToFloat(FloatToBFloat16(static_cast<float>(value)));
+  };
   std::deque<std::vector<float>> decoded;
   const MhaInput in = WithFloatInputs(input, &decoded);
   const MhaConfig& c = config_;
-  const MhaWeightsView w = WeightsView();
+  const MhaWeights w = weights();
   const bool self_attention = in.key.empty();
   const int64_t q_rows = in.batch * in.q_len;
   const int64_t kv_rows = in.batch * in.kv_len;
-  const std::vector<T> x = Converted<T>(in.query);
-  const std::vector<T> xk = self_attention ? x : Converted<T>(in.key);
-  const std::vector<T> xv = self_attention ? x : Converted<T>(in.value);
+  std::vector<T> x = Converted<T>(in.query);
+  stage(x);
+  std::vector<T> xk = self_attention ? x : Converted<T>(in.key);
+  std::vector<T> xv = self_attention ? x : Converted<T>(in.value);
+  stage(xk);
+  stage(xv);
   std::vector<T> q = LinearTextbook(x.data(), q_rows, c.embed_dim, w.q_weight, w.q_bias, c.QWidth());
   std::vector<T> k = LinearTextbook(xk.data(), kv_rows, c.kdim, w.k_weight, w.k_bias, c.KWidth());
-  const std::vector<T> v =
-      LinearTextbook(xv.data(), kv_rows, c.vdim, w.v_weight, w.v_bias, c.VWidth());
+  std::vector<T> v = LinearTextbook(xv.data(), kv_rows, c.vdim, w.v_weight, w.v_bias, c.VWidth());
+  stage(q);
+  stage(k);
+  stage(v);
   if (c.rope_theta > 0.0) {
     const double base = c.RotaryBaseFor(std::max(in.q_len, in.kv_len));
     RotaryTextbook(q, q_rows, in.q_len, c.num_heads, c.head_dim, base, c.rope_scaling);
     RotaryTextbook(k, kv_rows, in.kv_len, c.num_kv_heads, c.head_dim, base, c.rope_scaling);
+    stage(q);
+    stage(k);
   }
   const AttentionOptions options = c.LayerOptions(in.options);
   const AttentionDims dims = Dims(in);
@@ -407,10 +491,13 @@ TextbookResult<T> MhaLayer::ForwardTextbook(const MhaInput& input) const {
   problem.weights = result.weights.empty() ? nullptr : result.weights.data();
   problem.options = &options;
   AttentionTextbook(problem);
+  stage(attended);
+  stage(result.weights);
   result.output = c.output_projection
                       ? LinearTextbook(attended.data(), q_rows, c.AttentionWidth(),
                                        w.out_weight, w.out_bias, c.output_dim)
                       : std::move(attended);
+  stage(result.output);
   if (in.options.need_weights == NeedWeights::kAveraged) {
     result.weights = AverageHeads(absl::Span<const T>(result.weights), dims);
   }

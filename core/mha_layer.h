@@ -35,9 +35,11 @@ class MhaLayer {
       const MhaConfig& config, MhaWeights weights, std::shared_ptr<const Backend> backend);
 
   const MhaConfig& config() const { return config_; }
-  // The weights as separate tensors (Q, K and V copied out when they are stored fused).
+  // The weights as separate float32 tensors (Q, K and V copied out when they are stored
+  // fused; a BFLOAT16 layer's widened from bf16).
   MhaWeights weights() const;
-  int64_t WeightBytes() const { return config_.ParameterCount() * 4; }
+  // Bytes of the host weights as held: float32, or bf16 matrices and float32 biases.
+  int64_t WeightBytes() const;
   // Where the forward passes run: the backend's name ("cpu", "cuda:0").
   const std::string& device() const { return backend_->name(); }
   const Backend& backend() const { return *backend_; }
@@ -50,6 +52,12 @@ class MhaLayer {
     return WeightBytes() + (device() == "cpu" ? DeviceWeightBytes() : 0);
   }
 
+  // Whether ForwardBatch takes 16-bit inputs as sent (MhaInput::half_dtype): a backend
+  // that converts them on its device, or a BFLOAT16 layer, whose products take bf16 as is.
+  bool TakesHalfInputs() const {
+    return backend_->ConvertsHalfInputs() || config_.compute_dtype == DType::kBFloat16;
+  }
+
   // Checks shapes and options of `input`; errors name the request fields.
   absl::Status ValidateInput(const MhaInput& input) const;
 
@@ -57,6 +65,10 @@ class MhaLayer {
   // are compiled): projections, rotary positions, attention, output projection.
   template <typename T>
   TextbookResult<T> ForwardTextbook(const MhaInput& input) const;
+  // The same-dtype reference of a BFLOAT16 layer: ForwardTextbook<float> with every stage
+  // rounded to bf16 where PyTorch's bf16 modules hold it in bf16 (inputs, projections,
+  // rotated Q and K, attention output and weights, the output).
+  TextbookResult<float> ForwardBf16Textbook(const MhaInput& input) const;
   // The oracle: ForwardTextbook<double>, rounded once to float.
   AttentionResult ForwardReference(const MhaInput& input) const;
 
@@ -84,6 +96,12 @@ class MhaLayer {
 
  private:
   MhaLayer(const MhaConfig& config, MhaWeights weights, std::shared_ptr<const Backend> backend);
+  template <typename T>
+  TextbookResult<T> Textbook(const MhaInput& input, bool bf16_stages) const;
+  // Stores Q, K and V as one matrix (kdim == vdim == E).
+  void FuseQkv();
+  // A BFLOAT16 layer: the weight matrices to bf16, the biases to bf16 values.
+  void HoldBf16();
   AttentionDims Dims(const MhaInput& input) const;
   MhaWeightsView WeightsView() const;
 
@@ -95,6 +113,11 @@ class MhaLayer {
   // copied: the separate vectors in weights_ are then empty.
   std::vector<float> fused_qkv_weight_;
   std::vector<float> fused_qkv_bias_;
+  // A BFLOAT16 layer's weight matrices (rounded to nearest even once, at creation), fused
+  // alike; their float32 vectors above are then empty and the biases hold bf16 values.
+  struct Bf16Matrices {
+    std::vector<uint16_t> q_weight, k_weight, v_weight, out_weight, fused_qkv_weight;
+  } bf16_;
   std::shared_ptr<const Backend> backend_;
   // Declared last: it may point into the weights above, so it is destroyed first.
   std::unique_ptr<PreparedLayer> prepared_;

@@ -33,6 +33,9 @@ struct MhaConfig {
   RopeScaling rope_scaling{};  // needs rope_theta
   bool always_causal = false;
   int64_t sliding_window = 0;  // 0 = none; needs always_causal
+  // kFloat32, or kBFloat16: weights held in bf16, products in bf16 with float32
+  // accumulation; softmax, masks and RoPE in float32.
+  DType compute_dtype = DType::kFloat32;
 
   // Fills defaults and checks consistency; errors name the config.* field and values.
   static absl::StatusOr<MhaConfig> Resolve(MhaConfig config);

@@ -10,32 +10,13 @@
 
 #include "core/attention_kernels.h"
 #include "core/cpu/attention_cpu.h"
+#include "core/cpu/bf16_layer.h"
+#include "core/cpu/forward_scratch.h"
 #include "core/cpu/gemm.h"
 #include "core/forward_plan.h"
 
 namespace attention::core {
 namespace {
-
-// Working memory of ForwardBatch, kept per calling thread and reused: allocating and
-// zero-filling tens of MB per batch (page faults on fresh memory) cost about a fifth of a
-// BERT-sized batch. It grows to the largest batch the thread has run and is freed with the
-// thread. Every buffer is fully written before it is read, so nothing is zeroed.
-class ForwardScratch {
- public:
-  enum Slot { kX, kKeyInput, kValueInput, kQ, kK, kV, kAttended, kProjected, kSlots };
-
-  float* Get(Slot slot, int64_t count) {
-    if (sizes_[slot] < count) {
-      buffers_[slot].reset(new float[count]);
-      sizes_[slot] = count;
-    }
-    return buffers_[slot].get();
-  }
-
- private:
-  std::unique_ptr<float[]> buffers_[kSlots];
-  int64_t sizes_[kSlots] = {};
-};
 
 // Large batches read the host weights in place (OpenBLAS); few rows use a copy packed
 // once for the microkernel (core/cpu/gemm.h). The pool is the backend's.
@@ -268,8 +249,16 @@ void ApplyRotaryAt(float* data, absl::Span<const int64_t> positions, int64_t hea
 
 std::string CpuBackend::BlasCore() { return openblas_get_corename(); }
 
+std::string CpuBackend::Bf16Path() const {
+  return bf16_kernel_ == Bf16Kernel::kAvx512Bf16 ? "avx512_bf16"
+                                                 : "float32 fallback (no bf16 instructions)";
+}
+
 absl::StatusOr<std::unique_ptr<PreparedLayer>> CpuBackend::Prepare(
     const MhaConfig& config, const MhaWeightsView& weights) const {
+  if (config.compute_dtype == DType::kBFloat16) {
+    return PrepareBf16Layer(config, weights, pool_, bf16_kernel_);
+  }
   return std::make_unique<CpuPreparedLayer>(config, weights, pool_);
 }
 

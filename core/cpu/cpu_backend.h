@@ -9,6 +9,7 @@
 #include <string>
 
 #include "core/backend.h"
+#include "core/cpu/gemm_bf16.h"
 #include "core/cpu/thread_pool.h"
 
 namespace attention::core {
@@ -17,8 +18,10 @@ namespace attention::core {
 // compute threads per forward pass, OpenBLAS single-threaded inside them (see ThreadPool).
 class CpuBackend final : public Backend {
  public:
-  // num_threads >= 1.
-  explicit CpuBackend(int num_threads) : pool_(num_threads) {}
+  // num_threads >= 1. BFLOAT16 layers multiply with `bf16_kernel` (tests pick the
+  // fallback of hosts without bf16 instructions).
+  explicit CpuBackend(int num_threads, Bf16Kernel bf16_kernel = BestBf16Kernel())
+      : pool_(num_threads), bf16_kernel_(bf16_kernel) {}
 
   const std::string& name() const override { return name_; }
   // Every config and option.
@@ -38,11 +41,15 @@ class CpuBackend final : public Backend {
   // The kernel set OpenBLAS chose for this CPU (or OPENBLAS_CORETYPE forced), e.g.
   // "Haswell", "SkylakeX", "Cooperlake".
   static std::string BlasCore();
+  // How BFLOAT16 layers multiply here (for the start-up log): "avx512_bf16", or "float32
+  // fallback (no bf16 instructions)".
+  std::string Bf16Path() const;
 
  private:
   const std::string name_ = "cpu";
   // ParallelFor is thread-safe; mutable because computing does not change the backend.
   mutable ThreadPool pool_;
+  const Bf16Kernel bf16_kernel_;
 };
 
 // Rotary position embedding, rotate-half layout (Hugging Face Llama), in place on `rows`

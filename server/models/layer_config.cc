@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
+#include "proto/tensor_codec.h"
 #include "server/common/status_util.h"
 
 namespace attention::server {

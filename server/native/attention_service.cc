@@ -251,7 +251,7 @@ namespace {
 
 // Decodes a MultiHeadAttention request's query, key and value into `item`'s input for
 // `layer`, under the shape rules of core/input_shapes.h. 16-bit inputs stay as sent when
-// the layer's backend converts them on its device and all three share one 16-bit dtype;
+// the layer takes them so (MhaLayer::TakesHalfInputs) and all three share one 16-bit dtype;
 // with `borrow`, FLOAT32 raw_data is read in place.
 absl::Status DecodeMhaInputs(const v1::MultiHeadAttentionRequest& request,
                              const core::MhaLayer& layer, const RequestBudget& budget, bool borrow,
@@ -259,10 +259,9 @@ absl::Status DecodeMhaInputs(const v1::MultiHeadAttentionRequest& request,
   const core::MhaConfig& config = layer.config();
   const bool has_key = request.has_key(), has_value = request.has_value();
   const core::DType half_dtype = HalfDType(request.query());
-  const bool keep_half =
-      layer.backend().ConvertsHalfInputs() && half_dtype != core::DType::kFloat32 &&
-      (!has_key ||
-       (HalfDType(request.key()) == half_dtype && HalfDType(request.value()) == half_dtype));
+  const bool keep_half = layer.TakesHalfInputs() && half_dtype != core::DType::kFloat32 &&
+                         (!has_key || (HalfDType(request.key()) == half_dtype &&
+                                       HalfDType(request.value()) == half_dtype));
   ASSIGN_OR_RETURN(InputTensor query,
                    DecodeMhaInput(request.query(), "query", budget, keep_half, borrow));
   RETURN_IF_ERROR(core::CheckMhaQueryShape(config, query.shape));

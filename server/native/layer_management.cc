@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "core/status_macros.h"
+#include "proto/tensor_codec.h"
 #include "server/common/status_util.h"
 #include "server/models/hf_checkpoint.h"
 #include "server/models/layer_builder.h"

@@ -22,6 +22,8 @@
 namespace attention::core::testing {
 
 inline constexpr double kFidelityFloor = 1e-6;
+// bf16's floor as a fraction of the largest value (about one bf16 ulp).
+inline constexpr double kBf16FloorFraction = 4e-3;
 
 // max |values - oracle|; infinity when the sizes differ or a value is not finite where the
 // oracle is.
@@ -56,6 +58,27 @@ class FidelityStats {
            << "max|fast - float64| = " << fast_error << " > 2 * max|float32 textbook - float64| ("
            << textbook_error << ") + " << kFidelityFloor << " over " << oracle.size()
            << " values";
+  }
+
+  // Issue 26's rule for bf16: the reference is the same computation in bf16 (PyTorch's
+  // bf16 modules, or MhaLayer::ForwardBf16Textbook), and the floor is one bf16 unit in the
+  // last place of the largest value, which rounding a correct answer to bf16 costs:
+  //   max|fast - oracle| <= 2 * max|reference - oracle| + 4e-3 * max|oracle|.
+  ::testing::AssertionResult CheckBf16(absl::Span<const float> fast,
+                                       absl::Span<const float> reference,
+                                       absl::Span<const double> oracle) {
+    if (fast.empty() && oracle.empty()) return ::testing::AssertionSuccess();
+    double largest = 0;
+    for (double value : oracle) largest = std::max(largest, std::abs(value));
+    const double fast_error = MaxError(fast, oracle);
+    const double reference_error = MaxError(reference, oracle);
+    if (reference_error > 0) ratios_.push_back(fast_error / reference_error);
+    const double allowed = 2 * reference_error + kBf16FloorFraction * largest;
+    if (fast_error <= allowed) return ::testing::AssertionSuccess();
+    return ::testing::AssertionFailure()
+           << "max|fast - float64| = " << fast_error << " > 2 * max|bf16 reference - float64| ("
+           << reference_error << ") + " << kBf16FloorFraction << " * max|float64| (" << largest
+           << ") over " << oracle.size() << " values";
   }
 
   // "name: N tensors, fast/textbook error ratio median M, p99 P, max X".

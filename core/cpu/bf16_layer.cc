@@ -1,0 +1,282 @@
+#include "core/cpu/bf16_layer.h"
+
+#include <algorithm>
+#include <cstring>
+#include <deque>
+#include <limits>
+#include <optional>
+#include <vector>
+
+#include "core/attention_kernels.h"
+#include "core/cpu/attention_cpu.h"
+#include "core/cpu/cpu_backend.h"
+#include "core/cpu/forward_scratch.h"
+#include "core/cpu/gemm.h"
+#include "core/dtype.h"
+#include "core/forward_plan.h"
+
+namespace attention::core {
+namespace {
+
+// One Linear of a bf16 layer as this host multiplies it: bf16 panels for vdpbf16ps, or the
+// same bf16 values widened to float32 panels where the CPU has no bf16 dot products.
+class Bf16Linear {
+ public:
+  Bf16Linear(absl::Span<const uint16_t> weight, int64_t out_features, int64_t in_features,
+             Bf16Kernel kernel)
+      : out_features_(out_features), in_features_(in_features) {
+    if (kernel == Bf16Kernel::kAvx512Bf16) {
+      bf16_.emplace(weight, out_features, in_features);
+      return;
+    }
+    std::vector<float> widened(weight.size());
+    for (size_t i = 0; i < weight.size(); ++i) widened[i] = BFloat16ToFloat(weight[i]);
+    widened_.emplace(widened, out_features, in_features);
+  }
+
+  // y[rows, out_features] = x[rows, in_features] * W^T + bias, x in bf16.
+  void Forward(ThreadPool& pool, const uint16_t* x, int64_t rows, absl::Span<const float> bias,
+               float* y) const {
+    if (bf16_.has_value()) {
+      LinearForwardBf16(pool, x, rows, in_features_, *bf16_, bias, out_features_, y);
+      return;
+    }
+    thread_local std::vector<float> widened;
+    widened.resize(rows * in_features_);
+    for (int64_t i = 0; i < rows * in_features_; ++i) widened[i] = BFloat16ToFloat(x[i]);
+    // Always the packed microkernel: the layer holds no float32 weights for OpenBLAS.
+    LinearForward(pool, widened.data(), rows, in_features_, {}, bias, out_features_, y,
+                  widened_->panels(), BestSimdLevel(), std::numeric_limits<int64_t>::max());
+  }
+
+  int64_t bytes() const { return bf16_.has_value() ? bf16_->bytes() : widened_->bytes(); }
+
+ private:
+  int64_t out_features_, in_features_;
+  std::optional<PackedBf16Weight> bf16_;
+  std::optional<PackedWeight> widened_;
+};
+
+// `count` elements of one input tensor as bf16 into `to`: copied when the wire sent bf16,
+// else rounded to nearest even once (float16 is exact in float32 first).
+void ToBf16(absl::Span<const float> values, absl::Span<const uint16_t> half, DType half_dtype,
+            uint16_t* to, Bf16Kernel kernel) {
+  if (half_dtype == DType::kBFloat16) {
+    std::memcpy(to, half.data(), half.size() * sizeof(uint16_t));
+  } else if (half_dtype == DType::kFloat16) {
+    for (size_t i = 0; i < half.size(); ++i) to[i] = FloatToBFloat16(HalfToFloat(half[i]));
+  } else {
+    RoundToBf16(values.data(), static_cast<int64_t>(values.size()), to, kernel);
+  }
+}
+
+class CpuBf16Layer final : public PreparedLayer {
+ public:
+  CpuBf16Layer(const MhaConfig& config, const MhaWeightsView& weights, ThreadPool& pool,
+               Bf16Kernel kernel)
+      : config_(config), weights_(weights), pool_(pool), kernel_(kernel) {
+    const MhaConfig& c = config;
+    const MhaWeightsView::Bf16Matrices& w = weights.bf16;
+    const int64_t q = c.QWidth(), k = c.KWidth(), v = c.VWidth();
+    if (!w.fused_qkv_weight.empty()) {
+      fused_qkv_.emplace(w.fused_qkv_weight, q + k + v, c.embed_dim, kernel);
+    } else {
+      q_.emplace(w.q_weight, q, c.embed_dim, kernel);
+      k_.emplace(w.k_weight, k, c.kdim, kernel);
+      v_.emplace(w.v_weight, v, c.vdim, kernel);
+    }
+    if (c.output_projection) out_.emplace(w.out_weight, c.output_dim, c.AttentionWidth(), kernel);
+  }
+
+  absl::StatusOr<std::vector<AttentionResult>> ForwardBatch(
+      absl::Span<const MhaInput* const> inputs) const override;
+  bool HasDecodeEntry() const override { return true; }
+  absl::Status ProjectForDecode(const float* x, absl::Span<const int64_t> positions, float* q,
+                                float* k, float* v) const override;
+  absl::Status ProjectDecodeOutput(const float* attended, int64_t rows,
+                                   float* output) const override;
+  int64_t DeviceWeightBytes() const override {
+    int64_t bytes = 0;
+    for (const auto* linear : {&fused_qkv_, &q_, &k_, &v_, &out_}) {
+      if (linear->has_value()) bytes += (*linear)->bytes();
+    }
+    return bytes;
+  }
+
+ private:
+  // Q, K and V of `rows` bf16 tokens `x` (fused: as one GEMM), `stride` floats per row in
+  // `q` (Q + K + V when fused, and then k and v are ignored).
+  void ProjectSelf(const uint16_t* x, int64_t rows, float* q, float* k, float* v) const;
+  // The output projection of `rows` attended float32 rows into `output`.
+  void ProjectOutput(const float* attended, int64_t rows, float* output) const;
+
+  const MhaConfig config_;
+  const MhaWeightsView weights_;
+  ThreadPool& pool_;
+  const Bf16Kernel kernel_;
+  std::optional<Bf16Linear> fused_qkv_, q_, k_, v_, out_;
+};
+
+void CpuBf16Layer::ProjectSelf(const uint16_t* x, int64_t rows, float* q, float* k,
+                               float* v) const {
+  const MhaWeightsView& w = weights_;
+  if (fused_qkv_.has_value()) {
+    fused_qkv_->Forward(pool_, x, rows, w.fused_qkv_bias, q);
+    return;
+  }
+  q_->Forward(pool_, x, rows, w.q_bias, q);
+  k_->Forward(pool_, x, rows, w.k_bias, k);
+  v_->Forward(pool_, x, rows, w.v_bias, v);
+}
+
+void CpuBf16Layer::ProjectOutput(const float* attended, int64_t rows, float* output) const {
+  const MhaConfig& c = config_;
+  if (!c.output_projection) {
+    std::copy(attended, attended + rows * c.AttentionWidth(), output);
+    return;
+  }
+  thread_local ForwardScratch scratch;
+  uint16_t* rounded = scratch.Get<uint16_t>(ForwardScratch::kRounded, rows * c.AttentionWidth());
+  RoundToBf16(attended, rows * c.AttentionWidth(), rounded, kernel_);
+  out_->Forward(pool_, rounded, rows, weights_.out_bias, output);
+}
+
+absl::StatusOr<std::vector<AttentionResult>> CpuBf16Layer::ForwardBatch(
+    absl::Span<const MhaInput* const> inputs) const {
+  const MhaConfig& c = config_;
+  const MhaWeightsView& w = weights_;
+  const ForwardPlan plan = PlanForward(c, inputs, fused_qkv_.has_value());
+  const int64_t q_rows = plan.q_rows, kv_rows = plan.kv_rows;
+  thread_local ForwardScratch scratch;
+  // Every input's tokens in bf16, packed into one matrix (keys' and values' too for
+  // cross-attention).
+  uint16_t* x = scratch.Get<uint16_t>(ForwardScratch::kX, q_rows * c.embed_dim);
+  uint16_t* xk = plan.all_self_attention
+                     ? nullptr
+                     : scratch.Get<uint16_t>(ForwardScratch::kKeyInput, kv_rows * c.kdim);
+  uint16_t* xv = plan.all_self_attention
+                     ? nullptr
+                     : scratch.Get<uint16_t>(ForwardScratch::kValueInput, kv_rows * c.vdim);
+  for (size_t n = 0; n < inputs.size(); ++n) {
+    const MhaInput& in = *inputs[n];
+    const ForwardPlan::Input& planned = plan.inputs[n];
+    ToBf16(in.query, in.query_half, in.half_dtype, x + planned.q_row * c.embed_dim, kernel_);
+    if (xk == nullptr) continue;
+    const bool self = in.self_attention();
+    ToBf16(self ? in.query : in.key, self ? in.query_half : in.key_half, in.half_dtype,
+           xk + planned.kv_row * c.kdim, kernel_);
+    ToBf16(self ? in.query : in.value, self ? in.query_half : in.value_half, in.half_dtype,
+           xv + planned.kv_row * c.vdim, kernel_);
+  }
+  float *q, *k, *v;
+  if (plan.fused_qkv) {
+    q = scratch.Get(ForwardScratch::kQ, q_rows * plan.q_stride);
+    ProjectSelf(x, q_rows, q, nullptr, nullptr);
+    k = q + c.QWidth();
+    v = k + c.KWidth();
+  } else {
+    q = scratch.Get(ForwardScratch::kQ, q_rows * c.QWidth());
+    k = scratch.Get(ForwardScratch::kK, kv_rows * c.KWidth());
+    v = scratch.Get(ForwardScratch::kV, kv_rows * c.VWidth());
+    if (!fused_qkv_.has_value()) {
+      q_->Forward(pool_, x, q_rows, w.q_bias, q);
+      k_->Forward(pool_, xk != nullptr ? xk : x, kv_rows, w.k_bias, k);
+      v_->Forward(pool_, xv != nullptr ? xv : x, kv_rows, w.v_bias, v);
+    } else {
+      // Cross-attention on a layer stored fused (kdim == vdim == E, but separate key and
+      // value tokens sent): each token set through the whole fused GEMM, keeping its
+      // columns. Three times the work, for a rare mix; no second copy of the weights.
+      const int64_t width = c.QWidth() + c.KWidth() + c.VWidth();
+      const int64_t most_rows = std::max(q_rows, kv_rows);
+      float* fused = scratch.Get(ForwardScratch::kProjected, most_rows * width);
+      const auto project = [&](const uint16_t* tokens, int64_t rows, int64_t first_column,
+                               int64_t columns, float* to) {
+        fused_qkv_->Forward(pool_, tokens, rows, w.fused_qkv_bias, fused);
+        for (int64_t r = 0; r < rows; ++r) {
+          std::copy_n(fused + r * width + first_column, columns, to + r * columns);
+        }
+      };
+      project(x, q_rows, 0, c.QWidth(), q);
+      project(xk, kv_rows, c.QWidth(), c.KWidth(), k);
+      project(xv, kv_rows, c.QWidth() + c.KWidth(), c.VWidth(), v);
+    }
+  }
+  if (c.rope_theta > 0.0) {
+    for (const ForwardPlan::Input& in : plan.inputs) {
+      ApplyRotary(q + in.q_row * plan.q_stride, in.q_rows(), in.dims.q_len, c.num_heads, c.head_dim,
+                  in.rotary_base, plan.q_stride, c.rope_scaling);
+      ApplyRotary(k + in.kv_row * plan.k_stride, in.kv_rows(), in.dims.kv_len, c.num_kv_heads,
+                  c.head_dim, in.rotary_base, plan.k_stride, c.rope_scaling);
+    }
+  }
+  float* attended = scratch.Get(ForwardScratch::kAttended, q_rows * c.AttentionWidth());
+  std::vector<AttentionResult> results(inputs.size());
+  std::vector<AttentionProblem> problems(inputs.size());
+  for (size_t n = 0; n < inputs.size(); ++n) {
+    const AttentionDims& d = plan.inputs[n].dims;
+    if (inputs[n]->options.need_weights != NeedWeights::kNone) {
+      results[n].weights.resize(d.batch * d.num_heads * d.q_len * d.kv_len);
+    }
+    problems[n] = plan.Attention(n, q, k, v, attended);
+    problems[n].weights = results[n].weights.empty() ? nullptr : results[n].weights.data();
+  }
+  AttentionBlockedCpu(problems, pool_);
+  // A lone input's output projection writes straight to its destination.
+  const bool project_to_destination = inputs.size() == 1 && !inputs[0]->output_destination.empty();
+  float* output = project_to_destination
+                      ? inputs[0]->output_destination.data()
+                      : scratch.Get(ForwardScratch::kProjected, q_rows * c.output_dim);
+  ProjectOutput(attended, q_rows, output);
+  for (size_t n = 0; n < inputs.size(); ++n) {
+    if (!project_to_destination) {
+      DeliverOutput(*inputs[n], output + plan.inputs[n].q_row * c.output_dim,
+                    plan.inputs[n].q_rows() * c.output_dim, &results[n]);
+    }
+    FinishWeights(results[n], problems[n].dims, inputs[n]->options.need_weights);
+  }
+  return results;
+}
+
+absl::Status CpuBf16Layer::ProjectForDecode(const float* x, absl::Span<const int64_t> positions,
+                                            float* q, float* k, float* v) const {
+  const MhaConfig& c = config_;
+  const auto rows = static_cast<int64_t>(positions.size());
+  thread_local ForwardScratch scratch;
+  uint16_t* tokens = scratch.Get<uint16_t>(ForwardScratch::kX, rows * c.embed_dim);
+  RoundToBf16(x, rows * c.embed_dim, tokens, kernel_);
+  if (fused_qkv_.has_value()) {
+    const int64_t width = c.QWidth() + c.KWidth() + c.VWidth();
+    float* qkv = scratch.Get(ForwardScratch::kQ, rows * width);
+    ProjectSelf(tokens, rows, qkv, nullptr, nullptr);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* row = qkv + r * width;
+      std::copy_n(row, c.QWidth(), q + r * c.QWidth());
+      std::copy_n(row + c.QWidth(), c.KWidth(), k + r * c.KWidth());
+      std::copy_n(row + c.QWidth() + c.KWidth(), c.VWidth(), v + r * c.VWidth());
+    }
+  } else {
+    ProjectSelf(tokens, rows, q, k, v);
+  }
+  if (c.rope_theta > 0.0) {
+    ApplyRotaryAt(q, positions, c.num_heads, c.head_dim, c.rope_theta, c.QWidth(), c.rope_scaling);
+    ApplyRotaryAt(k, positions, c.num_kv_heads, c.head_dim, c.rope_theta, c.KWidth(),
+                  c.rope_scaling);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuBf16Layer::ProjectDecodeOutput(const float* attended, int64_t rows,
+                                               float* output) const {
+  ProjectOutput(attended, rows, output);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::unique_ptr<PreparedLayer> PrepareBf16Layer(const MhaConfig& config,
+                                                const MhaWeightsView& weights, ThreadPool& pool,
+                                                Bf16Kernel kernel) {
+  return std::make_unique<CpuBf16Layer>(config, weights, pool, kernel);
+}
+
+}  // namespace attention::core

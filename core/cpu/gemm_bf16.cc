@@ -1,0 +1,268 @@
+#include "core/cpu/gemm_bf16.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "core/dtype.h"
+#include "core/half_bits.h"
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace attention::core {
+namespace {
+
+// Elements of one pair-row of a bf16 panel: 16 columns x 2 depths.
+constexpr int64_t kPairRow = 2 * kPanelWidth;
+// Rows per chunk of A, as GemmPanels: the chunk stays in L2 while the panels stream by.
+constexpr int64_t kRowChunk = 128;
+
+// Where a tile's sums go, as GemmPanels' TileOutput.
+struct Bf16TileOutput {
+  float alpha;
+  const float* bias;
+  bool accumulate;
+  float* c;
+  int64_t ldc;
+  int64_t width;  // valid columns of the tile's last panel (<= 16)
+};
+
+// The portable tile: `panels` (1 or 2, `panel_stride` apart) x `rows` rows, products of
+// the bf16 values in float32.
+void TileBf16Portable(const uint16_t* a, int64_t lda, int rows, const uint16_t* panel,
+                      int64_t panel_stride, int panels, int64_t depth, const Bf16TileOutput& out) {
+  for (int r = 0; r < rows; ++r) {
+    for (int p = 0; p < panels; ++p) {
+      const uint16_t* b = panel + p * panel_stride;
+      const int64_t width = p + 1 == panels ? out.width : kPanelWidth;
+      float* row = out.c + r * out.ldc + p * kPanelWidth;
+      for (int64_t j = 0; j < width; ++j) {
+        float sum = 0.0f;
+        for (int64_t k = 0; k < depth; ++k) {
+          sum += BFloat16BitsToFloat(a[r * lda + k]) *
+                 BFloat16BitsToFloat(b[(k / 2) * kPairRow + 2 * j + k % 2]);
+        }
+        const float* bias = out.bias == nullptr ? nullptr : out.bias + p * kPanelWidth;
+        const float addend = out.accumulate ? row[j] : bias != nullptr ? bias[j] : 0.0f;
+        row[j] = out.alpha * sum + addend;
+      }
+    }
+  }
+}
+
+#if defined(__x86_64__)
+// Two bf16 of A (depths k and k + 1) in every lane.
+__attribute__((target("avx512f"))) inline __m512i PairAt(const uint16_t* a) {
+  int32_t pair;
+  std::memcpy(&pair, a, sizeof(pair));
+  return _mm512_set1_epi32(pair);
+}
+// A last odd depth, paired with zero.
+__attribute__((target("avx512f"))) inline __m512i SingleAt(const uint16_t* a) {
+  return _mm512_set1_epi32(*a);
+}
+
+// R rows x 2 full panels, 2 x R accumulators (R <= 12), one pair of depths a step. The
+// accumulators are named variables (see gemm.cc: GCC spills an array of vectors).
+#define BF16_ROW(r, load)                                              \
+  if constexpr (R > r) {                                               \
+    const __m512bh x = (__m512bh)load(a + r * lda + k);                \
+    left##r = _mm512_dpbf16_ps(left##r, x, b0);                        \
+    if constexpr (kWide) right##r = _mm512_dpbf16_ps(right##r, x, b1); \
+  }
+#define BF16_STORE(r)                                                                      \
+  if constexpr (R > r) {                                                                   \
+    float* row = out.c + r * out.ldc;                                                      \
+    if constexpr (kWide) {                                                                 \
+      const __m512 left_addend = out.accumulate ? _mm512_loadu_ps(row) : bias_left;        \
+      const __m512 right_addend = out.accumulate ? _mm512_loadu_ps(row + 16) : bias_right; \
+      _mm512_storeu_ps(row, _mm512_fmadd_ps(left##r, alpha, left_addend));                 \
+      _mm512_storeu_ps(row + 16, _mm512_fmadd_ps(right##r, alpha, right_addend));          \
+    } else {                                                                               \
+      const __m512 addend = out.accumulate ? _mm512_maskz_loadu_ps(mask, row) : bias_left; \
+      _mm512_mask_storeu_ps(row, mask, _mm512_fmadd_ps(left##r, alpha, addend));           \
+    }                                                                                      \
+  }
+template <int R, bool kWide>
+__attribute__((target("avx512f,avx512bf16"))) void TileBf16Avx512(const uint16_t* a, int64_t lda,
+                                                                  const uint16_t* panel,
+                                                                  int64_t panel_stride,
+                                                                  int64_t depth,
+                                                                  const Bf16TileOutput& out) {
+  __m512 left0 = _mm512_setzero_ps(), left1 = left0, left2 = left0, left3 = left0, left4 = left0,
+         left5 = left0, left6 = left0, left7 = left0, left8 = left0, left9 = left0, left10 = left0,
+         left11 = left0;
+  __m512 right0 = left0, right1 = left0, right2 = left0, right3 = left0, right4 = left0,
+         right5 = left0, right6 = left0, right7 = left0, right8 = left0, right9 = left0,
+         right10 = left0, right11 = left0;
+  const uint16_t* second = panel + panel_stride;
+#define BF16_STEP(load)                                                                          \
+  const __m512bh b0 = (__m512bh)_mm512_loadu_si512(panel + (k / 2) * kPairRow);                  \
+  const __m512bh b1 = kWide ? (__m512bh)_mm512_loadu_si512(second + (k / 2) * kPairRow) : b0;    \
+  BF16_ROW(0, load)                                                                              \
+  BF16_ROW(1, load) BF16_ROW(2, load) BF16_ROW(3, load) BF16_ROW(4, load) BF16_ROW(5, load)      \
+      BF16_ROW(6, load) BF16_ROW(7, load) BF16_ROW(8, load) BF16_ROW(9, load) BF16_ROW(10, load) \
+          BF16_ROW(11, load)
+  int64_t k = 0;
+  for (; k + 1 < depth; k += 2) {
+    BF16_STEP(PairAt)
+  }
+  if (k < depth) {
+    BF16_STEP(SingleAt)
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << out.width) - 1);
+  const __m512 alpha = _mm512_set1_ps(out.alpha);
+  const __m512 bias_left =
+      out.bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, out.bias);
+  const __m512 bias_right =
+      out.bias == nullptr || !kWide ? _mm512_setzero_ps() : _mm512_loadu_ps(out.bias + 16);
+  BF16_STORE(0)
+  BF16_STORE(1) BF16_STORE(2) BF16_STORE(3) BF16_STORE(4) BF16_STORE(5) BF16_STORE(6) BF16_STORE(7)
+      BF16_STORE(8) BF16_STORE(9) BF16_STORE(10) BF16_STORE(11)
+}
+#undef BF16_ROW
+#undef BF16_STEP
+#undef BF16_STORE
+
+using Bf16TileFn = void (*)(const uint16_t* a, int64_t lda, const uint16_t* panel,
+                            int64_t panel_stride, int64_t depth, const Bf16TileOutput& out);
+template <bool kWide>
+constexpr Bf16TileFn kTiles[] = {nullptr,
+                                 &TileBf16Avx512<1, kWide>,
+                                 &TileBf16Avx512<2, kWide>,
+                                 &TileBf16Avx512<3, kWide>,
+                                 &TileBf16Avx512<4, kWide>,
+                                 &TileBf16Avx512<5, kWide>,
+                                 &TileBf16Avx512<6, kWide>,
+                                 &TileBf16Avx512<7, kWide>,
+                                 &TileBf16Avx512<8, kWide>,
+                                 &TileBf16Avx512<9, kWide>,
+                                 &TileBf16Avx512<10, kWide>,
+                                 &TileBf16Avx512<11, kWide>,
+                                 &TileBf16Avx512<12, kWide>};
+
+__attribute__((target("avx512f,avx512bf16"))) void RoundToBf16Avx512(const float* x, int64_t count,
+                                                                     uint16_t* out) {
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) {
+    const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)rounded);
+  }
+  for (; i < count; ++i) out[i] = FloatToBFloat16(x[i]);
+}
+#endif
+
+constexpr int kMaxTileRows = 12;
+
+}  // namespace
+
+const char* Bf16KernelName(Bf16Kernel kernel) {
+  return kernel == Bf16Kernel::kAvx512Bf16 ? "avx512_bf16" : "portable";
+}
+
+bool CpuSupports(Bf16Kernel kernel) {
+#if defined(__x86_64__)
+  if (kernel == Bf16Kernel::kAvx512Bf16) {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+  }
+#endif
+  return kernel == Bf16Kernel::kPortable;
+}
+
+Bf16Kernel BestBf16Kernel() {
+  static const Bf16Kernel best =
+      CpuSupports(Bf16Kernel::kAvx512Bf16) ? Bf16Kernel::kAvx512Bf16 : Bf16Kernel::kPortable;
+  return best;
+}
+
+void RoundToBf16(const float* x, int64_t count, uint16_t* out, Bf16Kernel kernel) {
+#if defined(__x86_64__)
+  if (kernel == Bf16Kernel::kAvx512Bf16) {
+    RoundToBf16Avx512(x, count, out);
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < count; ++i) out[i] = FloatToBFloat16(x[i]);
+}
+
+void PackBf16Transposed(const uint16_t* w, int64_t columns, int64_t depth, int64_t ldw,
+                        uint16_t* panels) {
+  const int64_t pair_rows = (depth + 1) / 2;
+  for (int64_t p = 0; p < PanelCount(columns); ++p) {
+    uint16_t* panel = panels + p * pair_rows * kPairRow;
+    std::fill(panel, panel + pair_rows * kPairRow, uint16_t{0});
+    const int64_t width = std::min(kPanelWidth, columns - p * kPanelWidth);
+    for (int64_t j = 0; j < width; ++j) {
+      const uint16_t* column = w + (p * kPanelWidth + j) * ldw;
+      for (int64_t k = 0; k < depth; ++k) panel[(k / 2) * kPairRow + 2 * j + k % 2] = column[k];
+    }
+  }
+}
+
+void GemmBf16Panels(Bf16Kernel kernel, const uint16_t* a, int64_t lda, int64_t rows,
+                    const uint16_t* panels, int64_t depth, int64_t columns, int64_t first_panel,
+                    int64_t end_panel, float alpha, const float* bias, float* c, int64_t ldc,
+                    bool accumulate) {
+  const int64_t panel_stride = (depth + 1) / 2 * kPairRow;
+  for (int64_t chunk = 0; chunk < rows; chunk += kRowChunk) {
+    const int64_t chunk_rows = std::min(kRowChunk, rows - chunk);
+    const int64_t tiles = (chunk_rows + kMaxTileRows - 1) / kMaxTileRows;
+    for (int64_t p = first_panel; p < end_panel;) {
+      const int64_t column = p * kPanelWidth;
+      const bool wide = p + 1 < end_panel && column + 2 * kPanelWidth <= columns;
+      const int64_t width = wide ? kPanelWidth : std::min(kPanelWidth, columns - column);
+      const uint16_t* panel = panels + p * panel_stride;
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t first = chunk + chunk_rows * t / tiles;
+        const int tile_rows = static_cast<int>(chunk + chunk_rows * (t + 1) / tiles - first);
+        const Bf16TileOutput out{alpha,      bias == nullptr ? nullptr : bias + column,
+                                 accumulate, c + first * ldc + column,
+                                 ldc,        width};
+#if defined(__x86_64__)
+        if (kernel == Bf16Kernel::kAvx512Bf16) {
+          (wide ? kTiles<true> : kTiles<false>)[tile_rows](a + first * lda, lda, panel,
+                                                           panel_stride, depth, out);
+          continue;
+        }
+#endif
+        TileBf16Portable(a + first * lda, lda, tile_rows, panel, panel_stride, wide ? 2 : 1, depth,
+                         out);
+      }
+      p += wide ? 2 : 1;
+    }
+  }
+}
+
+PackedBf16Weight::PackedBf16Weight(absl::Span<const uint16_t> weight, int64_t out_features,
+                                   int64_t in_features)
+    : out_features_(out_features), in_features_(in_features) {
+  const size_t bytes = Bf16PanelElements(in_features, out_features) * sizeof(uint16_t);
+  panels_.reset(static_cast<uint16_t*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64)));
+  PackBf16Transposed(weight.data(), out_features, in_features, in_features, panels_.get());
+}
+
+void LinearForwardBf16(ThreadPool& pool, const uint16_t* x, int64_t rows, int64_t in_features,
+                       const PackedBf16Weight& weight, absl::Span<const float> bias,
+                       int64_t out_features, float* y, Bf16Kernel kernel) {
+  constexpr int64_t kMinPart = 16;
+  const int64_t threads = pool.size();
+  const bool split_rows =
+      rows >= out_features ? rows >= threads * kMinPart : out_features < threads * kMinPart;
+  const int64_t total = split_rows ? rows : PanelCount(out_features);
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, total));
+  const float* b = bias.empty() ? nullptr : bias.data();
+  pool.ParallelFor(parts, [&](int64_t part) {
+    const int64_t begin = total * part / parts, end = total * (part + 1) / parts;
+    if (begin == end) return;
+    if (split_rows) {
+      GemmBf16Panels(kernel, x + begin * in_features, in_features, end - begin, weight.panels(),
+                     in_features, out_features, 0, PanelCount(out_features), 1.0f, b,
+                     y + begin * out_features, out_features);
+    } else {
+      GemmBf16Panels(kernel, x, in_features, rows, weight.panels(), in_features, out_features,
+                     begin, end, 1.0f, b, y, out_features);
+    }
+  });
+}
+
+}  // namespace attention::core
