@@ -78,6 +78,10 @@ absl::StatusOr<core::MhaConfig> ConvertConfig(const v1::LayerConfig& in,
   out.rope_theta = in.rope_theta();
   out.always_causal = in.always_causal();
   out.sliding_window = in.sliding_window();
+  if (in.compute_dtype() != v1::DATA_TYPE_UNSPECIFIED) {  // Resolve refuses all but two
+    ASSIGN_OR_RETURN(out.compute_dtype,
+                     wire::ConvertDType(in.compute_dtype(), absl::StrCat(field, ".compute_dtype")));
+  }
   if (in.has_rope_scaling()) {
     const v1::RopeScaling& scaling = in.rope_scaling();
     static const std::map<std::string, int, std::less<>> kTypes = {
@@ -115,6 +119,7 @@ v1::LayerConfig ConfigToProto(const core::MhaConfig& in) {
   out.set_rope_theta(in.rope_theta);
   out.set_always_causal(in.always_causal);
   out.set_sliding_window(in.sliding_window);
+  out.set_compute_dtype(wire::WireDType(in.compute_dtype));
   if (in.rope_scaling.type != core::RopeScaling::kNone) {
     v1::RopeScaling* scaling = out.mutable_rope_scaling();
     const core::RopeScaling& s = in.rope_scaling;

@@ -21,7 +21,7 @@ void DescribeLayer(const LayerSnapshot& snapshot, const BatchLimits& server_limi
   *info->mutable_config() = ConfigToProto(layer.config());
   info->set_parameter_count(layer.config().ParameterCount());
   info->set_weight_bytes(layer.WeightBytes());
-  info->set_dtype(v1::FLOAT32);
+  info->set_dtype(wire::WireDType(layer.config().compute_dtype));
   info->set_device(layer.device());
   info->set_version(snapshot.version);
   info->set_persisted(snapshot.persisted);

@@ -34,6 +34,8 @@ def make_layer_config(config):
     pb2 = stubs.load()[0]
     if isinstance(config, pb2.LayerConfig):
         return config
+    if isinstance(config.get("compute_dtype"), str):  # "bfloat16" as tensors name dtypes
+        config = dict(config, compute_dtype=tensors.dtype_enum(config["compute_dtype"]))
     return pb2.LayerConfig(**config)
 
 
