@@ -149,12 +149,14 @@ BENCHMARK(BM_Linear)
 
 // Sequence lengths of one batch; all equal unless ragged.
 // `idle_gap` (untimed) is slept before each pass.
+// `compute` is the layer's compute_dtype.
 void RunMha(benchmark::State& state, const std::vector<int64_t>& lengths, int64_t embed_dim,
-            int64_t heads, bool causal, int threads,
-            absl::Duration idle_gap = absl::ZeroDuration()) {
+            int64_t heads, bool causal, int threads, absl::Duration idle_gap = absl::ZeroDuration(),
+            DType compute = DType::kFloat32) {
   MhaConfig config;
   config.embed_dim = embed_dim;
   config.num_heads = heads;
+  config.compute_dtype = compute;
   const MhaConfig resolved = *MhaConfig::Resolve(config);
   auto layer = *MhaLayer::Create(resolved, MhaWeights::Random(resolved, 7),
                                  std::make_shared<CpuBackend>(threads));
@@ -188,6 +190,32 @@ void BM_MhaS1(benchmark::State& s) { RunMha(s, std::vector<int64_t>(32, 128), 76
 void BM_MhaS2(benchmark::State& s) { RunMha(s, std::vector<int64_t>(8, 512), 768, 12, false, s.range(0)); }
 void BM_MhaS3(benchmark::State& s) { RunMha(s, {2048}, 768, 12, true, s.range(0)); }
 void BM_MhaS4(benchmark::State& s) { RunMha(s, std::vector<int64_t>(256, 16), 768, 12, false, s.range(0)); }
+// The same shapes on a BFLOAT16 layer (issue 26). Arg: threads.
+void RunMhaBf16(benchmark::State& s, const std::vector<int64_t>& lengths) {
+  RunMha(s, lengths, 768, 12, false, s.range(0), absl::ZeroDuration(), DType::kBFloat16);
+}
+void BM_MhaBf16S1(benchmark::State& s) { RunMhaBf16(s, std::vector<int64_t>(32, 128)); }
+void BM_MhaBf16S2(benchmark::State& s) { RunMhaBf16(s, std::vector<int64_t>(8, 512)); }
+void BM_MhaBf16S4(benchmark::State& s) { RunMhaBf16(s, std::vector<int64_t>(256, 16)); }
+BENCHMARK(BM_MhaBf16S1)
+    ->ArgName("threads")
+    ->Arg(1)
+    ->Arg(2)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_MhaBf16S2)
+    ->ArgName("threads")
+    ->Arg(1)
+    ->Arg(2)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_MhaBf16S4)
+    ->ArgName("threads")
+    ->Arg(1)
+    ->Arg(2)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
 // The serving benchmark's requests (one sequence of 16 tokens): alone, and packed 32 and
 // 64 at a time as the batcher does under 64 concurrent callers. Arg: requests per batch.
 void BM_MhaRequests16(benchmark::State& s) {

@@ -99,6 +99,14 @@ def main():
         columns += [("PyTorch 2.x SDPA GFLOPS", ".1f"), ("core / SDPA", ".2f"),
                     ("PyTorch 2.x MHA GFLOPS", ".1f"), ("PyTorch 2.x SDPA bf16 GFLOPS", ".1f"),
                     ("PyTorch 2.x MHA bf16 GFLOPS", ".1f"), ("core / SDPA bf16", ".2f")]
+    # The BFLOAT16 layer (issue 26) where the bench has it for the shape (S1, S2, S4), against
+    # the float32 core, PyTorch 2.x's bf16 modules and the bf16 dot-product ceiling
+    # (BM_Bf16DotPeak, one thread, times the threads).
+    bf16_columns = [("core bf16 GFLOPS", ".1f"), ("bf16 / core f32", ".2f"),
+                    ("bf16 / dot ceiling", ".2f")]
+    if with_torch2:
+        bf16_columns += [("bf16 / SDPA bf16", ".2f"), ("bf16 / MHA bf16", ".2f")]
+    columns += bf16_columns
     print("| shape | threads | " + " | ".join(heading for heading, _ in columns) + " |")
     print("|---|---|" + "---|" * len(columns))
     shapes = args.shapes.split(",")
@@ -111,7 +119,8 @@ def main():
             sgemm_key = f"BM_Sgemm/n:1024/threads:{threads}/real_time"
             rows = []
             for _ in range(args.repeats):
-                pattern = f"^BM_Sgemm/n:1024/threads:{threads}/|^BM_Mha{name}/threads:{threads}/"
+                pattern = (f"^BM_Sgemm/n:1024/threads:{threads}/|^BM_Mha{name}/threads:{threads}/"
+                           f"|^BM_MhaBf16{name}/threads:{threads}/|^BM_Bf16DotPeak")
                 results = run_bench(args.bench, pattern, args.min_time)
                 if key not in results:
                     break
@@ -129,6 +138,16 @@ def main():
                     row += [torch2["sdpa_gflops"], ours / torch2["sdpa_gflops"],
                             torch2["mha_gflops"], torch2["sdpa_bf16_gflops"],
                             torch2["mha_bf16_gflops"], ours / torch2["sdpa_bf16_gflops"]]
+                bf16_key = f"BM_MhaBf16{name}/threads:{threads}/real_time"
+                if bf16_key in results and "GFLOPS" in results.get("BM_Bf16DotPeak/real_time", {}):
+                    bf16 = results[bf16_key]["GFLOPS"]
+                    ceiling = threads * results["BM_Bf16DotPeak/real_time"]["GFLOPS"]
+                    row += [bf16, bf16 / ours, bf16 / ceiling]
+                    if with_torch2:
+                        row += [bf16 / torch2["sdpa_bf16_gflops"],
+                                bf16 / torch2["mha_bf16_gflops"]]
+                else:
+                    row += [float("nan")] * len(bf16_columns)
                 rows.append(row)
             if not rows:
                 continue

@@ -43,6 +43,9 @@ ABSL_FLAG(int, warmup_rounds, 2,
 ABSL_FLAG(int, compute_threads, 0, "the server's --compute_threads (0: one per hardware thread)");
 ABSL_FLAG(int, batch_workers, 2, "the server's --batch_workers");
 ABSL_FLAG(bool, causal, false, "causal attention (S3: --batch=1 --tokens=2048 --causal)");
+ABSL_FLAG(bool, bf16, false,
+          "serve a BFLOAT16 layer of the demo layer's shape (LayerConfig.compute_dtype, issue "
+          "26) with bf16 requests and answers; compute is then the same bf16 input in process");
 ABSL_FLAG(int, echo_lookahead_bytes, 0,
           "grpc.http2.lookahead_bytes of the echo client and server (0: gRPC's default)");
 ABSL_FLAG(int, echo_max_frame_bytes, 0,
@@ -139,24 +142,53 @@ int main(int argc, char** argv) {
                                                    grpc::InsecureChannelCredentials(),
                                                    echo_arguments));
 
+  const bool bf16 = absl::GetFlag(FLAGS_bf16);
+  std::string layer_name = attention::server::kDemoLayerName;
+  if (bf16) {
+    layer_name = "demo-bf16";
+    attention::v1::LoadLayerRequest load;
+    load.set_name(layer_name);
+    attention::v1::LayerConfig* config = load.mutable_spec()->mutable_config();
+    config->set_embed_dim(embed_dim);
+    config->set_num_heads(attention::server::kDemoNumHeads);
+    config->set_compute_dtype(attention::v1::BFLOAT16);
+    load.mutable_spec()->mutable_random_init()->set_seed(1);
+    grpc::ClientContext context;
+    attention::v1::LoadLayerResponse loaded;
+    if (const grpc::Status status = mha->LoadLayer(&context, load, &loaded); !status.ok()) {
+      std::fprintf(stderr, "LoadLayer: %s\n", status.error_message().c_str());
+      return 1;
+    }
+  }
+  const attention::core::DType wire_dtype =
+      bf16 ? attention::core::DType::kBFloat16 : attention::core::DType::kFloat32;
   std::mt19937_64 rng(1);
   std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
   std::vector<float> values(static_cast<size_t>(batch * tokens * embed_dim));
   for (float& v : values) v = uniform(rng);
+  std::vector<uint16_t> bf16_values(values.size());
+  for (size_t i = 0; i < values.size(); ++i) {
+    bf16_values[i] = attention::core::FloatToBFloat16(values[i]);
+  }
   attention::v1::MultiHeadAttentionRequest request;
-  request.set_layer(attention::server::kDemoLayerName);
-  attention::wire::EncodeTensor(values, {batch, tokens, embed_dim},
-                                attention::core::DType::kFloat32, request.mutable_query());
+  request.set_layer(layer_name);
+  attention::wire::EncodeTensor(values, {batch, tokens, embed_dim}, wire_dtype,
+                                request.mutable_query());
   request.mutable_options()->set_causal(absl::GetFlag(FLAGS_causal));
   const std::string payload = request.SerializeAsString();
   const grpc::Slice slice(payload);
   const grpc::ByteBuffer echo_request(&slice, 1);
 
-  auto layer = (*(*server)->registry().Get(attention::server::kDemoLayerName))->layer;
+  auto layer = (*(*server)->registry().Get(layer_name))->layer;
   attention::core::MhaInput input;
   input.batch = batch;
   input.q_len = input.kv_len = tokens;
-  input.query = values;
+  if (bf16) {  // as the server hands a bf16 layer its bf16 request
+    input.half_dtype = attention::core::DType::kBFloat16;
+    input.query_half = bf16_values;
+  } else {
+    input.query = values;
+  }
   input.options.causal = absl::GetFlag(FLAGS_causal);
 
   std::vector<double> echo_ms, served_ms, compute_ms, protobuf_ms;

@@ -249,9 +249,9 @@ void ApplyRotaryAt(float* data, absl::Span<const int64_t> positions, int64_t hea
 
 std::string CpuBackend::BlasCore() { return openblas_get_corename(); }
 
-std::string CpuBackend::Bf16Path() const {
-  return bf16_kernel_ == Bf16Kernel::kAvx512Bf16 ? "avx512_bf16"
-                                                 : "float32 fallback (no bf16 instructions)";
+std::string CpuBackend::Bf16Path() {
+  return BestBf16Kernel() == Bf16Kernel::kAvx512Bf16 ? "avx512_bf16"
+                                                     : "float32 fallback (no bf16 instructions)";
 }
 
 absl::StatusOr<std::unique_ptr<PreparedLayer>> CpuBackend::Prepare(

@@ -41,9 +41,9 @@ class CpuBackend final : public Backend {
   // The kernel set OpenBLAS chose for this CPU (or OPENBLAS_CORETYPE forced), e.g.
   // "Haswell", "SkylakeX", "Cooperlake".
   static std::string BlasCore();
-  // How BFLOAT16 layers multiply here (for the start-up log): "avx512_bf16", or "float32
-  // fallback (no bf16 instructions)".
-  std::string Bf16Path() const;
+  // How BFLOAT16 layers multiply on this CPU by default (for the start-up log):
+  // "avx512_bf16", or "float32 fallback (no bf16 instructions)".
+  static std::string Bf16Path();
 
  private:
   const std::string name_ = "cpu";

@@ -274,7 +274,8 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::cerr << "attention-service: default device " << (*server)->default_backend().name()
-            << ", OpenBLAS core " << attention::core::CpuBackend::BlasCore() << std::endl;
+            << ", OpenBLAS core " << attention::core::CpuBackend::BlasCore()
+            << ", bfloat16 layers on " << attention::core::CpuBackend::Bf16Path() << std::endl;
   if (const attention::server::SessionTable* sessions = (*server)->sessions()) {
     const attention::core::kv_cache::KvPoolCounters pool = sessions->Counters().pool;
     // In tokens of a Llama-3-8B layer (8 KV heads of 128 dims, float32 K and V: 8 KiB).
