@@ -58,6 +58,10 @@ struct AttentionProblemOf {
   T* log_sum_exp = nullptr;
   HeadLayout log_sum_exp_layout;
   const AttentionOptions* options = nullptr;  // validated against dims; not owned
+  // AttentionBlockedCpu multiplies scores and values in bf16 (Q, K, probabilities and V
+  // rounded, float32 accumulation; softmax in float32): a BFLOAT16 layer on a CPU with
+  // AVX512-BF16.
+  bool bf16_products = false;
 };
 using AttentionProblem = AttentionProblemOf<float>;
 

@@ -9,6 +9,7 @@
 
 #include "core/cpu/exp_poly.h"
 #include "core/cpu/gemm.h"
+#include "core/cpu/gemm_bf16.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -192,9 +193,37 @@ std::vector<float>& HeadPanels(int64_t floats) {
   return panels;
 }
 
-// scores[rows, keys] = scale * Q K^T against `keys` keys (rows `key_stride` apart).
+// The rounded query rows or probabilities of one head's products in bf16, reused by this
+// thread's next head.
+uint16_t* Bf16Rows(const float* rows_in, int64_t rows, int64_t width, int64_t stride) {
+  thread_local std::vector<uint16_t> rounded;
+  rounded.resize(rows * width);
+  for (int64_t r = 0; r < rows; ++r) {
+    RoundToBf16(rows_in + r * stride, width, rounded.data() + r * width);
+  }
+  return rounded.data();
+}
+
+// The bf16 panels of one head's keys or values, as HeadPanels.
+uint16_t* Bf16HeadPanels(int64_t elements) {
+  thread_local std::vector<uint16_t> panels;
+  panels.resize(elements);
+  return panels.data();
+}
+
+// scores[rows, keys] = scale * Q K^T against `keys` keys (rows `key_stride` apart); in bf16
+// products with `bf16` (up to kTinyHeadKeys keys, which every online block is).
 void ScoresGemm(const float* query, int64_t query_stride, int64_t rows, const float* key,
-                int64_t key_stride, int64_t keys, int64_t head_dim, float scale, float* scores) {
+                int64_t key_stride, int64_t keys, int64_t head_dim, float scale, float* scores,
+                bool bf16) {
+  if (bf16 && keys <= kTinyHeadKeys) {
+    const uint16_t* a = Bf16Rows(query, rows, head_dim, query_stride);
+    uint16_t* panels = Bf16HeadPanels(Bf16PanelElements(head_dim, keys));
+    PackBf16Panels(key, head_dim, keys, 1, key_stride, panels);
+    GemmBf16Panels(Bf16Kernel::kAvx512Bf16, a, head_dim, rows, panels, head_dim, keys, 0,
+                   PanelCount(keys), scale, nullptr, scores, keys);
+    return;
+  }
   if (keys > kTinyHeadKeys) {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, head_dim, scale, query,
                 query_stride, key, key_stride, 0.0f, scores, keys);
@@ -209,7 +238,15 @@ void ScoresGemm(const float* query, int64_t query_stride, int64_t rows, const fl
 // out[rows, v_head_dim] = P V, or += with `accumulate`, for probabilities P [rows, keys].
 void ValuesGemm(const float* probabilities, int64_t rows, int64_t keys, const float* value,
                 int64_t value_stride, int64_t v_head_dim, bool accumulate, float* out,
-                int64_t out_stride) {
+                int64_t out_stride, bool bf16) {
+  if (bf16 && keys <= kTinyHeadKeys) {
+    const uint16_t* a = Bf16Rows(probabilities, rows, keys, keys);
+    uint16_t* panels = Bf16HeadPanels(Bf16PanelElements(keys, v_head_dim));
+    PackBf16Panels(value, keys, v_head_dim, value_stride, 1, panels);
+    GemmBf16Panels(Bf16Kernel::kAvx512Bf16, a, keys, rows, panels, keys, v_head_dim, 0,
+                   PanelCount(v_head_dim), 1.0f, nullptr, out, out_stride, accumulate);
+    return;
+  }
   if (keys > kTinyHeadKeys) {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, v_head_dim, keys, 1.0f,
                 probabilities, keys, value, value_stride, accumulate ? 1.0f : 0.0f, out,
@@ -277,7 +314,7 @@ void AttendBlockOnline(const AttentionProblem& p, int64_t b, int64_t h, int64_t 
     const int64_t keys = std::min(kKeyBlock, key_count - first_key);
     ScoresGemm(p.query + p.query_layout.Offset(b, h, first_row), p.query_layout.row_stride, rows,
                p.key + p.key_layout.Offset(b, hk, first_key), p.key_layout.row_stride, keys,
-               d.head_dim, options.Scale(d), scores.data());
+               d.head_dim, options.Scale(d), scores.data(), p.bf16_products);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = first_row + r;
       float* row = scores.data() + r * keys;
@@ -295,7 +332,8 @@ void AttendBlockOnline(const AttentionProblem& p, int64_t b, int64_t h, int64_t 
       DropOutRow(options, b, h, i, first_key, valid, row);
     }
     ValuesGemm(scores.data(), rows, keys, p.value + p.value_layout.Offset(b, hk, first_key),
-               p.value_layout.row_stride, d.v_head_dim, /*accumulate=*/true, out, out_stride);
+               p.value_layout.row_stride, d.v_head_dim, /*accumulate=*/true, out, out_stride,
+               p.bf16_products);
   }
   for (int64_t r = 0; r < rows; ++r) {
     // A fully masked row has sum 0 and an all-zero accumulator: it stays zeros.
@@ -342,7 +380,7 @@ void AttendBlock(const AttentionProblem& p, int64_t b, int64_t h, int64_t block)
   const float* query = p.query + p.query_layout.Offset(b, h, first_row);
   const float* key = p.key + p.key_layout.Offset(b, hk, 0);
   ScoresGemm(query, p.query_layout.row_stride, rows, key, p.key_layout.row_stride, key_count,
-             d.head_dim, scale, scores.data());
+             d.head_dim, scale, scores.data(), p.bf16_products);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = first_row + r;
     float* row = scores.data() + r * key_count;
@@ -361,7 +399,7 @@ void AttendBlock(const AttentionProblem& p, int64_t b, int64_t h, int64_t block)
   }
   ValuesGemm(scores.data(), rows, key_count, p.value + p.value_layout.Offset(b, hk, 0),
              p.value_layout.row_stride, d.v_head_dim, /*accumulate=*/false, out,
-             p.output_layout.row_stride);
+             p.output_layout.row_stride, p.bf16_products);
 }
 
 }  // namespace

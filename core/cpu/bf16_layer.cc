@@ -219,6 +219,7 @@ absl::StatusOr<std::vector<AttentionResult>> CpuBf16Layer::ForwardBatch(
     }
     problems[n] = plan.Attention(n, q, k, v, attended);
     problems[n].weights = results[n].weights.empty() ? nullptr : results[n].weights.data();
+    problems[n].bf16_products = kernel_ == Bf16Kernel::kAvx512Bf16;
   }
   AttentionBlockedCpu(problems, pool_);
   // A lone input's output projection writes straight to its destination.

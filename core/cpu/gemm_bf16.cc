@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "core/cpu/transpose_avx512.h"
 #include "core/dtype.h"
 #include "core/half_bits.h"
 #if defined(__x86_64__)
@@ -150,6 +151,64 @@ __attribute__((target("avx512f,avx512bf16"))) void RoundToBf16Avx512(const float
   }
   for (; i < count; ++i) out[i] = FloatToBFloat16(x[i]);
 }
+
+// PackBf16Panels with depth_stride 1 (keys): each column's depths are contiguous, so a
+// column's 16 pairs of depths are one vector of 16 dwords once rounded, and a panel's
+// pair-rows are the 16 x 16 transpose of its 16 columns' vectors.
+__attribute__((target("avx512f,avx512bf16"))) void PackBf16TransposedAvx512(
+    const float* b, int64_t depth, int64_t columns, int64_t column_stride, uint16_t* panels) {
+  const int64_t pair_rows = (depth + 1) / 2;
+  for (int64_t p = 0; p < PanelCount(columns); ++p) {
+    uint16_t* panel = panels + p * pair_rows * kPairRow;
+    const float* first_column = b + p * kPanelWidth * column_stride;
+    const int64_t width = std::min(kPanelWidth, columns - p * kPanelWidth);
+    for (int64_t k0 = 0; k0 < depth; k0 += 2 * kPanelWidth) {
+      const int64_t depths = std::min(2 * kPanelWidth, depth - k0);
+      const __mmask16 low = static_cast<__mmask16>((1u << std::min<int64_t>(depths, 16)) - 1);
+      const __mmask16 high = static_cast<__mmask16>((1u << std::max<int64_t>(depths - 16, 0)) - 1);
+      __m512 block[16];
+      for (int64_t j = 0; j < kPanelWidth; ++j) {
+        if (j >= width) {
+          block[j] = _mm512_setzero_ps();
+          continue;
+        }
+        const float* column = first_column + j * column_stride + k0;
+        const __m512bh rounded = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(high, column + 16),
+                                                     _mm512_maskz_loadu_ps(low, column));
+        block[j] = (__m512)rounded;
+      }
+      Transpose16x16(block);
+      for (int64_t m = 0; m < (depths + 1) / 2; ++m) {
+        _mm512_storeu_ps(reinterpret_cast<float*>(panel + (k0 / 2 + m) * kPairRow), block[m]);
+      }
+    }
+  }
+}
+
+// PackBf16Panels with column_stride 1 (values): two rows of B rounded at once, their
+// elements interleaved into a pair-row.
+__attribute__((target("avx512f,avx512bf16,avx512bw"))) void PackBf16RowsAvx512(
+    const float* b, int64_t depth, int64_t columns, int64_t ldb, uint16_t* panels) {
+  const int64_t pair_rows = (depth + 1) / 2;
+  alignas(64) static constexpr uint16_t kInterleave[32] = {
+      0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+  for (int64_t p = 0; p < PanelCount(columns); ++p) {
+    uint16_t* panel = panels + p * pair_rows * kPairRow;
+    const float* first = b + p * kPanelWidth;
+    const int64_t width = std::min(kPanelWidth, columns - p * kPanelWidth);
+    const __mmask16 live = static_cast<__mmask16>((1u << width) - 1);
+    for (int64_t kk = 0; kk < pair_rows; ++kk) {
+      const __m512 even = _mm512_maskz_loadu_ps(live, first + 2 * kk * ldb);
+      const __m512 odd = 2 * kk + 1 < depth
+                             ? _mm512_maskz_loadu_ps(live, first + (2 * kk + 1) * ldb)
+                             : _mm512_setzero_ps();
+      const __m512i rounded = (__m512i)_mm512_cvtne2ps_pbh(odd, even);
+      _mm512_storeu_si512(panel + kk * kPairRow, _mm512_permutexvar_epi16(interleave, rounded));
+    }
+  }
+}
 #endif
 
 constexpr int kMaxTileRows = 12;
@@ -163,7 +222,8 @@ const char* Bf16KernelName(Bf16Kernel kernel) {
 bool CpuSupports(Bf16Kernel kernel) {
 #if defined(__x86_64__)
   if (kernel == Bf16Kernel::kAvx512Bf16) {
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512bf16");
   }
 #endif
   return kernel == Bf16Kernel::kPortable;
@@ -195,6 +255,34 @@ void PackBf16Transposed(const uint16_t* w, int64_t columns, int64_t depth, int64
     for (int64_t j = 0; j < width; ++j) {
       const uint16_t* column = w + (p * kPanelWidth + j) * ldw;
       for (int64_t k = 0; k < depth; ++k) panel[(k / 2) * kPairRow + 2 * j + k % 2] = column[k];
+    }
+  }
+}
+
+void PackBf16Panels(const float* b, int64_t depth, int64_t columns, int64_t depth_stride,
+                    int64_t column_stride, uint16_t* panels, Bf16Kernel kernel) {
+#if defined(__x86_64__)
+  // Attention packs every head's keys and values so: a scalar loop would cost as much as
+  // the products.
+  if (kernel == Bf16Kernel::kAvx512Bf16 && depth_stride == 1) {
+    PackBf16TransposedAvx512(b, depth, columns, column_stride, panels);
+    return;
+  }
+  if (kernel == Bf16Kernel::kAvx512Bf16 && column_stride == 1) {
+    PackBf16RowsAvx512(b, depth, columns, depth_stride, panels);
+    return;
+  }
+#endif
+  const int64_t pair_rows = (depth + 1) / 2;
+  for (int64_t p = 0; p < PanelCount(columns); ++p) {
+    uint16_t* panel = panels + p * pair_rows * kPairRow;
+    std::fill(panel, panel + pair_rows * kPairRow, uint16_t{0});
+    const int64_t width = std::min(kPanelWidth, columns - p * kPanelWidth);
+    for (int64_t j = 0; j < width; ++j) {
+      const float* column = b + (p * kPanelWidth + j) * column_stride;
+      for (int64_t k = 0; k < depth; ++k) {
+        panel[(k / 2) * kPairRow + 2 * j + k % 2] = FloatToBFloat16(column[k * depth_stride]);
+      }
     }
   }
 }

@@ -41,6 +41,13 @@ void RoundToBf16(const float* x, int64_t count, uint16_t* out,
 void PackBf16Transposed(const uint16_t* w, int64_t columns, int64_t depth, int64_t ldw,
                         uint16_t* panels);
 
+// Panels of float32 B [depth, columns], element (k, j) at b[k * depth_stride + j *
+// column_stride], rounded to bf16 as they are packed, with `kernel`'s instructions: keys
+// (depth_stride 1, as PackTransposed) and values (column_stride 1, as PackRows) of
+// attention's products.
+void PackBf16Panels(const float* b, int64_t depth, int64_t columns, int64_t depth_stride,
+                    int64_t column_stride, uint16_t* panels, Bf16Kernel kernel = BestBf16Kernel());
+
 // C[rows, columns of panels [first_panel, end_panel)] = alpha * A[rows, depth] * B + bias,
 // as GemmPanels, with A in bf16 (rows `lda` elements apart) and B in bf16 panel layout.
 // With `accumulate`, C += alpha * A * B instead (and `bias` must be null).

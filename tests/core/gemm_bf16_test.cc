@@ -136,6 +136,40 @@ TEST_P(GemmBf16Test, LinearForwardMatchesNaiveOnBothSplits) {
   }
 }
 
+// Float32 operands packed with rounding (attention's keys, depth_stride 1, and values,
+// column_stride 1): the same bits as rounding each element and packing it one by one.
+TEST_P(GemmBf16Test, PacksFloatOperandsAsRoundedElements) {
+  const uint64_t seed = TestSeed(2604);
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> uniform(-2.0f, 2.0f);
+  for (int64_t depth : {1, 2, 3, 15, 31, 32, 33, 64, 65, 130}) {
+    for (int64_t columns : {1, 15, 16, 17, 40}) {
+      for (bool transposed : {true, false}) {
+        SCOPED_TRACE("depth " + std::to_string(depth) + " columns " + std::to_string(columns) +
+                     (transposed ? " keys" : " values"));
+        const int64_t stride = (transposed ? depth : columns) + 3;
+        std::vector<float> b((transposed ? columns : depth) * stride);
+        for (float& v : b) v = uniform(rng);
+        const int64_t depth_stride = transposed ? 1 : stride;
+        const int64_t column_stride = transposed ? stride : 1;
+        std::vector<uint16_t> packed(Bf16PanelElements(depth, columns), 0xffff);
+        PackBf16Panels(b.data(), depth, columns, depth_stride, column_stride, packed.data(),
+                       GetParam());
+        std::vector<uint16_t> expected(packed.size(), 0);
+        for (int64_t j = 0; j < columns; ++j) {
+          for (int64_t k = 0; k < depth; ++k) {
+            const int64_t panel = j / kPanelWidth, column = j % kPanelWidth;
+            expected[panel * ((depth + 1) / 2) * 2 * kPanelWidth + (k / 2) * 2 * kPanelWidth +
+                     2 * column + k % 2] = FloatToBFloat16(b[k * depth_stride + j * column_stride]);
+          }
+        }
+        ASSERT_EQ(packed, expected);
+      }
+    }
+  }
+}
+
 // Rounding to bf16: to nearest even, NaN stays NaN, the same on every kernel (the SIMD
 // one covers 16 at a time and the rest one by one).
 TEST_P(GemmBf16Test, RoundsToNearestEvenAsTheWireDoes) {
