@@ -1,5 +1,6 @@
 // The native API's KV-cache sessions: CreateSession, SessionStep, ForkSession,
 // TruncateSession, DropSession, GetSession, ListSessions, over server/sessions.
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <string>
@@ -51,7 +52,16 @@ absl::StatusOr<SessionShape> ShapeOf(const v1::SessionConfig& config,
     layers.push_back((*snapshot)->layer);
     names.push_back(config.layers(l));
   }
-  return ShapeOverLayers(shape, std::move(layers), std::move(names));
+  const bool all_bf16 = std::all_of(layers.begin(), layers.end(), [](const auto& layer) {
+    return layer->config().compute_dtype == core::DType::kBFloat16;
+  });
+  ASSIGN_OR_RETURN(SessionShape over_layers,
+                   ShapeOverLayers(shape, std::move(layers), std::move(names)));
+  // BFLOAT16 layers hold their keys and values in bf16 too, unless the config says.
+  if (config.kv_dtype() == v1::DATA_TYPE_UNSPECIFIED && all_bf16) {
+    over_layers.kv_dtype = core::DType::kBFloat16;
+  }
+  return over_layers;
 }
 
 v1::SessionConfig ConfigOf(const SessionShape& shape) {

@@ -179,6 +179,55 @@ TEST_F(SessionLayersTest, IncrementalDecodeIsTheOneShotCausalForward) {
   }
 }
 
+// Sessions over BFLOAT16 layers (issue 26) keep K and V in bf16 unless the config asks
+// otherwise, and decode by the bf16 rule: against the same tokens through the layer's bf16
+// textbook (PyTorch's bf16 stages), the float64 oracle being the float32 layer of the same
+// weights.
+TEST_F(SessionLayersTest, Bf16LayersKeepABf16CacheAndDecodeByTheBf16Rule) {
+  const uint64_t seed = 2613;
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  v1::LoadLayerRequest bf16 = DecoderLayer("qwen-bf16", 2);
+  bf16.mutable_spec()->mutable_config()->set_compute_dtype(v1::BFLOAT16);
+  Load(bf16);
+  Load(DecoderLayer("qwen", 2));
+  v1::SessionInfo session, float_cache;
+  ASSERT_TRUE(Create(OverLayers({"qwen-bf16"}), &session).ok());
+  EXPECT_EQ(session.config().kv_dtype(), v1::BFLOAT16);
+  v1::SessionConfig asked = OverLayers({"qwen-bf16"});
+  asked.set_kv_dtype(v1::FLOAT32);
+  ASSERT_TRUE(Create(asked, &float_cache).ok());
+  EXPECT_EQ(float_cache.config().kv_dtype(), v1::FLOAT32);
+
+  constexpr int64_t kTokens = 23, kPrefill = 11;
+  const std::vector<float> x = RandomValues(rng, kTokens * kEmbed);
+  std::vector<std::vector<float>> outputs(2, std::vector<float>(kTokens * kEmbed));
+  for (int64_t first = 0; first < kTokens; first += first == 0 ? kPrefill : 1) {
+    const int64_t n = first == 0 ? kPrefill : 1;
+    v1::SessionStepRequest request;
+    *request.add_entries() = HiddenEntry(session.session_id(), 0, x, first, n);
+    *request.add_entries() = HiddenEntry(float_cache.session_id(), 0, x, first, n);
+    v1::SessionStepResponse response;
+    const grpc::Status status = Step(request, &response);
+    ASSERT_TRUE(status.ok()) << "position " << first << ": " << status.error_message();
+    for (int e = 0; e < 2; ++e) {
+      const std::vector<float> values =
+          wire::DecodeFloatTensor(response.results(e).output(), "output")->values;
+      std::copy(values.begin(), values.end(), outputs[e].begin() + first * kEmbed);
+    }
+  }
+  core::MhaInput input;
+  input.batch = 1;
+  input.q_len = input.kv_len = kTokens;
+  input.query = x;
+  input.options.causal = true;
+  const auto reference = (*server_->registry().Get("qwen-bf16"))->layer->ForwardBf16Textbook(input);
+  const auto oracle = (*server_->registry().Get("qwen"))->layer->ForwardTextbook<double>(input);
+  core::testing::FidelityStats stats("bf16 served-layer sessions vs the bf16 one-shot forward");
+  EXPECT_TRUE(stats.CheckBf16(outputs[0], reference.output, oracle.output)) << "bf16 cache";
+  EXPECT_TRUE(stats.CheckBf16(outputs[1], reference.output, oracle.output)) << "float32 cache";
+}
+
 TEST_F(SessionLayersTest, EveryRefusalNamesItsField) {
   Load(DecoderLayer("llama", 1));
   Load(DecoderLayer("mistral", 3, /*window=*/8));
