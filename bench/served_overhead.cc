@@ -205,8 +205,8 @@ int main(int argc, char** argv) {
     grpc::ClientContext echo_context;
     absl::Notification echo_done;
     grpc::Status echo_status;
-    echo.UnaryCall(&echo_context, "/bench.Echo/Echo", grpc::StubOptions(), &echo_request,
-                   &echoed, [&](grpc::Status status) {
+    echo.UnaryCall(&echo_context, "/bench.Echo/Echo", grpc::StubOptions(), &echo_request, &echoed,
+                   [&](const grpc::Status& status) {
                      echo_status = status;
                      echo_done.Notify();
                    });

@@ -78,6 +78,7 @@ void TilePortable(const float* a, int64_t lda, const float* panel, int64_t depth
 // macros) and then added to the running ones (`sum`); depths up to kSumBlock (attention's
 // heads) run the plain loop alone.
 // 2 x R accumulators (R <= 6 leaves registers for B and the broadcast).
+// NOLINTBEGIN(bugprone-macro-parentheses): the arguments are pasted into names.
 #define AVX2_ROW(acc, r)                                         \
   if constexpr (R > r) {                                         \
     const __m256 x = _mm256_broadcast_ss(a + r * lda + k);       \
@@ -288,6 +289,7 @@ __attribute__((target("avx512f"))) void TileAvx512Wide(const float* a, int64_t l
 #undef AVX512_WIDE_ROWS
 #undef AVX512_WIDE_ADD_BLOCK
 #undef AVX512_WIDE_STORE
+// NOLINTEND(bugprone-macro-parentheses)
 #endif
 
 // Rows per tile at most: as many as keep the accumulators in registers.

@@ -65,6 +65,7 @@ __attribute__((target("avx512f"))) inline __m512i SingleAt(const uint16_t* a) {
 
 // R rows x 2 full panels, 2 x R accumulators (R <= 12), one pair of depths a step. The
 // accumulators are named variables (see gemm.cc: GCC spills an array of vectors).
+// NOLINTBEGIN(bugprone-macro-parentheses): the arguments are pasted into names.
 #define BF16_ROW(r, load)                                              \
   if constexpr (R > r) {                                               \
     const __m512bh x = (__m512bh)load(a + r * lda + k);                \
@@ -97,13 +98,14 @@ __attribute__((target("avx512f,avx512bf16"))) void TileBf16Avx512(const uint16_t
          right5 = left0, right6 = left0, right7 = left0, right8 = left0, right9 = left0,
          right10 = left0, right11 = left0;
   const uint16_t* second = panel + panel_stride;
-#define BF16_STEP(load)                                                                          \
-  const __m512bh b0 = (__m512bh)_mm512_loadu_si512(panel + (k / 2) * kPairRow);                  \
-  const __m512bh b1 = kWide ? (__m512bh)_mm512_loadu_si512(second + (k / 2) * kPairRow) : b0;    \
-  BF16_ROW(0, load)                                                                              \
-  BF16_ROW(1, load) BF16_ROW(2, load) BF16_ROW(3, load) BF16_ROW(4, load) BF16_ROW(5, load)      \
-      BF16_ROW(6, load) BF16_ROW(7, load) BF16_ROW(8, load) BF16_ROW(9, load) BF16_ROW(10, load) \
-          BF16_ROW(11, load)
+  // clang-format off
+#define BF16_STEP(load)                                                                       \
+  const __m512bh b0 = (__m512bh)_mm512_loadu_si512(panel + (k / 2) * kPairRow);               \
+  const __m512bh b1 = kWide ? (__m512bh)_mm512_loadu_si512(second + (k / 2) * kPairRow) : b0; \
+  BF16_ROW(0, load) BF16_ROW(1, load) BF16_ROW(2, load) BF16_ROW(3, load)                     \
+  BF16_ROW(4, load) BF16_ROW(5, load) BF16_ROW(6, load) BF16_ROW(7, load)                     \
+  BF16_ROW(8, load) BF16_ROW(9, load) BF16_ROW(10, load) BF16_ROW(11, load)
+  // clang-format on
   int64_t k = 0;
   for (; k + 1 < depth; k += 2) {
     BF16_STEP(PairAt)
@@ -117,12 +119,14 @@ __attribute__((target("avx512f,avx512bf16"))) void TileBf16Avx512(const uint16_t
       out.bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, out.bias);
   const __m512 bias_right =
       out.bias == nullptr || !kWide ? _mm512_setzero_ps() : _mm512_loadu_ps(out.bias + 16);
-  BF16_STORE(0)
-  BF16_STORE(1) BF16_STORE(2) BF16_STORE(3) BF16_STORE(4) BF16_STORE(5) BF16_STORE(6) BF16_STORE(7)
-      BF16_STORE(8) BF16_STORE(9) BF16_STORE(10) BF16_STORE(11)
+  // clang-format off
+  BF16_STORE(0) BF16_STORE(1) BF16_STORE(2) BF16_STORE(3) BF16_STORE(4) BF16_STORE(5)
+  BF16_STORE(6) BF16_STORE(7) BF16_STORE(8) BF16_STORE(9) BF16_STORE(10) BF16_STORE(11)
+  // clang-format on
 }
 #undef BF16_ROW
 #undef BF16_STEP
+// NOLINTEND(bugprone-macro-parentheses)
 #undef BF16_STORE
 
 using Bf16TileFn = void (*)(const uint16_t* a, int64_t lda, const uint16_t* panel,
