@@ -11,6 +11,7 @@
 #include "core/cpu/attention_cpu.h"
 #include "core/cpu/cpu_backend.h"
 #include "core/cpu/forward_scratch.h"
+#include "core/cpu/forward_steps.h"
 #include "core/cpu/gemm.h"
 #include "core/dtype.h"
 #include "core/forward_plan.h"
@@ -104,8 +105,8 @@ class CpuBf16Layer final : public PreparedLayer {
   }
 
  private:
-  // Q, K and V of `rows` bf16 tokens `x` (fused: as one GEMM), `stride` floats per row in
-  // `q` (Q + K + V when fused, and then k and v are ignored).
+  // Q, K and V of `rows` bf16 tokens `x`: with fused weights one GEMM into `q` ([rows,
+  // Q + K + V]; k and v unused), else three.
   void ProjectSelf(const uint16_t* x, int64_t rows, float* q, float* k, float* v) const;
   // The output projection of `rows` attended float32 rows into `output`.
   void ProjectOutput(const float* attended, int64_t rows, float* output) const;
@@ -201,40 +202,17 @@ absl::StatusOr<std::vector<AttentionResult>> CpuBf16Layer::ForwardBatch(
       project(xv, kv_rows, c.QWidth() + c.KWidth(), c.VWidth(), v);
     }
   }
-  if (c.rope_theta > 0.0) {
-    for (const ForwardPlan::Input& in : plan.inputs) {
-      ApplyRotary(q + in.q_row * plan.q_stride, in.q_rows(), in.dims.q_len, c.num_heads, c.head_dim,
-                  in.rotary_base, plan.q_stride, c.rope_scaling);
-      ApplyRotary(k + in.kv_row * plan.k_stride, in.kv_rows(), in.dims.kv_len, c.num_kv_heads,
-                  c.head_dim, in.rotary_base, plan.k_stride, c.rope_scaling);
-    }
-  }
+  RotatePlanned(c, plan, q, k);
   float* attended = scratch.Get(ForwardScratch::kAttended, q_rows * c.AttentionWidth());
-  std::vector<AttentionResult> results(inputs.size());
-  std::vector<AttentionProblem> problems(inputs.size());
-  for (size_t n = 0; n < inputs.size(); ++n) {
-    const AttentionDims& d = plan.inputs[n].dims;
-    if (inputs[n]->options.need_weights != NeedWeights::kNone) {
-      results[n].weights.resize(d.batch * d.num_heads * d.q_len * d.kv_len);
-    }
-    problems[n] = plan.Attention(n, q, k, v, attended);
-    problems[n].weights = results[n].weights.empty() ? nullptr : results[n].weights.data();
-    problems[n].bf16_products = kernel_ == Bf16Kernel::kAvx512Bf16;
-  }
-  AttentionBlockedCpu(problems, pool_);
+  std::vector<AttentionResult> results =
+      AttendPlanned(plan, inputs, q, k, v, attended, kernel_ == Bf16Kernel::kAvx512Bf16, pool_);
   // A lone input's output projection writes straight to its destination.
   const bool project_to_destination = inputs.size() == 1 && !inputs[0]->output_destination.empty();
   float* output = project_to_destination
                       ? inputs[0]->output_destination.data()
                       : scratch.Get(ForwardScratch::kProjected, q_rows * c.output_dim);
   ProjectOutput(attended, q_rows, output);
-  for (size_t n = 0; n < inputs.size(); ++n) {
-    if (!project_to_destination) {
-      DeliverOutput(*inputs[n], output + plan.inputs[n].q_row * c.output_dim,
-                    plan.inputs[n].q_rows() * c.output_dim, &results[n]);
-    }
-    FinishWeights(results[n], problems[n].dims, inputs[n]->options.need_weights);
-  }
+  if (!project_to_destination) DeliverPlanned(plan, inputs, output, c.output_dim, results);
   return results;
 }
 
@@ -249,20 +227,11 @@ absl::Status CpuBf16Layer::ProjectForDecode(const float* x, absl::Span<const int
     const int64_t width = c.QWidth() + c.KWidth() + c.VWidth();
     float* qkv = scratch.Get(ForwardScratch::kQ, rows * width);
     ProjectSelf(tokens, rows, qkv, nullptr, nullptr);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* row = qkv + r * width;
-      std::copy_n(row, c.QWidth(), q + r * c.QWidth());
-      std::copy_n(row + c.QWidth(), c.KWidth(), k + r * c.KWidth());
-      std::copy_n(row + c.QWidth() + c.KWidth(), c.VWidth(), v + r * c.VWidth());
-    }
+    SplitFusedRows(c, qkv, rows, q, k, v);
   } else {
     ProjectSelf(tokens, rows, q, k, v);
   }
-  if (c.rope_theta > 0.0) {
-    ApplyRotaryAt(q, positions, c.num_heads, c.head_dim, c.rope_theta, c.QWidth(), c.rope_scaling);
-    ApplyRotaryAt(k, positions, c.num_kv_heads, c.head_dim, c.rope_theta, c.KWidth(),
-                  c.rope_scaling);
-  }
+  RotateAtPositions(c, positions, q, k);
   return absl::OkStatus();
 }
 

@@ -12,6 +12,7 @@
 #include "core/cpu/attention_cpu.h"
 #include "core/cpu/bf16_layer.h"
 #include "core/cpu/forward_scratch.h"
+#include "core/cpu/forward_steps.h"
 #include "core/cpu/gemm.h"
 #include "core/forward_plan.h"
 
@@ -127,45 +128,22 @@ absl::StatusOr<std::vector<AttentionResult>> CpuPreparedLayer::ForwardBatch(
     LinearForward(pool_, value_input, kv_rows, c.vdim, w.v_weight, w.v_bias, c.VWidth(), v,
                   v_panels_);
   }
-  if (c.rope_theta > 0.0) {
-    for (const ForwardPlan::Input& in : plan.inputs) {
-      ApplyRotary(q + in.q_row * plan.q_stride, in.q_rows(), in.dims.q_len, c.num_heads, c.head_dim,
-                  in.rotary_base, plan.q_stride, c.rope_scaling);
-      ApplyRotary(k + in.kv_row * plan.k_stride, in.kv_rows(), in.dims.kv_len, c.num_kv_heads,
-                  c.head_dim, in.rotary_base, plan.k_stride, c.rope_scaling);
-    }
-  }
+  RotatePlanned(c, plan, q, k);
   float* attended = scratch.Get(ForwardScratch::kAttended, q_rows * c.AttentionWidth());
-  std::vector<AttentionResult> results(inputs.size());
-  std::vector<AttentionProblem> problems(inputs.size());
-  for (size_t n = 0; n < inputs.size(); ++n) {
-    const AttentionDims& d = plan.inputs[n].dims;
-    if (inputs[n]->options.need_weights != NeedWeights::kNone) {
-      results[n].weights.resize(d.batch * d.num_heads * d.q_len * d.kv_len);
-    }
-    problems[n] = plan.Attention(n, q, k, v, attended);
-    problems[n].weights = results[n].weights.empty() ? nullptr : results[n].weights.data();
+  std::vector<AttentionResult> results =
+      AttendPlanned(plan, inputs, q, k, v, attended, /*bf16_products=*/false, pool_);
+  if (!c.output_projection) {
+    DeliverPlanned(plan, inputs, attended, c.output_dim, results);
+    return results;
   }
-  AttentionBlockedCpu(problems, pool_);
-  const float* output = attended;
   // A lone input's output projection writes straight to its destination.
-  const bool project_to_destination =
-      c.output_projection && inputs.size() == 1 && !inputs[0]->output_destination.empty();
-  if (c.output_projection) {
-    float* projected = project_to_destination
-                           ? inputs[0]->output_destination.data()
-                           : scratch.Get(ForwardScratch::kProjected, q_rows * c.output_dim);
-    LinearForward(pool_, attended, q_rows, c.AttentionWidth(), w.out_weight, w.out_bias,
-                  c.output_dim, projected, packed_out_->panels());
-    output = projected;
-  }
-  for (size_t n = 0; n < inputs.size(); ++n) {
-    if (!project_to_destination) {
-      DeliverOutput(*inputs[n], output + plan.inputs[n].q_row * c.output_dim,
-                    plan.inputs[n].q_rows() * c.output_dim, &results[n]);
-    }
-    FinishWeights(results[n], problems[n].dims, inputs[n]->options.need_weights);
-  }
+  const bool project_to_destination = inputs.size() == 1 && !inputs[0]->output_destination.empty();
+  float* projected = project_to_destination
+                         ? inputs[0]->output_destination.data()
+                         : scratch.Get(ForwardScratch::kProjected, q_rows * c.output_dim);
+  LinearForward(pool_, attended, q_rows, c.AttentionWidth(), w.out_weight, w.out_bias, c.output_dim,
+                projected, packed_out_->panels());
+  if (!project_to_destination) DeliverPlanned(plan, inputs, projected, c.output_dim, results);
   return results;
 }
 
@@ -182,24 +160,13 @@ absl::Status CpuPreparedLayer::ProjectForDecode(const float* x, absl::Span<const
     float* qkv = scratch.Get(ForwardScratch::kQ, rows * width);
     LinearForward(pool_, x, rows, c.embed_dim, w.fused_qkv_weight, w.fused_qkv_bias, width, qkv,
                   packed_qkv_->panels());
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* row = qkv + r * width;
-      std::copy_n(row, c.QWidth(), q + r * c.QWidth());
-      std::copy_n(row + c.QWidth(), c.KWidth(), k + r * c.KWidth());
-      std::copy_n(row + c.QWidth() + c.KWidth(), c.VWidth(), v + r * c.VWidth());
-    }
+    SplitFusedRows(c, qkv, rows, q, k, v);
   } else {
     LinearForward(pool_, x, rows, c.embed_dim, w.q_weight, w.q_bias, c.QWidth(), q, q_panels_);
     LinearForward(pool_, x, rows, c.kdim, w.k_weight, w.k_bias, c.KWidth(), k, k_panels_);
     LinearForward(pool_, x, rows, c.vdim, w.v_weight, w.v_bias, c.VWidth(), v, v_panels_);
   }
-  if (c.rope_theta > 0.0) {
-    // The base is theta: MhaLayer::DecodeSupport refuses dynamic scaling, whose base moves
-    // with the sequence length under keys already cached.
-    ApplyRotaryAt(q, positions, c.num_heads, c.head_dim, c.rope_theta, c.QWidth(), c.rope_scaling);
-    ApplyRotaryAt(k, positions, c.num_kv_heads, c.head_dim, c.rope_theta, c.KWidth(),
-                  c.rope_scaling);
-  }
+  RotateAtPositions(c, positions, q, k);
   return absl::OkStatus();
 }
 
