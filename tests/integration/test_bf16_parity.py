@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import harness
-from attention_client import AttentionClient
+from attention_client import AttentionClient, make_layer_spec
 from test_torch_parity import cast, causal_allowed, in_dtype, rotary, uniform_init
 
 FLOOR_FRACTION = 4e-3
@@ -126,6 +126,11 @@ def native_layer(rule, client, seed):
                                             layer=name, causal=causal, dtype=dtype)
             ok &= rule.compare("layer[seed=%d] %s" % (seed, dtype), r.output, reference, oracle,
                                cfg)
+        # The same layer sent inline with the request: the same answer.
+        inline = client.multi_head_attention(
+            x, kin if cross else None, vin if cross else None, causal=causal,
+            layer_spec=make_layer_spec(config, weights))
+        ok &= rule.compare("inline[seed=%d]" % seed, inline.output, reference, oracle, cfg)
     finally:
         client.unload_layer(name)
         client.unload_layer(float_name)
