@@ -1202,6 +1202,31 @@ TEST_F(HfCheckpointTest, RopeScalingAndWindowsAreValidatedThroughTheApi) {
   EXPECT_EQ(loaded->config().sliding_window(), 4);
 }
 
+TEST_F(HfCheckpointTest, ComputeDtypeIsValidatedThroughTheApi) {
+  v1::LoadLayerRequest request = RandomLayerRequest("precise", 16, 3);
+  v1::LayerConfig& config = *request.mutable_spec()->mutable_config();
+  for (v1::DataType refused : {v1::FLOAT16, v1::BOOL}) {
+    config.set_compute_dtype(refused);
+    ExpectStatus(client_->LoadLayer(request).status(), absl::StatusCode::kInvalidArgument,
+                 "spec.config.compute_dtype = " + v1::DataType_Name(refused) +
+                     " is not a compute precision; expected FLOAT32 or BFLOAT16");
+  }
+  config.set_compute_dtype(static_cast<v1::DataType>(99));
+  ExpectStatus(client_->LoadLayer(request).status(), absl::StatusCode::kInvalidArgument,
+               "spec.config.compute_dtype = 99 is not a known DataType");
+  config.set_compute_dtype(v1::DATA_TYPE_UNSPECIFIED);
+  const auto float32 = client_->LoadLayer(request);
+  ASSERT_TRUE(float32.ok()) << float32.status();
+  EXPECT_EQ(float32->dtype(), v1::FLOAT32);
+  EXPECT_EQ(float32->config().compute_dtype(), v1::FLOAT32);
+  config.set_compute_dtype(v1::BFLOAT16);
+  const auto bf16 = client_->LoadLayer(request);
+  ASSERT_TRUE(bf16.ok()) << bf16.status();
+  EXPECT_EQ(bf16->dtype(), v1::BFLOAT16);
+  EXPECT_EQ(bf16->config().compute_dtype(), v1::BFLOAT16);
+  EXPECT_LT(bf16->weight_bytes(), 0.55 * float32->weight_bytes());
+}
+
 TEST_F(HfCheckpointTest, InspectStopsBeforeTheResponseGrowsPastItsBound) {
   // 3000 tensors with 1000-character names: 3 MB of names, listed 1 MiB at a time.
   std::vector<NamedTensor> tensors;
