@@ -328,6 +328,8 @@ absl::Status CheckConfigAgreement(const v1::LayerConfig& sent, const v1::LayerCo
     const google::protobuf::FieldDescriptor* field = descriptor->field(i);
     // proto3: a scalar "has" its field when it is not the default (zero, false).
     if (!reflection->HasField(sent, field)) continue;
+    // The precision is the caller's choice, not the checkpoint's.
+    if (field->number() == v1::LayerConfig::kComputeDtypeFieldNumber) continue;
     const std::string given = FieldText(sent, field);
     const std::string read = FieldText(file, field);
     if (given != read) {
@@ -455,6 +457,7 @@ absl::StatusOr<HfLayer> OpenHfLayer(const ModelRepository& repository,
                                                absl::StrCat(field, ".layer_index")));
   RETURN_IF_ERROR(
       CheckConfigAgreement(sent_config, layer.parsed.config, config_field, config_path));
+  layer.parsed.config.set_compute_dtype(sent_config.compute_dtype());
   ASSIGN_OR_RETURN(SafetensorsTensorSource tensors,
                    SafetensorsTensorSource::FromShards(layer.checkpoint.FilePointers(),
                                                        std::string(field), source.path()));

