@@ -61,13 +61,7 @@ uint16_t FloatToHalf(float value) {
 
 float BFloat16ToFloat(uint16_t bits) { return BFloat16BitsToFloat(bits); }
 
-uint16_t FloatToBFloat16(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  if ((bits & 0x7fffffff) > 0x7f800000) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  const uint32_t rounding = 0x7fff + ((bits >> 16) & 1);
-  return static_cast<uint16_t>((bits + rounding) >> 16);
-}
+uint16_t FloatToBFloat16(float value) { return FloatToBFloat16Bits(value); }
 
 absl::StatusOr<std::vector<float>> DecodeFloats(absl::string_view bytes, DType dtype,
                                                 absl::string_view field) {

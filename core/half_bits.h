@@ -37,6 +37,15 @@ ATTENTION_HOST_DEVICE inline float BFloat16BitsToFloat(uint16_t bits) {
   return FloatFromBits(static_cast<uint32_t>(bits) << 16);
 }
 
+// float32 to bfloat16 bits, to nearest even; NaN stays NaN (quiet).
+ATTENTION_HOST_DEVICE inline uint16_t FloatToBFloat16Bits(float value) {
+  uint32_t bits;
+  memcpy(&bits, &value, sizeof(bits));
+  if ((bits & 0x7fffffff) > 0x7f800000) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  const uint32_t rounding = 0x7fff + ((bits >> 16) & 1);
+  return static_cast<uint16_t>((bits + rounding) >> 16);
+}
+
 // True for NaN or an infinity, from the 16-bit pattern (exponent bits all ones).
 ATTENTION_HOST_DEVICE inline bool HalfBitsNonFinite(uint16_t bits, bool bfloat16) {
   const uint16_t exponent = bfloat16 ? 0x7f80 : 0x7c00;

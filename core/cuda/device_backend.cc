@@ -21,12 +21,6 @@ absl::Status CudaBackend::KernelSupports(const AttentionShape& shape) const {
 }
 
 absl::Status CudaBackend::Supports(const MhaConfig& config, const AttentionOptions& options) const {
-  if (config.compute_dtype != DType::kFloat32) {
-    return absl::UnimplementedError(absl::StrCat(
-        name_, ": config.compute_dtype = ", DTypeName(config.compute_dtype),
-        " is not implemented on CUDA yet (tensor-core GEMMs are issue 26's next step); the "
-        "CPU computes it"));
-  }
   AttentionShape shape;
   shape.head_dim = config.head_dim;
   shape.v_head_dim = config.v_head_dim;

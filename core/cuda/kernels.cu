@@ -188,6 +188,14 @@ __global__ void HalfToFloatKernel(const uint16_t* in, float* out, int64_t count,
   }
 }
 
+__global__ void FloatToBFloat16Kernel(const float* in, uint16_t* out, int64_t count) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < count;
+       e += stride) {
+    out[e] = FloatToBFloat16Bits(in[e]);
+  }
+}
+
 __global__ void AddBiasKernel(float* y, int64_t rows, int64_t width, int64_t row_stride,
                               const float* bias) {
   const int64_t total = rows * width;
@@ -248,6 +256,12 @@ cudaError_t LaunchAttention(const DeviceAttentionProblem& p, const FlashLaunchPl
 cudaError_t LaunchHalfToFloat(const uint16_t* in, float* out, int64_t count, bool bfloat16,
                               cudaStream_t stream) {
   HalfToFloatKernel<<<GridFor(count), 256, 0, stream>>>(in, out, count, bfloat16);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchFloatToBFloat16(const float* in, uint16_t* out, int64_t count,
+                                  cudaStream_t stream) {
+  FloatToBFloat16Kernel<<<GridFor(count), 256, 0, stream>>>(in, out, count);
   return cudaGetLastError();
 }
 

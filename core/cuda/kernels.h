@@ -52,6 +52,10 @@ cudaError_t LaunchAttention(const DeviceAttentionProblem& problem, const FlashLa
 cudaError_t LaunchHalfToFloat(const uint16_t* in, float* out, int64_t count, bool bfloat16,
                               cudaStream_t stream);
 
+// Rounds `count` floats to bfloat16 bits (to nearest even), as core::FloatToBFloat16.
+cudaError_t LaunchFloatToBFloat16(const float* in, uint16_t* out, int64_t count,
+                                  cudaStream_t stream);
+
 // rows x width: y[r, c] += bias[c].
 cudaError_t LaunchAddBias(float* y, int64_t rows, int64_t width, int64_t row_stride,
                           const float* bias, cudaStream_t stream);

@@ -14,6 +14,12 @@ namespace attention::core::cuda {
 absl::Status Linear(const StreamContext& context, const float* x, int64_t rows, int64_t in,
                     const float* weight, const float* bias, int64_t out, float* y, int64_t ldy);
 
+// The same with bfloat16 x and w (a BFLOAT16 layer's): tensor cores, float32 accumulation
+// and output (cublasGemmEx, CUBLAS_COMPUTE_32F).
+absl::Status LinearBf16(const StreamContext& context, const uint16_t* x, int64_t rows, int64_t in,
+                        const uint16_t* weight, const float* bias, int64_t out, float* y,
+                        int64_t ldy);
+
 }  // namespace attention::core::cuda
 
 #endif  // ATTENTION_CORE_CUDA_LINEAR_H_

@@ -27,47 +27,66 @@ CudaPreparedLayer::~CudaPreparedLayer() {
 }
 
 absl::Status CudaPreparedLayer::Upload(const MhaWeightsView& w) {
-  // One allocation for every tensor; Q, K and V stay fused when the host has them fused.
-  const bool fused = !w.fused_qkv_weight.empty();
+  // One allocation for every tensor; Q, K and V stay fused when the host has them fused. A
+  // BFLOAT16 layer's matrices go up as the bf16 the host holds.
+  const bool fused = !w.fused_qkv_weight.empty() || !w.bf16.fused_qkv_weight.empty();
   struct Part {
-    absl::Span<const float> host;
-    const float** device;
+    const void* host;
+    int64_t bytes;
+    const void** device;
     int64_t offset = 0;
   };
-  std::vector<Part> parts = {{w.out_weight, &weights_.out_weight},
-                             {w.out_bias, &weights_.out_bias}};
+  std::vector<Part> parts;
+  const auto add = [&parts](auto host, auto** device) {
+    parts.push_back({host.data(), static_cast<int64_t>(host.size() * sizeof(host[0])),
+                     reinterpret_cast<const void**>(device)});
+  };
+  add(w.out_weight, &weights_.out_weight);
+  add(w.bf16.out_weight, &weights_.out_weight_bf16);
+  add(w.out_bias, &weights_.out_bias);
   if (fused) {
-    parts.push_back({w.fused_qkv_weight, &weights_.fused_qkv_weight});
-    parts.push_back({w.fused_qkv_bias, &weights_.fused_qkv_bias});
+    add(w.fused_qkv_weight, &weights_.fused_qkv_weight);
+    add(w.bf16.fused_qkv_weight, &weights_.fused_qkv_weight_bf16);
+    add(w.fused_qkv_bias, &weights_.fused_qkv_bias);
   } else {
-    for (auto [host, device] : {std::pair{w.q_weight, &weights_.q_weight},
-                                {w.k_weight, &weights_.k_weight},
-                                {w.v_weight, &weights_.v_weight},
-                                {w.q_bias, &weights_.q_bias},
-                                {w.k_bias, &weights_.k_bias},
-                                {w.v_bias, &weights_.v_bias}}) {
-      parts.push_back({host, device});
-    }
+    add(w.q_weight, &weights_.q_weight);
+    add(w.k_weight, &weights_.k_weight);
+    add(w.v_weight, &weights_.v_weight);
+    add(w.bf16.q_weight, &weights_.q_weight_bf16);
+    add(w.bf16.k_weight, &weights_.k_weight_bf16);
+    add(w.bf16.v_weight, &weights_.v_weight_bf16);
+    add(w.q_bias, &weights_.q_bias);
+    add(w.k_bias, &weights_.k_bias);
+    add(w.v_bias, &weights_.v_bias);
   }
   Arena arena;
-  for (Part& part : parts) part.offset = arena.Add(part.host.size() * sizeof(float));
+  for (Part& part : parts) part.offset = arena.Add(part.bytes);
   bytes_ = arena.size();
   RETURN_IF_ERROR(CudaStatus(cudaMalloc(&memory_, std::max<int64_t>(bytes_, 1)),
                              absl::StrCat("cudaMalloc(", bytes_, " bytes of weights)")));
   char* base = static_cast<char*>(memory_);
   for (const Part& part : parts) {
-    if (part.host.empty()) continue;
-    RETURN_IF_ERROR(CudaStatus(cudaMemcpy(base + part.offset, part.host.data(),
-                                          part.host.size() * sizeof(float), cudaMemcpyHostToDevice),
-                               "cudaMemcpy(weights)"));
-    *part.device = reinterpret_cast<const float*>(base + part.offset);
+    if (part.bytes == 0) continue;
+    RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpy(base + part.offset, part.host, part.bytes, cudaMemcpyHostToDevice),
+                   "cudaMemcpy(weights)"));
+    *part.device = base + part.offset;
   }
   if (fused) {
     // Q, K and V rows, and their biases, are ranges of the fused matrix (as on the host).
     const MhaConfig& c = config_;
-    weights_.q_weight = weights_.fused_qkv_weight;
-    weights_.k_weight = weights_.q_weight + c.QWidth() * c.embed_dim;
-    weights_.v_weight = weights_.k_weight + c.KWidth() * c.embed_dim;
+    const int64_t k_offset = c.QWidth() * c.embed_dim,
+                  v_offset = k_offset + c.KWidth() * c.embed_dim;
+    if (weights_.fused_qkv_weight != nullptr) {
+      weights_.q_weight = weights_.fused_qkv_weight;
+      weights_.k_weight = weights_.q_weight + k_offset;
+      weights_.v_weight = weights_.q_weight + v_offset;
+    }
+    if (weights_.fused_qkv_weight_bf16 != nullptr) {
+      weights_.q_weight_bf16 = weights_.fused_qkv_weight_bf16;
+      weights_.k_weight_bf16 = weights_.q_weight_bf16 + k_offset;
+      weights_.v_weight_bf16 = weights_.q_weight_bf16 + v_offset;
+    }
     if (weights_.fused_qkv_bias != nullptr) {
       weights_.q_bias = weights_.fused_qkv_bias;
       weights_.k_bias = weights_.q_bias + c.QWidth();
@@ -81,7 +100,9 @@ absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::ForwardBatch(
     absl::Span<const MhaInput* const> inputs) const {
   const MhaConfig& c = config_;
   const size_t count = inputs.size();
-  const ForwardPlan plan = PlanForward(c, inputs, weights_.fused_qkv_weight != nullptr);
+  const bool bf16 = c.compute_dtype == DType::kBFloat16;
+  const ForwardPlan plan = PlanForward(
+      c, inputs, weights_.fused_qkv_weight != nullptr || weights_.fused_qkv_weight_bf16 != nullptr);
   const int64_t q_rows = plan.q_rows, kv_rows = plan.kv_rows;
   const bool all_self_attention = plan.all_self_attention;
 
@@ -122,6 +143,13 @@ absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::ForwardBatch(
   const int64_t v_at = plan.fused_qkv ? -1 : arena.Add(kv_rows * c.VWidth() * sizeof(float));
   const int64_t attended_at =
       c.output_projection ? arena.Add(q_rows * c.AttentionWidth() * sizeof(float)) : -1;
+  // A BFLOAT16 layer's GEMM inputs rounded to bf16, one matrix at a time (the stream runs
+  // each rounding after the GEMM before it).
+  const int64_t rounded_at =
+      bf16 ? arena.Add(std::max({q_rows * c.embed_dim, kv_rows * c.kdim, kv_rows * c.vdim,
+                                 q_rows * c.AttentionWidth()}) *
+                       sizeof(uint16_t))
+           : -1;
   std::vector<StagedWeights> weights(count);
   for (size_t n = 0; n < count; ++n) {
     weights[n].PlanScratch(plan.inputs[n].dims, inputs[n]->options.need_weights, arena);
@@ -180,12 +208,22 @@ absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::ForwardBatch(
     }
   }
 
+  // y = x W^T + bias in the layer's precision.
+  const auto linear = [&](const float* x, int64_t rows, int64_t in, const float* weight,
+                          const uint16_t* weight_bf16, const float* bias, int64_t out, float* y,
+                          int64_t ldy) -> absl::Status {
+    if (!bf16) return Linear(*context, x, rows, in, weight, bias, out, y, ldy);
+    auto* rounded = reinterpret_cast<uint16_t*>(device + rounded_at);
+    RETURN_IF_ERROR(CudaStatus(LaunchFloatToBFloat16(x, rounded, rows * in, context->stream),
+                               "bf16 rounding kernel"));
+    return LinearBf16(*context, rounded, rows, in, weight_bf16, bias, out, y, ldy);
+  };
   // Projections over every token of the batch, at the plan's strides.
   float *q = on_device(q_at), *k, *v;
   if (plan.fused_qkv) {
-    RETURN_IF_ERROR(Linear(*context, on_device(x_at), q_rows, c.embed_dim,
-                           weights_.fused_qkv_weight, weights_.fused_qkv_bias, plan.q_stride, q,
-                           plan.q_stride));
+    RETURN_IF_ERROR(linear(on_device(x_at), q_rows, c.embed_dim, weights_.fused_qkv_weight,
+                           weights_.fused_qkv_weight_bf16, weights_.fused_qkv_bias, plan.q_stride,
+                           q, plan.q_stride));
     k = q + c.QWidth();
     v = k + c.KWidth();
   } else {
@@ -193,11 +231,11 @@ absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::ForwardBatch(
     const float* value_input = all_self_attention ? on_device(x_at) : on_device(xv_at);
     k = on_device(k_at);
     v = on_device(v_at);
-    RETURN_IF_ERROR(Linear(*context, on_device(x_at), q_rows, c.embed_dim, weights_.q_weight,
-                           weights_.q_bias, c.QWidth(), q, plan.q_stride));
-    RETURN_IF_ERROR(Linear(*context, key_input, kv_rows, c.kdim, weights_.k_weight, weights_.k_bias,
-                           c.KWidth(), k, plan.k_stride));
-    RETURN_IF_ERROR(Linear(*context, value_input, kv_rows, c.vdim, weights_.v_weight,
+    RETURN_IF_ERROR(linear(on_device(x_at), q_rows, c.embed_dim, weights_.q_weight,
+                           weights_.q_weight_bf16, weights_.q_bias, c.QWidth(), q, plan.q_stride));
+    RETURN_IF_ERROR(linear(key_input, kv_rows, c.kdim, weights_.k_weight, weights_.k_weight_bf16,
+                           weights_.k_bias, c.KWidth(), k, plan.k_stride));
+    RETURN_IF_ERROR(linear(value_input, kv_rows, c.vdim, weights_.v_weight, weights_.v_weight_bf16,
                            weights_.v_bias, c.VWidth(), v, plan.v_stride));
   }
   float* attended = c.output_projection ? on_device(attended_at) : on_device(output_at);
@@ -220,8 +258,9 @@ absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::ForwardBatch(
         context->stream));
   }
   if (c.output_projection) {
-    RETURN_IF_ERROR(Linear(*context, attended, q_rows, c.AttentionWidth(), weights_.out_weight,
-                           weights_.out_bias, c.output_dim, on_device(output_at), c.output_dim));
+    RETURN_IF_ERROR(linear(attended, q_rows, c.AttentionWidth(), weights_.out_weight,
+                           weights_.out_weight_bf16, weights_.out_bias, c.output_dim,
+                           on_device(output_at), c.output_dim));
   }
   RETURN_IF_ERROR(
       CudaStatus(cudaMemcpyAsync(staging + staged.output_offset, device + staged.output_offset,

@@ -20,6 +20,10 @@ struct DeviceWeights {
   const float *q_weight = nullptr, *k_weight = nullptr, *v_weight = nullptr, *out_weight = nullptr;
   const float *q_bias = nullptr, *k_bias = nullptr, *v_bias = nullptr, *out_bias = nullptr;
   const float *fused_qkv_weight = nullptr, *fused_qkv_bias = nullptr;
+  // A BFLOAT16 layer's matrices, bf16 bits (the float ones above are then null; its biases
+  // are the float ones).
+  const uint16_t *q_weight_bf16 = nullptr, *k_weight_bf16 = nullptr, *v_weight_bf16 = nullptr,
+                 *out_weight_bf16 = nullptr, *fused_qkv_weight_bf16 = nullptr;
 };
 
 class CudaPreparedLayer final : public PreparedLayer {

@@ -15,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "tests/core/fidelity.h"
 #include "tests/core/random_options.h"
+#include "tests/core/test_backends.h"
 
 namespace attention::core {
 namespace {
@@ -46,20 +47,19 @@ class Bf16LayerTest : public ::testing::TestWithParam<Bf16Kernel> {
 
 // Random configs (GQA, odd head sizes, cross-attention, RoPE with scaling, causal and
 // windows, no output projection) and options (masks, fully masked rows, weights), several
-// requests packed into a batch. The oracle is the float64 forward of the float32 layer on
-// the original weights and inputs.
-TEST_P(Bf16LayerTest, BatchedForwardFollowsTheBf16RuleOnRandomConfigs) {
-  const uint64_t seed = TestSeed(2610);
+// requests packed into a batch, on `backend`. The oracle is the float64 forward of the
+// float32 layer on the original weights and inputs.
+void ExpectBf16RuleOnRandomConfigs(const std::shared_ptr<const Backend>& backend,
+                                   const std::string& name, uint64_t seed) {
   SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
   std::mt19937_64 rng(seed);
   auto uniform = [&rng](int64_t lo, int64_t hi) {
     return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
   };
   auto coin = [&rng](double p) { return std::bernoulli_distribution(p)(rng); };
-  const std::string kernel = Bf16KernelName(GetParam());
-  FidelityStats outputs("bf16 layer output (" + kernel + "), fast/bf16-reference"),
-      weights("bf16 layer weights (" + kernel + "), fast/bf16-reference");
-  for (int trial = 0; trial < 40 && !HasFailure(); ++trial) {
+  FidelityStats outputs("bf16 layer output (" + name + "), fast/bf16-reference"),
+      weights("bf16 layer weights (" + name + "), fast/bf16-reference");
+  for (int trial = 0; trial < 40 && !::testing::Test::HasFailure(); ++trial) {
     MhaConfig config;
     config.num_kv_heads = uniform(1, 3);
     config.num_heads = config.num_kv_heads * uniform(1, 3);
@@ -82,10 +82,12 @@ TEST_P(Bf16LayerTest, BatchedForwardFollowsTheBf16RuleOnRandomConfigs) {
     auto resolved = MhaConfig::Resolve(config);
     ASSERT_TRUE(resolved.ok()) << resolved.status();
     const MhaWeights random = MhaWeights::Random(*resolved, rng());
-    const auto bf16 = Layer(*resolved, DType::kBFloat16, random);
-    const auto f32 = Layer(*resolved, DType::kFloat32, random);
-    ASSERT_TRUE(bf16 != nullptr && f32 != nullptr);
-    const MhaConfig& c = bf16->config();
+    MhaConfig bf16_config = *resolved;
+    bf16_config.compute_dtype = DType::kBFloat16;
+    auto bf16 = MhaLayer::Create(bf16_config, random, backend);
+    auto f32 = MhaLayer::Create(*resolved, random, backend);
+    ASSERT_TRUE(bf16.ok() && f32.ok()) << bf16.status() << " " << f32.status();
+    const MhaConfig& c = (*bf16)->config();
     const bool can_self_attend = c.kdim == c.embed_dim && c.vdim == c.embed_dim;
     const int count = static_cast<int>(uniform(1, 4));
     std::vector<std::vector<float>> storage;
@@ -105,11 +107,11 @@ TEST_P(Bf16LayerTest, BatchedForwardFollowsTheBf16RuleOnRandomConfigs) {
       }
       in.options = RandomOptions(rng, {in.batch, c.num_heads, c.num_kv_heads, in.q_len, in.kv_len,
                                        c.head_dim, c.v_head_dim});
-      ASSERT_TRUE(bf16->ValidateInput(in).ok()) << bf16->ValidateInput(in);
+      ASSERT_TRUE((*bf16)->ValidateInput(in).ok()) << (*bf16)->ValidateInput(in);
     }
     std::vector<const MhaInput*> pointers;
     for (const MhaInput& in : inputs) pointers.push_back(&in);
-    const auto forward = bf16->ForwardBatch(pointers);
+    const auto forward = (*bf16)->ForwardBatch(pointers);
     ASSERT_TRUE(forward.ok()) << forward.status();
     for (int n = 0; n < count; ++n) {
       const std::string what =
@@ -120,14 +122,26 @@ TEST_P(Bf16LayerTest, BatchedForwardFollowsTheBf16RuleOnRandomConfigs) {
           testing::Describe({inputs[n].batch, c.num_heads, c.num_kv_heads, inputs[n].q_len,
                              inputs[n].kv_len, c.head_dim, c.v_head_dim},
                             inputs[n].options);
-      const TextbookResult<float> reference = bf16->ForwardBf16Textbook(inputs[n]);
-      const TextbookResult<double> oracle = f32->ForwardTextbook<double>(inputs[n]);
+      const TextbookResult<float> reference = (*bf16)->ForwardBf16Textbook(inputs[n]);
+      const TextbookResult<double> oracle = (*f32)->ForwardTextbook<double>(inputs[n]);
       EXPECT_TRUE(outputs.CheckBf16((*forward)[n].output, reference.output, oracle.output))
           << what << " output";
       EXPECT_TRUE(weights.CheckBf16((*forward)[n].weights, reference.weights, oracle.weights))
           << what << " weights";
     }
   }
+}
+
+TEST_P(Bf16LayerTest, BatchedForwardFollowsTheBf16RuleOnRandomConfigs) {
+  ExpectBf16RuleOnRandomConfigs(backend_, Bf16KernelName(GetParam()), TestSeed(2610));
+}
+
+// The same on the GPU: projections on tensor cores (cuBLAS bf16 GEMMs, float32
+// accumulation), attention in float32. SKIPPED where no GPU can run.
+TEST(Bf16CudaLayerTest, BatchedForwardFollowsTheBf16RuleOnRandomConfigs) {
+  auto backend = testing::TestDevices().Get("cuda");
+  if (!backend.ok()) GTEST_SKIP() << "backend cuda cannot run here: " << backend.status().message();
+  ExpectBf16RuleOnRandomConfigs(*backend, "cuda", TestSeed(2614));
 }
 
 // Mutation check of the rule above: a layer that multiplied in bf16 but rounded nothing
