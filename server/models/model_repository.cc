@@ -11,16 +11,18 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <deque>
 
 #include <google/protobuf/util/json_util.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "core/dtype.h"
 #include "core/status_macros.h"
 #include "server/common/status_util.h"
-#include "server/models/weight_naming.h"
 #include "server/models/layer_config.h"
+#include "server/models/weight_naming.h"
 
 namespace attention::server {
 namespace {
@@ -227,9 +229,17 @@ absl::Status ModelRepository::Persist(const std::string& name, const core::MhaLa
     return absl::InternalError(absl::StrCat("cannot encode the config of layer \"", name, "\""));
   }
   const core::MhaWeights& weights = layer.weights();
+  // A BFLOAT16 layer's tensors are written as the bf16 it holds (exact, half the file).
+  const bool bf16 = layer.config().compute_dtype == core::DType::kBFloat16;
+  std::deque<std::string> bf16_bytes;  // a deque: the entries view into it as it grows
   std::vector<core::SafetensorsEntry> entries;
   for (const core::MhaWeights::Slot& slot : core::MhaWeights::Slots(layer.config())) {
     const std::vector<float>& values = weights.*slot.member;
+    if (bf16) {
+      bf16_bytes.push_back(core::EncodeFloats(values, core::DType::kBFloat16));
+      entries.push_back({slot.name, core::DType::kBFloat16, slot.shape, bf16_bytes.back()});
+      continue;
+    }
     entries.push_back({slot.name, core::DType::kFloat32, slot.shape,
                        absl::string_view(reinterpret_cast<const char*>(values.data()),
                                          values.size() * sizeof(float))});

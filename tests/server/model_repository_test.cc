@@ -566,6 +566,29 @@ TEST_F(RepositoryTest, PersistedLayersComeBackAfterARestart) {
   EXPECT_TRUE(after->empty()) << (*after)[0].name();
 }
 
+// A BFLOAT16 layer persists as bf16 tensors (half the file of float32) and comes back a
+// BFLOAT16 layer answering the same bits.
+TEST_F(RepositoryTest, ABf16LayerPersistsInBf16AndComesBackTheSame) {
+  core::MhaConfig config;
+  config.embed_dim = 32, config.num_heads = 4;
+  config = *core::MhaConfig::Resolve(config);
+  for (const bool bf16 : {false, true}) {
+    v1::LoadLayerRequest request = RandomLayerRequest(bf16 ? "half" : "full", 32, 11);
+    if (bf16) request.mutable_spec()->mutable_config()->set_compute_dtype(v1::BFLOAT16);
+    request.set_persist(true);
+    ASSERT_TRUE(client_->LoadLayer(request).ok());
+  }
+  const std::vector<float> before = Run("half", config);
+  const auto half_bytes = fs::file_size(repository_ / "persisted/half.safetensors");
+  const auto full_bytes = fs::file_size(repository_ / "persisted/full.safetensors");
+  EXPECT_LT(half_bytes, 0.6 * full_bytes) << half_bytes << " vs " << full_bytes;
+  Start();
+  auto reloaded = client_->GetLayer("half");
+  ASSERT_TRUE(reloaded.ok()) << reloaded.status();
+  EXPECT_EQ(reloaded->dtype(), v1::BFLOAT16);
+  EXPECT_EQ(Run("half", config), before);
+}
+
 TEST_F(RepositoryTest, ALayersBatchingPolicyIsPersistedAndTheRestFollowsTheFlags) {
   v1::LoadLayerRequest request = RandomLayerRequest("tuned", 8, 4);
   request.set_persist(true);
