@@ -884,7 +884,7 @@ void WriteHfCheckpoint(const std::string& dir, const std::string& config_json,
       part.push_back(tensors[i]);
       weight_map += (weight_map.empty() ? "" : ", ") + ("\"" + tensors[i].name + "\": \"" + name + "\"");
     }
-    WriteSafetensors(dir + "/" + name, part);
+    WriteSafetensors(absl::StrCat(dir, "/", name), part);
   }
   WriteBytes(dir + "/model.safetensors.index.json",
              "{\"metadata\": {\"total_size\": 0}, \"weight_map\": {" + weight_map + "}}");
