@@ -185,12 +185,13 @@ constexpr int64_t kKeyBlock = 1024;
 // 1.02, within the noise.
 constexpr int64_t kTinyHeadKeys = kKeyBlock;
 
-// The packed keys or values of one head, reused by this thread's next head (the scores
-// GEMM and the values GEMM take turns with it).
-std::vector<float>& HeadPanels(int64_t floats) {
-  thread_local std::vector<float> panels;
-  panels.resize(floats);
-  return panels;
+// The packed keys or values of one head (float32, or bf16 panels), reused by this thread's
+// next head (the scores GEMM and the values GEMM take turns with it).
+template <typename T>
+T* HeadPanels(int64_t elements) {
+  thread_local std::vector<T> panels;
+  panels.resize(elements);
+  return panels.data();
 }
 
 // The rounded query rows or probabilities of one head's products in bf16, reused by this
@@ -204,13 +205,6 @@ uint16_t* Bf16Rows(const float* rows_in, int64_t rows, int64_t width, int64_t st
   return rounded.data();
 }
 
-// The bf16 panels of one head's keys or values, as HeadPanels.
-uint16_t* Bf16HeadPanels(int64_t elements) {
-  thread_local std::vector<uint16_t> panels;
-  panels.resize(elements);
-  return panels.data();
-}
-
 // scores[rows, keys] = scale * Q K^T against `keys` keys (rows `key_stride` apart); in bf16
 // products with `bf16` (up to kTinyHeadKeys keys, which every online block is).
 void ScoresGemm(const float* query, int64_t query_stride, int64_t rows, const float* key,
@@ -218,7 +212,7 @@ void ScoresGemm(const float* query, int64_t query_stride, int64_t rows, const fl
                 bool bf16) {
   if (bf16 && keys <= kTinyHeadKeys) {
     const uint16_t* a = Bf16Rows(query, rows, head_dim, query_stride);
-    uint16_t* panels = Bf16HeadPanels(Bf16PanelElements(head_dim, keys));
+    uint16_t* panels = HeadPanels<uint16_t>(Bf16PanelElements(head_dim, keys));
     PackBf16Panels(key, head_dim, keys, 1, key_stride, panels);
     GemmBf16Panels(Bf16Kernel::kAvx512Bf16, a, head_dim, rows, panels, head_dim, keys, 0,
                    PanelCount(keys), scale, nullptr, scores, keys);
@@ -229,9 +223,9 @@ void ScoresGemm(const float* query, int64_t query_stride, int64_t rows, const fl
                 query_stride, key, key_stride, 0.0f, scores, keys);
     return;
   }
-  std::vector<float>& panels = HeadPanels(PanelFloats(head_dim, keys));
-  PackTransposed(key, keys, head_dim, key_stride, panels.data());
-  GemmPanels(BestSimdLevel(), query, query_stride, rows, panels.data(), head_dim, keys, 0,
+  float* panels = HeadPanels<float>(PanelFloats(head_dim, keys));
+  PackTransposed(key, keys, head_dim, key_stride, panels);
+  GemmPanels(BestSimdLevel(), query, query_stride, rows, panels, head_dim, keys, 0,
              PanelCount(keys), scale, nullptr, scores, keys);
 }
 
@@ -241,7 +235,7 @@ void ValuesGemm(const float* probabilities, int64_t rows, int64_t keys, const fl
                 int64_t out_stride, bool bf16) {
   if (bf16 && keys <= kTinyHeadKeys) {
     const uint16_t* a = Bf16Rows(probabilities, rows, keys, keys);
-    uint16_t* panels = Bf16HeadPanels(Bf16PanelElements(keys, v_head_dim));
+    uint16_t* panels = HeadPanels<uint16_t>(Bf16PanelElements(keys, v_head_dim));
     PackBf16Panels(value, keys, v_head_dim, value_stride, 1, panels);
     GemmBf16Panels(Bf16Kernel::kAvx512Bf16, a, keys, rows, panels, keys, v_head_dim, 0,
                    PanelCount(v_head_dim), 1.0f, nullptr, out, out_stride, accumulate);
@@ -253,9 +247,9 @@ void ValuesGemm(const float* probabilities, int64_t rows, int64_t keys, const fl
                 out_stride);
     return;
   }
-  std::vector<float>& panels = HeadPanels(PanelFloats(keys, v_head_dim));
-  PackRows(value, keys, v_head_dim, value_stride, panels.data());
-  GemmPanels(BestSimdLevel(), probabilities, keys, rows, panels.data(), keys, v_head_dim, 0,
+  float* panels = HeadPanels<float>(PanelFloats(keys, v_head_dim));
+  PackRows(value, keys, v_head_dim, value_stride, panels);
+  GemmPanels(BestSimdLevel(), probabilities, keys, rows, panels, keys, v_head_dim, 0,
              PanelCount(v_head_dim), 1.0f, nullptr, out, out_stride, accumulate);
 }
 

@@ -1,12 +1,12 @@
 #include "core/cpu/gemm.h"
 
-#include "core/cpu/transpose_avx512.h"
-
 #include <algorithm>
 #include <cstring>
 #include <limits>
 
 #include <cblas.h>
+
+#include "core/cpu/transpose_avx512.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -481,30 +481,45 @@ int64_t PackedLinearMaxRows(SimdLevel level) {
 // Every part packs all of the operand that is not split (OpenBLAS) or streams it (the
 // microkernel), so split the larger one: by output columns when the weights outweigh the
 // rows (few tokens), else by rows.
+bool SplitsLinearByRows(int64_t rows, int64_t out_features, int64_t threads) {
+  constexpr int64_t kMinPart = 16;
+  return rows >= out_features ? rows >= threads * kMinPart : out_features < threads * kMinPart;
+}
+
+void ForEachPackedLinearPart(ThreadPool& pool, int64_t rows, int64_t out_features,
+                             absl::FunctionRef<void(int64_t first_row, int64_t row_count,
+                                                    int64_t first_panel, int64_t end_panel)>
+                                 part) {
+  const int64_t threads = pool.size();
+  const bool split_rows = SplitsLinearByRows(rows, out_features, threads);
+  const int64_t total = split_rows ? rows : PanelCount(out_features);
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, total));
+  pool.ParallelFor(parts, [&](int64_t index) {
+    const int64_t begin = total * index / parts, end = total * (index + 1) / parts;
+    if (begin == end) return;
+    if (split_rows) {
+      part(begin, end - begin, 0, PanelCount(out_features));
+    } else {
+      part(0, rows, begin, end);
+    }
+  });
+}
+
 void LinearForward(ThreadPool& pool, const float* x, int64_t rows, int64_t in_features,
                    absl::Span<const float> weight, absl::Span<const float> bias,
-                   int64_t out_features, float* y, const float* panels,
-                   SimdLevel level, std::optional<int64_t> max_packed_rows) {
-  constexpr int64_t kMinPart = 16;
+                   int64_t out_features, float* y, const float* panels, SimdLevel level,
+                   std::optional<int64_t> max_packed_rows) {
   const int64_t threads = pool.size();
-  const bool split_rows = rows >= out_features ? rows >= threads * kMinPart
-                                               : out_features < threads * kMinPart;
+  const bool split_rows = SplitsLinearByRows(rows, out_features, threads);
   if (panels != nullptr && rows <= max_packed_rows.value_or(PackedLinearMaxRows(level))) {
-    const int64_t total = split_rows ? rows : PanelCount(out_features);
-    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, total));
     const float* b = bias.empty() ? nullptr : bias.data();
-    pool.ParallelFor(parts, [&](int64_t part) {
-      const int64_t begin = total * part / parts, end = total * (part + 1) / parts;
-      if (begin == end) return;
-      if (split_rows) {
-        GemmPanels(level, x + begin * in_features, in_features, end - begin, panels,
-                   in_features, out_features, 0, PanelCount(out_features), 1.0f, b,
-                   y + begin * out_features, out_features);
-      } else {
-        GemmPanels(level, x, in_features, rows, panels, in_features, out_features, begin, end,
-                   1.0f, b, y, out_features);
-      }
-    });
+    ForEachPackedLinearPart(
+        pool, rows, out_features,
+        [&](int64_t first_row, int64_t row_count, int64_t first_panel, int64_t end_panel) {
+          GemmPanels(level, x + first_row * in_features, in_features, row_count, panels,
+                     in_features, out_features, first_panel, end_panel, 1.0f, b,
+                     y + first_row * out_features, out_features);
+        });
     return;
   }
   const int64_t total = split_rows ? rows : out_features;

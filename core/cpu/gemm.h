@@ -10,6 +10,7 @@
 #include <memory>
 #include <optional>
 
+#include "absl/functional/function_ref.h"
 #include "absl/types/span.h"
 #include "core/cpu/thread_pool.h"
 
@@ -80,6 +81,16 @@ class PackedWeight {
 // AVX2 (Zen 3): 1.5-1.7 at 16 rows, 1.03-1.07 at 256, 0.98-1.04 at 512, so 256;
 // AVX-512 (Zen 4): 1.08-1.20 at 2048 rows too (S1, S2, S4 +2-5%), so every row count.
 int64_t PackedLinearMaxRows(SimdLevel level);
+
+// Whether LinearForward splits a projection of `rows` rows across `threads` by rows, or
+// else by output columns (when the weights outweigh the rows).
+bool SplitsLinearByRows(int64_t rows, int64_t out_features, int64_t threads);
+// A projection on packed weights split across the pool as LinearForward splits it:
+// `part(first_row, row_count, first_panel, end_panel)` once per non-empty part.
+void ForEachPackedLinearPart(ThreadPool& pool, int64_t rows, int64_t out_features,
+                             absl::FunctionRef<void(int64_t first_row, int64_t row_count,
+                                                    int64_t first_panel, int64_t end_panel)>
+                                 part);
 
 // Y[rows, N] = X[rows, K] * W[N, K]^T (+ bias[N]), split across the pool: on `panels` (W
 // packed by PackTransposed, may be null) with `level`'s microkernel when rows <=

@@ -336,25 +336,14 @@ PackedBf16Weight::PackedBf16Weight(absl::Span<const uint16_t> weight, int64_t ou
 void LinearForwardBf16(ThreadPool& pool, const uint16_t* x, int64_t rows, int64_t in_features,
                        const PackedBf16Weight& weight, absl::Span<const float> bias,
                        int64_t out_features, float* y, Bf16Kernel kernel) {
-  constexpr int64_t kMinPart = 16;
-  const int64_t threads = pool.size();
-  const bool split_rows =
-      rows >= out_features ? rows >= threads * kMinPart : out_features < threads * kMinPart;
-  const int64_t total = split_rows ? rows : PanelCount(out_features);
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, total));
   const float* b = bias.empty() ? nullptr : bias.data();
-  pool.ParallelFor(parts, [&](int64_t part) {
-    const int64_t begin = total * part / parts, end = total * (part + 1) / parts;
-    if (begin == end) return;
-    if (split_rows) {
-      GemmBf16Panels(kernel, x + begin * in_features, in_features, end - begin, weight.panels(),
-                     in_features, out_features, 0, PanelCount(out_features), 1.0f, b,
-                     y + begin * out_features, out_features);
-    } else {
-      GemmBf16Panels(kernel, x, in_features, rows, weight.panels(), in_features, out_features,
-                     begin, end, 1.0f, b, y, out_features);
-    }
-  });
+  ForEachPackedLinearPart(
+      pool, rows, out_features,
+      [&](int64_t first_row, int64_t row_count, int64_t first_panel, int64_t end_panel) {
+        GemmBf16Panels(kernel, x + first_row * in_features, in_features, row_count, weight.panels(),
+                       in_features, out_features, first_panel, end_panel, 1.0f, b,
+                       y + first_row * out_features, out_features);
+      });
 }
 
 }  // namespace attention::core
