@@ -25,6 +25,7 @@
 #include "benchmark/benchmark.h"
 #include "core/cuda/paged_decode.h"
 #include "core/devices.h"
+#include "core/half_bits.h"
 #include "core/mha_layer.h"
 
 namespace attention::core {
@@ -41,8 +42,10 @@ std::shared_ptr<const Backend> Gpu(std::string* why_none) {
 }
 
 // B sequences of N tokens through an E-wide layer of H heads on the GPU.
+// compute_dtype BFLOAT16 runs the projections on tensor cores (issue 26), and its inputs
+// come in as bf16, as a bf16 caller's do.
 void RunCudaMha(benchmark::State& state, int64_t batch, int64_t tokens, int64_t embed_dim,
-                int64_t heads, bool causal) {
+                int64_t heads, bool causal, DType compute_dtype = DType::kFloat32) {
   std::string why_none;
   const std::shared_ptr<const Backend> gpu = Gpu(&why_none);
   if (gpu == nullptr) {
@@ -52,6 +55,7 @@ void RunCudaMha(benchmark::State& state, int64_t batch, int64_t tokens, int64_t 
   MhaConfig config;
   config.embed_dim = embed_dim;
   config.num_heads = heads;
+  config.compute_dtype = compute_dtype;
   const MhaConfig resolved = *MhaConfig::Resolve(config);
   auto layer = MhaLayer::Create(resolved, MhaWeights::Random(resolved, 7), gpu);
   if (!layer.ok()) {
@@ -62,10 +66,17 @@ void RunCudaMha(benchmark::State& state, int64_t batch, int64_t tokens, int64_t 
   std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
   std::vector<float> query(batch * tokens * embed_dim);
   for (float& v : query) v = uniform(rng);
+  std::vector<uint16_t> query_bf16(query.size());
+  for (size_t i = 0; i < query.size(); ++i) query_bf16[i] = FloatToBFloat16Bits(query[i]);
   MhaInput input;
   input.batch = batch;
   input.q_len = input.kv_len = tokens;
-  input.query = query;
+  if (compute_dtype == DType::kBFloat16) {
+    input.half_dtype = DType::kBFloat16;
+    input.query_half = query_bf16;
+  } else {
+    input.query = query;
+  }
   input.options.causal = causal;
   const MhaInput* inputs[] = {&input};
   auto warmup = (*layer)->ForwardBatch(inputs);
@@ -96,6 +107,18 @@ BENCHMARK(BM_CudaMhaS4)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_CudaMhaS5)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_CudaMhaLarge)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_CudaMhaCausal16k)->UseRealTime()->Unit(benchmark::kMillisecond);
+void BM_CudaMhaBf16S1(benchmark::State& s) {
+  RunCudaMha(s, 32, 128, 768, 12, false, DType::kBFloat16);
+}
+void BM_CudaMhaBf16S2(benchmark::State& s) {
+  RunCudaMha(s, 8, 512, 768, 12, false, DType::kBFloat16);
+}
+void BM_CudaMhaBf16S4(benchmark::State& s) {
+  RunCudaMha(s, 256, 16, 768, 12, false, DType::kBFloat16);
+}
+BENCHMARK(BM_CudaMhaBf16S1)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_CudaMhaBf16S2)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_CudaMhaBf16S4)->UseRealTime()->Unit(benchmark::kMillisecond);
 
 // Paged decode and the read roof: kernel time from CUDA events around a CUDA graph of
 // kGraphCalls calls (no host time between them), per call.

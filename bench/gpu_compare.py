@@ -2,6 +2,7 @@
 """The CUDA backend against PyTorch on the same GPU, in one run (issue 12, section 6).
 
     python3 bench/gpu_compare.py --bin DIR [--repeats 3] [--shapes S1,S2] [--json OUT.json]
+                                 [--dtype bfloat16]
 
 DIR holds cuda_bench, attention_bench, attention-server and attention-loadgen (a build's
 bench/, server/ and client/ outputs copied together, as scripts/gpu-bundle does). Needs a
@@ -13,6 +14,8 @@ sequence, half the attention term when causal) for:
   - cuBLAS sgemm (torch.mm, n=8192, TF32 off) as the ceiling;
 and the CPU backend on S2 (attention_bench, 2 threads) and the server over gRPC
 (attention-loadgen, S1-shaped requests) against the in-process figure.
+With --dtype bfloat16 (issue 26; shapes S1, S2, S4): our BFLOAT16 layer (bf16 host tensors in,
+float32 out), PyTorch's modules in bfloat16 (bf16 host tensors), cuBLAS bf16 GEMM the ceiling.
 """
 import argparse
 import json
@@ -37,6 +40,7 @@ SHAPES = {  # name: (batch, tokens, embed_dim, heads, causal, cuda_bench name)
     "B64 N1024 E1024": (64, 1024, 1024, 16, False, "BM_CudaMhaLarge"),
     "causal N16384": (1, 16384, 768, 12, True, "BM_CudaMhaCausal16k"),
 }
+BF16_SHAPES = ("S1", "S2", "S4")  # cuda_bench's BM_CudaMhaBf16*
 
 
 def timed(fn, min_seconds=1.0):
@@ -50,14 +54,14 @@ def timed(fn, min_seconds=1.0):
     return (time.perf_counter() - start) / runs
 
 
-def torch_gflops(batch, tokens, embed_dim, heads, causal, host_copies):
-    """PyTorch fp32 on the GPU; with host_copies, inputs come from and outputs go to pinned
-    host memory each call, as the service's do."""
+def torch_gflops(batch, tokens, embed_dim, heads, causal, host_copies, dtype=torch.float32):
+    """PyTorch in dtype on the GPU; with host_copies, inputs come from and outputs go to
+    pinned host memory each call, as the service's do."""
     torch.manual_seed(0)
-    x_host = torch.randn(batch, tokens, embed_dim).pin_memory()
+    x_host = torch.randn(batch, tokens, embed_dim).to(dtype).pin_memory()
     x = x_host.cuda()
-    mha = torch.nn.MultiheadAttention(embed_dim, heads, batch_first=True).cuda().eval()
-    sdpa = SdpaAttention(embed_dim, heads).cuda().eval()
+    mha = torch.nn.MultiheadAttention(embed_dim, heads, batch_first=True).cuda().to(dtype).eval()
+    sdpa = SdpaAttention(embed_dim, heads).cuda().to(dtype).eval()
     mask = (torch.triu(torch.ones(tokens, tokens, dtype=torch.bool, device="cuda"), 1)
             if causal else None)
     results = {}
@@ -81,9 +85,9 @@ def torch_gflops(batch, tokens, embed_dim, heads, causal, host_copies):
     return results
 
 
-def sgemm_gflops(n=8192):
-    a = torch.randn(n, n, device="cuda")
-    b = torch.randn(n, n, device="cuda")
+def sgemm_gflops(n=8192, dtype=torch.float32):
+    a = torch.randn(n, n, device="cuda", dtype=dtype)
+    b = torch.randn(n, n, device="cuda", dtype=dtype)
     return 2.0 * n ** 3 / timed(lambda: torch.mm(a, b)) / 1e9
 
 
@@ -121,17 +125,23 @@ def main():
     parser.add_argument("--shapes", default=",".join(SHAPES),
                         help="comma-separated names from SHAPES (default: all)")
     parser.add_argument("--json")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
     shapes = args.shapes.split(",")
-    unknown = [name for name in shapes if name not in SHAPES]
+    bf16 = args.dtype == "bfloat16"
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    known = BF16_SHAPES if bf16 else SHAPES
+    unknown = [name for name in shapes if name not in known]
     if unknown:
-        parser.error("unknown shapes %s; known: %s" % (unknown, ", ".join(SHAPES)))
+        parser.error("unknown shapes %s; known for %s: %s" % (unknown, args.dtype, ", ".join(known)))
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     print("device:", torch.cuda.get_device_name(0), "| torch", torch.__version__, flush=True)
-    rows, record = [], {"device": torch.cuda.get_device_name(0), "rows": {}}
+    rows, record = [], {"device": torch.cuda.get_device_name(0), "dtype": args.dtype, "rows": {}}
     for name in shapes:
         batch, tokens, embed_dim, heads, causal, bench = SHAPES[name]
+        if bf16:
+            bench = bench.replace("BM_CudaMha", "BM_CudaMhaBf16")
         samples = []
         for _ in range(args.repeats):
             ours = run_json([os.path.join(args.bin, "cuda_bench"), "--benchmark_format=json",
@@ -139,8 +149,8 @@ def main():
             entry = ours["%s/real_time" % bench]
             if entry.get("error_occurred"):
                 raise SystemExit("%s: %s" % (bench, entry.get("error_message")))
-            peer = torch_gflops(batch, tokens, embed_dim, heads, causal, host_copies=True)
-            resident = torch_gflops(batch, tokens, embed_dim, heads, causal, host_copies=False)
+            peer = torch_gflops(batch, tokens, embed_dim, heads, causal, True, dtype)
+            resident = torch_gflops(batch, tokens, embed_dim, heads, causal, False, dtype)
             samples.append((entry["GFLOPS"], peer["mha"], peer["sdpa"], resident["sdpa"],
                             entry["tokens_per_second"]))
         med = [statistics.median(s[i] for s in samples) for i in range(5)]
@@ -151,23 +161,23 @@ def main():
         # Each row as it is measured, so a run stopped by a time limit still reports some.
         print("%s: ours %.0f, torch MHA %.0f, SDPA module %.0f (resident %.0f) GFLOPS"
               % (name, *med[:4]), flush=True)
-    sgemm = sgemm_gflops()
-    record["cublas_sgemm_gflops"] = sgemm
+    sgemm = sgemm_gflops(dtype=dtype)
+    record["cublas_gemm_gflops"] = sgemm
     print("\n| shape | ours GFLOPS | torch MHA | torch SDPA module | ours / MHA | ours / SDPA "
           "| torch SDPA, tensors on GPU | ours / sgemm |")
     print("|---|---|---|---|---|---|---|---|")
     for name, ours, mha, sdpa, resident, _ in rows:
         print("| %s | %.0f | %.0f | %.0f | %.2f | %.2f | %.0f | %.3f |" % (
             name, ours, mha, sdpa, ours / mha, ours / sdpa, resident, ours / sgemm))
-    print("\ncuBLAS sgemm n=8192 (TF32 off): %.0f GFLOPS" % sgemm)
-    if "S2" in record["rows"]:
+    print("\ncuBLAS %s GEMM n=8192 (TF32 off): %.0f GFLOPS" % (args.dtype, sgemm))
+    if "S2" in record["rows"] and not bf16:
         cpu = run_json([os.path.join(args.bin, "attention_bench"), "--benchmark_format=json",
                         "--benchmark_filter=^BM_MhaS2/threads:2/", "--benchmark_min_time=1"])
         cpu_s2 = cpu["BM_MhaS2/threads:2/real_time"]["GFLOPS"]
         record["cpu_backend_s2_gflops"] = cpu_s2
         print("S2: CUDA backend / CPU backend (2 threads) = %.1f (%.0f / %.0f GFLOPS)"
               % (record["rows"]["S2"]["ours"] / cpu_s2, record["rows"]["S2"]["ours"], cpu_s2))
-    if "S1" in record["rows"]:
+    if "S1" in record["rows"] and not bf16:
         served = served_tokens_per_second(args.bin)
         in_process = record["rows"]["S1"]["ours_tokens_per_second"]
         record["served_s1_tokens_per_second"] = served

@@ -206,8 +206,9 @@ __global__ void AddBiasKernel(float* y, int64_t rows, int64_t width, int64_t row
   }
 }
 
-__global__ void RotaryKernel(float* data, int64_t rows, int64_t seq_len, int64_t heads,
-                             int64_t head_dim, double base, RopeScaling scaling,
+// Row r is at positions[r], or at r % seq_len when positions is null.
+__global__ void RotaryKernel(float* data, int64_t rows, int64_t seq_len, const int64_t* positions,
+                             int64_t heads, int64_t head_dim, double base, RopeScaling scaling,
                              int64_t row_stride) {
   const int64_t half = head_dim / 2;
   const int64_t total = rows * heads * half;
@@ -218,7 +219,8 @@ __global__ void RotaryKernel(float* data, int64_t rows, int64_t seq_len, int64_t
     const int64_t h = (e / half) % heads;
     const int64_t r = e / (half * heads);
     float cos_a, sin_a;
-    RotaryAngle(r % seq_len, c, head_dim, base, scaling, &cos_a, &sin_a);
+    RotaryAngle(positions != nullptr ? positions[r] : r % seq_len, c, head_dim, base, scaling,
+                &cos_a, &sin_a);
     float* x = data + r * row_stride + h * head_dim;
     const float x1 = x[c], x2 = x[c + half];
     x[c] = x1 * cos_a - x2 * sin_a;
@@ -275,7 +277,15 @@ cudaError_t LaunchRotary(float* data, int64_t rows, int64_t seq_len, int64_t hea
                          int64_t head_dim, double base, const RopeScaling& scaling,
                          int64_t row_stride, cudaStream_t stream) {
   RotaryKernel<<<GridFor(rows * heads * (head_dim / 2)), 256, 0, stream>>>(
-      data, rows, seq_len, heads, head_dim, base, scaling, row_stride);
+      data, rows, seq_len, nullptr, heads, head_dim, base, scaling, row_stride);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchRotaryAt(float* data, int64_t rows, const int64_t* positions, int64_t heads,
+                           int64_t head_dim, double base, const RopeScaling& scaling,
+                           int64_t row_stride, cudaStream_t stream) {
+  RotaryKernel<<<GridFor(rows * heads * (head_dim / 2)), 256, 0, stream>>>(
+      data, rows, 1, positions, heads, head_dim, base, scaling, row_stride);
   return cudaGetLastError();
 }
 

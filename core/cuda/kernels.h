@@ -65,6 +65,11 @@ cudaError_t LaunchAddBias(float* y, int64_t rows, int64_t width, int64_t row_str
 cudaError_t LaunchRotary(float* data, int64_t rows, int64_t seq_len, int64_t heads,
                          int64_t head_dim, double base, const RopeScaling& scaling,
                          int64_t row_stride, cudaStream_t stream);
+// The same with row r at the absolute position positions[r] (device memory): a session's
+// decode rows (see core::ApplyRotaryAt).
+cudaError_t LaunchRotaryAt(float* data, int64_t rows, const int64_t* positions, int64_t heads,
+                           int64_t head_dim, double base, const RopeScaling& scaling,
+                           int64_t row_stride, cudaStream_t stream);
 
 }  // namespace attention::core::cuda
 

@@ -212,11 +212,13 @@ absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::ForwardBatch(
   const auto linear = [&](const float* x, int64_t rows, int64_t in, const float* weight,
                           const uint16_t* weight_bf16, const float* bias, int64_t out, float* y,
                           int64_t ldy) -> absl::Status {
-    if (!bf16) return Linear(*context, x, rows, in, weight, bias, out, y, ldy);
-    auto* rounded = reinterpret_cast<uint16_t*>(device + rounded_at);
-    RETURN_IF_ERROR(CudaStatus(LaunchFloatToBFloat16(x, rounded, rows * in, context->stream),
-                               "bf16 rounding kernel"));
-    return LinearBf16(*context, rounded, rows, in, weight_bf16, bias, out, y, ldy);
+    auto* rounded = bf16 ? reinterpret_cast<uint16_t*>(device + rounded_at) : nullptr;
+    if (bf16) {
+      RETURN_IF_ERROR(CudaStatus(LaunchFloatToBFloat16(x, rounded, rows * in, context->stream),
+                                 "bf16 rounding kernel"));
+    }
+    return LinearInPrecision(*context, x, rounded, rows, in, weight, weight_bf16, bias, out, y,
+                             ldy);
   };
   // Projections over every token of the batch, at the plan's strides.
   float *q = on_device(q_at), *k, *v;
@@ -277,6 +279,128 @@ absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::ForwardBatch(
     FinishWeights(results[n], planned.dims, inputs[n]->options.need_weights);
   }
   return results;
+}
+
+absl::Status CudaPreparedLayer::LinearInPrecision(const StreamContext& context, const float* x,
+                                                  const uint16_t* x_bf16, int64_t rows, int64_t in,
+                                                  const float* weight, const uint16_t* weight_bf16,
+                                                  const float* bias, int64_t out, float* y,
+                                                  int64_t ldy) const {
+  if (config_.compute_dtype == DType::kBFloat16) {
+    return LinearBf16(context, x_bf16, rows, in, weight_bf16, bias, out, y, ldy);
+  }
+  return Linear(context, x, rows, in, weight, bias, out, y, ldy);
+}
+
+absl::Status CudaPreparedLayer::ProjectForDecode(const float* x,
+                                                 absl::Span<const int64_t> positions, float* q,
+                                                 float* k, float* v) const {
+  const MhaConfig& c = config_;
+  const auto rows = static_cast<int64_t>(positions.size());
+  if (rows == 0) return absl::OkStatus();
+  const bool bf16 = c.compute_dtype == DType::kBFloat16;
+  // Hidden states and positions go over in one copy; q, k and v come back in one.
+  Arena arena;
+  const int64_t x_at = arena.Add(rows * c.embed_dim * sizeof(float));
+  const int64_t positions_at = arena.Add(rows * sizeof(int64_t));
+  const int64_t input_bytes = arena.size();
+  const int64_t q_at = arena.Add(rows * c.QWidth() * sizeof(float));
+  const int64_t k_at = arena.Add(rows * c.KWidth() * sizeof(float));
+  const int64_t v_at = arena.Add(rows * c.VWidth() * sizeof(float));
+  const int64_t output_bytes = arena.size() - q_at;
+  const int64_t rounded_at = bf16 ? arena.Add(rows * c.embed_dim * sizeof(uint16_t)) : -1;
+
+  ASSIGN_OR_RETURN(StreamContext * context, backend_.Context());
+  ASSIGN_OR_RETURN(char* device, context->device.Reserve(arena.size()));
+  ASSIGN_OR_RETURN(char* staging, context->staging.Reserve(arena.size()));
+  std::memcpy(staging + x_at, x, rows * c.embed_dim * sizeof(float));
+  std::memcpy(staging + positions_at, positions.data(), rows * sizeof(int64_t));
+  RETURN_IF_ERROR(CudaStatus(
+      cudaMemcpyAsync(device, staging, input_bytes, cudaMemcpyHostToDevice, context->stream),
+      "cudaMemcpyAsync(decode inputs)"));
+  const auto* x_device = reinterpret_cast<const float*>(device + x_at);
+  auto* rounded = bf16 ? reinterpret_cast<uint16_t*>(device + rounded_at) : nullptr;
+  if (bf16) {
+    RETURN_IF_ERROR(
+        CudaStatus(LaunchFloatToBFloat16(x_device, rounded, rows * c.embed_dim, context->stream),
+                   "bf16 rounding kernel"));
+  }
+  auto* q_device = reinterpret_cast<float*>(device + q_at);
+  auto* k_device = reinterpret_cast<float*>(device + k_at);
+  auto* v_device = reinterpret_cast<float*>(device + v_at);
+  // Q, K and V apart (a fused layer's are row ranges of its matrix), straight into the rows
+  // the caller gets back.
+  RETURN_IF_ERROR(LinearInPrecision(*context, x_device, rounded, rows, c.embed_dim,
+                                    weights_.q_weight, weights_.q_weight_bf16, weights_.q_bias,
+                                    c.QWidth(), q_device, c.QWidth()));
+  RETURN_IF_ERROR(LinearInPrecision(*context, x_device, rounded, rows, c.embed_dim,
+                                    weights_.k_weight, weights_.k_weight_bf16, weights_.k_bias,
+                                    c.KWidth(), k_device, c.KWidth()));
+  RETURN_IF_ERROR(LinearInPrecision(*context, x_device, rounded, rows, c.embed_dim,
+                                    weights_.v_weight, weights_.v_weight_bf16, weights_.v_bias,
+                                    c.VWidth(), v_device, c.VWidth()));
+  if (c.rope_theta > 0.0) {
+    // Base theta: sessions refuse dynamic scaling (MhaLayer::DecodeSupport).
+    const auto* positions_device = reinterpret_cast<const int64_t*>(device + positions_at);
+    RETURN_IF_ERROR(
+        CudaStatus(LaunchRotaryAt(q_device, rows, positions_device, c.num_heads, c.head_dim,
+                                  c.rope_theta, c.rope_scaling, c.QWidth(), context->stream),
+                   "rotary kernel"));
+    RETURN_IF_ERROR(
+        CudaStatus(LaunchRotaryAt(k_device, rows, positions_device, c.num_kv_heads, c.head_dim,
+                                  c.rope_theta, c.rope_scaling, c.KWidth(), context->stream),
+                   "rotary kernel"));
+  }
+  RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(staging + q_at, device + q_at, output_bytes,
+                                             cudaMemcpyDeviceToHost, context->stream),
+                             "cudaMemcpyAsync(decode q, k, v)"));
+  RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(context->stream), "decode projections"));
+  std::memcpy(q, staging + q_at, rows * c.QWidth() * sizeof(float));
+  std::memcpy(k, staging + k_at, rows * c.KWidth() * sizeof(float));
+  std::memcpy(v, staging + v_at, rows * c.VWidth() * sizeof(float));
+  return absl::OkStatus();
+}
+
+absl::Status CudaPreparedLayer::ProjectDecodeOutput(const float* attended, int64_t rows,
+                                                    float* output) const {
+  const MhaConfig& c = config_;
+  if (!c.output_projection) {
+    std::copy(attended, attended + rows * c.AttentionWidth(), output);
+    return absl::OkStatus();
+  }
+  if (rows == 0) return absl::OkStatus();
+  const bool bf16 = c.compute_dtype == DType::kBFloat16;
+  Arena arena;
+  const int64_t attended_at = arena.Add(rows * c.AttentionWidth() * sizeof(float));
+  const int64_t output_at = arena.Add(rows * c.output_dim * sizeof(float));
+  const int64_t rounded_at = bf16 ? arena.Add(rows * c.AttentionWidth() * sizeof(uint16_t)) : -1;
+
+  ASSIGN_OR_RETURN(StreamContext * context, backend_.Context());
+  ASSIGN_OR_RETURN(char* device, context->device.Reserve(arena.size()));
+  ASSIGN_OR_RETURN(char* staging, context->staging.Reserve(arena.size()));
+  std::memcpy(staging + attended_at, attended, rows * c.AttentionWidth() * sizeof(float));
+  RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(device + attended_at, staging + attended_at,
+                                             rows * c.AttentionWidth() * sizeof(float),
+                                             cudaMemcpyHostToDevice, context->stream),
+                             "cudaMemcpyAsync(attended rows)"));
+  const auto* attended_device = reinterpret_cast<const float*>(device + attended_at);
+  auto* rounded = bf16 ? reinterpret_cast<uint16_t*>(device + rounded_at) : nullptr;
+  if (bf16) {
+    RETURN_IF_ERROR(CudaStatus(
+        LaunchFloatToBFloat16(attended_device, rounded, rows * c.AttentionWidth(), context->stream),
+        "bf16 rounding kernel"));
+  }
+  RETURN_IF_ERROR(LinearInPrecision(*context, attended_device, rounded, rows, c.AttentionWidth(),
+                                    weights_.out_weight, weights_.out_weight_bf16,
+                                    weights_.out_bias, c.output_dim,
+                                    reinterpret_cast<float*>(device + output_at), c.output_dim));
+  RETURN_IF_ERROR(CudaStatus(
+      cudaMemcpyAsync(staging + output_at, device + output_at, rows * c.output_dim * sizeof(float),
+                      cudaMemcpyDeviceToHost, context->stream),
+      "cudaMemcpyAsync(decode output)"));
+  RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(context->stream), "decode output projection"));
+  std::memcpy(output, staging + output_at, rows * c.output_dim * sizeof(float));
+  return absl::OkStatus();
 }
 
 }  // namespace attention::core::cuda

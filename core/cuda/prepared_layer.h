@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "core/backend.h"
+#include "core/cuda/streams.h"
 
 namespace attention::core::cuda {
 
@@ -38,7 +39,22 @@ class CudaPreparedLayer final : public PreparedLayer {
       absl::Span<const MhaInput* const> inputs) const override;
   int64_t DeviceWeightBytes() const override { return bytes_; }
 
+  // The decode entry of sessions over this layer: projections and RoPE on the GPU, host
+  // tensors in and out (the session's KV cache lives where --kv_cache_device puts it).
+  bool HasDecodeEntry() const override { return true; }
+  absl::Status ProjectForDecode(const float* x, absl::Span<const int64_t> positions, float* q,
+                                float* k, float* v) const override;
+  absl::Status ProjectDecodeOutput(const float* attended, int64_t rows,
+                                   float* output) const override;
+
  private:
+  // y = x W^T + bias in the layer's precision: float32 x, or for a BFLOAT16 layer x_bf16
+  // (x already rounded to bf16 on the device).
+  absl::Status LinearInPrecision(const StreamContext& context, const float* x,
+                                 const uint16_t* x_bf16, int64_t rows, int64_t in,
+                                 const float* weight, const uint16_t* weight_bf16,
+                                 const float* bias, int64_t out, float* y, int64_t ldy) const;
+
   const CudaBackend& backend_;
   const MhaConfig config_;
   void* memory_ = nullptr;

@@ -10,7 +10,7 @@ torch bf16 is nn.Linear projections, Llama rotate-half RoPE and F.scaled_dot_pro
 the original float32 weights and inputs. Requests are sent in float32 (answered in float32)
 and in bfloat16 (answered in bfloat16: the rounding of the answer is within the floor).
 
-usage: test_bf16_parity.py PATH/TO/attention-server [--configs=N] [--seed=S]
+usage: test_bf16_parity.py PATH/TO/attention-server [--configs=N] [--seed=S] [--device=cuda]
 Runs in build/hf-venv (scripts/hf-test-deps --run): Debian's torch 1.13 has no enable_gqa.
 """
 
@@ -198,11 +198,19 @@ def main():
     parser.add_argument("server")
     parser.add_argument("--configs", type=int, default=30)
     parser.add_argument("--seed", type=int, default=2026)
+    parser.add_argument("--device", default="cpu",
+                        help="the server's --device; a GPU that is not there skips the test")
     args = parser.parse_args()
-    t = harness.Checker("test_bf16_parity")
+    t = harness.Checker("test_bf16_parity[%s]" % args.device)
     rule = Bf16Rule(t)
-    server = harness.ServerProcess(args.server, "--demo_layer=false",
-                                   "--compute_threads=2").start()
+    try:
+        server = harness.ServerProcess(args.server, "--demo_layer=false", "--compute_threads=2",
+                                       "--device=" + args.device).start()
+    except RuntimeError as error:
+        if args.device != "cpu" and "is not available" in str(error):
+            print("SKIPPED: device %s is not available here:\n%s" % (args.device, error))
+            sys.exit(77)  # ctest SKIP_RETURN_CODE
+        raise
     try:
         with AttentionClient(server.target) as client:
             for i in range(args.configs):
