@@ -3,6 +3,10 @@
 // STREAM-style read); BM_PagedDecode runs core/cpu/paged_attention_cpu at a Llama-3-8B
 // layer (32 query heads, 8 KV heads, head dim 128, n = 1). Both report bytes read per
 // second, so KV_bytes/s over read_bytes/s is the decode kernel's roofline fraction.
+// BM_PagedDecode also reads its own KV bytes with every thread after each step
+// (same_memory_read/s) and reports of_same_memory_roof: the ratio against the very memory
+// the kernel reads, alternated with it, steadier on a host whose bandwidth differs from
+// one buffer (or process) to the next.
 //
 //   build/bench/paged_decode_bench --benchmark_counters_tabular=true
 #if defined(__x86_64__)
@@ -12,6 +16,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -152,13 +157,39 @@ void BM_PagedDecode(benchmark::State& state) {
   batch.scale = 1.0f / std::sqrt(128.0f);
   batch.sequences = batch_sequences;
   ThreadPool threads(ComputeThreads());
+  // Each step is followed by a plain read of the same KV bytes with every thread: a roof
+  // over the very memory the kernel reads, alternated with it (on this shared host a
+  // separate buffer's bandwidth swings 43-80 GB/s from one process to the next).
+  constexpr int64_t kRoofChunkFloats = (int64_t{2} << 20) / sizeof(float);
+  const int64_t storage_floats = blocks * kv_cache::kDefaultBlockBytes / sizeof(float);
+  const auto* storage_floats_at = reinterpret_cast<const float*>(storage.data);
+  std::vector<float> sums((storage_floats + kRoofChunkFloats - 1) / kRoofChunkFloats);
+  double step_seconds = 0, roof_seconds = 0;
+  using Clock = std::chrono::steady_clock;
   for (auto _ : state) {
+    const Clock::time_point start = Clock::now();
     if (!PagedDecodeCpu(batch, threads).ok()) state.SkipWithError("PagedDecodeCpu failed");
     benchmark::DoNotOptimize(outputs.data());
+    const Clock::time_point step_end = Clock::now();
+    threads.ParallelFor(static_cast<int64_t>(sums.size()), [&](int64_t chunk) {
+      const int64_t first = chunk * kRoofChunkFloats;
+      sums[chunk] = Sum(storage_floats_at + first,
+                        std::min(kRoofChunkFloats, storage_floats - first) / 64 * 64);
+    });
+    benchmark::DoNotOptimize(sums.data());
+    roof_seconds += std::chrono::duration<double>(Clock::now() - step_end).count();
+    const double step = std::chrono::duration<double>(step_end - start).count();
+    step_seconds += step;
+    state.SetIterationTime(step);
   }
   const double kv_bytes = static_cast<double>(sequences * context * layout.TokenBytes());
   state.counters["KV_bytes/s"] =
       benchmark::Counter(kv_bytes * state.iterations(), benchmark::Counter::kIsRate);
+  const double same_memory_roof =
+      static_cast<double>(storage_floats * sizeof(float)) * state.iterations() / roof_seconds;
+  state.counters["same_memory_read/s"] = same_memory_roof;
+  state.counters["of_same_memory_roof"] =
+      kv_bytes * state.iterations() / step_seconds / same_memory_roof;
   state.counters["layer_steps/s"] =
       benchmark::Counter(static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
   state.SetLabel(std::string(DTypeName(layout.dtype)));
@@ -166,7 +197,7 @@ void BM_PagedDecode(benchmark::State& state) {
 BENCHMARK(BM_PagedDecode)
     ->ArgNames({"context", "B", "bf16"})
     ->ArgsProduct({{4096, 32768}, {1, 8}, {0, 1}})
-    ->UseRealTime()
+    ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 
 }  // namespace
