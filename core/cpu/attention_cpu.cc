@@ -108,6 +108,33 @@ __attribute__((target("avx512f"))) float ExpAndSumAvx512(float* values, int64_t 
   return _mm512_reduce_add_ps(sum);
 }
 
+// exp(x - shift) of `count` scores rounded to bf16 into `out` (zeros up to `width`), for the
+// values product of a bf16 layer; returns the float32 sum of the exps. One pass where
+// ExpAndSum, normalizing and rounding would take three.
+__attribute__((target("avx512f,avx512bf16"))) float ExpToBf16AndSumAvx512(
+    const float* values, int64_t count, int64_t width, float shift, uint16_t* out) {
+  const __m512 shift_v = _mm512_set1_ps(shift);
+  __m512 sum = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= count; j += 16) {
+    const __m512 e = ExpAvx512(_mm512_sub_ps(_mm512_loadu_ps(values + j), shift_v));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), (__m256i)_mm512_cvtneps_pbh(e));
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (j < count) {
+    const __mmask16 live = static_cast<__mmask16>((1u << (count - j)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(
+        live, ExpAvx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, values + j), shift_v)));
+    alignas(32) uint16_t last[16];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(last), (__m256i)_mm512_cvtneps_pbh(e));
+    std::copy_n(last, count - j, out + j);
+    sum = _mm512_add_ps(sum, e);
+    j = count;
+  }
+  std::fill(out + j, out + width, uint16_t{0});
+  return _mm512_reduce_add_ps(sum);
+}
+
 __attribute__((target("avx512f"))) float RowMaxAvx512(const float* values, int64_t count) {
   const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 m0 = lowest, m1 = lowest;  // two chains: one would wait out the max's latency
@@ -142,6 +169,7 @@ constexpr bool kHasAvx2Fma = false;
 float ExpAndSumAvx2(float*, int64_t, float) { return 0.0f; }
 float RowMaxAvx2(const float*, int64_t) { return 0.0f; }
 float ExpAndSumAvx512(float*, int64_t, float) { return 0.0f; }
+float ExpToBf16AndSumAvx512(const float*, int64_t, int64_t, float, uint16_t*) { return 0.0f; }
 float RowMaxAvx512(const float*, int64_t) { return 0.0f; }
 #endif
 
@@ -229,16 +257,23 @@ void ScoresGemm(const float* query, int64_t query_stride, int64_t rows, const fl
              PanelCount(keys), scale, nullptr, scores, keys);
 }
 
+// ValuesGemm's bf16 products, for probabilities already rounded to bf16 (up to kTinyHeadKeys).
+void ValuesGemmBf16(const uint16_t* probabilities, int64_t rows, int64_t keys, const float* value,
+                    int64_t value_stride, int64_t v_head_dim, bool accumulate, float* out,
+                    int64_t out_stride) {
+  uint16_t* panels = HeadPanels<uint16_t>(Bf16PanelElements(keys, v_head_dim));
+  PackBf16Panels(value, keys, v_head_dim, value_stride, 1, panels);
+  GemmBf16Panels(Bf16Kernel::kAvx512Bf16, probabilities, keys, rows, panels, keys, v_head_dim, 0,
+                 PanelCount(v_head_dim), 1.0f, nullptr, out, out_stride, accumulate);
+}
+
 // out[rows, v_head_dim] = P V, or += with `accumulate`, for probabilities P [rows, keys].
 void ValuesGemm(const float* probabilities, int64_t rows, int64_t keys, const float* value,
                 int64_t value_stride, int64_t v_head_dim, bool accumulate, float* out,
                 int64_t out_stride, bool bf16) {
   if (bf16 && keys <= kTinyHeadKeys) {
-    const uint16_t* a = Bf16Rows(probabilities, rows, keys, keys);
-    uint16_t* panels = HeadPanels<uint16_t>(Bf16PanelElements(keys, v_head_dim));
-    PackBf16Panels(value, keys, v_head_dim, value_stride, 1, panels);
-    GemmBf16Panels(Bf16Kernel::kAvx512Bf16, a, keys, rows, panels, keys, v_head_dim, 0,
-                   PanelCount(v_head_dim), 1.0f, nullptr, out, out_stride, accumulate);
+    ValuesGemmBf16(Bf16Rows(probabilities, rows, keys, keys), rows, keys, value, value_stride,
+                   v_head_dim, accumulate, out, out_stride);
     return;
   }
   if (keys > kTinyHeadKeys) {
@@ -375,6 +410,16 @@ void AttendBlock(const AttentionProblem& p, int64_t b, int64_t h, int64_t block)
   const float* key = p.key + p.key_layout.Offset(b, hk, 0);
   ScoresGemm(query, p.query_layout.row_stride, rows, key, p.key_layout.row_stride, key_count,
              d.head_dim, scale, scores.data(), p.bf16_products);
+  // bf16 products without weights or dropout: the exps go to bf16 as they are computed and
+  // the output rows are normalized instead (v_head_dim columns, not key_count).
+  const bool exps_in_bf16 = p.bf16_products && weights == nullptr && options.dropout_p <= 0.0f &&
+                            key_count <= kTinyHeadKeys;
+  thread_local std::vector<uint16_t> exps_bf16;
+  thread_local std::vector<float> inverse_sums;
+  if (exps_in_bf16) {
+    exps_bf16.resize(rows * key_count);
+    inverse_sums.assign(rows, 0.0f);
+  }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = first_row + r;
     float* row = scores.data() + r * key_count;
@@ -382,7 +427,15 @@ void AttendBlock(const AttentionProblem& p, int64_t b, int64_t h, int64_t block)
     const float max_score = RowMax(row, limit);
     if (max_score == -std::numeric_limits<float>::infinity()) {
       std::fill(row, row + limit, 0.0f);  // fully masked row: zeros, never NaN
+      if (exps_in_bf16) std::fill_n(exps_bf16.data() + r * key_count, key_count, uint16_t{0});
       if (p.log_sum_exp != nullptr) *LogSumExpAt(p, b, h, i) = max_score;
+      continue;
+    }
+    if (exps_in_bf16) {
+      const float sum =
+          ExpToBf16AndSumAvx512(row, limit, key_count, max_score, exps_bf16.data() + r * key_count);
+      if (p.log_sum_exp != nullptr) *LogSumExpAt(p, b, h, i) = max_score + std::log(sum);
+      inverse_sums[r] = 1.0f / sum;
       continue;
     }
     const float sum = ExpAndSum(row, limit, max_score);
@@ -391,9 +444,17 @@ void AttendBlock(const AttentionProblem& p, int64_t b, int64_t h, int64_t block)
     DropOutRow(options, b, h, i, 0, limit, row);
     if (weights != nullptr) std::copy(row, row + key_count, weights + r * d.kv_len);
   }
-  ValuesGemm(scores.data(), rows, key_count, p.value + p.value_layout.Offset(b, hk, 0),
-             p.value_layout.row_stride, d.v_head_dim, /*accumulate=*/false, out,
-             p.output_layout.row_stride, p.bf16_products);
+  const float* value = p.value + p.value_layout.Offset(b, hk, 0);
+  if (exps_in_bf16) {
+    ValuesGemmBf16(exps_bf16.data(), rows, key_count, value, p.value_layout.row_stride,
+                   d.v_head_dim, /*accumulate=*/false, out, p.output_layout.row_stride);
+    for (int64_t r = 0; r < rows; ++r) {
+      ScaleRow(out + r * p.output_layout.row_stride, d.v_head_dim, inverse_sums[r]);
+    }
+    return;
+  }
+  ValuesGemm(scores.data(), rows, key_count, value, p.value_layout.row_stride, d.v_head_dim,
+             /*accumulate=*/false, out, p.output_layout.row_stride, p.bf16_products);
 }
 
 }  // namespace
