@@ -266,12 +266,14 @@ void AttendSplit(const RowKernels& kernels, const PagedDecodeBatch& batch,
 constexpr int kLanes = 16;
 // Keys per chunk: all their scores, then all their values, so each streams in a long run.
 constexpr int64_t kChunkKeys = 64;
-// How far ahead, in rows of the order keys and values are read in, each load prefetches one
-// line: half a chunk keeps one stream per thread (a whole chunk, K prefetching V and V the
-// next K, runs two and read DRAM slower in alternated runs; a quarter was short for bf16).
-// The prefetches are T0 (to L1): at 4k, where part of the KV is in L3, f32 ran 0.97-1.05 of
-// the read roof against 0.85-0.98 with T1, alternated; at 32k it was the same.
-constexpr int64_t kPrefetchRows = 32;
+// Each load prefetches two lines: the same line of the row kPrefetchRows ahead in the order
+// keys and values are read in, to L1 (T0), and of the row a chunk ahead (the next chunk's
+// key or value at the same index), to L2 (T1). The far one keeps more DRAM reads in flight
+// than L1's miss buffers allow; the near one then finds its line in L2. At 32k f32 this ran
+// 0.72 of the same-memory roof against 0.70 with T0 alone at 32 rows (alternated, 3 rounds;
+// the access pattern without compute reads 0.93-0.95 of it, without prefetching the kernel
+// 0.23-0.39). Alone, T0 beat T1 at 4k (L3-resident), and T1 alone was no better at 32k.
+constexpr int64_t kPrefetchRows = 8;
 // Value columns per pass over a tile: 4 float32 registers.
 constexpr int64_t kValueColumnsPerPass = 64;
 
@@ -359,11 +361,13 @@ PAGED_AVX512_INLINE __m512 ExpOfNonPositiveAvx512(__m512 x) {
 // scores[r] lane j = query row r . key j for kRows rows (`query_stride` floats apart, in
 // widened order, zero-padded) and 16 keys. Each key chunk is loaded once for all rows; the
 // 16 (row, key) dot-product registers of 16 / kRows keys reduce in one tree. kPrefetch:
-// each load of key k's line prefetches the same line of prefetch_rows[k].
+// each load of key k's line prefetches the same line of prefetch_rows[k] (to L1) and of
+// far_rows[k] (to L2).
 template <int kRows, bool kBFloat16, bool kPrefetch>
 PAGED_AVX512_INLINE void ScoreTile(const float* queries, int64_t query_stride,
                                    const char* const* keys, int64_t dim,
-                                   const char* const* prefetch_rows, __m512* scores) {
+                                   const char* const* prefetch_rows, const char* const* far_rows,
+                                   __m512* scores) {
   using Chunk = KvChunk<kBFloat16>;
   constexpr int kKeysPerTree = kLanes / kRows;
   __m512 trees[kRows];  // lane r * kKeysPerTree + k: row r, key t * kKeysPerTree + k
@@ -377,6 +381,7 @@ PAGED_AVX512_INLINE void ScoreTile(const float* queries, int64_t query_stride,
         LoadKvChunk<kBFloat16>(keys[t * kKeysPerTree + k], c, dim, key);
         if constexpr (kPrefetch) {
           __builtin_prefetch(prefetch_rows[t * kKeysPerTree + k] + c * (kBFloat16 ? 2 : 4), 0, 3);
+          __builtin_prefetch(far_rows[t * kKeysPerTree + k] + c * (kBFloat16 ? 2 : 4), 0, 2);
         }
 #pragma GCC unroll 4
         for (int r = 0; r < kRows; ++r) {
@@ -410,12 +415,13 @@ PAGED_AVX512_INLINE void ScoreTile(const float* queries, int64_t query_stride,
 // Row r's accumulators (`accumulator_stride` floats apart, widened order) = themselves *
 // corrections[r] + the sum over keys j in [lo, hi) of weights[r * kChunkKeys + j] * value
 // j. Each value chunk is loaded once for all rows. kPrefetch: each load of value j's line
-// prefetches the same line of prefetch_rows[j].
+// prefetches the same line of prefetch_rows[j] (to L1) and of far_rows[j] (to L2).
 template <int kRows, bool kBFloat16, bool kPrefetch>
 PAGED_AVX512_INLINE void AccumulateChunk(float* accumulators, int64_t accumulator_stride,
                                          const float* corrections, const float* weights,
                                          const char* const* values, int64_t lo, int64_t hi,
-                                         int64_t dim, const char* const* prefetch_rows) {
+                                         int64_t dim, const char* const* prefetch_rows,
+                                         const char* const* far_rows) {
   using Chunk = KvChunk<kBFloat16>;
   constexpr int kLoads = 4 / Chunk::kRegisters;
   for (int64_t c = 0; c < dim; c += kValueColumnsPerPass) {
@@ -435,6 +441,7 @@ PAGED_AVX512_INLINE void AccumulateChunk(float* accumulators, int64_t accumulato
         if constexpr (kPrefetch) {
           __builtin_prefetch(prefetch_rows[j] + (c + l * Chunk::kElements) * (kBFloat16 ? 2 : 4), 0,
                              3);
+          __builtin_prefetch(far_rows[j] + (c + l * Chunk::kElements) * (kBFloat16 ? 2 : 4), 0, 2);
         }
       }
       for (int r = 0; r < kRows; ++r) {
@@ -474,9 +481,9 @@ PAGED_AVX512_INLINE void AttendChunkRows(const SplitRows& split, int64_t row, fl
   const int64_t tiles = (hi + kLanes - 1) / kLanes;
   __m512 scores[kTiles][kRows];
   for (int64_t t = lo / kLanes; t < tiles; ++t) {
-    ScoreTile<kRows, kBFloat16, kPrefetch>(split.queries + row * split.query_stride,
-                                           split.query_stride, keys + t * kLanes, key_dim,
-                                           keys + kPrefetchRows + t * kLanes, scores[t]);
+    ScoreTile<kRows, kBFloat16, kPrefetch>(
+        split.queries + row * split.query_stride, split.query_stride, keys + t * kLanes, key_dim,
+        keys + kPrefetchRows + t * kLanes, keys + 2 * kChunkKeys + t * kLanes, scores[t]);
   }
   alignas(64) float weights[kRows * kChunkKeys];
   float corrections[kRows];
@@ -506,9 +513,9 @@ PAGED_AVX512_INLINE void AttendChunkRows(const SplitRows& split, int64_t row, fl
     split.sums[row + r] = split.sums[row + r] * corrections[r] + _mm512_reduce_add_ps(sum);
     max = new_max;
   }
-  AccumulateChunk<kRows, kBFloat16, kPrefetch>(split.accumulators + row * split.accumulator_stride,
-                                               split.accumulator_stride, corrections, weights,
-                                               values, lo, hi, value_dim, values + kPrefetchRows);
+  AccumulateChunk<kRows, kBFloat16, kPrefetch>(
+      split.accumulators + row * split.accumulator_stride, split.accumulator_stride, corrections,
+      weights, values, lo, hi, value_dim, values + kPrefetchRows, values + 2 * kChunkKeys);
 }
 
 // Rows [row, row + 4, 2 or 1) of the `left` rows of one query's group; returns how many.
