@@ -113,12 +113,20 @@ void BM_CudaMhaBf16S1(benchmark::State& s) {
 void BM_CudaMhaBf16S2(benchmark::State& s) {
   RunCudaMha(s, 8, 512, 768, 12, false, DType::kBFloat16);
 }
+void BM_CudaMhaBf16S3(benchmark::State& s) {
+  RunCudaMha(s, 1, 2048, 768, 12, true, DType::kBFloat16);
+}
+void BM_CudaMhaBf16Causal16k(benchmark::State& s) {
+  RunCudaMha(s, 1, 16384, 768, 12, true, DType::kBFloat16);
+}
 void BM_CudaMhaBf16S4(benchmark::State& s) {
   RunCudaMha(s, 256, 16, 768, 12, false, DType::kBFloat16);
 }
 BENCHMARK(BM_CudaMhaBf16S1)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_CudaMhaBf16S2)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_CudaMhaBf16S3)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_CudaMhaBf16S4)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_CudaMhaBf16Causal16k)->UseRealTime()->Unit(benchmark::kMillisecond);
 
 // Paged decode and the read roof: kernel time from CUDA events around a CUDA graph of
 // kGraphCalls calls (no host time between them), per call.

@@ -14,7 +14,7 @@ sequence, half the attention term when causal) for:
   - cuBLAS sgemm (torch.mm, n=8192, TF32 off) as the ceiling;
 and the CPU backend on S2 (attention_bench, 2 threads) and the server over gRPC
 (attention-loadgen, S1-shaped requests) against the in-process figure.
-With --dtype bfloat16 (issue 26; shapes S1, S2, S4): our BFLOAT16 layer (bf16 host tensors in,
+With --dtype bfloat16 (issue 26; shapes S1-S4 and causal N16384): our BFLOAT16 layer (bf16 host tensors in,
 float32 out), PyTorch's modules in bfloat16 (bf16 host tensors), cuBLAS bf16 GEMM the ceiling.
 """
 import argparse
@@ -40,7 +40,7 @@ SHAPES = {  # name: (batch, tokens, embed_dim, heads, causal, cuda_bench name)
     "B64 N1024 E1024": (64, 1024, 1024, 16, False, "BM_CudaMhaLarge"),
     "causal N16384": (1, 16384, 768, 12, True, "BM_CudaMhaCausal16k"),
 }
-BF16_SHAPES = ("S1", "S2", "S4")  # cuda_bench's BM_CudaMhaBf16*
+BF16_SHAPES = ("S1", "S2", "S3", "S4", "causal N16384")  # cuda_bench's BM_CudaMhaBf16*
 
 
 def timed(fn, min_seconds=1.0):

@@ -48,6 +48,11 @@ std::optional<DeviceMemory> CudaBackend::Memory() const {
 
 absl::Status CudaBackend::Attend(const DeviceAttentionProblem& problem, cudaStream_t stream) const {
   RETURN_IF_ERROR(KernelSupports(problem.shape));
+  if (problem.bf16_products &&
+      MmaKernelTakes(problem.shape, problem.weights != nullptr, max_shared_bytes_)) {
+    return CudaStatus(LaunchMmaAttention(problem, PlanMmaAttention(problem.shape), stream),
+                      "mma attention kernel launch");
+  }
   const FlashLaunchPlan plan = PlanFlashAttention(problem.shape, problem.weights != nullptr);
   return CudaStatus(LaunchAttention(problem, plan, stream), "attention kernel launch");
 }

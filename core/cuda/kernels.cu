@@ -1,5 +1,8 @@
 #include "core/cuda/kernels.h"
 
+#include <cuda_bf16.h>
+#include <mma.h>
+
 #include "core/half_bits.h"
 
 namespace attention::core::cuda {
@@ -136,6 +139,154 @@ __global__ void __launch_bounds__(kFlashWarps * 32)
   }
 }
 
+// See launch_plan.h (kMmaRowsPerBlock): warp w owns rows [16 w, 16 w + 16) of the block. Per
+// key tile, each warp computes its scores on mma into shared memory, runs the online
+// softmax there (two lanes a row, float32), writes the probabilities as bf16, rescales its
+// output rows and adds P V on mma. Unnormalized probabilities are rounded (as the CPU's bf16
+// path), the output divided by the row's sum at the end.
+__global__ void __launch_bounds__(kMmaWarps * 32)
+    MmaAttentionKernel(DeviceAttentionProblem p, int64_t query_blocks, MmaSharedLayout l) {
+  namespace wmma = nvcuda::wmma;
+  using Bf16 = __nv_bfloat16;
+  extern __shared__ __align__(128) char shared_bytes[];
+  const AttentionShape& s = p.shape;
+  const int64_t dk = s.head_dim, dv = s.v_head_dim;
+  const FlashBlock block =
+      DecodeFlashBlock(blockIdx.x, query_blocks, s.num_heads, kMmaRowsPerBlock);
+  const int64_t b = block.batch_index, h = block.head, first_row = block.first_row;
+  const int64_t hk = h / (s.num_heads / s.num_kv_heads);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t rows = min(static_cast<int64_t>(kMmaRowsPerBlock), s.q_len - first_row);
+  Bf16* q_tile = reinterpret_cast<Bf16*>(shared_bytes + l.q);
+  Bf16* k_tile = reinterpret_cast<Bf16*>(shared_bytes + l.k);
+  Bf16* v_tile = reinterpret_cast<Bf16*>(shared_bytes + l.v);
+  char* warp_region = shared_bytes + warp * l.per_warp_bytes;
+  float* scores = reinterpret_cast<float*>(warp_region + l.scores);
+  Bf16* probabilities = reinterpret_cast<Bf16*>(warp_region + l.probabilities);
+  float* output = reinterpret_cast<float*>(warp_region + l.output);
+  float* row_max = reinterpret_cast<float*>(warp_region + l.row_state);
+  float* row_sum = row_max + 16;
+  float* correction = row_sum + 16;
+
+  for (int64_t e = threadIdx.x; e < kMmaRowsPerBlock * dk; e += blockDim.x) {
+    const int64_t r = e / dk, c = e % dk;
+    q_tile[r * l.q_ld + c] = __float2bfloat16_rn(
+        r < rows ? p.query[Offset(p.query_layout, b, h, first_row + r) + c] : 0.0f);
+  }
+  for (int64_t e = lane; e < 16 * dv; e += 32) output[(e / dv) * l.output_ld + e % dv] = 0.0f;
+  if (lane < 16) {
+    row_max[lane] = -INFINITY;
+    row_sum[lane] = 0.0f;
+  }
+  const int64_t warp_row = warp * 16;  // the warp's first row in the block
+  const bool warp_has_rows = warp_row < rows;
+  // Keys past the last row's frontier are never attended: causal tiles are skipped.
+  const int64_t key_count = p.mask.KeyLimit(b, first_row + rows - 1);
+  for (int64_t first_key = 0; first_key < key_count; first_key += kMmaKeysPerTile) {
+    __syncthreads();  // the Q rows are in, and every warp is done with the previous tile
+    const int64_t keys = min(static_cast<int64_t>(kMmaKeysPerTile), key_count - first_key);
+    for (int64_t e = threadIdx.x; e < kMmaKeysPerTile * dk; e += blockDim.x) {
+      const int64_t j = e / dk, c = e % dk;
+      k_tile[j * l.k_ld + c] = __float2bfloat16_rn(
+          j < keys ? p.key[Offset(p.key_layout, b, hk, first_key + j) + c] : 0.0f);
+    }
+    for (int64_t e = threadIdx.x; e < kMmaKeysPerTile * dv; e += blockDim.x) {
+      const int64_t j = e / dv, c = e % dv;
+      v_tile[j * l.v_ld + c] = __float2bfloat16_rn(
+          j < keys ? p.value[Offset(p.value_layout, b, hk, first_key + j) + c] : 0.0f);
+    }
+    __syncthreads();
+    if (!warp_has_rows) continue;
+
+    // Scores [16 rows][64 keys] = Q K^T: K's rows are K^T's columns.
+    for (int n = 0; n < kMmaKeysPerTile / 16; ++n) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> dot;
+      wmma::fill_fragment(dot, 0.0f);
+      for (int64_t kk = 0; kk < dk; kk += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, Bf16, wmma::row_major> q_part;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, Bf16, wmma::col_major> k_part;
+        wmma::load_matrix_sync(q_part, q_tile + warp_row * l.q_ld + kk, l.q_ld);
+        wmma::load_matrix_sync(k_part, k_tile + n * 16 * l.k_ld + kk, l.k_ld);
+        wmma::mma_sync(dot, q_part, k_part, dot);
+      }
+      wmma::store_matrix_sync(scores + n * 16, dot, l.scores_ld, wmma::mem_row_major);
+    }
+    __syncwarp();
+
+    {  // Online softmax: lanes 2r and 2r + 1 own row r, 32 keys each.
+      const int r = lane / 2, half = lane % 2;
+      const int64_t i = first_row + warp_row + r;
+      const int64_t limit = warp_row + r < rows ? p.mask.KeyLimit(b, i) : 0;
+      float values[32];
+      float local_max = -INFINITY;
+#pragma unroll
+      for (int t = 0; t < 32; ++t) {
+        const int col = half * 32 + t;
+        const int64_t j = first_key + col;
+        float score = -INFINITY;
+        if (col < keys && j < limit) {
+          score = scores[r * l.scores_ld + col] * p.scale;
+          if (p.mask.HasElementMasks()) score += p.mask.ScoreBias(b, h, i, j);
+        }
+        values[t] = score;
+        local_max = fmaxf(local_max, score);
+      }
+      const float tile_max = fmaxf(local_max, __shfl_xor_sync(kFullWarp, local_max, 1));
+      const float old_max = row_max[r];
+      const float new_max = fmaxf(old_max, tile_max);
+      float local_sum = 0.0f;
+#pragma unroll
+      for (int t = 0; t < 32; ++t) {
+        const int col = half * 32 + t;
+        float probability = values[t] == -INFINITY ? 0.0f : expf(values[t] - new_max);
+        local_sum += probability;  // the sum before dropout normalizes
+        probability = DropOut(p, probability, b, h, i, first_key + col);
+        probabilities[r * l.probabilities_ld + col] = __float2bfloat16_rn(probability);
+      }
+      const float tile_sum = local_sum + __shfl_xor_sync(kFullWarp, local_sum, 1);
+      __syncwarp();  // both lanes of the row have read its maximum
+      if (half == 0) {
+        const float rescale = old_max == -INFINITY ? 0.0f : expf(old_max - new_max);
+        correction[r] = rescale;
+        row_sum[r] = row_sum[r] * rescale + tile_sum;
+        row_max[r] = new_max;
+      }
+    }
+    __syncwarp();
+
+    // Output rows rescaled to the new maxima, then += P V.
+    for (int64_t e = lane; e < 16 * dv; e += 32) {
+      const int64_t r = e / dv;
+      output[r * l.output_ld + e % dv] *= correction[r];
+    }
+    __syncwarp();
+    for (int64_t n = 0; n < dv; n += 16) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> out;
+      wmma::load_matrix_sync(out, output + n, l.output_ld, wmma::mem_row_major);
+      for (int kk = 0; kk < kMmaKeysPerTile; kk += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, Bf16, wmma::row_major> p_part;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, Bf16, wmma::row_major> v_part;
+        wmma::load_matrix_sync(p_part, probabilities + kk, l.probabilities_ld);
+        wmma::load_matrix_sync(v_part, v_tile + kk * l.v_ld + n, l.v_ld);
+        wmma::mma_sync(out, p_part, v_part, out);
+      }
+      wmma::store_matrix_sync(output + n, out, l.output_ld, wmma::mem_row_major);
+    }
+    __syncwarp();
+  }
+
+  if (!warp_has_rows) return;
+  __syncwarp();
+  for (int64_t e = lane; e < 16 * dv; e += 32) {
+    const int64_t r = e / dv, c = e % dv;
+    if (warp_row + r >= rows) continue;
+    // A fully masked row has sum 0 and an all-zero accumulator: it stays zeros.
+    const float sum = row_sum[r];
+    p.output[Offset(p.output_layout, b, h, first_row + warp_row + r) + c] =
+        sum > 0.0f ? output[r * l.output_ld + c] * (1.0f / sum) : 0.0f;
+  }
+}
+
 // One weight per thread (grid-stride) from the flash kernel's row statistics: the same
 // score, normalised by the row's final maximum and sum, then dropped out.
 __global__ void AttentionWeightsKernel(DeviceAttentionProblem p) {
@@ -252,6 +403,20 @@ cudaError_t LaunchAttention(const DeviceAttentionProblem& p, const FlashLaunchPl
   if (error != cudaSuccess || p.weights == nullptr) return error;
   AttentionWeightsKernel<<<static_cast<unsigned>(plan.weight_blocks), kWeightThreads, 0,
                            stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchMmaAttention(const DeviceAttentionProblem& p, const MmaLaunchPlan& plan,
+                               cudaStream_t stream) {
+  const int64_t bytes = plan.shared.total_bytes;
+  constexpr int64_t kDefaultSharedLimit = 48 << 10;
+  if (bytes > kDefaultSharedLimit) {
+    const cudaError_t raised = cudaFuncSetAttribute(
+        MmaAttentionKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+    if (raised != cudaSuccess) return raised;
+  }
+  MmaAttentionKernel<<<static_cast<unsigned>(plan.blocks), plan.threads, bytes, stream>>>(
+      p, plan.query_blocks, plan.shared);
   return cudaGetLastError();
 }
 

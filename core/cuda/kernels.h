@@ -41,12 +41,19 @@ struct DeviceAttentionProblem {
   // [B * H * Nq] each when weights are asked for: each row's softmax maximum and sum.
   float* row_max = nullptr;
   float* row_sum = nullptr;
+  // A BFLOAT16 layer's call: Q, K, probabilities and V rounded to bf16 for the products
+  // (float32 accumulation), where the mma kernel takes the shape (see MmaKernelTakes).
+  bool bf16_products = false;
 };
 
 // Fused flash-style attention per `plan` (see PlanFlashAttention), then the weights when
 // asked. Launches on `stream` and returns the launch error, if any.
 cudaError_t LaunchAttention(const DeviceAttentionProblem& problem, const FlashLaunchPlan& plan,
                             cudaStream_t stream);
+
+// The tensor-core kernel per `plan` (see PlanMmaAttention), for a call MmaKernelTakes.
+cudaError_t LaunchMmaAttention(const DeviceAttentionProblem& problem, const MmaLaunchPlan& plan,
+                               cudaStream_t stream);
 
 // out[e] = the float32 value of 16-bit `in[e]` (IEEE half, or bfloat16 when `bfloat16`).
 cudaError_t LaunchHalfToFloat(const uint16_t* in, float* out, int64_t count, bool bfloat16,

@@ -53,4 +53,20 @@ FlashLaunchPlan PlanFlashAttention(const AttentionShape& s, bool weights) {
   return plan;
 }
 
+bool MmaKernelTakes(const AttentionShape& s, bool weights, int64_t max_shared_bytes) {
+  const auto tiles = [](int64_t dim) { return dim % 16 == 0 && dim <= kMmaMaxHeadDim; };
+  if (weights || !tiles(s.head_dim) || !tiles(s.v_head_dim)) return false;
+  if (PlanMmaShared(s.head_dim, s.v_head_dim).total_bytes > max_shared_bytes) return false;
+  const int64_t query_blocks = (s.q_len + kMmaRowsPerBlock - 1) / kMmaRowsPerBlock;
+  return query_blocks <= kMaxGridBlocks / std::max<int64_t>(1, s.num_heads * s.batch);
+}
+
+MmaLaunchPlan PlanMmaAttention(const AttentionShape& s) {
+  MmaLaunchPlan plan;
+  plan.query_blocks = (s.q_len + kMmaRowsPerBlock - 1) / kMmaRowsPerBlock;
+  plan.blocks = plan.query_blocks * s.num_heads * s.batch;
+  plan.shared = PlanMmaShared(s.head_dim, s.v_head_dim);
+  return plan;
+}
+
 }  // namespace attention::core::cuda

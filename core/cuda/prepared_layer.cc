@@ -255,9 +255,10 @@ absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::ForwardBatch(
                        plan.k_stride, context->stream),
           "rotary kernel"));
     }
-    RETURN_IF_ERROR(backend_.Attend(
-        ToDeviceProblem(plan.Attention(n, q, k, v, attended), masks[n], weights[n], device),
-        context->stream));
+    AttentionProblem problem = plan.Attention(n, q, k, v, attended);
+    problem.bf16_products = bf16;
+    RETURN_IF_ERROR(
+        backend_.Attend(ToDeviceProblem(problem, masks[n], weights[n], device), context->stream));
   }
   if (c.output_projection) {
     RETURN_IF_ERROR(linear(attended, q_rows, c.AttentionWidth(), weights_.out_weight,

@@ -85,6 +85,7 @@ DeviceAttentionProblem ToDeviceProblem(const AttentionProblem& problem, const St
   p.scale = options.Scale(problem.dims);
   p.dropout_p = options.dropout_p;
   p.dropout_seed = options.dropout_seed;
+  p.bf16_products = problem.bf16_products;
   weights.Attach(device, p);
   return p;
 }

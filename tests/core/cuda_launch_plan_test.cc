@@ -3,6 +3,7 @@
 
 #include <set>
 #include <tuple>
+#include <utility>
 
 #include "gtest/gtest.h"
 
@@ -63,6 +64,54 @@ TEST(FlashLaunchPlanTest, UnsupportedShapesNameTheField) {
                                    kH100SharedBytes)
                 .find("blocks exceed a CUDA grid"),
             std::string::npos);
+}
+
+TEST(MmaLaunchPlanTest, TakesSixteenMultiplesUpTo128WithoutWeights) {
+  EXPECT_TRUE(MmaKernelTakes({1, 12, 12, 128, 128, 64, 64}, false, kH100SharedBytes));
+  EXPECT_TRUE(MmaKernelTakes({1, 32, 8, 7, 300, 128, 128}, false, kH100SharedBytes));
+  EXPECT_TRUE(MmaKernelTakes({2, 4, 2, 1, 1, 16, 48}, false, kH100SharedBytes));
+  EXPECT_FALSE(MmaKernelTakes({1, 12, 12, 128, 128, 64, 64}, true, kH100SharedBytes));
+  for (const auto& [dk, dv] :
+       {std::pair<int64_t, int64_t>{72, 64}, {64, 8}, {144, 144}, {256, 256}, {33, 64}}) {
+    EXPECT_FALSE(MmaKernelTakes({1, 1, 1, 1, 1, dk, dv}, false, kH100SharedBytes)) << dk << dv;
+  }
+  // 128-wide heads need 111 KiB: past the default 48 KiB, within an A100's or H100's.
+  EXPECT_FALSE(MmaKernelTakes({1, 1, 1, 1, 1, 128, 128}, false, 48 << 10));
+}
+
+TEST(MmaLaunchPlanTest, SharedRegionsAreAlignedAndApart) {
+  for (const auto& [dk, dv] :
+       {std::pair<int64_t, int64_t>{16, 16}, {64, 64}, {128, 128}, {48, 112}}) {
+    const MmaSharedLayout l = PlanMmaShared(dk, dv);
+    // Leading dimensions as mma's loads need them (8 bf16, 4 floats), padded past the row.
+    EXPECT_EQ(l.q_ld % 8, 0);
+    EXPECT_EQ(l.v_ld % 8, 0);
+    EXPECT_EQ(l.probabilities_ld % 8, 0);
+    EXPECT_EQ(l.scores_ld % 4, 0);
+    EXPECT_EQ(l.output_ld % 4, 0);
+    EXPECT_GT(l.q_ld, dk);
+    EXPECT_GT(l.v_ld, dv);
+    // Regions in order, each 128-byte aligned and as large as its tile.
+    const int64_t starts[] = {l.q, l.k, l.v, l.scores, l.probabilities, l.output, l.row_state};
+    const int64_t sizes[] = {kMmaRowsPerBlock * l.q_ld * 2,
+                             kMmaKeysPerTile * l.k_ld * 2,
+                             kMmaKeysPerTile * l.v_ld * 2,
+                             16 * l.scores_ld * 4,
+                             16 * l.probabilities_ld * 2,
+                             16 * l.output_ld * 4,
+                             3 * 16 * 4};
+    for (int r = 0; r < 7; ++r) {
+      EXPECT_EQ(starts[r] % 128, 0) << r;
+      if (r + 1 < 7) EXPECT_GE(starts[r + 1], starts[r] + sizes[r]) << r;
+    }
+    EXPECT_EQ(l.per_warp_bytes % 128, 0);
+    EXPECT_GE(l.scores + l.per_warp_bytes, l.row_state + 3 * 16 * 4);
+    EXPECT_EQ(l.total_bytes, l.scores + kMmaWarps * l.per_warp_bytes);
+  }
+  const MmaLaunchPlan plan = PlanMmaAttention({3, 5, 5, 130, 9, 64, 64});
+  EXPECT_EQ(plan.query_blocks, 3);  // 130 rows in blocks of 64
+  EXPECT_EQ(plan.blocks, 3 * 5 * 3);
+  EXPECT_EQ(DecodeFlashBlock(1, plan.query_blocks, 5, kMmaRowsPerBlock).first_row, 64);
 }
 
 }  // namespace

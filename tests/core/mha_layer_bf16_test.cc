@@ -48,9 +48,12 @@ class Bf16LayerTest : public ::testing::TestWithParam<Bf16Kernel> {
 // Random configs (GQA, odd head sizes, cross-attention, RoPE with scaling, causal and
 // windows, no output projection) and options (masks, fully masked rows, weights), several
 // requests packed into a batch, on `backend`. The oracle is the float64 forward of the
-// float32 layer on the original weights and inputs.
+// float32 layer on the original weights and inputs. With `tensor_core_heads`, head sizes
+// are multiples of 16 up to 128, sequences span several 64-key tiles and most inputs ask
+// for no weights: the shapes the CUDA backend's mma kernel takes.
 void ExpectBf16RuleOnRandomConfigs(const std::shared_ptr<const Backend>& backend,
-                                   const std::string& name, uint64_t seed) {
+                                   const std::string& name, uint64_t seed,
+                                   bool tensor_core_heads = false) {
   SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
   std::mt19937_64 rng(seed);
   auto uniform = [&rng](int64_t lo, int64_t hi) {
@@ -63,8 +66,8 @@ void ExpectBf16RuleOnRandomConfigs(const std::shared_ptr<const Backend>& backend
     MhaConfig config;
     config.num_kv_heads = uniform(1, 3);
     config.num_heads = config.num_kv_heads * uniform(1, 3);
-    config.head_dim = 2 * uniform(1, 20);
-    config.v_head_dim = coin(0.5) ? 0 : uniform(1, 33);
+    config.head_dim = tensor_core_heads ? 16 * uniform(1, 8) : 2 * uniform(1, 20);
+    config.v_head_dim = coin(0.5) ? 0 : tensor_core_heads ? 16 * uniform(1, 8) : uniform(1, 33);
     config.embed_dim = uniform(1, 80);
     config.kdim = coin(0.7) ? 0 : uniform(1, 40);
     config.vdim = coin(0.7) ? 0 : uniform(1, 40);
@@ -94,9 +97,10 @@ void ExpectBf16RuleOnRandomConfigs(const std::shared_ptr<const Backend>& backend
     std::vector<MhaInput> inputs(count);
     for (MhaInput& in : inputs) {
       in.batch = uniform(1, 3);
-      in.q_len = uniform(1, 70);
+      const int64_t longest = tensor_core_heads ? 200 : 70;
+      in.q_len = uniform(1, longest);
       const bool cross = !can_self_attend || coin(0.3);  // also on a layer stored fused
-      in.kv_len = cross ? uniform(1, 70) : in.q_len;
+      in.kv_len = cross ? uniform(1, longest) : in.q_len;
       storage.push_back(RandomFloats(rng, in.batch * in.q_len * c.embed_dim));
       in.query = storage.back();
       if (cross) {
@@ -107,6 +111,7 @@ void ExpectBf16RuleOnRandomConfigs(const std::shared_ptr<const Backend>& backend
       }
       in.options = RandomOptions(rng, {in.batch, c.num_heads, c.num_kv_heads, in.q_len, in.kv_len,
                                        c.head_dim, c.v_head_dim});
+      if (tensor_core_heads && coin(0.8)) in.options.need_weights = NeedWeights::kNone;
       ASSERT_TRUE((*bf16)->ValidateInput(in).ok()) << (*bf16)->ValidateInput(in);
     }
     std::vector<const MhaInput*> pointers;
@@ -136,12 +141,26 @@ TEST_P(Bf16LayerTest, BatchedForwardFollowsTheBf16RuleOnRandomConfigs) {
   ExpectBf16RuleOnRandomConfigs(backend_, Bf16KernelName(GetParam()), TestSeed(2610));
 }
 
+TEST_P(Bf16LayerTest, LongerSequencesOfWideHeadsFollowTheBf16Rule) {
+  ExpectBf16RuleOnRandomConfigs(backend_, std::string(Bf16KernelName(GetParam())) + ", wide heads",
+                                TestSeed(2616), /*tensor_core_heads=*/true);
+}
+
 // The same on the GPU: projections on tensor cores (cuBLAS bf16 GEMMs, float32
 // accumulation), attention in float32. SKIPPED where no GPU can run.
 TEST(Bf16CudaLayerTest, BatchedForwardFollowsTheBf16RuleOnRandomConfigs) {
   auto backend = testing::TestDevices().Get("cuda");
   if (!backend.ok()) GTEST_SKIP() << "backend cuda cannot run here: " << backend.status().message();
   ExpectBf16RuleOnRandomConfigs(*backend, "cuda", TestSeed(2614));
+}
+
+// Head sizes the mma kernel takes (both attention products on tensor cores), several key
+// tiles, mostly without weights. SKIPPED where no GPU can run.
+TEST(Bf16CudaLayerTest, TensorCoreHeadsFollowTheBf16Rule) {
+  auto backend = testing::TestDevices().Get("cuda");
+  if (!backend.ok()) GTEST_SKIP() << "backend cuda cannot run here: " << backend.status().message();
+  ExpectBf16RuleOnRandomConfigs(*backend, "cuda, tensor-core heads", TestSeed(2615),
+                                /*tensor_core_heads=*/true);
 }
 
 // Mutation check of the rule above: a layer that multiplied in bf16 but rounded nothing
