@@ -19,6 +19,18 @@ def server_binary():
     return sys.argv[1]
 
 
+def start_server_on_device(binary, device, *flags):
+    """The server with --device=`device` and `flags`, started; a GPU that is not there
+    reports SKIPPED and exits 77 (ctest's SKIP_RETURN_CODE)."""
+    try:
+        return ServerProcess(binary, *flags, "--device=" + device).start()
+    except RuntimeError as error:
+        if device != "cpu" and "is not available" in str(error):
+            print("SKIPPED: device %s is not available here:\n%s" % (device, error))
+            sys.exit(77)
+        raise
+
+
 class Checker:
     """Collects failures instead of stopping at the first one."""
 

@@ -16,7 +16,6 @@ Runs in build/hf-venv (scripts/hf-test-deps --run): Debian's torch 1.13 has no e
 
 import argparse
 import math
-import sys
 
 import numpy as np
 import torch
@@ -203,14 +202,8 @@ def main():
     args = parser.parse_args()
     t = harness.Checker("test_bf16_parity[%s]" % args.device)
     rule = Bf16Rule(t)
-    try:
-        server = harness.ServerProcess(args.server, "--demo_layer=false", "--compute_threads=2",
-                                       "--device=" + args.device).start()
-    except RuntimeError as error:
-        if args.device != "cpu" and "is not available" in str(error):
-            print("SKIPPED: device %s is not available here:\n%s" % (args.device, error))
-            sys.exit(77)  # ctest SKIP_RETURN_CODE
-        raise
+    server = harness.start_server_on_device(args.server, args.device, "--demo_layer=false",
+                                            "--compute_threads=2")
     try:
         with AttentionClient(server.target) as client:
             for i in range(args.configs):

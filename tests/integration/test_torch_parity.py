@@ -40,7 +40,6 @@ On failure the seed and configuration are printed; the exit code is 1.
 import argparse
 import copy
 import math
-import sys
 
 import numpy as np
 import torch
@@ -684,14 +683,8 @@ def main():
     args = parser.parse_args()
     t = harness.Checker("test_torch_parity[%s]" % args.device)
     p = Parity(t)
-    try:
-        server = harness.ServerProcess(args.server, "--demo_layer=false", "--compute_threads=2",
-                                       "--device=" + args.device).start()
-    except RuntimeError as error:
-        if args.device != "cpu" and "is not available" in str(error):
-            print("SKIPPED: device %s is not available here:\n%s" % (args.device, error))
-            sys.exit(77)  # ctest SKIP_RETURN_CODE
-        raise
+    server = harness.start_server_on_device(args.server, args.device, "--demo_layer=false",
+                                            "--compute_threads=2")
     try:
         with AttentionClient(server.target) as client:
             groups = [("mha", args.configs, lambda s: run_mha_config(p, client,
