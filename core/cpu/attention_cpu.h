@@ -23,12 +23,13 @@ namespace attention::core {
 void AttentionBlockedCpu(absl::Span<const AttentionProblem> problems, ThreadPool& pool);
 
 // Query rows per block: as many as keep the block's scores within 1 MiB (half of a
-// 2 MiB L2, the rest for the K and V tiles), between 64 and 256. Taller blocks make the
-// two GEMMs more efficient; short keys allow them.
+// 2 MiB L2, the rest for the K and V tiles), between 64 and 512. Taller blocks make the
+// two GEMMs more efficient and pack each head's keys and values fewer times; short keys
+// allow them (512 rather than 256: S2, 512 keys, bf16 +3.7%, float32 +1.5%, alternated).
 inline int64_t QueryBlockRows(int64_t kv_len) {
   constexpr int64_t kScoreFloats = (1024 << 10) / sizeof(float);
   const int64_t rows = kScoreFloats / std::max<int64_t>(kv_len, 1);
-  return std::clamp<int64_t>(rows, 64, 256);
+  return std::clamp<int64_t>(rows, 64, 512);
 }
 
 }  // namespace attention::core

@@ -141,7 +141,8 @@ TEST_P(SdpaBackendTest, FullyMaskedRowIsZeroNotNan) {
 TEST(AttentionCpuTest, LongKeysTakeShortQueryBlocks) {
   // The long-keys test above relies on this: 150 queries span three blocks of 64.
   EXPECT_EQ(QueryBlockRows(4100), 64);
-  EXPECT_EQ(QueryBlockRows(16), 256);
+  EXPECT_EQ(QueryBlockRows(512), 512);
+  EXPECT_EQ(QueryBlockRows(16), 512);
 }
 
 TEST(AttentionKernelsTest, DropoutDependsOnlyOnSeedAndPosition) {
