@@ -270,9 +270,9 @@ constexpr int64_t kChunkKeys = 64;
 // keys and values are read in, to L1 (T0), and of the row a chunk ahead (the next chunk's
 // key or value at the same index), to L2 (T1). The far one keeps more DRAM reads in flight
 // than L1's miss buffers allow; the near one then finds its line in L2. At 32k f32 this ran
-// 0.72 of the same-memory roof against 0.70 with T0 alone at 32 rows (alternated, 3 rounds;
-// the access pattern without compute reads 0.93-0.95 of it, without prefetching the kernel
-// 0.23-0.39). Alone, T0 beat T1 at 4k (L3-resident), and T1 alone was no better at 32k.
+// 0.72-0.74 of the same-memory roof against 0.69-0.73 with T0 alone at 32 rows (alternated,
+// 6 rounds; the access pattern without compute reads 0.93-0.95 of it, without prefetching
+// the kernel 0.23-0.39). Alone, T0 beat T1 at 4k (L3-resident); T1 alone was no better.
 constexpr int64_t kPrefetchRows = 8;
 // Value columns per pass over a tile: 4 float32 registers.
 constexpr int64_t kValueColumnsPerPass = 64;
