@@ -66,12 +66,12 @@ void RunCudaMha(benchmark::State& state, int64_t batch, int64_t tokens, int64_t 
   std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
   std::vector<float> query(batch * tokens * embed_dim);
   for (float& v : query) v = uniform(rng);
-  std::vector<uint16_t> query_bf16(query.size());
-  for (size_t i = 0; i < query.size(); ++i) query_bf16[i] = FloatToBFloat16Bits(query[i]);
+  std::vector<uint16_t> query_bf16;
   MhaInput input;
   input.batch = batch;
   input.q_len = input.kv_len = tokens;
   if (compute_dtype == DType::kBFloat16) {
+    for (const float v : query) query_bf16.push_back(FloatToBFloat16Bits(v));
     input.half_dtype = DType::kBFloat16;
     input.query_half = query_bf16;
   } else {

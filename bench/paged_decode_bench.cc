@@ -93,6 +93,17 @@ float Sum(const float* x, int64_t count) {
   return SumGeneric(x, count);
 }
 
+// Sums `count` floats with every thread of the pool, `chunk_floats` (or the rest) per item.
+void ReadWithEveryThread(ThreadPool& pool, const float* values, int64_t count,
+                         int64_t chunk_floats) {
+  std::vector<float> sums((count + chunk_floats - 1) / chunk_floats);
+  pool.ParallelFor(static_cast<int64_t>(sums.size()), [&](int64_t chunk) {
+    const int64_t first = chunk * chunk_floats;
+    sums[chunk] = Sum(values + first, std::min(chunk_floats, count - first) / 64 * 64);
+  });
+  benchmark::DoNotOptimize(sums.data());
+}
+
 // The read roof: every compute thread sums its share of a 512 MiB buffer.
 void BM_ReadBandwidth(benchmark::State& state) {
   constexpr int64_t kBytes = int64_t{512} << 20;
@@ -102,13 +113,7 @@ void BM_ReadBandwidth(benchmark::State& state) {
   float* values = reinterpret_cast<float*>(buffer.data);
   for (int64_t i = 0; i < kFloats; ++i) values[i] = static_cast<float>(i % 7);
   ThreadPool pool(ComputeThreads());
-  std::vector<float> sums(kFloats / kChunkFloats);
-  for (auto _ : state) {
-    pool.ParallelFor(static_cast<int64_t>(sums.size()), [&](int64_t chunk) {
-      sums[chunk] = Sum(values + chunk * kChunkFloats, kChunkFloats);
-    });
-    benchmark::DoNotOptimize(sums.data());
-  }
+  for (auto _ : state) ReadWithEveryThread(pool, values, kFloats, kChunkFloats);
   state.counters["read_bytes/s"] = benchmark::Counter(
       static_cast<double>(kBytes) * state.iterations(), benchmark::Counter::kIsRate);
   state.counters["threads"] = ComputeThreads();
@@ -163,7 +168,6 @@ void BM_PagedDecode(benchmark::State& state) {
   constexpr int64_t kRoofChunkFloats = (int64_t{2} << 20) / sizeof(float);
   const int64_t storage_floats = blocks * kv_cache::kDefaultBlockBytes / sizeof(float);
   const auto* storage_floats_at = reinterpret_cast<const float*>(storage.data);
-  std::vector<float> sums((storage_floats + kRoofChunkFloats - 1) / kRoofChunkFloats);
   double step_seconds = 0, roof_seconds = 0;
   using Clock = std::chrono::steady_clock;
   for (auto _ : state) {
@@ -171,12 +175,7 @@ void BM_PagedDecode(benchmark::State& state) {
     if (!PagedDecodeCpu(batch, threads).ok()) state.SkipWithError("PagedDecodeCpu failed");
     benchmark::DoNotOptimize(outputs.data());
     const Clock::time_point step_end = Clock::now();
-    threads.ParallelFor(static_cast<int64_t>(sums.size()), [&](int64_t chunk) {
-      const int64_t first = chunk * kRoofChunkFloats;
-      sums[chunk] = Sum(storage_floats_at + first,
-                        std::min(kRoofChunkFloats, storage_floats - first) / 64 * 64);
-    });
-    benchmark::DoNotOptimize(sums.data());
+    ReadWithEveryThread(threads, storage_floats_at, storage_floats, kRoofChunkFloats);
     roof_seconds += std::chrono::duration<double>(Clock::now() - step_end).count();
     const double step = std::chrono::duration<double>(step_end - start).count();
     step_seconds += step;

@@ -56,7 +56,8 @@ class PreparedLayer {
   // `positions.size()` tokens of hidden states `x` [rows, E] into q [rows, H * dk],
   // k [rows, Hkv * dk] and v [rows, Hkv * dv], rotating q and k when the layer has RoPE,
   // row r at absolute position positions[r]. ProjectDecodeOutput maps attended rows
-  // [rows, H * dv] to the layer's output [rows, output_dim]. Host pointers.
+  // [rows, H * dv] to the layer's output [rows, output_dim]; MhaLayer calls it only for
+  // layers with an output projection. Host pointers.
   virtual bool HasDecodeEntry() const { return false; }
   virtual absl::Status ProjectForDecode(const float* /*x*/, absl::Span<const int64_t> /*positions*/,
                                         float* /*q*/, float* /*k*/, float* /*v*/) const {

@@ -3,6 +3,7 @@
 #ifndef ATTENTION_CORE_MHA_LAYER_H_
 #define ATTENTION_CORE_MHA_LAYER_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -91,6 +92,10 @@ class MhaLayer {
     return prepared_->ProjectForDecode(x, positions, q, k, v);
   }
   absl::Status ProjectDecodeOutput(const float* attended, int64_t rows, float* output) const {
+    if (!config_.output_projection) {  // the attended rows are the output
+      std::copy(attended, attended + rows * config_.AttentionWidth(), output);
+      return absl::OkStatus();
+    }
     return prepared_->ProjectDecodeOutput(attended, rows, output);
   }
 

@@ -173,10 +173,6 @@ absl::Status CpuPreparedLayer::ProjectForDecode(const float* x, absl::Span<const
 absl::Status CpuPreparedLayer::ProjectDecodeOutput(const float* attended, int64_t rows,
                                                    float* output) const {
   const MhaConfig& c = config_;
-  if (!c.output_projection) {
-    std::copy(attended, attended + rows * c.AttentionWidth(), output);
-    return absl::OkStatus();
-  }
   LinearForward(pool_, attended, rows, c.AttentionWidth(), weights_.out_weight, weights_.out_bias,
                 c.output_dim, output, packed_out_->panels());
   return absl::OkStatus();

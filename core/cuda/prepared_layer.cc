@@ -213,10 +213,7 @@ absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::ForwardBatch(
                           const uint16_t* weight_bf16, const float* bias, int64_t out, float* y,
                           int64_t ldy) -> absl::Status {
     auto* rounded = bf16 ? reinterpret_cast<uint16_t*>(device + rounded_at) : nullptr;
-    if (bf16) {
-      RETURN_IF_ERROR(CudaStatus(LaunchFloatToBFloat16(x, rounded, rows * in, context->stream),
-                                 "bf16 rounding kernel"));
-    }
+    RETURN_IF_ERROR(RoundForLayer(*context, x, rows * in, rounded));
     return LinearInPrecision(*context, x, rounded, rows, in, weight, weight_bf16, bias, out, y,
                              ldy);
   };
@@ -282,6 +279,13 @@ absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::ForwardBatch(
   return results;
 }
 
+absl::Status CudaPreparedLayer::RoundForLayer(const StreamContext& context, const float* x,
+                                              int64_t count, uint16_t* rounded) const {
+  if (config_.compute_dtype != DType::kBFloat16) return absl::OkStatus();
+  return CudaStatus(LaunchFloatToBFloat16(x, rounded, count, context.stream),
+                    "bf16 rounding kernel");
+}
+
 absl::Status CudaPreparedLayer::LinearInPrecision(const StreamContext& context, const float* x,
                                                   const uint16_t* x_bf16, int64_t rows, int64_t in,
                                                   const float* weight, const uint16_t* weight_bf16,
@@ -321,11 +325,7 @@ absl::Status CudaPreparedLayer::ProjectForDecode(const float* x,
       "cudaMemcpyAsync(decode inputs)"));
   const auto* x_device = reinterpret_cast<const float*>(device + x_at);
   auto* rounded = bf16 ? reinterpret_cast<uint16_t*>(device + rounded_at) : nullptr;
-  if (bf16) {
-    RETURN_IF_ERROR(
-        CudaStatus(LaunchFloatToBFloat16(x_device, rounded, rows * c.embed_dim, context->stream),
-                   "bf16 rounding kernel"));
-  }
+  RETURN_IF_ERROR(RoundForLayer(*context, x_device, rows * c.embed_dim, rounded));
   auto* q_device = reinterpret_cast<float*>(device + q_at);
   auto* k_device = reinterpret_cast<float*>(device + k_at);
   auto* v_device = reinterpret_cast<float*>(device + v_at);
@@ -365,10 +365,6 @@ absl::Status CudaPreparedLayer::ProjectForDecode(const float* x,
 absl::Status CudaPreparedLayer::ProjectDecodeOutput(const float* attended, int64_t rows,
                                                     float* output) const {
   const MhaConfig& c = config_;
-  if (!c.output_projection) {
-    std::copy(attended, attended + rows * c.AttentionWidth(), output);
-    return absl::OkStatus();
-  }
   if (rows == 0) return absl::OkStatus();
   const bool bf16 = c.compute_dtype == DType::kBFloat16;
   Arena arena;
@@ -386,11 +382,7 @@ absl::Status CudaPreparedLayer::ProjectDecodeOutput(const float* attended, int64
                              "cudaMemcpyAsync(attended rows)"));
   const auto* attended_device = reinterpret_cast<const float*>(device + attended_at);
   auto* rounded = bf16 ? reinterpret_cast<uint16_t*>(device + rounded_at) : nullptr;
-  if (bf16) {
-    RETURN_IF_ERROR(CudaStatus(
-        LaunchFloatToBFloat16(attended_device, rounded, rows * c.AttentionWidth(), context->stream),
-        "bf16 rounding kernel"));
-  }
+  RETURN_IF_ERROR(RoundForLayer(*context, attended_device, rows * c.AttentionWidth(), rounded));
   RETURN_IF_ERROR(LinearInPrecision(*context, attended_device, rounded, rows, c.AttentionWidth(),
                                     weights_.out_weight, weights_.out_weight_bf16,
                                     weights_.out_bias, c.output_dim,

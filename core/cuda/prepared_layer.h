@@ -48,6 +48,10 @@ class CudaPreparedLayer final : public PreparedLayer {
                                    float* output) const override;
 
  private:
+  // A BFLOAT16 layer's GEMM input x [count] rounded into `rounded` on the device; nothing
+  // for a FLOAT32 layer.
+  absl::Status RoundForLayer(const StreamContext& context, const float* x, int64_t count,
+                             uint16_t* rounded) const;
   // y = x W^T + bias in the layer's precision: float32 x, or for a BFLOAT16 layer x_bf16
   // (x already rounded to bf16 on the device).
   absl::Status LinearInPrecision(const StreamContext& context, const float* x,
