@@ -62,6 +62,11 @@ struct AttentionProblemOf {
   // rounded, float32 accumulation; softmax in float32): a BFLOAT16 layer on a CPU with
   // AVX512-BF16.
   bool bf16_products = false;
+  // With bf16_products and no weights: Q, K and V already rounded to bf16, in the layouts
+  // above (query, key and value then unused). A BFLOAT16 layer's projections write them so.
+  const uint16_t* query_bf16 = nullptr;
+  const uint16_t* key_bf16 = nullptr;
+  const uint16_t* value_bf16 = nullptr;
 };
 using AttentionProblem = AttentionProblemOf<float>;
 

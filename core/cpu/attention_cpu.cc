@@ -233,57 +233,81 @@ uint16_t* Bf16Rows(const float* rows_in, int64_t rows, int64_t width, int64_t st
   return rounded.data();
 }
 
-// scores[rows, keys] = scale * Q K^T against `keys` keys (rows `key_stride` apart); in bf16
-// products with `bf16` (up to kTinyHeadKeys keys, which every online block is).
-void ScoresGemm(const float* query, int64_t query_stride, int64_t rows, const float* key,
-                int64_t key_stride, int64_t keys, int64_t head_dim, float scale, float* scores,
-                bool bf16) {
+// One head's rows of Q, K or V from `row` on, `stride` elements apart: float32, or (a
+// problem's *_bf16 sources) already rounded to bf16; the other pointer is null.
+struct HeadRows {
+  const float* f32;
+  const uint16_t* bf16;
+  int64_t stride;
+};
+HeadRows RowsOf(const float* f32, const uint16_t* bf16, const HeadLayout& layout, int64_t b,
+                int64_t head, int64_t row) {
+  const int64_t offset = layout.Offset(b, head, row);
+  return {f32 == nullptr ? nullptr : f32 + offset, bf16 == nullptr ? nullptr : bf16 + offset,
+          layout.row_stride};
+}
+
+// bf16 panels of `depth` x `columns` rows of K (transposed: depth_stride 1) or V.
+uint16_t* Bf16HeadPanels(const HeadRows& rows, int64_t depth, int64_t columns, bool transposed) {
+  uint16_t* panels = HeadPanels<uint16_t>(Bf16PanelElements(depth, columns));
+  const int64_t depth_stride = transposed ? 1 : rows.stride;
+  const int64_t column_stride = transposed ? rows.stride : 1;
+  if (rows.bf16 != nullptr) {
+    PackBf16Panels(rows.bf16, depth, columns, depth_stride, column_stride, panels);
+  } else {
+    PackBf16Panels(rows.f32, depth, columns, depth_stride, column_stride, panels);
+  }
+  return panels;
+}
+
+// scores[rows, keys] = scale * Q K^T against `keys` keys; in bf16 products with `bf16` (up
+// to kTinyHeadKeys keys, which every online block is; the only path of bf16 sources).
+void ScoresGemm(const HeadRows& query, int64_t rows, const HeadRows& key, int64_t keys,
+                int64_t head_dim, float scale, float* scores, bool bf16) {
   if (bf16 && keys <= kTinyHeadKeys) {
-    const uint16_t* a = Bf16Rows(query, rows, head_dim, query_stride);
-    uint16_t* panels = HeadPanels<uint16_t>(Bf16PanelElements(head_dim, keys));
-    PackBf16Panels(key, head_dim, keys, 1, key_stride, panels);
-    GemmBf16Panels(Bf16Kernel::kAvx512Bf16, a, head_dim, rows, panels, head_dim, keys, 0,
-                   PanelCount(keys), scale, nullptr, scores, keys);
+    const bool rounded = query.bf16 != nullptr;
+    const uint16_t* a = rounded ? query.bf16 : Bf16Rows(query.f32, rows, head_dim, query.stride);
+    const uint16_t* panels = Bf16HeadPanels(key, head_dim, keys, /*transposed=*/true);
+    GemmBf16Panels(Bf16Kernel::kAvx512Bf16, a, rounded ? query.stride : head_dim, rows, panels,
+                   head_dim, keys, 0, PanelCount(keys), scale, nullptr, scores, keys);
     return;
   }
   if (keys > kTinyHeadKeys) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, head_dim, scale, query,
-                query_stride, key, key_stride, 0.0f, scores, keys);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, head_dim, scale, query.f32,
+                query.stride, key.f32, key.stride, 0.0f, scores, keys);
     return;
   }
   float* panels = HeadPanels<float>(PanelFloats(head_dim, keys));
-  PackTransposed(key, keys, head_dim, key_stride, panels);
-  GemmPanels(BestSimdLevel(), query, query_stride, rows, panels, head_dim, keys, 0,
+  PackTransposed(key.f32, keys, head_dim, key.stride, panels);
+  GemmPanels(BestSimdLevel(), query.f32, query.stride, rows, panels, head_dim, keys, 0,
              PanelCount(keys), scale, nullptr, scores, keys);
 }
 
 // ValuesGemm's bf16 products, for probabilities already rounded to bf16 (up to kTinyHeadKeys).
-void ValuesGemmBf16(const uint16_t* probabilities, int64_t rows, int64_t keys, const float* value,
-                    int64_t value_stride, int64_t v_head_dim, bool accumulate, float* out,
+void ValuesGemmBf16(const uint16_t* probabilities, int64_t rows, int64_t keys,
+                    const HeadRows& value, int64_t v_head_dim, bool accumulate, float* out,
                     int64_t out_stride) {
-  uint16_t* panels = HeadPanels<uint16_t>(Bf16PanelElements(keys, v_head_dim));
-  PackBf16Panels(value, keys, v_head_dim, value_stride, 1, panels);
+  const uint16_t* panels = Bf16HeadPanels(value, keys, v_head_dim, /*transposed=*/false);
   GemmBf16Panels(Bf16Kernel::kAvx512Bf16, probabilities, keys, rows, panels, keys, v_head_dim, 0,
                  PanelCount(v_head_dim), 1.0f, nullptr, out, out_stride, accumulate);
 }
 
 // out[rows, v_head_dim] = P V, or += with `accumulate`, for probabilities P [rows, keys].
-void ValuesGemm(const float* probabilities, int64_t rows, int64_t keys, const float* value,
-                int64_t value_stride, int64_t v_head_dim, bool accumulate, float* out,
-                int64_t out_stride, bool bf16) {
+void ValuesGemm(const float* probabilities, int64_t rows, int64_t keys, const HeadRows& value,
+                int64_t v_head_dim, bool accumulate, float* out, int64_t out_stride, bool bf16) {
   if (bf16 && keys <= kTinyHeadKeys) {
-    ValuesGemmBf16(Bf16Rows(probabilities, rows, keys, keys), rows, keys, value, value_stride,
-                   v_head_dim, accumulate, out, out_stride);
+    ValuesGemmBf16(Bf16Rows(probabilities, rows, keys, keys), rows, keys, value, v_head_dim,
+                   accumulate, out, out_stride);
     return;
   }
   if (keys > kTinyHeadKeys) {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, v_head_dim, keys, 1.0f,
-                probabilities, keys, value, value_stride, accumulate ? 1.0f : 0.0f, out,
+                probabilities, keys, value.f32, value.stride, accumulate ? 1.0f : 0.0f, out,
                 out_stride);
     return;
   }
   float* panels = HeadPanels<float>(PanelFloats(keys, v_head_dim));
-  PackRows(value, keys, v_head_dim, value_stride, panels);
+  PackRows(value.f32, keys, v_head_dim, value.stride, panels);
   GemmPanels(BestSimdLevel(), probabilities, keys, rows, panels, keys, v_head_dim, 0,
              PanelCount(v_head_dim), 1.0f, nullptr, out, out_stride, accumulate);
 }
@@ -341,9 +365,9 @@ void AttendBlockOnline(const AttentionProblem& p, int64_t b, int64_t h, int64_t 
   ZeroRows(out, rows, out_stride, d.v_head_dim);
   for (int64_t first_key = 0; first_key < key_count; first_key += kKeyBlock) {
     const int64_t keys = std::min(kKeyBlock, key_count - first_key);
-    ScoresGemm(p.query + p.query_layout.Offset(b, h, first_row), p.query_layout.row_stride, rows,
-               p.key + p.key_layout.Offset(b, hk, first_key), p.key_layout.row_stride, keys,
-               d.head_dim, options.Scale(d), scores.data(), p.bf16_products);
+    ScoresGemm(RowsOf(p.query, p.query_bf16, p.query_layout, b, h, first_row), rows,
+               RowsOf(p.key, p.key_bf16, p.key_layout, b, hk, first_key), keys, d.head_dim,
+               options.Scale(d), scores.data(), p.bf16_products);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = first_row + r;
       float* row = scores.data() + r * keys;
@@ -360,9 +384,9 @@ void AttendBlockOnline(const AttentionProblem& p, int64_t b, int64_t h, int64_t 
       softmax[r].sum += ExpAndSum(row, valid, softmax[r].max);
       DropOutRow(options, b, h, i, first_key, valid, row);
     }
-    ValuesGemm(scores.data(), rows, keys, p.value + p.value_layout.Offset(b, hk, first_key),
-               p.value_layout.row_stride, d.v_head_dim, /*accumulate=*/true, out, out_stride,
-               p.bf16_products);
+    ValuesGemm(scores.data(), rows, keys,
+               RowsOf(p.value, p.value_bf16, p.value_layout, b, hk, first_key), d.v_head_dim,
+               /*accumulate=*/true, out, out_stride, p.bf16_products);
   }
   for (int64_t r = 0; r < rows; ++r) {
     // A fully masked row has sum 0 and an all-zero accumulator: it stays zeros.
@@ -406,10 +430,9 @@ void AttendBlock(const AttentionProblem& p, int64_t b, int64_t h, int64_t block)
   // and short rows need no second pass anyway.
   thread_local std::vector<float> scores;
   scores.resize(rows * key_count);
-  const float* query = p.query + p.query_layout.Offset(b, h, first_row);
-  const float* key = p.key + p.key_layout.Offset(b, hk, 0);
-  ScoresGemm(query, p.query_layout.row_stride, rows, key, p.key_layout.row_stride, key_count,
-             d.head_dim, scale, scores.data(), p.bf16_products);
+  ScoresGemm(RowsOf(p.query, p.query_bf16, p.query_layout, b, h, first_row), rows,
+             RowsOf(p.key, p.key_bf16, p.key_layout, b, hk, 0), key_count, d.head_dim, scale,
+             scores.data(), p.bf16_products);
   // bf16 products without weights or dropout: the exps go to bf16 as they are computed and
   // the output rows are normalized instead (v_head_dim columns, not key_count).
   const bool exps_in_bf16 = p.bf16_products && weights == nullptr && options.dropout_p <= 0.0f &&
@@ -444,17 +467,17 @@ void AttendBlock(const AttentionProblem& p, int64_t b, int64_t h, int64_t block)
     DropOutRow(options, b, h, i, 0, limit, row);
     if (weights != nullptr) std::copy(row, row + key_count, weights + r * d.kv_len);
   }
-  const float* value = p.value + p.value_layout.Offset(b, hk, 0);
+  const HeadRows value = RowsOf(p.value, p.value_bf16, p.value_layout, b, hk, 0);
   if (exps_in_bf16) {
-    ValuesGemmBf16(exps_bf16.data(), rows, key_count, value, p.value_layout.row_stride,
-                   d.v_head_dim, /*accumulate=*/false, out, p.output_layout.row_stride);
+    ValuesGemmBf16(exps_bf16.data(), rows, key_count, value, d.v_head_dim, /*accumulate=*/false,
+                   out, p.output_layout.row_stride);
     for (int64_t r = 0; r < rows; ++r) {
       ScaleRow(out + r * p.output_layout.row_stride, d.v_head_dim, inverse_sums[r]);
     }
     return;
   }
-  ValuesGemm(scores.data(), rows, key_count, value, p.value_layout.row_stride, d.v_head_dim,
-             /*accumulate=*/false, out, p.output_layout.row_stride, p.bf16_products);
+  ValuesGemm(scores.data(), rows, key_count, value, d.v_head_dim, /*accumulate=*/false, out,
+             p.output_layout.row_stride, p.bf16_products);
 }
 
 }  // namespace

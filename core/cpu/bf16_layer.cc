@@ -35,6 +35,9 @@ class Bf16Linear {
     widened_.emplace(widened, out_features, in_features);
   }
 
+  // Whether Forward can write bf16 (the host multiplies in bf16).
+  bool WritesBf16() const { return bf16_.has_value(); }
+
   // y[rows, out_features] = x[rows, in_features] * W^T + bias, x in bf16.
   void Forward(ThreadPool& pool, const uint16_t* x, int64_t rows, absl::Span<const float> bias,
                float* y) const {
@@ -48,6 +51,12 @@ class Bf16Linear {
     // Always the packed microkernel: the layer holds no float32 weights for OpenBLAS.
     LinearForward(pool, widened.data(), rows, in_features_, {}, bias, out_features_, y,
                   widened_->panels(), BestSimdLevel(), std::numeric_limits<int64_t>::max());
+  }
+
+  // The same, rounded to bf16 as written; only where WritesBf16().
+  void Forward(ThreadPool& pool, const uint16_t* x, int64_t rows, absl::Span<const float> bias,
+               uint16_t* y) const {
+    LinearForwardBf16(pool, x, rows, in_features_, *bf16_, bias, out_features_, y);
   }
 
   int64_t bytes() const { return bf16_.has_value() ? bf16_->bytes() : widened_->bytes(); }
@@ -69,6 +78,12 @@ void ToBf16(absl::Span<const float> values, absl::Span<const uint16_t> half, DTy
   } else {
     RoundToBf16(values.data(), static_cast<int64_t>(values.size()), to, kernel);
   }
+}
+
+// This thread's working memory for every step of a bf16 layer's passes (one set of slots).
+ForwardScratch& ThreadScratch() {
+  thread_local ForwardScratch scratch;
+  return scratch;
 }
 
 class CpuBf16Layer final : public PreparedLayer {
@@ -108,6 +123,22 @@ class CpuBf16Layer final : public PreparedLayer {
   // Q, K and V of `rows` bf16 tokens `x`: with fused weights one GEMM into `q` ([rows,
   // Q + K + V]; k and v unused), else three.
   void ProjectSelf(const uint16_t* x, int64_t rows, float* q, float* k, float* v) const;
+  // Whether the batch's Q, K and V can go to attention in bf16 as the projections write
+  // them (what its bf16 products would round them to): not where RoPE rotates float32 rows,
+  // weights are asked for (their long rows multiply in float32), or a fused layer takes
+  // separate keys and values.
+  bool ProjectsToBf16(const ForwardPlan& plan, absl::Span<const MhaInput* const> inputs) const;
+  // Q, K and V of the planned inputs (x, or xk and xv for separate keys and values), in bf16,
+  // attended into `attended`.
+  std::vector<AttentionResult> ProjectAndAttendInBf16(const ForwardPlan& plan,
+                                                      absl::Span<const MhaInput* const> inputs,
+                                                      const uint16_t* x, const uint16_t* xk,
+                                                      const uint16_t* xv, float* attended) const;
+  // The same in float32 rows, rounded by attention's bf16 products where the host has them.
+  std::vector<AttentionResult> ProjectAndAttend(const ForwardPlan& plan,
+                                                absl::Span<const MhaInput* const> inputs,
+                                                const uint16_t* x, const uint16_t* xk,
+                                                const uint16_t* xv, float* attended) const;
   // The output projection of `rows` attended float32 rows into `output`.
   void ProjectOutput(const float* attended, int64_t rows, float* output) const;
 
@@ -130,13 +161,46 @@ void CpuBf16Layer::ProjectSelf(const uint16_t* x, int64_t rows, float* q, float*
   v_->Forward(pool_, x, rows, w.v_bias, v);
 }
 
+bool CpuBf16Layer::ProjectsToBf16(const ForwardPlan& plan,
+                                  absl::Span<const MhaInput* const> inputs) const {
+  const Bf16Linear& first = fused_qkv_.has_value() ? *fused_qkv_ : *q_;
+  if (!first.WritesBf16() || config_.rope_theta > 0.0) return false;
+  if (fused_qkv_.has_value() && !plan.fused_qkv) return false;
+  return std::all_of(inputs.begin(), inputs.end(), [](const MhaInput* in) {
+    return in->options.need_weights == NeedWeights::kNone;
+  });
+}
+
+std::vector<AttentionResult> CpuBf16Layer::ProjectAndAttendInBf16(
+    const ForwardPlan& plan, absl::Span<const MhaInput* const> inputs, const uint16_t* x,
+    const uint16_t* xk, const uint16_t* xv, float* attended) const {
+  const MhaConfig& c = config_;
+  const MhaWeightsView& w = weights_;
+  ForwardScratch& scratch = ThreadScratch();
+  uint16_t *q, *k, *v;
+  if (plan.fused_qkv) {
+    q = scratch.Get<uint16_t>(ForwardScratch::kQ, plan.q_rows * plan.q_stride);
+    fused_qkv_->Forward(pool_, x, plan.q_rows, w.fused_qkv_bias, q);
+    k = q + c.QWidth();
+    v = k + c.KWidth();
+  } else {
+    q = scratch.Get<uint16_t>(ForwardScratch::kQ, plan.q_rows * c.QWidth());
+    k = scratch.Get<uint16_t>(ForwardScratch::kK, plan.kv_rows * c.KWidth());
+    v = scratch.Get<uint16_t>(ForwardScratch::kV, plan.kv_rows * c.VWidth());
+    q_->Forward(pool_, x, plan.q_rows, w.q_bias, q);
+    k_->Forward(pool_, xk != nullptr ? xk : x, plan.kv_rows, w.k_bias, k);
+    v_->Forward(pool_, xv != nullptr ? xv : x, plan.kv_rows, w.v_bias, v);
+  }
+  return AttendPlannedBf16(plan, inputs, q, k, v, attended, pool_);
+}
+
 void CpuBf16Layer::ProjectOutput(const float* attended, int64_t rows, float* output) const {
   const MhaConfig& c = config_;
   if (!c.output_projection) {
     std::copy(attended, attended + rows * c.AttentionWidth(), output);
     return;
   }
-  thread_local ForwardScratch scratch;
+  ForwardScratch& scratch = ThreadScratch();
   uint16_t* rounded = scratch.Get<uint16_t>(ForwardScratch::kRounded, rows * c.AttentionWidth());
   RoundToBf16(attended, rows * c.AttentionWidth(), rounded, kernel_);
   out_->Forward(pool_, rounded, rows, weights_.out_bias, output);
@@ -145,10 +209,9 @@ void CpuBf16Layer::ProjectOutput(const float* attended, int64_t rows, float* out
 absl::StatusOr<std::vector<AttentionResult>> CpuBf16Layer::ForwardBatch(
     absl::Span<const MhaInput* const> inputs) const {
   const MhaConfig& c = config_;
-  const MhaWeightsView& w = weights_;
   const ForwardPlan plan = PlanForward(c, inputs, fused_qkv_.has_value());
   const int64_t q_rows = plan.q_rows, kv_rows = plan.kv_rows;
-  thread_local ForwardScratch scratch;
+  ForwardScratch& scratch = ThreadScratch();
   // Every input's tokens in bf16, packed into one matrix (keys' and values' too for
   // cross-attention).
   uint16_t* x = scratch.Get<uint16_t>(ForwardScratch::kX, q_rows * c.embed_dim);
@@ -169,6 +232,27 @@ absl::StatusOr<std::vector<AttentionResult>> CpuBf16Layer::ForwardBatch(
     ToBf16(self ? in.query : in.value, self ? in.query_half : in.value_half, in.half_dtype,
            xv + planned.kv_row * c.vdim, kernel_);
   }
+  float* attended = scratch.Get(ForwardScratch::kAttended, q_rows * c.AttentionWidth());
+  std::vector<AttentionResult> results =
+      ProjectsToBf16(plan, inputs) ? ProjectAndAttendInBf16(plan, inputs, x, xk, xv, attended)
+                                   : ProjectAndAttend(plan, inputs, x, xk, xv, attended);
+  // A lone input's output projection writes straight to its destination.
+  const bool project_to_destination = inputs.size() == 1 && !inputs[0]->output_destination.empty();
+  float* output = project_to_destination
+                      ? inputs[0]->output_destination.data()
+                      : scratch.Get(ForwardScratch::kProjected, q_rows * c.output_dim);
+  ProjectOutput(attended, q_rows, output);
+  if (!project_to_destination) DeliverPlanned(plan, inputs, output, c.output_dim, results);
+  return results;
+}
+
+std::vector<AttentionResult> CpuBf16Layer::ProjectAndAttend(
+    const ForwardPlan& plan, absl::Span<const MhaInput* const> inputs, const uint16_t* x,
+    const uint16_t* xk, const uint16_t* xv, float* attended) const {
+  const MhaConfig& c = config_;
+  const MhaWeightsView& w = weights_;
+  const int64_t q_rows = plan.q_rows, kv_rows = plan.kv_rows;
+  ForwardScratch& scratch = ThreadScratch();
   float *q, *k, *v;
   if (plan.fused_qkv) {
     q = scratch.Get(ForwardScratch::kQ, q_rows * plan.q_stride);
@@ -203,24 +287,14 @@ absl::StatusOr<std::vector<AttentionResult>> CpuBf16Layer::ForwardBatch(
     }
   }
   RotatePlanned(c, plan, q, k);
-  float* attended = scratch.Get(ForwardScratch::kAttended, q_rows * c.AttentionWidth());
-  std::vector<AttentionResult> results =
-      AttendPlanned(plan, inputs, q, k, v, attended, kernel_ == Bf16Kernel::kAvx512Bf16, pool_);
-  // A lone input's output projection writes straight to its destination.
-  const bool project_to_destination = inputs.size() == 1 && !inputs[0]->output_destination.empty();
-  float* output = project_to_destination
-                      ? inputs[0]->output_destination.data()
-                      : scratch.Get(ForwardScratch::kProjected, q_rows * c.output_dim);
-  ProjectOutput(attended, q_rows, output);
-  if (!project_to_destination) DeliverPlanned(plan, inputs, output, c.output_dim, results);
-  return results;
+  return AttendPlanned(plan, inputs, q, k, v, attended, kernel_ == Bf16Kernel::kAvx512Bf16, pool_);
 }
 
 absl::Status CpuBf16Layer::ProjectForDecode(const float* x, absl::Span<const int64_t> positions,
                                             float* q, float* k, float* v) const {
   const MhaConfig& c = config_;
   const auto rows = static_cast<int64_t>(positions.size());
-  thread_local ForwardScratch scratch;
+  ForwardScratch& scratch = ThreadScratch();
   uint16_t* tokens = scratch.Get<uint16_t>(ForwardScratch::kX, rows * c.embed_dim);
   RoundToBf16(x, rows * c.embed_dim, tokens, kernel_);
   if (fused_qkv_.has_value()) {

@@ -18,26 +18,51 @@ void RotatePlanned(const MhaConfig& c, const ForwardPlan& plan, float* q, float*
   }
 }
 
-std::vector<AttentionResult> AttendPlanned(const ForwardPlan& plan,
-                                           absl::Span<const MhaInput* const> inputs, const float* q,
-                                           const float* k, const float* v, float* attended,
-                                           bool bf16_products, ThreadPool& pool) {
+namespace {
+
+// Runs `problems` (one per input) and gives each input its result, with its weights when it
+// asked for them.
+std::vector<AttentionResult> Attend(absl::Span<const MhaInput* const> inputs,
+                                    std::vector<AttentionProblem>& problems, ThreadPool& pool) {
   std::vector<AttentionResult> results(inputs.size());
-  std::vector<AttentionProblem> problems(inputs.size());
   for (size_t n = 0; n < inputs.size(); ++n) {
-    const AttentionDims& d = plan.inputs[n].dims;
+    const AttentionDims& d = problems[n].dims;
     if (inputs[n]->options.need_weights != NeedWeights::kNone) {
       results[n].weights.resize(d.batch * d.num_heads * d.q_len * d.kv_len);
+      problems[n].weights = results[n].weights.data();
     }
-    problems[n] = plan.Attention(n, q, k, v, attended);
-    problems[n].weights = results[n].weights.empty() ? nullptr : results[n].weights.data();
-    problems[n].bf16_products = bf16_products;
   }
   AttentionBlockedCpu(problems, pool);
   for (size_t n = 0; n < inputs.size(); ++n) {
     FinishWeights(results[n], problems[n].dims, inputs[n]->options.need_weights);
   }
   return results;
+}
+
+}  // namespace
+
+std::vector<AttentionResult> AttendPlanned(const ForwardPlan& plan,
+                                           absl::Span<const MhaInput* const> inputs, const float* q,
+                                           const float* k, const float* v, float* attended,
+                                           bool bf16_products, ThreadPool& pool) {
+  std::vector<AttentionProblem> problems(inputs.size());
+  for (size_t n = 0; n < inputs.size(); ++n) {
+    problems[n] = plan.Attention(n, q, k, v, attended);
+    problems[n].bf16_products = bf16_products;
+  }
+  return Attend(inputs, problems, pool);
+}
+
+std::vector<AttentionResult> AttendPlannedBf16(const ForwardPlan& plan,
+                                               absl::Span<const MhaInput* const> inputs,
+                                               const uint16_t* q, const uint16_t* k,
+                                               const uint16_t* v, float* attended,
+                                               ThreadPool& pool) {
+  std::vector<AttentionProblem> problems(inputs.size());
+  for (size_t n = 0; n < inputs.size(); ++n) {
+    problems[n] = plan.AttentionBf16(n, q, k, v, attended);
+  }
+  return Attend(inputs, problems, pool);
 }
 
 void DeliverPlanned(const ForwardPlan& plan, absl::Span<const MhaInput* const> inputs,

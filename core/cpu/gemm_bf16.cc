@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "core/cpu/transpose_avx512.h"
 #include "core/dtype.h"
@@ -26,6 +27,9 @@ struct Bf16TileOutput {
   float* c;
   int64_t ldc;
   int64_t width;  // valid columns of the tile's last panel (<= 16)
+  // Null, or where the sums go rounded to bf16 instead of c (ldc elements apart; no
+  // accumulate): a BFLOAT16 layer's Q, K and V for attention's bf16 products.
+  uint16_t* c_bf16 = nullptr;
 };
 
 // The portable tile: `panels` (1 or 2, `panel_stride` apart) x `rows` rows, products of
@@ -44,6 +48,11 @@ void TileBf16Portable(const uint16_t* a, int64_t lda, int rows, const uint16_t* 
                  BFloat16BitsToFloat(b[(k / 2) * kPairRow + 2 * j + k % 2]);
         }
         const float* bias = out.bias == nullptr ? nullptr : out.bias + p * kPanelWidth;
+        if (out.c_bf16 != nullptr) {
+          const float result = out.alpha * sum + (bias != nullptr ? bias[j] : 0.0f);
+          out.c_bf16[r * out.ldc + p * kPanelWidth + j] = FloatToBFloat16(result);
+          continue;
+        }
         const float addend = out.accumulate ? row[j] : bias != nullptr ? bias[j] : 0.0f;
         row[j] = out.alpha * sum + addend;
       }
@@ -72,25 +81,37 @@ __attribute__((target("avx512f"))) inline __m512i SingleAt(const uint16_t* a) {
     left##r = _mm512_dpbf16_ps(left##r, x, b0);                        \
     if constexpr (kWide) right##r = _mm512_dpbf16_ps(right##r, x, b1); \
   }
-#define BF16_STORE(r)                                                                      \
-  if constexpr (R > r) {                                                                   \
-    float* row = out.c + r * out.ldc;                                                      \
-    if constexpr (kWide) {                                                                 \
-      const __m512 left_addend = out.accumulate ? _mm512_loadu_ps(row) : bias_left;        \
-      const __m512 right_addend = out.accumulate ? _mm512_loadu_ps(row + 16) : bias_right; \
-      _mm512_storeu_ps(row, _mm512_fmadd_ps(left##r, alpha, left_addend));                 \
-      _mm512_storeu_ps(row + 16, _mm512_fmadd_ps(right##r, alpha, right_addend));          \
-    } else {                                                                               \
-      const __m512 addend = out.accumulate ? _mm512_maskz_loadu_ps(mask, row) : bias_left; \
-      _mm512_mask_storeu_ps(row, mask, _mm512_fmadd_ps(left##r, alpha, addend));           \
-    }                                                                                      \
+#define BF16_STORE(r)                                                                        \
+  if constexpr (R > r) {                                                                     \
+    if (out.c_bf16 != nullptr) {                                                             \
+      uint16_t* row = out.c_bf16 + r * out.ldc;                                              \
+      const __m256i left =                                                                   \
+          (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(left##r, alpha, bias_left));           \
+      if constexpr (kWide) {                                                                 \
+        const __m256i right =                                                                \
+            (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(right##r, alpha, bias_right));       \
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row), left);                          \
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 16), right);                    \
+      } else {                                                                               \
+        _mm256_mask_storeu_epi16(row, mask, left);                                           \
+      }                                                                                      \
+    } else {                                                                                 \
+      float* row = out.c + r * out.ldc;                                                      \
+      if constexpr (kWide) {                                                                 \
+        const __m512 left_addend = out.accumulate ? _mm512_loadu_ps(row) : bias_left;        \
+        const __m512 right_addend = out.accumulate ? _mm512_loadu_ps(row + 16) : bias_right; \
+        _mm512_storeu_ps(row, _mm512_fmadd_ps(left##r, alpha, left_addend));                 \
+        _mm512_storeu_ps(row + 16, _mm512_fmadd_ps(right##r, alpha, right_addend));          \
+      } else {                                                                               \
+        const __m512 addend = out.accumulate ? _mm512_maskz_loadu_ps(mask, row) : bias_left; \
+        _mm512_mask_storeu_ps(row, mask, _mm512_fmadd_ps(left##r, alpha, addend));           \
+      }                                                                                      \
+    }                                                                                        \
   }
 template <int R, bool kWide>
-__attribute__((target("avx512f,avx512bf16"))) void TileBf16Avx512(const uint16_t* a, int64_t lda,
-                                                                  const uint16_t* panel,
-                                                                  int64_t panel_stride,
-                                                                  int64_t depth,
-                                                                  const Bf16TileOutput& out) {
+__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void TileBf16Avx512(
+    const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t panel_stride, int64_t depth,
+    const Bf16TileOutput& out) {
   __m512 left0 = _mm512_setzero_ps(), left1 = left0, left2 = left0, left3 = left0, left4 = left0,
          left5 = left0, left6 = left0, left7 = left0, left8 = left0, left9 = left0, left10 = left0,
          left11 = left0;
@@ -157,29 +178,35 @@ __attribute__((target("avx512f,avx512bf16"))) void RoundToBf16Avx512(const float
 }
 
 // PackBf16Panels with depth_stride 1 (keys): each column's depths are contiguous, so a
-// column's 16 pairs of depths are one vector of 16 dwords once rounded, and a panel's
-// pair-rows are the 16 x 16 transpose of its 16 columns' vectors.
-__attribute__((target("avx512f,avx512bf16"))) void PackBf16TransposedAvx512(
-    const float* b, int64_t depth, int64_t columns, int64_t column_stride, uint16_t* panels) {
+// column's 16 pairs of depths are one vector of 16 dwords (rounded from float32, or loaded
+// as they are from bf16), and a panel's pair-rows are the 16 x 16 transpose of its 16
+// columns' vectors.
+template <typename Source>
+__attribute__((target("avx512f,avx512bf16,avx512bw"))) void PackBf16TransposedAvx512(
+    const Source* b, int64_t depth, int64_t columns, int64_t column_stride, uint16_t* panels) {
   const int64_t pair_rows = (depth + 1) / 2;
   for (int64_t p = 0; p < PanelCount(columns); ++p) {
     uint16_t* panel = panels + p * pair_rows * kPairRow;
-    const float* first_column = b + p * kPanelWidth * column_stride;
+    const Source* first_column = b + p * kPanelWidth * column_stride;
     const int64_t width = std::min(kPanelWidth, columns - p * kPanelWidth);
     for (int64_t k0 = 0; k0 < depth; k0 += 2 * kPanelWidth) {
       const int64_t depths = std::min(2 * kPanelWidth, depth - k0);
       const __mmask16 low = static_cast<__mmask16>((1u << std::min<int64_t>(depths, 16)) - 1);
       const __mmask16 high = static_cast<__mmask16>((1u << std::max<int64_t>(depths - 16, 0)) - 1);
+      const __mmask32 all = static_cast<__mmask32>((uint64_t{1} << depths) - 1);
       __m512 block[16];
       for (int64_t j = 0; j < kPanelWidth; ++j) {
         if (j >= width) {
           block[j] = _mm512_setzero_ps();
           continue;
         }
-        const float* column = first_column + j * column_stride + k0;
-        const __m512bh rounded = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(high, column + 16),
-                                                     _mm512_maskz_loadu_ps(low, column));
-        block[j] = (__m512)rounded;
+        const Source* column = first_column + j * column_stride + k0;
+        if constexpr (std::is_same_v<Source, float>) {
+          block[j] = (__m512)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(high, column + 16),
+                                                 _mm512_maskz_loadu_ps(low, column));
+        } else {
+          block[j] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(all, column));
+        }
       }
       Transpose16x16(block);
       for (int64_t m = 0; m < (depths + 1) / 2; ++m) {
@@ -189,10 +216,17 @@ __attribute__((target("avx512f,avx512bf16"))) void PackBf16TransposedAvx512(
   }
 }
 
-// PackBf16Panels with column_stride 1 (values): two rows of B rounded at once, their
-// elements interleaved into a pair-row.
-__attribute__((target("avx512f,avx512bf16,avx512bw"))) void PackBf16RowsAvx512(
-    const float* b, int64_t depth, int64_t columns, int64_t ldb, uint16_t* panels) {
+// (GCC 12 takes _mm512_inserti64x4's undefined pass-through operand for an uninitialised
+// read.)
+#pragma GCC diagnostic push
+#if !defined(__clang__)  // a GCC-only warning
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+// PackBf16Panels with column_stride 1 (values): two rows of B (rounded from float32, or
+// bf16 already) as one vector, their elements interleaved into a pair-row.
+template <typename Source>
+__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void PackBf16RowsAvx512(
+    const Source* b, int64_t depth, int64_t columns, int64_t ldb, uint16_t* panels) {
   const int64_t pair_rows = (depth + 1) / 2;
   alignas(64) static constexpr uint16_t kInterleave[32] = {
       0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
@@ -200,19 +234,28 @@ __attribute__((target("avx512f,avx512bf16,avx512bw"))) void PackBf16RowsAvx512(
   const __m512i interleave = _mm512_load_si512(kInterleave);
   for (int64_t p = 0; p < PanelCount(columns); ++p) {
     uint16_t* panel = panels + p * pair_rows * kPairRow;
-    const float* first = b + p * kPanelWidth;
+    const Source* first = b + p * kPanelWidth;
     const int64_t width = std::min(kPanelWidth, columns - p * kPanelWidth);
     const __mmask16 live = static_cast<__mmask16>((1u << width) - 1);
     for (int64_t kk = 0; kk < pair_rows; ++kk) {
-      const __m512 even = _mm512_maskz_loadu_ps(live, first + 2 * kk * ldb);
-      const __m512 odd = 2 * kk + 1 < depth
-                             ? _mm512_maskz_loadu_ps(live, first + (2 * kk + 1) * ldb)
-                             : _mm512_setzero_ps();
-      const __m512i rounded = (__m512i)_mm512_cvtne2ps_pbh(odd, even);
-      _mm512_storeu_si512(panel + kk * kPairRow, _mm512_permutexvar_epi16(interleave, rounded));
+      const bool has_odd = 2 * kk + 1 < depth;
+      __m512i pair;  // the even row's 16 elements, then the odd row's
+      if constexpr (std::is_same_v<Source, float>) {
+        const __m512 even = _mm512_maskz_loadu_ps(live, first + 2 * kk * ldb);
+        const __m512 odd =
+            has_odd ? _mm512_maskz_loadu_ps(live, first + (2 * kk + 1) * ldb) : _mm512_setzero_ps();
+        pair = (__m512i)_mm512_cvtne2ps_pbh(odd, even);
+      } else {
+        const __m256i even = _mm256_maskz_loadu_epi16(live, first + 2 * kk * ldb);
+        const __m256i odd = has_odd ? _mm256_maskz_loadu_epi16(live, first + (2 * kk + 1) * ldb)
+                                    : _mm256_setzero_si256();
+        pair = _mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1);
+      }
+      _mm512_storeu_si512(panel + kk * kPairRow, _mm512_permutexvar_epi16(interleave, pair));
     }
   }
 }
+#pragma GCC diagnostic pop
 #endif
 
 constexpr int kMaxTileRows = 12;
@@ -227,7 +270,7 @@ bool CpuSupports(Bf16Kernel kernel) {
 #if defined(__x86_64__)
   if (kernel == Bf16Kernel::kAvx512Bf16) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512bf16");
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
   }
 #endif
   return kernel == Bf16Kernel::kPortable;
@@ -249,22 +292,15 @@ void RoundToBf16(const float* x, int64_t count, uint16_t* out, Bf16Kernel kernel
   for (int64_t i = 0; i < count; ++i) out[i] = FloatToBFloat16(x[i]);
 }
 
-void PackBf16Transposed(const uint16_t* w, int64_t columns, int64_t depth, int64_t ldw,
-                        uint16_t* panels) {
-  const int64_t pair_rows = (depth + 1) / 2;
-  for (int64_t p = 0; p < PanelCount(columns); ++p) {
-    uint16_t* panel = panels + p * pair_rows * kPairRow;
-    std::fill(panel, panel + pair_rows * kPairRow, uint16_t{0});
-    const int64_t width = std::min(kPanelWidth, columns - p * kPanelWidth);
-    for (int64_t j = 0; j < width; ++j) {
-      const uint16_t* column = w + (p * kPanelWidth + j) * ldw;
-      for (int64_t k = 0; k < depth; ++k) panel[(k / 2) * kPairRow + 2 * j + k % 2] = column[k];
-    }
-  }
-}
+namespace {
 
-void PackBf16Panels(const float* b, int64_t depth, int64_t columns, int64_t depth_stride,
-                    int64_t column_stride, uint16_t* panels, Bf16Kernel kernel) {
+// An element of B as a panel holds it: float32 rounded, bf16 as it is.
+uint16_t PanelBits(float value) { return FloatToBFloat16(value); }
+uint16_t PanelBits(uint16_t bf16) { return bf16; }
+
+template <typename Source>
+void PackBf16PanelsOf(const Source* b, int64_t depth, int64_t columns, int64_t depth_stride,
+                      int64_t column_stride, uint16_t* panels, Bf16Kernel kernel) {
 #if defined(__x86_64__)
   // Attention packs every head's keys and values so: a scalar loop would cost as much as
   // the products.
@@ -283,18 +319,38 @@ void PackBf16Panels(const float* b, int64_t depth, int64_t columns, int64_t dept
     std::fill(panel, panel + pair_rows * kPairRow, uint16_t{0});
     const int64_t width = std::min(kPanelWidth, columns - p * kPanelWidth);
     for (int64_t j = 0; j < width; ++j) {
-      const float* column = b + (p * kPanelWidth + j) * column_stride;
+      const Source* column = b + (p * kPanelWidth + j) * column_stride;
       for (int64_t k = 0; k < depth; ++k) {
-        panel[(k / 2) * kPairRow + 2 * j + k % 2] = FloatToBFloat16(column[k * depth_stride]);
+        panel[(k / 2) * kPairRow + 2 * j + k % 2] = PanelBits(column[k * depth_stride]);
       }
     }
   }
 }
 
-void GemmBf16Panels(Bf16Kernel kernel, const uint16_t* a, int64_t lda, int64_t rows,
-                    const uint16_t* panels, int64_t depth, int64_t columns, int64_t first_panel,
-                    int64_t end_panel, float alpha, const float* bias, float* c, int64_t ldc,
-                    bool accumulate) {
+}  // namespace
+
+void PackBf16Transposed(const uint16_t* w, int64_t columns, int64_t depth, int64_t ldw,
+                        uint16_t* panels) {
+  PackBf16PanelsOf(w, depth, columns, 1, ldw, panels, BestBf16Kernel());
+}
+
+void PackBf16Panels(const float* b, int64_t depth, int64_t columns, int64_t depth_stride,
+                    int64_t column_stride, uint16_t* panels, Bf16Kernel kernel) {
+  PackBf16PanelsOf(b, depth, columns, depth_stride, column_stride, panels, kernel);
+}
+
+void PackBf16Panels(const uint16_t* b, int64_t depth, int64_t columns, int64_t depth_stride,
+                    int64_t column_stride, uint16_t* panels, Bf16Kernel kernel) {
+  PackBf16PanelsOf(b, depth, columns, depth_stride, column_stride, panels, kernel);
+}
+
+namespace {
+
+// GemmBf16Panels into float32 `c` or, with `c_bf16`, into bf16 (then `c` is unused).
+void GemmBf16PanelsInto(Bf16Kernel kernel, const uint16_t* a, int64_t lda, int64_t rows,
+                        const uint16_t* panels, int64_t depth, int64_t columns, int64_t first_panel,
+                        int64_t end_panel, float alpha, const float* bias, float* c,
+                        uint16_t* c_bf16, int64_t ldc, bool accumulate) {
   const int64_t panel_stride = (depth + 1) / 2 * kPairRow;
   for (int64_t chunk = 0; chunk < rows; chunk += kRowChunk) {
     const int64_t chunk_rows = std::min(kRowChunk, rows - chunk);
@@ -307,9 +363,14 @@ void GemmBf16Panels(Bf16Kernel kernel, const uint16_t* a, int64_t lda, int64_t r
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t first = chunk + chunk_rows * t / tiles;
         const int tile_rows = static_cast<int>(chunk + chunk_rows * (t + 1) / tiles - first);
-        const Bf16TileOutput out{alpha,      bias == nullptr ? nullptr : bias + column,
-                                 accumulate, c + first * ldc + column,
-                                 ldc,        width};
+        const int64_t offset = first * ldc + column;
+        const Bf16TileOutput out{alpha,
+                                 bias == nullptr ? nullptr : bias + column,
+                                 accumulate,
+                                 c == nullptr ? nullptr : c + offset,
+                                 ldc,
+                                 width,
+                                 c_bf16 == nullptr ? nullptr : c_bf16 + offset};
 #if defined(__x86_64__)
         if (kernel == Bf16Kernel::kAvx512Bf16) {
           (wide ? kTiles<true> : kTiles<false>)[tile_rows](a + first * lda, lda, panel,
@@ -323,6 +384,24 @@ void GemmBf16Panels(Bf16Kernel kernel, const uint16_t* a, int64_t lda, int64_t r
       p += wide ? 2 : 1;
     }
   }
+}
+
+}  // namespace
+
+void GemmBf16Panels(Bf16Kernel kernel, const uint16_t* a, int64_t lda, int64_t rows,
+                    const uint16_t* panels, int64_t depth, int64_t columns, int64_t first_panel,
+                    int64_t end_panel, float alpha, const float* bias, float* c, int64_t ldc,
+                    bool accumulate) {
+  GemmBf16PanelsInto(kernel, a, lda, rows, panels, depth, columns, first_panel, end_panel, alpha,
+                     bias, c, nullptr, ldc, accumulate);
+}
+
+void GemmBf16PanelsToBf16(Bf16Kernel kernel, const uint16_t* a, int64_t lda, int64_t rows,
+                          const uint16_t* panels, int64_t depth, int64_t columns,
+                          int64_t first_panel, int64_t end_panel, float alpha, const float* bias,
+                          uint16_t* c, int64_t ldc) {
+  GemmBf16PanelsInto(kernel, a, lda, rows, panels, depth, columns, first_panel, end_panel, alpha,
+                     bias, nullptr, c, ldc, /*accumulate=*/false);
 }
 
 PackedBf16Weight::PackedBf16Weight(absl::Span<const uint16_t> weight, int64_t out_features,
@@ -343,6 +422,19 @@ void LinearForwardBf16(ThreadPool& pool, const uint16_t* x, int64_t rows, int64_
         GemmBf16Panels(kernel, x + first_row * in_features, in_features, row_count, weight.panels(),
                        in_features, out_features, first_panel, end_panel, 1.0f, b,
                        y + first_row * out_features, out_features);
+      });
+}
+
+void LinearForwardBf16(ThreadPool& pool, const uint16_t* x, int64_t rows, int64_t in_features,
+                       const PackedBf16Weight& weight, absl::Span<const float> bias,
+                       int64_t out_features, uint16_t* y, Bf16Kernel kernel) {
+  const float* b = bias.empty() ? nullptr : bias.data();
+  ForEachPackedLinearPart(
+      pool, rows, out_features,
+      [&](int64_t first_row, int64_t row_count, int64_t first_panel, int64_t end_panel) {
+        GemmBf16PanelsToBf16(kernel, x + first_row * in_features, in_features, row_count,
+                             weight.panels(), in_features, out_features, first_panel, end_panel,
+                             1.0f, b, y + first_row * out_features, out_features);
       });
 }
 

@@ -47,6 +47,10 @@ void PackBf16Transposed(const uint16_t* w, int64_t columns, int64_t depth, int64
 // attention's products.
 void PackBf16Panels(const float* b, int64_t depth, int64_t columns, int64_t depth_stride,
                     int64_t column_stride, uint16_t* panels, Bf16Kernel kernel = BestBf16Kernel());
+// The same for B already in bf16 (copied, not rounded): a BFLOAT16 layer's projected keys
+// and values.
+void PackBf16Panels(const uint16_t* b, int64_t depth, int64_t columns, int64_t depth_stride,
+                    int64_t column_stride, uint16_t* panels, Bf16Kernel kernel = BestBf16Kernel());
 
 // C[rows, columns of panels [first_panel, end_panel)] = alpha * A[rows, depth] * B + bias,
 // as GemmPanels, with A in bf16 (rows `lda` elements apart) and B in bf16 panel layout.
@@ -55,6 +59,11 @@ void GemmBf16Panels(Bf16Kernel kernel, const uint16_t* a, int64_t lda, int64_t r
                     const uint16_t* panels, int64_t depth, int64_t columns, int64_t first_panel,
                     int64_t end_panel, float alpha, const float* bias, float* c, int64_t ldc,
                     bool accumulate = false);
+// The same with C written in bf16, each sum rounded to nearest even (no accumulation).
+void GemmBf16PanelsToBf16(Bf16Kernel kernel, const uint16_t* a, int64_t lda, int64_t rows,
+                          const uint16_t* panels, int64_t depth, int64_t columns,
+                          int64_t first_panel, int64_t end_panel, float alpha, const float* bias,
+                          uint16_t* c, int64_t ldc);
 
 // A bf16 Linear weight W [out_features, in_features] packed for GemmBf16Panels, 64-byte
 // aligned.
@@ -78,6 +87,10 @@ class PackedBf16Weight {
 void LinearForwardBf16(ThreadPool& pool, const uint16_t* x, int64_t rows, int64_t in_features,
                        const PackedBf16Weight& weight, absl::Span<const float> bias,
                        int64_t out_features, float* y, Bf16Kernel kernel = BestBf16Kernel());
+// The same with Y rounded to bf16 as it is written (what attention's bf16 products read).
+void LinearForwardBf16(ThreadPool& pool, const uint16_t* x, int64_t rows, int64_t in_features,
+                       const PackedBf16Weight& weight, absl::Span<const float> bias,
+                       int64_t out_features, uint16_t* y, Bf16Kernel kernel = BestBf16Kernel());
 
 }  // namespace attention::core
 

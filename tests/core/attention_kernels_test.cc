@@ -1,9 +1,11 @@
 #include "core/attention_kernels.h"
 
 #include <cmath>
+#include <cstring>
 #include <random>
 
 #include "core/cpu/attention_cpu.h"
+#include "core/cpu/gemm_bf16.h"
 #include "core/mha_layer.h"
 #include "gtest/gtest.h"
 #include "tests/core/fidelity.h"
@@ -143,6 +145,63 @@ TEST(AttentionCpuTest, LongKeysTakeShortQueryBlocks) {
   EXPECT_EQ(QueryBlockRows(4100), 64);
   EXPECT_EQ(QueryBlockRows(512), 512);
   EXPECT_EQ(QueryBlockRows(16), 512);
+}
+
+// A BFLOAT16 layer's projections hand attention Q, K and V already rounded to bf16: the
+// kernel must give the bits it gives when it rounds float32 rows itself, on every path
+// (short and online key ranges, several query blocks, masks, causal, dropout, GQA, odd
+// head sizes).
+TEST(AttentionCpuTest, Bf16SourcesGiveTheBitsOfFloat32RowsRoundedInTheKernel) {
+  if (!CpuSupports(Bf16Kernel::kAvx512Bf16)) {
+    GTEST_SKIP() << "this CPU has no avx512_bf16 instructions (bf16 products need them)";
+  }
+  const uint64_t seed = TestSeed(2611);
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
+  std::mt19937_64 rng(seed);
+  const int64_t q_lengths[] = {1, 7, 67, 600};
+  const int64_t kv_lengths[] = {1, 16, 67, 513, 1500};
+  const int64_t head_dims[] = {3, 16, 64, 70};
+  const std::pair<int64_t, int64_t> heads[] = {{1, 1}, {2, 1}, {4, 2}};
+  auto pick = [&rng](const auto& values) {
+    return values[std::uniform_int_distribution<size_t>(0, std::size(values) - 1)(rng)];
+  };
+  ThreadPool pool(2);
+  for (int trial = 0; trial < 60 && !HasFailure(); ++trial) {
+    SdpaInput input;
+    AttentionDims& dims = input.dims;
+    dims.batch = std::uniform_int_distribution<int64_t>(1, 2)(rng);
+    std::tie(dims.num_heads, dims.num_kv_heads) = pick(heads);
+    dims.q_len = pick(q_lengths);
+    dims.kv_len = pick(kv_lengths);
+    dims.head_dim = pick(head_dims);
+    dims.v_head_dim = pick(head_dims);
+    input.options = RandomOptions(rng, dims);
+    input.options.need_weights = NeedWeights::kNone;  // bf16 sources are never asked for them
+    SCOPED_TRACE("trial " + std::to_string(trial) + ": " + Describe(dims, input.options));
+    const auto q = RandomFloats(rng, dims.batch * dims.num_heads * dims.q_len * dims.head_dim);
+    const auto k = RandomFloats(rng, dims.batch * dims.num_kv_heads * dims.kv_len * dims.head_dim);
+    const auto v =
+        RandomFloats(rng, dims.batch * dims.num_kv_heads * dims.kv_len * dims.v_head_dim);
+    const auto rounded = [](const std::vector<float>& x) {
+      std::vector<uint16_t> bf16(x.size());
+      RoundToBf16(x.data(), static_cast<int64_t>(x.size()), bf16.data());
+      return bf16;
+    };
+    const std::vector<uint16_t> q16 = rounded(q), k16 = rounded(k), v16 = rounded(v);
+    const size_t outputs = dims.batch * dims.num_heads * dims.q_len * dims.v_head_dim;
+    std::vector<float> from_float32(outputs, 7.0f), from_bf16(outputs, -7.0f);
+    AttentionProblem problem =
+        SdpaProblem<float>(input, q.data(), k.data(), v.data(), from_float32.data(), nullptr);
+    problem.bf16_products = true;
+    AttentionBlockedCpu({&problem, 1}, pool);
+    problem.query = problem.key = problem.value = nullptr;
+    problem.query_bf16 = q16.data();
+    problem.key_bf16 = k16.data();
+    problem.value_bf16 = v16.data();
+    problem.output = from_bf16.data();
+    AttentionBlockedCpu({&problem, 1}, pool);
+    ASSERT_EQ(std::memcmp(from_float32.data(), from_bf16.data(), outputs * sizeof(float)), 0);
+  }
 }
 
 TEST(AttentionKernelsTest, DropoutDependsOnlyOnSeedAndPosition) {

@@ -90,6 +90,20 @@ TEST_P(GemmBf16Test, PanelsMatchNaiveGemmOfTheSameBf16Values) {
           }
         }
         EXPECT_TRUE(stats.Check(fast, textbook, oracle));
+        if (mode == 2) continue;
+        // Written in bf16 instead: each element the float32 answer rounded, nothing else
+        // touched.
+        std::vector<uint16_t> c_bf16(rows * ldc, 0x7777);
+        GemmBf16PanelsToBf16(GetParam(), a.data(), lda, rows, panels.data(), depth, columns,
+                             first_panel, end_panel, alpha, mode == 0 ? bias.data() : nullptr,
+                             c_bf16.data(), ldc);
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t j = 0; j < ldc; ++j) {
+            const bool written = j >= first_panel * kPanelWidth && j < columns;
+            ASSERT_EQ(c_bf16[r * ldc + j], written ? FloatToBFloat16(c[r * ldc + j]) : 0x7777)
+                << "row " << r << " column " << j;
+          }
+        }
       }
     }
   }
@@ -131,13 +145,20 @@ TEST_P(GemmBf16Test, LinearForwardMatchesNaiveOnBothSplits) {
           }
         }
         EXPECT_TRUE(stats.Check(y, textbook, oracle));
+        std::vector<uint16_t> y_bf16(rows * out_features, 0x7777);
+        LinearForwardBf16(pool, x.data(), rows, in, packed, bias, out_features, y_bf16.data(),
+                          GetParam());
+        for (int64_t e = 0; e < rows * out_features; ++e) {
+          ASSERT_EQ(y_bf16[e], FloatToBFloat16(y[e])) << "element " << e << ", written in bf16";
+        }
       }
     }
   }
 }
 
 // Float32 operands packed with rounding (attention's keys, depth_stride 1, and values,
-// column_stride 1): the same bits as rounding each element and packing it one by one.
+// column_stride 1), and bf16 operands packed as they are: the same bits as rounding each
+// element and packing it one by one.
 TEST_P(GemmBf16Test, PacksFloatOperandsAsRoundedElements) {
   const uint64_t seed = TestSeed(2604);
   SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
@@ -165,6 +186,13 @@ TEST_P(GemmBf16Test, PacksFloatOperandsAsRoundedElements) {
           }
         }
         ASSERT_EQ(packed, expected);
+        // The same operand already in bf16 packs to the same bits.
+        std::vector<uint16_t> b_bf16(b.size());
+        for (size_t e = 0; e < b.size(); ++e) b_bf16[e] = FloatToBFloat16(b[e]);
+        std::vector<uint16_t> packed_bf16(packed.size(), 0xffff);
+        PackBf16Panels(b_bf16.data(), depth, columns, depth_stride, column_stride,
+                       packed_bf16.data(), GetParam());
+        ASSERT_EQ(packed_bf16, expected);
       }
     }
   }
