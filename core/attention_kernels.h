@@ -67,6 +67,9 @@ struct AttentionProblemOf {
   const uint16_t* query_bf16 = nullptr;
   const uint16_t* key_bf16 = nullptr;
   const uint16_t* value_bf16 = nullptr;
+  // Null, or where the output rows go rounded to bf16 instead of `output` (its layout):
+  // what a BFLOAT16 layer's output projection reads.
+  uint16_t* output_bf16 = nullptr;
 };
 using AttentionProblem = AttentionProblemOf<float>;
 

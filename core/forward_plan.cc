@@ -30,7 +30,7 @@ ForwardPlan PlanForward(const MhaConfig& c, absl::Span<const MhaInput* const> in
   return plan;
 }
 
-AttentionProblem ForwardPlan::Shape(size_t n, float* attended) const {
+AttentionProblem ForwardPlan::Shape(size_t n) const {
   const Input& in = inputs[n];
   const AttentionDims& d = in.dims;
   AttentionProblem p;
@@ -38,7 +38,6 @@ AttentionProblem ForwardPlan::Shape(size_t n, float* attended) const {
   p.query_layout = HeadLayout::StridedRows(d.q_len, d.head_dim, q_stride);
   p.key_layout = HeadLayout::StridedRows(d.kv_len, d.head_dim, k_stride);
   p.value_layout = HeadLayout::StridedRows(d.kv_len, d.v_head_dim, v_stride);
-  p.output = attended + in.q_row * d.num_heads * d.v_head_dim;
   p.output_layout = HeadLayout::BatchRowHead(d.num_heads, d.q_len, d.v_head_dim);
   p.options = &in.options;
   return p;
@@ -46,21 +45,28 @@ AttentionProblem ForwardPlan::Shape(size_t n, float* attended) const {
 
 AttentionProblem ForwardPlan::Attention(size_t n, const float* q, const float* k, const float* v,
                                         float* attended) const {
-  AttentionProblem p = Shape(n, attended);
+  AttentionProblem p = Shape(n);
   p.query = q + inputs[n].q_row * q_stride;
   p.key = k + inputs[n].kv_row * k_stride;
   p.value = v + inputs[n].kv_row * v_stride;
+  p.output = attended + AttendedOffset(n);
   return p;
 }
 
 AttentionProblem ForwardPlan::AttentionBf16(size_t n, const uint16_t* q, const uint16_t* k,
-                                            const uint16_t* v, float* attended) const {
-  AttentionProblem p = Shape(n, attended);
+                                            const uint16_t* v, uint16_t* attended) const {
+  AttentionProblem p = Shape(n);
   p.query_bf16 = q + inputs[n].q_row * q_stride;
   p.key_bf16 = k + inputs[n].kv_row * k_stride;
   p.value_bf16 = v + inputs[n].kv_row * v_stride;
+  p.output_bf16 = attended + AttendedOffset(n);
   p.bf16_products = true;
   return p;
+}
+
+int64_t ForwardPlan::AttendedOffset(size_t n) const {
+  const AttentionDims& d = inputs[n].dims;
+  return inputs[n].q_row * d.num_heads * d.v_head_dim;
 }
 
 void PackInputTokens(const MhaConfig& c, const ForwardPlan::Input& input, const MhaInput& in,

@@ -44,13 +44,16 @@ struct ForwardPlan {
   // the plan, which must outlive the problem.
   AttentionProblem Attention(size_t n, const float* q, const float* k, const float* v,
                              float* attended) const;
-  // The same over Q, K and V already rounded to bf16 (bf16 products; no weights).
+  // The same over Q, K and V already rounded to bf16 (bf16 products; no weights), into
+  // `attended` in bf16.
   AttentionProblem AttentionBf16(size_t n, const uint16_t* q, const uint16_t* k, const uint16_t* v,
-                                 float* attended) const;
+                                 uint16_t* attended) const;
 
  private:
-  // Input n's problem with its layouts and output but no Q, K or V yet.
-  AttentionProblem Shape(size_t n, float* attended) const;
+  // Input n's problem with its layouts, but no Q, K, V or output yet.
+  AttentionProblem Shape(size_t n) const;
+  // Where input n's attended rows start in the batch's.
+  int64_t AttendedOffset(size_t n) const;
 };
 
 // The plan of `inputs` (16-bit or float32) for a layer of `config`; `has_fused_qkv_weight`

@@ -353,11 +353,10 @@ float* LogSumExpAt(const AttentionProblem& p, int64_t b, int64_t h, int64_t i) {
 // running row maximum and sum rescale what is already accumulated in `out`, so no row of
 // scores longer than kKeyBlock is ever held. Used when no attention weights are returned.
 void AttendBlockOnline(const AttentionProblem& p, int64_t b, int64_t h, int64_t first_row,
-                       int64_t rows, int64_t key_count, float* out) {
+                       int64_t rows, int64_t key_count, float* out, int64_t out_stride) {
   const AttentionOptions& options = *p.options;
   const AttentionDims& d = p.dims;
   const int64_t hk = KvHead(d, h);
-  const int64_t out_stride = p.output_layout.row_stride;
   thread_local std::vector<float> scores;
   thread_local std::vector<OnlineSoftmaxRow> softmax;
   scores.resize(rows * kKeyBlock);
@@ -399,31 +398,29 @@ void AttendBlockOnline(const AttentionProblem& p, int64_t b, int64_t h, int64_t 
   }
 }
 
-// One (sequence b, head h, query block) of a problem.
-void AttendBlock(const AttentionProblem& p, int64_t b, int64_t h, int64_t block) {
+// Query rows [first_row, first_row + rows) of head h of sequence b into float32 `out`
+// (rows `out_stride` apart).
+void AttendRows(const AttentionProblem& p, int64_t b, int64_t h, int64_t first_row, int64_t rows,
+                float* out, int64_t out_stride) {
   const AttentionOptions& options = *p.options;
   const AttentionDims& d = p.dims;
   const float scale = options.Scale(d);
   const int64_t hk = KvHead(d, h);
-  const int64_t block_rows = QueryBlockRows(d.kv_len);
-  const int64_t first_row = block * block_rows;
-  const int64_t rows = std::min(block_rows, d.q_len - first_row);
   // Keys past the last row's causal frontier are never attended: skip them entirely.
   const int64_t key_count = options.KeyLimit(d, b, first_row + rows - 1);
-  float* out = p.output + p.output_layout.Offset(b, h, first_row);
   float* weights =
       p.weights == nullptr ? nullptr
                            : p.weights + ((b * d.num_heads + h) * d.q_len + first_row) * d.kv_len;
   if (weights != nullptr) std::fill(weights, weights + rows * d.kv_len, 0.0f);
   if (key_count == 0) {
-    ZeroRows(out, rows, p.output_layout.row_stride, d.v_head_dim);
+    ZeroRows(out, rows, out_stride, d.v_head_dim);
     for (int64_t r = 0; p.log_sum_exp != nullptr && r < rows; ++r) {
       *LogSumExpAt(p, b, h, first_row + r) = -std::numeric_limits<float>::infinity();
     }
     return;
   }
   if (weights == nullptr && key_count > kKeyBlock) {
-    AttendBlockOnline(p, b, h, first_row, rows, key_count, out);
+    AttendBlockOnline(p, b, h, first_row, rows, key_count, out, out_stride);
     return;
   }
   // One pass over all keys: the whole row of scores is needed when weights are returned,
@@ -470,14 +467,35 @@ void AttendBlock(const AttentionProblem& p, int64_t b, int64_t h, int64_t block)
   const HeadRows value = RowsOf(p.value, p.value_bf16, p.value_layout, b, hk, 0);
   if (exps_in_bf16) {
     ValuesGemmBf16(exps_bf16.data(), rows, key_count, value, d.v_head_dim, /*accumulate=*/false,
-                   out, p.output_layout.row_stride);
-    for (int64_t r = 0; r < rows; ++r) {
-      ScaleRow(out + r * p.output_layout.row_stride, d.v_head_dim, inverse_sums[r]);
-    }
+                   out, out_stride);
+    for (int64_t r = 0; r < rows; ++r)
+      ScaleRow(out + r * out_stride, d.v_head_dim, inverse_sums[r]);
     return;
   }
   ValuesGemm(scores.data(), rows, key_count, value, d.v_head_dim, /*accumulate=*/false, out,
-             p.output_layout.row_stride, p.bf16_products);
+             out_stride, p.bf16_products);
+}
+
+// One (sequence b, head h, query block) of a problem.
+void AttendBlock(const AttentionProblem& p, int64_t b, int64_t h, int64_t block) {
+  const AttentionDims& d = p.dims;
+  const int64_t block_rows = QueryBlockRows(d.kv_len);
+  const int64_t first_row = block * block_rows;
+  const int64_t rows = std::min(block_rows, d.q_len - first_row);
+  const int64_t offset = p.output_layout.Offset(b, h, first_row);
+  const int64_t stride = p.output_layout.row_stride;
+  if (p.output_bf16 == nullptr) {
+    AttendRows(p, b, h, first_row, rows, p.output + offset, stride);
+    return;
+  }
+  // Rows answered in bf16: attended in float32 here, in cache, then rounded once.
+  thread_local std::vector<float> attended;
+  attended.resize(rows * d.v_head_dim);
+  AttendRows(p, b, h, first_row, rows, attended.data(), d.v_head_dim);
+  for (int64_t r = 0; r < rows; ++r) {
+    RoundToBf16(attended.data() + r * d.v_head_dim, d.v_head_dim,
+                p.output_bf16 + offset + r * stride);
+  }
 }
 
 }  // namespace

@@ -124,16 +124,17 @@ class CpuBf16Layer final : public PreparedLayer {
   // Q + K + V]; k and v unused), else three.
   void ProjectSelf(const uint16_t* x, int64_t rows, float* q, float* k, float* v) const;
   // Whether the batch's Q, K and V can go to attention in bf16 as the projections write
-  // them (what its bf16 products would round them to): not where RoPE rotates float32 rows,
-  // weights are asked for (their long rows multiply in float32), or a fused layer takes
-  // separate keys and values.
-  bool ProjectsToBf16(const ForwardPlan& plan, absl::Span<const MhaInput* const> inputs) const;
+  // them, and its attended rows to the output projection as attention writes them (what
+  // the products would round them to): not where RoPE rotates float32 rows, weights are
+  // asked for (their long rows multiply in float32), a fused layer takes separate keys and
+  // values, or no output projection follows.
+  bool RunsInBf16(const ForwardPlan& plan, absl::Span<const MhaInput* const> inputs) const;
   // Q, K and V of the planned inputs (x, or xk and xv for separate keys and values), in bf16,
-  // attended into `attended`.
+  // attended into `attended` in bf16.
   std::vector<AttentionResult> ProjectAndAttendInBf16(const ForwardPlan& plan,
                                                       absl::Span<const MhaInput* const> inputs,
                                                       const uint16_t* x, const uint16_t* xk,
-                                                      const uint16_t* xv, float* attended) const;
+                                                      const uint16_t* xv, uint16_t* attended) const;
   // The same in float32 rows, rounded by attention's bf16 products where the host has them.
   std::vector<AttentionResult> ProjectAndAttend(const ForwardPlan& plan,
                                                 absl::Span<const MhaInput* const> inputs,
@@ -161,10 +162,10 @@ void CpuBf16Layer::ProjectSelf(const uint16_t* x, int64_t rows, float* q, float*
   v_->Forward(pool_, x, rows, w.v_bias, v);
 }
 
-bool CpuBf16Layer::ProjectsToBf16(const ForwardPlan& plan,
-                                  absl::Span<const MhaInput* const> inputs) const {
+bool CpuBf16Layer::RunsInBf16(const ForwardPlan& plan,
+                              absl::Span<const MhaInput* const> inputs) const {
   const Bf16Linear& first = fused_qkv_.has_value() ? *fused_qkv_ : *q_;
-  if (!first.WritesBf16() || config_.rope_theta > 0.0) return false;
+  if (!first.WritesBf16() || config_.rope_theta > 0.0 || !out_.has_value()) return false;
   if (fused_qkv_.has_value() && !plan.fused_qkv) return false;
   return std::all_of(inputs.begin(), inputs.end(), [](const MhaInput* in) {
     return in->options.need_weights == NeedWeights::kNone;
@@ -173,7 +174,7 @@ bool CpuBf16Layer::ProjectsToBf16(const ForwardPlan& plan,
 
 std::vector<AttentionResult> CpuBf16Layer::ProjectAndAttendInBf16(
     const ForwardPlan& plan, absl::Span<const MhaInput* const> inputs, const uint16_t* x,
-    const uint16_t* xk, const uint16_t* xv, float* attended) const {
+    const uint16_t* xk, const uint16_t* xv, uint16_t* attended) const {
   const MhaConfig& c = config_;
   const MhaWeightsView& w = weights_;
   ForwardScratch& scratch = ThreadScratch();
@@ -232,17 +233,25 @@ absl::StatusOr<std::vector<AttentionResult>> CpuBf16Layer::ForwardBatch(
     ToBf16(self ? in.query : in.value, self ? in.query_half : in.value_half, in.half_dtype,
            xv + planned.kv_row * c.vdim, kernel_);
   }
-  float* attended = scratch.Get(ForwardScratch::kAttended, q_rows * c.AttentionWidth());
-  std::vector<AttentionResult> results =
-      ProjectsToBf16(plan, inputs) ? ProjectAndAttendInBf16(plan, inputs, x, xk, xv, attended)
-                                   : ProjectAndAttend(plan, inputs, x, xk, xv, attended);
-  // A lone input's output projection writes straight to its destination.
+  // A lone input's output projection writes straight to its destination. (Taken after
+  // attention, which may use kProjected for a fused layer's cross-attention.)
   const bool project_to_destination = inputs.size() == 1 && !inputs[0]->output_destination.empty();
-  float* output = project_to_destination
-                      ? inputs[0]->output_destination.data()
-                      : scratch.Get(ForwardScratch::kProjected, q_rows * c.output_dim);
-  ProjectOutput(attended, q_rows, output);
-  if (!project_to_destination) DeliverPlanned(plan, inputs, output, c.output_dim, results);
+  const auto output = [&] {
+    return project_to_destination ? inputs[0]->output_destination.data()
+                                  : scratch.Get(ForwardScratch::kProjected, q_rows * c.output_dim);
+  };
+  std::vector<AttentionResult> results;
+  if (RunsInBf16(plan, inputs)) {
+    uint16_t* attended =
+        scratch.Get<uint16_t>(ForwardScratch::kRounded, q_rows * c.AttentionWidth());
+    results = ProjectAndAttendInBf16(plan, inputs, x, xk, xv, attended);
+    out_->Forward(pool_, attended, q_rows, weights_.out_bias, output());
+  } else {
+    float* attended = scratch.Get(ForwardScratch::kAttended, q_rows * c.AttentionWidth());
+    results = ProjectAndAttend(plan, inputs, x, xk, xv, attended);
+    ProjectOutput(attended, q_rows, output());
+  }
+  if (!project_to_destination) DeliverPlanned(plan, inputs, output(), c.output_dim, results);
   return results;
 }
 

@@ -56,7 +56,7 @@ std::vector<AttentionResult> AttendPlanned(const ForwardPlan& plan,
 std::vector<AttentionResult> AttendPlannedBf16(const ForwardPlan& plan,
                                                absl::Span<const MhaInput* const> inputs,
                                                const uint16_t* q, const uint16_t* k,
-                                               const uint16_t* v, float* attended,
+                                               const uint16_t* v, uint16_t* attended,
                                                ThreadPool& pool) {
   std::vector<AttentionProblem> problems(inputs.size());
   for (size_t n = 0; n < inputs.size(); ++n) {

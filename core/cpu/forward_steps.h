@@ -24,12 +24,12 @@ std::vector<AttentionResult> AttendPlanned(const ForwardPlan& plan,
                                            absl::Span<const MhaInput* const> inputs, const float* q,
                                            const float* k, const float* v, float* attended,
                                            bool bf16_products, ThreadPool& pool);
-// The same over Q, K and V already rounded to bf16 (bf16 products), for inputs that ask for
-// no attention weights.
+// The same over Q, K and V already rounded to bf16 (bf16 products), into `attended` in
+// bf16, for inputs that ask for no attention weights.
 std::vector<AttentionResult> AttendPlannedBf16(const ForwardPlan& plan,
                                                absl::Span<const MhaInput* const> inputs,
                                                const uint16_t* q, const uint16_t* k,
-                                               const uint16_t* v, float* attended,
+                                               const uint16_t* v, uint16_t* attended,
                                                ThreadPool& pool);
 
 // Hands each input its rows of the batch's `output` ([q_rows, output_dim]).

@@ -147,10 +147,10 @@ TEST(AttentionCpuTest, LongKeysTakeShortQueryBlocks) {
   EXPECT_EQ(QueryBlockRows(16), 512);
 }
 
-// A BFLOAT16 layer's projections hand attention Q, K and V already rounded to bf16: the
-// kernel must give the bits it gives when it rounds float32 rows itself, on every path
-// (short and online key ranges, several query blocks, masks, causal, dropout, GQA, odd
-// head sizes).
+// A BFLOAT16 layer's projections hand attention Q, K and V already rounded to bf16, and take
+// its answer in bf16: the kernel must give the bits it gives when it rounds float32 rows
+// itself, on every path (short and online key ranges, several query blocks, masks, causal,
+// dropout, GQA, odd head sizes).
 TEST(AttentionCpuTest, Bf16SourcesGiveTheBitsOfFloat32RowsRoundedInTheKernel) {
   if (!CpuSupports(Bf16Kernel::kAvx512Bf16)) {
     GTEST_SKIP() << "this CPU has no avx512_bf16 instructions (bf16 products need them)";
@@ -201,6 +201,12 @@ TEST(AttentionCpuTest, Bf16SourcesGiveTheBitsOfFloat32RowsRoundedInTheKernel) {
     problem.output = from_bf16.data();
     AttentionBlockedCpu({&problem, 1}, pool);
     ASSERT_EQ(std::memcmp(from_float32.data(), from_bf16.data(), outputs * sizeof(float)), 0);
+    // Answered in bf16 (what the output projection reads): the float32 answer rounded.
+    std::vector<uint16_t> answered_bf16(outputs, 0x7777);
+    problem.output = nullptr;
+    problem.output_bf16 = answered_bf16.data();
+    AttentionBlockedCpu({&problem, 1}, pool);
+    ASSERT_EQ(answered_bf16, rounded(from_float32));
   }
 }
 
