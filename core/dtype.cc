@@ -6,6 +6,9 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "core/half_bits.h"
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace attention::core {
 
@@ -87,15 +90,49 @@ absl::StatusOr<std::vector<float>> DecodeFloats(absl::string_view bytes, DType d
   return values;
 }
 
+namespace {
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f,avx512bf16"))) void FloatsToBFloat16Avx512(const float* values,
+                                                                          int64_t count,
+                                                                          uint16_t* out) {
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) {
+    const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_loadu_ps(values + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)rounded);
+  }
+  for (; i < count; ++i) out[i] = FloatToBFloat16(values[i]);
+}
+#endif
+
+}  // namespace
+
+void FloatsToBFloat16(const float* values, int64_t count, uint16_t* out) {
+#if defined(__x86_64__)
+  static const bool has_avx512_bf16 =
+      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+  if (has_avx512_bf16) {
+    FloatsToBFloat16Avx512(values, count, out);
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < count; ++i) out[i] = FloatToBFloat16(values[i]);
+}
+
 std::string EncodeFloats(absl::Span<const float> values, DType dtype) {
   std::string bytes(values.size() * ElementSize(dtype), '\0');
   if (dtype == DType::kFloat32) {
     std::memcpy(bytes.data(), values.data(), bytes.size());
     return bytes;
   }
+  if (dtype == DType::kBFloat16) {
+    // Raw bytes are little-endian (asserted above) and heap-aligned for uint16_t.
+    FloatsToBFloat16(values.data(), static_cast<int64_t>(values.size()),
+                     reinterpret_cast<uint16_t*>(bytes.data()));
+    return bytes;
+  }
   for (size_t i = 0; i < values.size(); ++i) {
-    const uint16_t bits =
-        dtype == DType::kFloat16 ? FloatToHalf(values[i]) : FloatToBFloat16(values[i]);
+    const uint16_t bits = FloatToHalf(values[i]);
     std::memcpy(bytes.data() + 2 * i, &bits, 2);
   }
   return bytes;

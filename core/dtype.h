@@ -45,6 +45,9 @@ float HalfToFloat(uint16_t bits);
 uint16_t FloatToHalf(float value);  // round to nearest even; overflow gives inf
 float BFloat16ToFloat(uint16_t bits);
 uint16_t FloatToBFloat16(float value);  // round to nearest even; NaN stays NaN
+// FloatToBFloat16 of `count` values, 16 at a time with AVX512-BF16 where the CPU has it
+// (which reads float32 subnormals as zero).
+void FloatsToBFloat16(const float* values, int64_t count, uint16_t* out);
 
 // Decodes little-endian `bytes` of `dtype` (a float type) into float32 values.
 // `field` names the source in error messages.

@@ -367,10 +367,12 @@ AttentionDims MhaLayer::Dims(const MhaInput& input) const {
 
 void DeliverOutput(const MhaInput& input, const float* rows, int64_t count,
                    AttentionResult* result) {
-  if (input.output_destination.empty()) {
-    result->output.assign(rows, rows + count);
-  } else {
+  if (!input.output_destination.empty()) {
     std::copy(rows, rows + count, input.output_destination.data());
+  } else if (!input.output_destination_bf16.empty()) {
+    FloatsToBFloat16(rows, count, input.output_destination_bf16.data());
+  } else {
+    result->output.assign(rows, rows + count);
   }
 }
 
@@ -419,12 +421,18 @@ absl::Status MhaLayer::ValidateInput(const MhaInput& in) const {
     }
   }
   const int64_t output_count = in.batch * in.q_len * config_.output_dim;
-  if (!in.output_destination.empty() &&
-      static_cast<int64_t>(in.output_destination.size()) != output_count) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "output_destination has ", in.output_destination.size(),
-        " values; expected [B, Nq, output_dim] = [", in.batch, ", ", in.q_len, ", ",
-        config_.output_dim, "]"));
+  if (!in.output_destination.empty() && !in.output_destination_bf16.empty()) {
+    return absl::InvalidArgumentError(
+        "output_destination and output_destination_bf16 are both set; give at most one");
+  }
+  for (const auto& [name, size] :
+       {std::pair{"output_destination", in.output_destination.size()},
+        std::pair{"output_destination_bf16", in.output_destination_bf16.size()}}) {
+    if (size != 0 && static_cast<int64_t>(size) != output_count) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, " has ", size, " values; expected [B, Nq, output_dim] = [", in.batch,
+                       ", ", in.q_len, ", ", config_.output_dim, "]"));
+    }
   }
   return in.options.Validate(Dims(in));
 }

@@ -95,8 +95,15 @@ struct MhaInput {
   // of AttentionResult::output, which then stays empty. The server points it into the
   // answer's bytes, so a large answer is not copied twice more on its way out.
   absl::Span<float> output_destination;
+  // Optional, instead: the same rows rounded to bfloat16, for a caller that asked for a bf16
+  // answer. A BFLOAT16 layer's output projection writes them so; other layers round their
+  // float32 rows once on delivery.
+  absl::Span<uint16_t> output_destination_bf16;
 
   bool is_half() const { return half_dtype != DType::kFloat32; }
+  bool has_output_destination() const {
+    return !output_destination.empty() || !output_destination_bf16.empty();
+  }
   bool self_attention() const { return key.empty() && key_half.empty(); }
   int64_t query_elements() const { return is_half() ? query_half.size() : query.size(); }
   int64_t key_elements() const { return is_half() ? key_half.size() : key.size(); }
@@ -108,15 +115,15 @@ struct MhaInput {
 MhaInput WithFloatInputs(const MhaInput& input, std::deque<std::vector<float>>* storage);
 
 struct AttentionResult {
-  // MHA: [B, Nq, output_dim] (empty when the input gave an output_destination);
+  // MHA: [B, Nq, output_dim] (empty when the input gave an output destination);
   // SDPA: [B, H, Nq, dv].
   std::vector<float> output;
   std::vector<float> weights;  // empty, [B, Nq, Nk] averaged or [B, H, Nq, Nk]
 };
 
 // For backends: hands one input's rows of a packed [rows, output_dim] output to the
-// caller (`count` floats), into input.output_destination when it has one, else into
-// result->output.
+// caller (`count` floats), into its output destination when it has one (rounded for a
+// bf16 one), else into result->output.
 void DeliverOutput(const MhaInput& input, const float* rows, int64_t count,
                    AttentionResult* result);
 

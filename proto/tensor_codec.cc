@@ -125,16 +125,31 @@ void EncodeTensor(absl::Span<const float> values, absl::Span<const int64_t> shap
   tensor->set_raw_data(core::EncodeFloats(values, dtype));
 }
 
-absl::Span<float> ResizeFloat32Tensor(absl::Span<const int64_t> shape, v1::Tensor* tensor) {
-  // raw_data is little-endian, as this host's floats are (core/dtype.cc asserts it), and
+namespace {
+
+// `tensor` set to `dtype` and `shape` with zeroed raw bytes, returned as elements of T.
+template <typename T>
+absl::Span<T> ResizeTensor(absl::Span<const int64_t> shape, v1::DataType dtype,
+                           v1::Tensor* tensor) {
+  // raw_data is little-endian, as this host's numbers are (core/dtype.cc asserts it), and
   // its heap bytes are aligned for floats.
   int64_t count = 1;
   for (const int64_t dim : shape) count *= dim;
-  tensor->set_dtype(v1::FLOAT32);
+  tensor->set_dtype(dtype);
   tensor->mutable_shape()->Assign(shape.begin(), shape.end());
   std::string* bytes = tensor->mutable_raw_data();
-  bytes->resize(static_cast<size_t>(count) * sizeof(float));
-  return absl::MakeSpan(reinterpret_cast<float*>(bytes->data()), static_cast<size_t>(count));
+  bytes->resize(static_cast<size_t>(count) * sizeof(T));
+  return absl::MakeSpan(reinterpret_cast<T*>(bytes->data()), static_cast<size_t>(count));
+}
+
+}  // namespace
+
+absl::Span<float> ResizeFloat32Tensor(absl::Span<const int64_t> shape, v1::Tensor* tensor) {
+  return ResizeTensor<float>(shape, v1::FLOAT32, tensor);
+}
+
+absl::Span<uint16_t> ResizeBFloat16Tensor(absl::Span<const int64_t> shape, v1::Tensor* tensor) {
+  return ResizeTensor<uint16_t>(shape, v1::BFLOAT16, tensor);
 }
 
 }  // namespace attention::wire

@@ -78,6 +78,8 @@ void EncodeTensor(absl::Span<const float> values, absl::Span<const int64_t> shap
 // Sets `tensor` to FLOAT32 of `shape` with zeroed raw bytes for the caller to fill, and
 // returns them as floats: an answer computed straight into the message that carries it.
 absl::Span<float> ResizeFloat32Tensor(absl::Span<const int64_t> shape, v1::Tensor* tensor);
+// The same for a BFLOAT16 answer, its raw bytes as bf16 bit patterns.
+absl::Span<uint16_t> ResizeBFloat16Tensor(absl::Span<const int64_t> shape, v1::Tensor* tensor);
 
 }  // namespace attention::wire
 

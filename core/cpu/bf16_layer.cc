@@ -245,6 +245,12 @@ absl::StatusOr<std::vector<AttentionResult>> CpuBf16Layer::ForwardBatch(
     uint16_t* attended =
         scratch.Get<uint16_t>(ForwardScratch::kRounded, q_rows * c.AttentionWidth());
     results = ProjectAndAttendInBf16(plan, inputs, x, xk, xv, attended);
+    // A lone caller that asked for bf16 gets it from the projection, with no float32 pass.
+    if (inputs.size() == 1 && !inputs[0]->output_destination_bf16.empty()) {
+      out_->Forward(pool_, attended, q_rows, weights_.out_bias,
+                    inputs[0]->output_destination_bf16.data());
+      return results;
+    }
     out_->Forward(pool_, attended, q_rows, weights_.out_bias, output());
   } else {
     float* attended = scratch.Get(ForwardScratch::kAttended, q_rows * c.AttentionWidth());

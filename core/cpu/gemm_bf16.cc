@@ -167,16 +167,6 @@ constexpr Bf16TileFn kTiles[] = {nullptr,
                                  &TileBf16Avx512<11, kWide>,
                                  &TileBf16Avx512<12, kWide>};
 
-__attribute__((target("avx512f,avx512bf16"))) void RoundToBf16Avx512(const float* x, int64_t count,
-                                                                     uint16_t* out) {
-  int64_t i = 0;
-  for (; i + 16 <= count; i += 16) {
-    const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + i));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)rounded);
-  }
-  for (; i < count; ++i) out[i] = FloatToBFloat16(x[i]);
-}
-
 // PackBf16Panels with depth_stride 1 (keys): each column's depths are contiguous, so a
 // column's 16 pairs of depths are one vector of 16 dwords (rounded from float32, or loaded
 // as they are from bf16), and a panel's pair-rows are the 16 x 16 transpose of its 16
@@ -283,12 +273,10 @@ Bf16Kernel BestBf16Kernel() {
 }
 
 void RoundToBf16(const float* x, int64_t count, uint16_t* out, Bf16Kernel kernel) {
-#if defined(__x86_64__)
   if (kernel == Bf16Kernel::kAvx512Bf16) {
-    RoundToBf16Avx512(x, count, out);
+    FloatsToBFloat16(x, count, out);  // the same instructions, where the CPU has them
     return;
   }
-#endif
   for (int64_t i = 0; i < count; ++i) out[i] = FloatToBFloat16(x[i]);
 }
 

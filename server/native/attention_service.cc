@@ -371,15 +371,20 @@ absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
   RETURN_IF_ERROR(snapshot->layer->ValidateInput(input));
   RETURN_IF_ERROR(SetQueueFields(request, input.batch * input.q_len, cost, deadline,
                                  std::move(is_cancelled), item.get()));
-  // A FLOAT32 answer in raw_data is computed straight into the response.
+  // A FLOAT32 or BFLOAT16 answer in raw_data is computed straight into the response.
   const bool output_in_response =
-      output_dtype == core::DType::kFloat32 && !request.float_data_output();
+      (output_dtype == core::DType::kFloat32 || output_dtype == core::DType::kBFloat16) &&
+      !request.float_data_output();
   item->done =
       MhaAnswer(request, response, std::move(finish), dims, config.output_dim,
                 input.options.need_weights, output_dtype, output_in_response, snapshot->version);
   if (output_in_response) {
-    input.output_destination = wire::ResizeFloat32Tensor(
-        {dims.batch, dims.q_len, config.output_dim}, response->mutable_output());
+    const int64_t shape[] = {dims.batch, dims.q_len, config.output_dim};
+    if (output_dtype == core::DType::kFloat32) {
+      input.output_destination = wire::ResizeFloat32Tensor(shape, response->mutable_output());
+    } else {
+      input.output_destination_bf16 = wire::ResizeBFloat16Tensor(shape, response->mutable_output());
+    }
   }
   item->snapshot = std::move(snapshot);
   absl::Status submitted = batcher_.Submit(std::move(item));

@@ -335,6 +335,13 @@ TEST(MhaLayerTest, ValidateInputNamesShapes) {
   in.output_destination = absl::MakeSpan(destination);
   EXPECT_EQ(layer->ValidateInput(in).message(),
             "output_destination has 63 values; expected [B, Nq, output_dim] = [2, 4, 8]");
+  std::vector<uint16_t> bf16_destination(2 * 4 * 8 + 1);
+  in.output_destination_bf16 = absl::MakeSpan(bf16_destination);
+  EXPECT_EQ(layer->ValidateInput(in).message(),
+            "output_destination and output_destination_bf16 are both set; give at most one");
+  in.output_destination = {};
+  EXPECT_EQ(layer->ValidateInput(in).message(),
+            "output_destination_bf16 has 65 values; expected [B, Nq, output_dim] = [2, 4, 8]");
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, MhaBackendTest, ::testing::ValuesIn(testing::CompiledDevices()),

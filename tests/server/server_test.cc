@@ -145,6 +145,32 @@ TEST_F(ServerTest, HalfPrecisionInAndOut) {
   EXPECT_EQ(response->output().dtype(), v1::FLOAT32);
 }
 
+// A BFLOAT16 answer is the FLOAT32 answer rounded, bit for bit, on a float32 layer (rounded
+// on delivery) and on a bf16 layer (whose output projection writes bf16 into the response).
+TEST_F(ServerTest, Bf16AnswersAreTheFloat32AnswersRounded) {
+  v1::LoadLayerRequest bf16_layer = RandomLayerRequest("bf16-answers", 64, 31);
+  bf16_layer.mutable_spec()->mutable_config()->set_compute_dtype(v1::BFLOAT16);
+  ASSERT_TRUE(client_->LoadLayer(bf16_layer).ok());
+  std::mt19937_64 rng(32);
+  for (const auto& [layer, embed_dim] :
+       {std::pair<std::string, int64_t>{kDemoLayerName, kDemoEmbedDim}, {"bf16-answers", 64}}) {
+    v1::MultiHeadAttentionRequest request;
+    request.set_layer(layer);
+    EncodeTensor(RandomValues(rng, 2 * 9 * embed_dim), std::vector<int64_t>{2, 9, embed_dim},
+                 core::DType::kFloat32, request.mutable_query());
+    request.set_output_dtype(v1::FLOAT32);
+    auto float32 = client_->MultiHeadAttention(request);
+    request.set_output_dtype(v1::BFLOAT16);
+    auto bf16 = client_->MultiHeadAttention(request);
+    ASSERT_TRUE(float32.ok() && bf16.ok()) << float32.status() << " " << bf16.status();
+    ASSERT_EQ(bf16->output().dtype(), v1::BFLOAT16);
+    EXPECT_EQ(bf16->output().raw_data(),
+              core::EncodeFloats(DecodeFloatTensor(float32->output(), "output")->values,
+                                 core::DType::kBFloat16))
+        << layer;
+  }
+}
+
 TEST_F(ServerTest, FloatDataOutputCarriesTheRawValues) {
   std::mt19937_64 rng(21);
   v1::MultiHeadAttentionRequest request = DemoRequest(rng, 2, 3);
@@ -176,7 +202,7 @@ v1::LoadLayerRequest TinyLayerRequest(const std::string& name, const core::MhaWe
   spec->mutable_config()->set_num_heads(2);
   auto* tensors = spec->mutable_inline_weights()->mutable_tensors();
   auto put = [tensors](const std::string& tensor_name, const std::vector<float>& values,
-                       std::vector<int64_t> shape) {
+                       const std::vector<int64_t>& shape) {
     EncodeTensor(values, shape, core::DType::kFloat32, &(*tensors)[tensor_name]);
   };
   if (fused) {
