@@ -80,6 +80,29 @@ void ToBf16(absl::Span<const float> values, absl::Span<const uint16_t> half, DTy
   }
 }
 
+// A part of one input tensor to convert to bf16 (ToBf16): float32 values or 16-bit ones.
+struct TokenChunk {
+  absl::Span<const float> values;
+  absl::Span<const uint16_t> half;
+  DType half_dtype;
+  uint16_t* to;
+};
+
+// Adds the chunks of one tensor (its float32 `values` or `half` ones) bound for `to`: about
+// 1 MB of floats each, so that a large batch converts on every thread.
+void AddTokenChunks(absl::Span<const float> values, absl::Span<const uint16_t> half,
+                    DType half_dtype, uint16_t* to, std::vector<TokenChunk>& chunks) {
+  constexpr size_t kChunkElements = size_t{1} << 18;
+  const size_t count = half_dtype == DType::kFloat32 ? values.size() : half.size();
+  for (size_t first = 0; first < count; first += kChunkElements) {
+    const size_t length = std::min(kChunkElements, count - first);
+    const bool is_float = half_dtype == DType::kFloat32;
+    chunks.push_back({is_float ? values.subspan(first, length) : absl::Span<const float>(),
+                      is_float ? absl::Span<const uint16_t>() : half.subspan(first, length),
+                      half_dtype, to + first});
+  }
+}
+
 // This thread's working memory for every step of a bf16 layer's passes (one set of slots).
 ForwardScratch& ThreadScratch() {
   thread_local ForwardScratch scratch;
@@ -222,16 +245,27 @@ absl::StatusOr<std::vector<AttentionResult>> CpuBf16Layer::ForwardBatch(
   uint16_t* xv = plan.all_self_attention
                      ? nullptr
                      : scratch.Get<uint16_t>(ForwardScratch::kValueInput, kv_rows * c.vdim);
+  std::vector<TokenChunk> chunks;
   for (size_t n = 0; n < inputs.size(); ++n) {
     const MhaInput& in = *inputs[n];
     const ForwardPlan::Input& planned = plan.inputs[n];
-    ToBf16(in.query, in.query_half, in.half_dtype, x + planned.q_row * c.embed_dim, kernel_);
+    AddTokenChunks(in.query, in.query_half, in.half_dtype, x + planned.q_row * c.embed_dim, chunks);
     if (xk == nullptr) continue;
     const bool self = in.self_attention();
-    ToBf16(self ? in.query : in.key, self ? in.query_half : in.key_half, in.half_dtype,
-           xk + planned.kv_row * c.kdim, kernel_);
-    ToBf16(self ? in.query : in.value, self ? in.query_half : in.value_half, in.half_dtype,
-           xv + planned.kv_row * c.vdim, kernel_);
+    AddTokenChunks(self ? in.query : in.key, self ? in.query_half : in.key_half, in.half_dtype,
+                   xk + planned.kv_row * c.kdim, chunks);
+    AddTokenChunks(self ? in.query : in.value, self ? in.query_half : in.value_half, in.half_dtype,
+                   xv + planned.kv_row * c.vdim, chunks);
+  }
+  // Rounding a large batch is bound by memory bandwidth, which one thread does not reach.
+  const auto convert = [&](int64_t i) {
+    const TokenChunk& chunk = chunks[i];
+    ToBf16(chunk.values, chunk.half, chunk.half_dtype, chunk.to, kernel_);
+  };
+  if (chunks.size() > 1) {
+    pool_.ParallelFor(static_cast<int64_t>(chunks.size()), convert);
+  } else if (!chunks.empty()) {
+    convert(0);
   }
   // A lone input's output projection writes straight to its destination. (Taken after
   // attention, which may use kProjected for a fused layer's cross-attention.)
