@@ -179,6 +179,15 @@ __attribute__((target("avx512f,avx512bf16,avx512bw"))) void PackBf16TransposedAv
     uint16_t* panel = panels + p * pair_rows * kPairRow;
     const Source* first_column = b + p * kPanelWidth * column_stride;
     const int64_t width = std::min(kPanelWidth, columns - p * kPanelWidth);
+    // The next panel's columns are rows far apart (a head's keys in a projected row of
+    // Q, K and V): fetch them while this one transposes.
+    const int64_t next_width = std::min(kPanelWidth, columns - (p + 1) * kPanelWidth);
+    for (int64_t j = 0; j < next_width; ++j) {
+      const Source* column = first_column + (kPanelWidth + j) * column_stride;
+      for (int64_t k = 0; k < depth; k += 64 / sizeof(Source)) {
+        _mm_prefetch(reinterpret_cast<const char*>(column + k), _MM_HINT_T0);
+      }
+    }
     for (int64_t k0 = 0; k0 < depth; k0 += 2 * kPanelWidth) {
       const int64_t depths = std::min(2 * kPanelWidth, depth - k0);
       const __mmask16 low = static_cast<__mmask16>((1u << std::min<int64_t>(depths, 16)) - 1);
