@@ -409,30 +409,37 @@ PackedBf16Weight::PackedBf16Weight(absl::Span<const uint16_t> weight, int64_t ou
   PackBf16Transposed(weight.data(), out_features, in_features, in_features, panels_.get());
 }
 
-void LinearForwardBf16(ThreadPool& pool, const uint16_t* x, int64_t rows, int64_t in_features,
-                       const PackedBf16Weight& weight, absl::Span<const float> bias,
-                       int64_t out_features, float* y, Bf16Kernel kernel) {
+namespace {
+
+// LinearForwardBf16 into float32 `y` or, with `y_bf16`, into bf16 (then `y` is unused).
+void LinearForwardBf16Into(ThreadPool& pool, const uint16_t* x, int64_t rows, int64_t in_features,
+                           const PackedBf16Weight& weight, absl::Span<const float> bias,
+                           int64_t out_features, float* y, uint16_t* y_bf16, Bf16Kernel kernel) {
   const float* b = bias.empty() ? nullptr : bias.data();
   ForEachPackedLinearPart(
       pool, rows, out_features,
       [&](int64_t first_row, int64_t row_count, int64_t first_panel, int64_t end_panel) {
-        GemmBf16Panels(kernel, x + first_row * in_features, in_features, row_count, weight.panels(),
-                       in_features, out_features, first_panel, end_panel, 1.0f, b,
-                       y + first_row * out_features, out_features);
+        const int64_t offset = first_row * out_features;
+        GemmBf16PanelsInto(kernel, x + first_row * in_features, in_features, row_count,
+                           weight.panels(), in_features, out_features, first_panel, end_panel, 1.0f,
+                           b, y == nullptr ? nullptr : y + offset,
+                           y_bf16 == nullptr ? nullptr : y_bf16 + offset, out_features,
+                           /*accumulate=*/false);
       });
+}
+
+}  // namespace
+
+void LinearForwardBf16(ThreadPool& pool, const uint16_t* x, int64_t rows, int64_t in_features,
+                       const PackedBf16Weight& weight, absl::Span<const float> bias,
+                       int64_t out_features, float* y, Bf16Kernel kernel) {
+  LinearForwardBf16Into(pool, x, rows, in_features, weight, bias, out_features, y, nullptr, kernel);
 }
 
 void LinearForwardBf16(ThreadPool& pool, const uint16_t* x, int64_t rows, int64_t in_features,
                        const PackedBf16Weight& weight, absl::Span<const float> bias,
                        int64_t out_features, uint16_t* y, Bf16Kernel kernel) {
-  const float* b = bias.empty() ? nullptr : bias.data();
-  ForEachPackedLinearPart(
-      pool, rows, out_features,
-      [&](int64_t first_row, int64_t row_count, int64_t first_panel, int64_t end_panel) {
-        GemmBf16PanelsToBf16(kernel, x + first_row * in_features, in_features, row_count,
-                             weight.panels(), in_features, out_features, first_panel, end_panel,
-                             1.0f, b, y + first_row * out_features, out_features);
-      });
+  LinearForwardBf16Into(pool, x, rows, in_features, weight, bias, out_features, nullptr, y, kernel);
 }
 
 }  // namespace attention::core
