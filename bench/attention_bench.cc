@@ -152,11 +152,12 @@ BENCHMARK(BM_Linear)
 // `compute` is the layer's compute_dtype.
 void RunMha(benchmark::State& state, const std::vector<int64_t>& lengths, int64_t embed_dim,
             int64_t heads, bool causal, int threads, absl::Duration idle_gap = absl::ZeroDuration(),
-            DType compute = DType::kFloat32) {
+            DType compute = DType::kFloat32, double rope_theta = 0.0) {
   MhaConfig config;
   config.embed_dim = embed_dim;
   config.num_heads = heads;
   config.compute_dtype = compute;
+  config.rope_theta = rope_theta;
   const MhaConfig resolved = *MhaConfig::Resolve(config);
   auto layer = *MhaLayer::Create(resolved, MhaWeights::Random(resolved, 7),
                                  std::make_shared<CpuBackend>(threads));
@@ -197,6 +198,11 @@ void RunMhaBf16(benchmark::State& s, const std::vector<int64_t>& lengths) {
 void BM_MhaBf16S1(benchmark::State& s) { RunMhaBf16(s, std::vector<int64_t>(32, 128)); }
 void BM_MhaBf16S2(benchmark::State& s) { RunMhaBf16(s, std::vector<int64_t>(8, 512)); }
 void BM_MhaBf16S4(benchmark::State& s) { RunMhaBf16(s, std::vector<int64_t>(256, 16)); }
+// S2 on a bf16 layer with RoPE (a Llama-style layer: Q and K rotated in float32).
+void BM_MhaBf16RopeS2(benchmark::State& s) {
+  RunMha(s, std::vector<int64_t>(8, 512), 768, 12, false, s.range(0), absl::ZeroDuration(),
+         DType::kBFloat16, 10000.0);
+}
 BENCHMARK(BM_MhaBf16S1)
     ->ArgName("threads")
     ->Arg(1)
@@ -212,6 +218,11 @@ BENCHMARK(BM_MhaBf16S2)
 BENCHMARK(BM_MhaBf16S4)
     ->ArgName("threads")
     ->Arg(1)
+    ->Arg(2)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_MhaBf16RopeS2)
+    ->ArgName("threads")
     ->Arg(2)
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);

@@ -43,13 +43,27 @@ AttentionProblem ForwardPlan::Shape(size_t n) const {
   return p;
 }
 
-AttentionProblem ForwardPlan::Attention(size_t n, const float* q, const float* k, const float* v,
-                                        float* attended) const {
+AttentionProblem ForwardPlan::FloatSources(size_t n, const float* q, const float* k,
+                                           const float* v) const {
   AttentionProblem p = Shape(n);
   p.query = q + inputs[n].q_row * q_stride;
   p.key = k + inputs[n].kv_row * k_stride;
   p.value = v + inputs[n].kv_row * v_stride;
+  return p;
+}
+
+AttentionProblem ForwardPlan::Attention(size_t n, const float* q, const float* k, const float* v,
+                                        float* attended) const {
+  AttentionProblem p = FloatSources(n, q, k, v);
   p.output = attended + AttendedOffset(n);
+  return p;
+}
+
+AttentionProblem ForwardPlan::Attention(size_t n, const float* q, const float* k, const float* v,
+                                        uint16_t* attended) const {
+  AttentionProblem p = FloatSources(n, q, k, v);
+  p.output_bf16 = attended + AttendedOffset(n);
+  p.bf16_products = true;
   return p;
 }
 

@@ -44,6 +44,9 @@ struct ForwardPlan {
   // the plan, which must outlive the problem.
   AttentionProblem Attention(size_t n, const float* q, const float* k, const float* v,
                              float* attended) const;
+  // The same with the attended rows rounded to bf16 into `attended` (bf16 products).
+  AttentionProblem Attention(size_t n, const float* q, const float* k, const float* v,
+                             uint16_t* attended) const;
   // The same over Q, K and V already rounded to bf16 (bf16 products; no weights), into
   // `attended` in bf16.
   AttentionProblem AttentionBf16(size_t n, const uint16_t* q, const uint16_t* k, const uint16_t* v,
@@ -52,6 +55,8 @@ struct ForwardPlan {
  private:
   // Input n's problem with its layouts, but no Q, K, V or output yet.
   AttentionProblem Shape(size_t n) const;
+  // The same reading float32 `q`, `k`, `v`.
+  AttentionProblem FloatSources(size_t n, const float* q, const float* k, const float* v) const;
   // Where input n's attended rows start in the batch's.
   int64_t AttendedOffset(size_t n) const;
 };

@@ -146,23 +146,28 @@ class CpuBf16Layer final : public PreparedLayer {
   // Q, K and V of `rows` bf16 tokens `x`: with fused weights one GEMM into `q` ([rows,
   // Q + K + V]; k and v unused), else three.
   void ProjectSelf(const uint16_t* x, int64_t rows, float* q, float* k, float* v) const;
-  // Whether the batch's Q, K and V can go to attention in bf16 as the projections write
-  // them, and its attended rows to the output projection as attention writes them (what
-  // the products would round them to): not where RoPE rotates float32 rows, weights are
-  // asked for (their long rows multiply in float32), a fused layer takes separate keys and
-  // values, or no output projection follows.
-  bool RunsInBf16(const ForwardPlan& plan, absl::Span<const MhaInput* const> inputs) const;
+  // Whether attended rows go to the output projection in bf16 as attention writes them
+  // (what the projection would round them to): where the host multiplies in bf16 and an
+  // output projection follows.
+  bool AttendsToBf16() const;
+  // Whether, besides, Q, K and V go to attention in bf16 as the projections write them
+  // (what its products would round them to): not where RoPE rotates float32 rows, weights
+  // are asked for (their long rows multiply in float32), or a fused layer takes separate
+  // keys and values.
+  bool ProjectsToBf16(const ForwardPlan& plan, absl::Span<const MhaInput* const> inputs) const;
   // Q, K and V of the planned inputs (x, or xk and xv for separate keys and values), in bf16,
   // attended into `attended` in bf16.
   std::vector<AttentionResult> ProjectAndAttendInBf16(const ForwardPlan& plan,
                                                       absl::Span<const MhaInput* const> inputs,
                                                       const uint16_t* x, const uint16_t* xk,
                                                       const uint16_t* xv, uint16_t* attended) const;
-  // The same in float32 rows, rounded by attention's bf16 products where the host has them.
+  // The same in float32 rows, rounded by attention's bf16 products where the host has them,
+  // into float32 `attended` or (AttendsToBf16) bf16 `attended_bf16`.
   std::vector<AttentionResult> ProjectAndAttend(const ForwardPlan& plan,
                                                 absl::Span<const MhaInput* const> inputs,
                                                 const uint16_t* x, const uint16_t* xk,
-                                                const uint16_t* xv, float* attended) const;
+                                                const uint16_t* xv, float* attended,
+                                                uint16_t* attended_bf16) const;
   // The output projection of `rows` attended float32 rows into `output`.
   void ProjectOutput(const float* attended, int64_t rows, float* output) const;
 
@@ -185,10 +190,11 @@ void CpuBf16Layer::ProjectSelf(const uint16_t* x, int64_t rows, float* q, float*
   v_->Forward(pool_, x, rows, w.v_bias, v);
 }
 
-bool CpuBf16Layer::RunsInBf16(const ForwardPlan& plan,
-                              absl::Span<const MhaInput* const> inputs) const {
-  const Bf16Linear& first = fused_qkv_.has_value() ? *fused_qkv_ : *q_;
-  if (!first.WritesBf16() || config_.rope_theta > 0.0 || !out_.has_value()) return false;
+bool CpuBf16Layer::AttendsToBf16() const { return out_.has_value() && out_->WritesBf16(); }
+
+bool CpuBf16Layer::ProjectsToBf16(const ForwardPlan& plan,
+                                  absl::Span<const MhaInput* const> inputs) const {
+  if (!AttendsToBf16() || config_.rope_theta > 0.0) return false;
   if (fused_qkv_.has_value() && !plan.fused_qkv) return false;
   return std::all_of(inputs.begin(), inputs.end(), [](const MhaInput* in) {
     return in->options.need_weights == NeedWeights::kNone;
@@ -275,10 +281,12 @@ absl::StatusOr<std::vector<AttentionResult>> CpuBf16Layer::ForwardBatch(
                                   : scratch.Get(ForwardScratch::kProjected, q_rows * c.output_dim);
   };
   std::vector<AttentionResult> results;
-  if (RunsInBf16(plan, inputs)) {
+  if (AttendsToBf16()) {
     uint16_t* attended =
         scratch.Get<uint16_t>(ForwardScratch::kRounded, q_rows * c.AttentionWidth());
-    results = ProjectAndAttendInBf16(plan, inputs, x, xk, xv, attended);
+    results = ProjectsToBf16(plan, inputs)
+                  ? ProjectAndAttendInBf16(plan, inputs, x, xk, xv, attended)
+                  : ProjectAndAttend(plan, inputs, x, xk, xv, nullptr, attended);
     // A lone caller that asked for bf16 gets it from the projection, with no float32 pass.
     if (inputs.size() == 1 && !inputs[0]->output_destination_bf16.empty()) {
       out_->Forward(pool_, attended, q_rows, weights_.out_bias,
@@ -288,7 +296,7 @@ absl::StatusOr<std::vector<AttentionResult>> CpuBf16Layer::ForwardBatch(
     out_->Forward(pool_, attended, q_rows, weights_.out_bias, output());
   } else {
     float* attended = scratch.Get(ForwardScratch::kAttended, q_rows * c.AttentionWidth());
-    results = ProjectAndAttend(plan, inputs, x, xk, xv, attended);
+    results = ProjectAndAttend(plan, inputs, x, xk, xv, attended, nullptr);
     ProjectOutput(attended, q_rows, output());
   }
   if (!project_to_destination) DeliverPlanned(plan, inputs, output(), c.output_dim, results);
@@ -297,7 +305,7 @@ absl::StatusOr<std::vector<AttentionResult>> CpuBf16Layer::ForwardBatch(
 
 std::vector<AttentionResult> CpuBf16Layer::ProjectAndAttend(
     const ForwardPlan& plan, absl::Span<const MhaInput* const> inputs, const uint16_t* x,
-    const uint16_t* xk, const uint16_t* xv, float* attended) const {
+    const uint16_t* xk, const uint16_t* xv, float* attended, uint16_t* attended_bf16) const {
   const MhaConfig& c = config_;
   const MhaWeightsView& w = weights_;
   const int64_t q_rows = plan.q_rows, kv_rows = plan.kv_rows;
@@ -335,7 +343,8 @@ std::vector<AttentionResult> CpuBf16Layer::ProjectAndAttend(
       project(xv, kv_rows, c.QWidth() + c.KWidth(), c.VWidth(), v);
     }
   }
-  RotatePlanned(c, plan, q, k);
+  RotatePlanned(c, plan, q, k, pool_);
+  if (attended_bf16 != nullptr) return AttendPlanned(plan, inputs, q, k, v, attended_bf16, pool_);
   return AttendPlanned(plan, inputs, q, k, v, attended, kernel_ == Bf16Kernel::kAvx512Bf16, pool_);
 }
 

@@ -128,7 +128,7 @@ absl::StatusOr<std::vector<AttentionResult>> CpuPreparedLayer::ForwardBatch(
     LinearForward(pool_, value_input, kv_rows, c.vdim, w.v_weight, w.v_bias, c.VWidth(), v,
                   v_panels_);
   }
-  RotatePlanned(c, plan, q, k);
+  RotatePlanned(c, plan, q, k, pool_);
   float* attended = scratch.Get(ForwardScratch::kAttended, q_rows * c.AttentionWidth());
   std::vector<AttentionResult> results =
       AttendPlanned(plan, inputs, q, k, v, attended, /*bf16_products=*/false, pool_);
@@ -180,33 +180,76 @@ absl::Status CpuPreparedLayer::ProjectDecodeOutput(const float* attended, int64_
 
 }  // namespace
 
+namespace {
+
+// cos and sin of each rotary angle of `positions` (rows of head_dim / 2 floats).
+struct RotaryAngles {
+  std::vector<float> cos, sin;
+
+  RotaryAngles(absl::Span<const int64_t> positions, int64_t head_dim, double base,
+               const RopeScaling& scaling) {
+    const int64_t half = head_dim / 2;
+    std::vector<double> inverse_frequency(half);
+    for (int64_t c = 0; c < half; ++c) {
+      inverse_frequency[c] = RotaryInverseFrequency(c, head_dim, base, scaling);
+    }
+    cos.resize(positions.size() * half);
+    sin.resize(positions.size() * half);
+    for (size_t p = 0; p < positions.size(); ++p) {
+      const auto position = static_cast<double>(positions[p]);
+      for (int64_t c = 0; c < half; ++c) {
+        cos[p * half + c] = static_cast<float>(std::cos(position * inverse_frequency[c]));
+        sin[p * half + c] = static_cast<float>(std::sin(position * inverse_frequency[c]));
+      }
+    }
+  }
+};
+
+// One row's heads rotated by the angles of row `angle_row` of `angles`: the inner loop
+// runs along a head's contiguous channels, so it vectorizes.
+void RotateRow(float* row, int64_t heads, int64_t head_dim, const RotaryAngles& angles,
+               int64_t angle_row) {
+  const int64_t half = head_dim / 2;
+  const float* cos_a = angles.cos.data() + angle_row * half;
+  const float* sin_a = angles.sin.data() + angle_row * half;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* x = row + h * head_dim;
+    for (int64_t c = 0; c < half; ++c) {
+      const float x1 = x[c], x2 = x[c + half];
+      x[c] = x1 * cos_a[c] - x2 * sin_a[c];
+      x[c + half] = x2 * cos_a[c] + x1 * sin_a[c];
+    }
+  }
+}
+
+}  // namespace
+
 void ApplyRotary(float* data, int64_t rows, int64_t seq_len, int64_t heads, int64_t head_dim,
-                 double base, int64_t row_stride, const RopeScaling& scaling) {
-  std::vector<int64_t> positions(rows);
-  for (int64_t r = 0; r < rows; ++r) positions[r] = r % seq_len;
-  ApplyRotaryAt(data, positions, heads, head_dim, base, row_stride, scaling);
+                 double base, int64_t row_stride, const RopeScaling& scaling, ThreadPool* pool) {
+  // Every sequence of the batch takes the same positions: their angles once.
+  std::vector<int64_t> positions(std::min(rows, seq_len));
+  for (size_t p = 0; p < positions.size(); ++p) positions[p] = static_cast<int64_t>(p);
+  const RotaryAngles angles(positions, head_dim, base, scaling);
+  constexpr int64_t kRowsPerTask = 256;
+  const int64_t tasks = (rows + kRowsPerTask - 1) / kRowsPerTask;
+  const auto rotate = [&](int64_t task) {
+    const int64_t end = std::min(rows, (task + 1) * kRowsPerTask);
+    for (int64_t r = task * kRowsPerTask; r < end; ++r) {
+      RotateRow(data + r * row_stride, heads, head_dim, angles, r % seq_len);
+    }
+  };
+  if (pool != nullptr && tasks > 1) {
+    pool->ParallelFor(tasks, rotate);
+  } else {
+    for (int64_t task = 0; task < tasks; ++task) rotate(task);
+  }
 }
 
 void ApplyRotaryAt(float* data, absl::Span<const int64_t> positions, int64_t heads,
                    int64_t head_dim, double base, int64_t row_stride, const RopeScaling& scaling) {
-  const auto rows = static_cast<int64_t>(positions.size());
-  const int64_t half = head_dim / 2;
-  std::vector<double> inverse_frequency(half);
-  for (int64_t c = 0; c < half; ++c) {
-    inverse_frequency[c] = RotaryInverseFrequency(c, head_dim, base, scaling);
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    const auto position = static_cast<double>(positions[r]);
-    for (int64_t c = 0; c < half; ++c) {
-      const float cos_a = static_cast<float>(std::cos(position * inverse_frequency[c]));
-      const float sin_a = static_cast<float>(std::sin(position * inverse_frequency[c]));
-      for (int64_t h = 0; h < heads; ++h) {
-        float* x = data + r * row_stride + h * head_dim;
-        const float x1 = x[c], x2 = x[c + half];
-        x[c] = x1 * cos_a - x2 * sin_a;
-        x[c + half] = x2 * cos_a + x1 * sin_a;
-      }
-    }
+  const RotaryAngles angles(positions, head_dim, base, scaling);
+  for (size_t r = 0; r < positions.size(); ++r) {
+    RotateRow(data + r * row_stride, heads, head_dim, angles, static_cast<int64_t>(r));
   }
 }
 

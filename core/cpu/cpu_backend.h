@@ -55,8 +55,10 @@ class CpuBackend final : public Backend {
 // Rotary position embedding, rotate-half layout (Hugging Face Llama), in place on `rows`
 // rows (`row_stride` floats apart) of `heads` heads of width dk; row r is at sequence
 // position r % seq_len. `base` comes from RotaryBase (theta unless scaling is dynamic).
+// With a `pool`, rows are rotated on its threads.
 void ApplyRotary(float* data, int64_t rows, int64_t seq_len, int64_t heads, int64_t head_dim,
-                 double base, int64_t row_stride, const RopeScaling& scaling = {});
+                 double base, int64_t row_stride, const RopeScaling& scaling = {},
+                 ThreadPool* pool = nullptr);
 // The same with row r at absolute position positions[r] (a session's new tokens).
 void ApplyRotaryAt(float* data, absl::Span<const int64_t> positions, int64_t heads,
                    int64_t head_dim, double base, int64_t row_stride,

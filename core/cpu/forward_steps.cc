@@ -8,13 +8,14 @@
 
 namespace attention::core {
 
-void RotatePlanned(const MhaConfig& c, const ForwardPlan& plan, float* q, float* k) {
+void RotatePlanned(const MhaConfig& c, const ForwardPlan& plan, float* q, float* k,
+                   ThreadPool& pool) {
   if (c.rope_theta <= 0.0) return;
   for (const ForwardPlan::Input& in : plan.inputs) {
     ApplyRotary(q + in.q_row * plan.q_stride, in.q_rows(), in.dims.q_len, c.num_heads, c.head_dim,
-                in.rotary_base, plan.q_stride, c.rope_scaling);
+                in.rotary_base, plan.q_stride, c.rope_scaling, &pool);
     ApplyRotary(k + in.kv_row * plan.k_stride, in.kv_rows(), in.dims.kv_len, c.num_kv_heads,
-                c.head_dim, in.rotary_base, plan.k_stride, c.rope_scaling);
+                c.head_dim, in.rotary_base, plan.k_stride, c.rope_scaling, &pool);
   }
 }
 
@@ -50,6 +51,15 @@ std::vector<AttentionResult> AttendPlanned(const ForwardPlan& plan,
     problems[n] = plan.Attention(n, q, k, v, attended);
     problems[n].bf16_products = bf16_products;
   }
+  return Attend(inputs, problems, pool);
+}
+
+std::vector<AttentionResult> AttendPlanned(const ForwardPlan& plan,
+                                           absl::Span<const MhaInput* const> inputs, const float* q,
+                                           const float* k, const float* v, uint16_t* attended,
+                                           ThreadPool& pool) {
+  std::vector<AttentionProblem> problems(inputs.size());
+  for (size_t n = 0; n < inputs.size(); ++n) problems[n] = plan.Attention(n, q, k, v, attended);
   return Attend(inputs, problems, pool);
 }
 

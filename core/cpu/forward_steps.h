@@ -14,8 +14,9 @@
 namespace attention::core {
 
 // RoPE on every planned input's projected Q and K rows (at the plan's strides, each input
-// with its own base), in place; nothing without RoPE.
-void RotatePlanned(const MhaConfig& config, const ForwardPlan& plan, float* q, float* k);
+// with its own base), in place, on the pool's threads; nothing without RoPE.
+void RotatePlanned(const MhaConfig& config, const ForwardPlan& plan, float* q, float* k,
+                   ThreadPool& pool);
 
 // Every planned input's attention over projected `q`, `k`, `v` into `attended` ([q_rows,
 // H * dv]), scores and values multiplied in bf16 with `bf16_products`. One result per input,
@@ -24,6 +25,11 @@ std::vector<AttentionResult> AttendPlanned(const ForwardPlan& plan,
                                            absl::Span<const MhaInput* const> inputs, const float* q,
                                            const float* k, const float* v, float* attended,
                                            bool bf16_products, ThreadPool& pool);
+// The same with bf16 products, the attended rows rounded to bf16 into `attended`.
+std::vector<AttentionResult> AttendPlanned(const ForwardPlan& plan,
+                                           absl::Span<const MhaInput* const> inputs, const float* q,
+                                           const float* k, const float* v, uint16_t* attended,
+                                           ThreadPool& pool);
 // The same over Q, K and V already rounded to bf16 (bf16 products), into `attended` in
 // bf16, for inputs that ask for no attention weights.
 std::vector<AttentionResult> AttendPlannedBf16(const ForwardPlan& plan,

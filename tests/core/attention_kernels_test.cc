@@ -207,6 +207,14 @@ TEST(AttentionCpuTest, Bf16SourcesGiveTheBitsOfFloat32RowsRoundedInTheKernel) {
     problem.output_bf16 = answered_bf16.data();
     AttentionBlockedCpu({&problem, 1}, pool);
     ASSERT_EQ(answered_bf16, rounded(from_float32));
+    // And from float32 rows (a RoPE layer's, rotated in float32), answered in bf16.
+    std::fill(answered_bf16.begin(), answered_bf16.end(), uint16_t{0x7777});
+    problem.query_bf16 = problem.key_bf16 = problem.value_bf16 = nullptr;
+    problem.query = q.data();
+    problem.key = k.data();
+    problem.value = v.data();
+    AttentionBlockedCpu({&problem, 1}, pool);
+    ASSERT_EQ(answered_bf16, rounded(from_float32));
   }
 }
 

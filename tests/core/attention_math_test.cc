@@ -135,6 +135,31 @@ TEST(RotaryAngleTest, MatchesTheCpuRotation) {
       EXPECT_EQ(rotated[r * 8 + c + 4], x2 * cos_a + x1 * sin_a) << r << " " << c;
     }
   }
+  // A batch: 3 sequences of 300 positions, 3 heads of dk = 16 in padded rows, on 2 threads
+  // (rows in tasks of 256, angles computed once per position): still exactly by hand.
+  constexpr int64_t kRows = 900, kSeqLen = 300, kHeads = 3, kDk = 16, kStride = 50;
+  std::vector<float> batch(kRows * kStride);
+  for (size_t e = 0; e < batch.size(); ++e) batch[e] = std::sin(0.37f * static_cast<float>(e));
+  std::vector<float> batch_rotated = batch;
+  ThreadPool pool(2);
+  ApplyRotary(batch_rotated.data(), kRows, kSeqLen, kHeads, kDk, 500.0, kStride, RopeScaling{},
+              &pool);
+  for (int64_t r = 0; r < kRows; ++r) {
+    for (int64_t h = 0; h < kHeads; ++h) {
+      for (int64_t c = 0; c < kDk / 2; ++c) {
+        float cos_a, sin_a;
+        RotaryAngle(r % kSeqLen, c, kDk, 500.0, RopeScaling{}, &cos_a, &sin_a);
+        const int64_t at = r * kStride + h * kDk + c;
+        const float x1 = batch[at], x2 = batch[at + kDk / 2];
+        ASSERT_EQ(batch_rotated[at], x1 * cos_a - x2 * sin_a) << r << " " << h << " " << c;
+        ASSERT_EQ(batch_rotated[at + kDk / 2], x2 * cos_a + x1 * sin_a)
+            << r << " " << h << " " << c;
+      }
+    }
+    for (int64_t e = kHeads * kDk; e < kStride; ++e) {
+      ASSERT_EQ(batch_rotated[r * kStride + e], batch[r * kStride + e]) << "padding touched";
+    }
+  }
 }
 
 TEST(RotaryScalingTest, Llama3KeepsHighFrequenciesDividesLowOnesAndRampsBetween) {
