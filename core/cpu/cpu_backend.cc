@@ -180,38 +180,41 @@ absl::Status CpuPreparedLayer::ProjectDecodeOutput(const float* attended, int64_
 
 }  // namespace
 
-namespace {
-
-// cos and sin of each rotary angle of `positions` (rows of head_dim / 2 floats).
-struct RotaryAngles {
-  std::vector<float> cos, sin;
-
-  RotaryAngles(absl::Span<const int64_t> positions, int64_t head_dim, double base,
-               const RopeScaling& scaling) {
-    const int64_t half = head_dim / 2;
-    std::vector<double> inverse_frequency(half);
+RotaryAngles::RotaryAngles(absl::Span<const int64_t> positions, int64_t head_dim, double base,
+                           const RopeScaling& scaling)
+    : base_(base), positions_(static_cast<int64_t>(positions.size())) {
+  const int64_t half = head_dim / 2;
+  std::vector<double> inverse_frequency(half);
+  for (int64_t c = 0; c < half; ++c) {
+    inverse_frequency[c] = RotaryInverseFrequency(c, head_dim, base, scaling);
+  }
+  cos_.resize(positions.size() * half);
+  sin_.resize(positions.size() * half);
+  for (size_t p = 0; p < positions.size(); ++p) {
+    const auto position = static_cast<double>(positions[p]);
     for (int64_t c = 0; c < half; ++c) {
-      inverse_frequency[c] = RotaryInverseFrequency(c, head_dim, base, scaling);
-    }
-    cos.resize(positions.size() * half);
-    sin.resize(positions.size() * half);
-    for (size_t p = 0; p < positions.size(); ++p) {
-      const auto position = static_cast<double>(positions[p]);
-      for (int64_t c = 0; c < half; ++c) {
-        cos[p * half + c] = static_cast<float>(std::cos(position * inverse_frequency[c]));
-        sin[p * half + c] = static_cast<float>(std::sin(position * inverse_frequency[c]));
-      }
+      cos_[p * half + c] = static_cast<float>(std::cos(position * inverse_frequency[c]));
+      sin_[p * half + c] = static_cast<float>(std::sin(position * inverse_frequency[c]));
     }
   }
-};
+}
+
+RotaryAngles RotaryAngles::FirstPositions(int64_t count, int64_t head_dim, double base,
+                                          const RopeScaling& scaling) {
+  std::vector<int64_t> positions(count);
+  for (int64_t p = 0; p < count; ++p) positions[p] = p;
+  return RotaryAngles(positions, head_dim, base, scaling);
+}
+
+namespace {
 
 // One row's heads rotated by the angles of row `angle_row` of `angles`: the inner loop
 // runs along a head's contiguous channels, so it vectorizes.
 void RotateRow(float* row, int64_t heads, int64_t head_dim, const RotaryAngles& angles,
                int64_t angle_row) {
   const int64_t half = head_dim / 2;
-  const float* cos_a = angles.cos.data() + angle_row * half;
-  const float* sin_a = angles.sin.data() + angle_row * half;
+  const float* cos_a = angles.cos(angle_row, half);
+  const float* sin_a = angles.sin(angle_row, half);
   for (int64_t h = 0; h < heads; ++h) {
     float* x = row + h * head_dim;
     for (int64_t c = 0; c < half; ++c) {
@@ -225,11 +228,14 @@ void RotateRow(float* row, int64_t heads, int64_t head_dim, const RotaryAngles& 
 }  // namespace
 
 void ApplyRotary(float* data, int64_t rows, int64_t seq_len, int64_t heads, int64_t head_dim,
-                 double base, int64_t row_stride, const RopeScaling& scaling, ThreadPool* pool) {
-  // Every sequence of the batch takes the same positions: their angles once.
-  std::vector<int64_t> positions(std::min(rows, seq_len));
-  for (size_t p = 0; p < positions.size(); ++p) positions[p] = static_cast<int64_t>(p);
-  const RotaryAngles angles(positions, head_dim, base, scaling);
+                 double base, int64_t row_stride, const RopeScaling& scaling) {
+  ApplyRotary(data, rows, seq_len, heads, head_dim,
+              RotaryAngles::FirstPositions(std::min(rows, seq_len), head_dim, base, scaling),
+              row_stride, nullptr);
+}
+
+void ApplyRotary(float* data, int64_t rows, int64_t seq_len, int64_t heads, int64_t head_dim,
+                 const RotaryAngles& angles, int64_t row_stride, ThreadPool* pool) {
   constexpr int64_t kRowsPerTask = 256;
   const int64_t tasks = (rows + kRowsPerTask - 1) / kRowsPerTask;
   const auto rotate = [&](int64_t task) {

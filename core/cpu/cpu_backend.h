@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/backend.h"
 #include "core/cpu/gemm_bf16.h"
@@ -52,13 +53,35 @@ class CpuBackend final : public Backend {
   const Bf16Kernel bf16_kernel_;
 };
 
+// cos and sin of the rotary angles of a list of positions, each row head_dim / 2 channels.
+class RotaryAngles {
+ public:
+  RotaryAngles(absl::Span<const int64_t> positions, int64_t head_dim, double base,
+               const RopeScaling& scaling);
+  // Positions 0 .. count - 1: what every sequence of a batch starts from.
+  static RotaryAngles FirstPositions(int64_t count, int64_t head_dim, double base,
+                                     const RopeScaling& scaling);
+
+  const float* cos(int64_t row, int64_t half) const { return cos_.data() + row * half; }
+  const float* sin(int64_t row, int64_t half) const { return sin_.data() + row * half; }
+  double base() const { return base_; }
+  int64_t positions() const { return positions_; }
+
+ private:
+  double base_;
+  int64_t positions_;
+  std::vector<float> cos_, sin_;
+};
+
 // Rotary position embedding, rotate-half layout (Hugging Face Llama), in place on `rows`
 // rows (`row_stride` floats apart) of `heads` heads of width dk; row r is at sequence
 // position r % seq_len. `base` comes from RotaryBase (theta unless scaling is dynamic).
-// With a `pool`, rows are rotated on its threads.
 void ApplyRotary(float* data, int64_t rows, int64_t seq_len, int64_t heads, int64_t head_dim,
-                 double base, int64_t row_stride, const RopeScaling& scaling = {},
-                 ThreadPool* pool = nullptr);
+                 double base, int64_t row_stride, const RopeScaling& scaling = {});
+// The same with the angles of positions 0 .. seq_len - 1 (at least) given, and with a
+// `pool`, rows rotated on its threads.
+void ApplyRotary(float* data, int64_t rows, int64_t seq_len, int64_t heads, int64_t head_dim,
+                 const RotaryAngles& angles, int64_t row_stride, ThreadPool* pool);
 // The same with row r at absolute position positions[r] (a session's new tokens).
 void ApplyRotaryAt(float* data, absl::Span<const int64_t> positions, int64_t heads,
                    int64_t head_dim, double base, int64_t row_stride,

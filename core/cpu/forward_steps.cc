@@ -1,6 +1,7 @@
 #include "core/cpu/forward_steps.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "core/attention_kernels.h"
 #include "core/cpu/attention_cpu.h"
@@ -11,11 +12,24 @@ namespace attention::core {
 void RotatePlanned(const MhaConfig& c, const ForwardPlan& plan, float* q, float* k,
                    ThreadPool& pool) {
   if (c.rope_theta <= 0.0) return;
+  // Inputs of one base share the angles of the longest (sincos costs as much as rotating).
+  std::optional<RotaryAngles> angles;
   for (const ForwardPlan::Input& in : plan.inputs) {
+    const int64_t positions = std::max(in.dims.q_len, in.dims.kv_len);
+    if (!angles.has_value() || angles->base() != in.rotary_base ||
+        angles->positions() < positions) {
+      int64_t longest = positions;
+      for (const ForwardPlan::Input& other : plan.inputs) {
+        if (other.rotary_base == in.rotary_base) {
+          longest = std::max({longest, other.dims.q_len, other.dims.kv_len});
+        }
+      }
+      angles = RotaryAngles::FirstPositions(longest, c.head_dim, in.rotary_base, c.rope_scaling);
+    }
     ApplyRotary(q + in.q_row * plan.q_stride, in.q_rows(), in.dims.q_len, c.num_heads, c.head_dim,
-                in.rotary_base, plan.q_stride, c.rope_scaling, &pool);
+                *angles, plan.q_stride, &pool);
     ApplyRotary(k + in.kv_row * plan.k_stride, in.kv_rows(), in.dims.kv_len, c.num_kv_heads,
-                c.head_dim, in.rotary_base, plan.k_stride, c.rope_scaling, &pool);
+                c.head_dim, *angles, plan.k_stride, &pool);
   }
 }
 

@@ -136,14 +136,14 @@ TEST(RotaryAngleTest, MatchesTheCpuRotation) {
     }
   }
   // A batch: 3 sequences of 300 positions, 3 heads of dk = 16 in padded rows, on 2 threads
-  // (rows in tasks of 256, angles computed once per position): still exactly by hand.
+  // (rows in tasks of 256, angles computed once for the batch): still exactly by hand.
   constexpr int64_t kRows = 900, kSeqLen = 300, kHeads = 3, kDk = 16, kStride = 50;
   std::vector<float> batch(kRows * kStride);
   for (size_t e = 0; e < batch.size(); ++e) batch[e] = std::sin(0.37f * static_cast<float>(e));
   std::vector<float> batch_rotated = batch;
   ThreadPool pool(2);
-  ApplyRotary(batch_rotated.data(), kRows, kSeqLen, kHeads, kDk, 500.0, kStride, RopeScaling{},
-              &pool);
+  ApplyRotary(batch_rotated.data(), kRows, kSeqLen, kHeads, kDk,
+              RotaryAngles::FirstPositions(kSeqLen, kDk, 500.0, RopeScaling{}), kStride, &pool);
   for (int64_t r = 0; r < kRows; ++r) {
     for (int64_t h = 0; h < kHeads; ++h) {
       for (int64_t c = 0; c < kDk / 2; ++c) {
