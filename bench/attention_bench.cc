@@ -152,7 +152,8 @@ BENCHMARK(BM_Linear)
 // `compute` is the layer's compute_dtype.
 void RunMha(benchmark::State& state, const std::vector<int64_t>& lengths, int64_t embed_dim,
             int64_t heads, bool causal, int threads, absl::Duration idle_gap = absl::ZeroDuration(),
-            DType compute = DType::kFloat32, double rope_theta = 0.0) {
+            DType compute = DType::kFloat32, double rope_theta = 0.0,
+            Bf16Kernel bf16_kernel = BestBf16Kernel()) {
   MhaConfig config;
   config.embed_dim = embed_dim;
   config.num_heads = heads;
@@ -160,7 +161,7 @@ void RunMha(benchmark::State& state, const std::vector<int64_t>& lengths, int64_
   config.rope_theta = rope_theta;
   const MhaConfig resolved = *MhaConfig::Resolve(config);
   auto layer = *MhaLayer::Create(resolved, MhaWeights::Random(resolved, 7),
-                                 std::make_shared<CpuBackend>(threads));
+                                 std::make_shared<CpuBackend>(threads, bf16_kernel));
   std::vector<std::vector<float>> queries;
   std::vector<MhaInput> inputs(lengths.size());
   double flops = 0;
@@ -198,6 +199,21 @@ void RunMhaBf16(benchmark::State& s, const std::vector<int64_t>& lengths) {
 void BM_MhaBf16S1(benchmark::State& s) { RunMhaBf16(s, std::vector<int64_t>(32, 128)); }
 void BM_MhaBf16S2(benchmark::State& s) { RunMhaBf16(s, std::vector<int64_t>(8, 512)); }
 void BM_MhaBf16S4(benchmark::State& s) { RunMhaBf16(s, std::vector<int64_t>(256, 16)); }
+// The same shapes on the float32 fallback of hosts without bf16 instructions (forced here):
+// issue 26 asks for >= 0.95 x the float32 layer.
+void RunMhaBf16Fallback(benchmark::State& s, const std::vector<int64_t>& lengths) {
+  RunMha(s, lengths, 768, 12, false, s.range(0), absl::ZeroDuration(), DType::kBFloat16, 0.0,
+         Bf16Kernel::kPortable);
+}
+void BM_MhaBf16FallbackS1(benchmark::State& s) {
+  RunMhaBf16Fallback(s, std::vector<int64_t>(32, 128));
+}
+void BM_MhaBf16FallbackS2(benchmark::State& s) {
+  RunMhaBf16Fallback(s, std::vector<int64_t>(8, 512));
+}
+void BM_MhaBf16FallbackS4(benchmark::State& s) {
+  RunMhaBf16Fallback(s, std::vector<int64_t>(256, 16));
+}
 // S2 on a bf16 layer with RoPE (a Llama-style layer: Q and K rotated in float32).
 void BM_MhaBf16RopeS2(benchmark::State& s) {
   RunMha(s, std::vector<int64_t>(8, 512), 768, 12, false, s.range(0), absl::ZeroDuration(),
@@ -222,6 +238,21 @@ BENCHMARK(BM_MhaBf16S4)
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MhaBf16RopeS2)
+    ->ArgName("threads")
+    ->Arg(2)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_MhaBf16FallbackS1)
+    ->ArgName("threads")
+    ->Arg(2)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_MhaBf16FallbackS2)
+    ->ArgName("threads")
+    ->Arg(2)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_MhaBf16FallbackS4)
     ->ArgName("threads")
     ->Arg(2)
     ->UseRealTime()

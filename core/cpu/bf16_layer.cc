@@ -15,6 +15,7 @@
 #include "core/cpu/gemm.h"
 #include "core/dtype.h"
 #include "core/forward_plan.h"
+#include "core/half_bits.h"
 
 namespace attention::core {
 namespace {
@@ -47,7 +48,8 @@ class Bf16Linear {
     }
     thread_local std::vector<float> widened;
     widened.resize(rows * in_features_);
-    for (int64_t i = 0; i < rows * in_features_; ++i) widened[i] = BFloat16ToFloat(x[i]);
+    // Inline bit shifts, which vectorize: the fallback widens every call's tokens.
+    for (int64_t i = 0; i < rows * in_features_; ++i) widened[i] = BFloat16BitsToFloat(x[i]);
     // Always the packed microkernel: the layer holds no float32 weights for OpenBLAS.
     LinearForward(pool, widened.data(), rows, in_features_, {}, bias, out_features_, y,
                   widened_->panels(), BestSimdLevel(), std::numeric_limits<int64_t>::max());
