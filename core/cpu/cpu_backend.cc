@@ -182,7 +182,7 @@ absl::Status CpuPreparedLayer::ProjectDecodeOutput(const float* attended, int64_
 
 RotaryAngles::RotaryAngles(absl::Span<const int64_t> positions, int64_t head_dim, double base,
                            const RopeScaling& scaling)
-    : base_(base), positions_(static_cast<int64_t>(positions.size())) {
+    : base_(base) {
   const int64_t half = head_dim / 2;
   std::vector<double> inverse_frequency(half);
   for (int64_t c = 0; c < half; ++c) {

@@ -65,11 +65,9 @@ class RotaryAngles {
   const float* cos(int64_t row, int64_t half) const { return cos_.data() + row * half; }
   const float* sin(int64_t row, int64_t half) const { return sin_.data() + row * half; }
   double base() const { return base_; }
-  int64_t positions() const { return positions_; }
 
  private:
   double base_;
-  int64_t positions_;
   std::vector<float> cos_, sin_;
 };
 

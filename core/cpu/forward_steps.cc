@@ -12,18 +12,15 @@ namespace attention::core {
 void RotatePlanned(const MhaConfig& c, const ForwardPlan& plan, float* q, float* k,
                    ThreadPool& pool) {
   if (c.rope_theta <= 0.0) return;
-  // Inputs of one base share the angles of the longest (sincos costs as much as rotating).
+  // One table of angles, as long as the longest input, for every input of its base (sincos
+  // costs as much as rotating); rebuilt only where dynamic scaling changes the base.
+  int64_t longest = 0;
+  for (const ForwardPlan::Input& in : plan.inputs) {
+    longest = std::max({longest, in.dims.q_len, in.dims.kv_len});
+  }
   std::optional<RotaryAngles> angles;
   for (const ForwardPlan::Input& in : plan.inputs) {
-    const int64_t positions = std::max(in.dims.q_len, in.dims.kv_len);
-    if (!angles.has_value() || angles->base() != in.rotary_base ||
-        angles->positions() < positions) {
-      int64_t longest = positions;
-      for (const ForwardPlan::Input& other : plan.inputs) {
-        if (other.rotary_base == in.rotary_base) {
-          longest = std::max({longest, other.dims.q_len, other.dims.kv_len});
-        }
-      }
+    if (!angles.has_value() || angles->base() != in.rotary_base) {
       angles = RotaryAngles::FirstPositions(longest, c.head_dim, in.rotary_base, c.rope_scaling);
     }
     ApplyRotary(q + in.q_row * plan.q_stride, in.q_rows(), in.dims.q_len, c.num_heads, c.head_dim,
