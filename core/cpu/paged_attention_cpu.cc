@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -297,14 +298,27 @@ struct KvChunk {
 // bfloat16 load widens to its even elements, then its odd ones (a shift and a mask, since
 // bfloat16 is float32's upper half), so queries and accumulators are kept in that order.
 template <bool kBFloat16>
-PAGED_AVX512_INLINE void LoadKvChunk(const char* row, int64_t column, int64_t dim, __m512* out) {
+struct KvChunkMask {
+  using Type = std::conditional_t<kBFloat16, __mmask32, __mmask16>;
+};
+template <bool kBFloat16>
+PAGED_AVX512_INLINE typename KvChunkMask<kBFloat16>::Type ChunkMask(int64_t column, int64_t dim) {
   if constexpr (kBFloat16) {
-    const __m512i raw = _mm512_maskz_loadu_epi16(FirstLanes32(dim - column), row + 2 * column);
+    return FirstLanes32(dim - column);
+  } else {
+    return FirstLanes16(dim - column);
+  }
+}
+template <bool kBFloat16>
+PAGED_AVX512_INLINE void LoadKvChunk(const char* row, int64_t column,
+                                     typename KvChunkMask<kBFloat16>::Type mask, __m512* out) {
+  if constexpr (kBFloat16) {
+    const __m512i raw = _mm512_maskz_loadu_epi16(mask, row + 2 * column);
     out[0] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
     out[1] = _mm512_castsi512_ps(
         _mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u))));
   } else {
-    out[0] = _mm512_maskz_loadu_ps(FirstLanes16(dim - column), row + 4 * column);
+    out[0] = _mm512_maskz_loadu_ps(mask, row + 4 * column);
   }
 }
 
@@ -375,10 +389,11 @@ PAGED_AVX512_INLINE void ScoreTile(const float* queries, int64_t query_stride,
     __m512 dots[kLanes];
     for (__m512& dot : dots) dot = _mm512_setzero_ps();
     for (int64_t c = 0; c < dim; c += Chunk::kElements) {
+      const auto mask = ChunkMask<kBFloat16>(c, dim);
 #pragma GCC unroll 16
       for (int k = 0; k < kKeysPerTree; ++k) {
         __m512 key[Chunk::kRegisters];
-        LoadKvChunk<kBFloat16>(keys[t * kKeysPerTree + k], c, dim, key);
+        LoadKvChunk<kBFloat16>(keys[t * kKeysPerTree + k], c, mask, key);
         if constexpr (kPrefetch) {
           __builtin_prefetch(prefetch_rows[t * kKeysPerTree + k] + c * (kBFloat16 ? 2 : 4), 0, 3);
           __builtin_prefetch(far_rows[t * kKeysPerTree + k] + c * (kBFloat16 ? 2 : 4), 0, 2);
@@ -433,10 +448,12 @@ PAGED_AVX512_INLINE void AccumulateChunk(float* accumulators, int64_t accumulato
             _mm512_loadu_ps(accumulators + r * accumulator_stride + c + 16 * v), correction);
       }
     }
+    typename KvChunkMask<kBFloat16>::Type masks[kLoads];  // the pass's columns, past `dim` zero
+    for (int l = 0; l < kLoads; ++l) masks[l] = ChunkMask<kBFloat16>(c + l * Chunk::kElements, dim);
     for (int64_t j = lo; j < hi; ++j) {
       __m512 value[4];
       for (int l = 0; l < kLoads; ++l) {
-        LoadKvChunk<kBFloat16>(values[j], c + l * Chunk::kElements, dim,
+        LoadKvChunk<kBFloat16>(values[j], c + l * Chunk::kElements, masks[l],
                                value + l * Chunk::kRegisters);
         if constexpr (kPrefetch) {
           __builtin_prefetch(prefetch_rows[j] + (c + l * Chunk::kElements) * (kBFloat16 ? 2 : 4), 0,
