@@ -7,7 +7,7 @@ generating locally.
     build/hf-venv/bin/python client/examples/hf_generate.py --target localhost:50051
     build/hf-venv/bin/python client/examples/hf_generate.py --model PATH --prompt "Hello"
 
-Needs transformers >= 5.23 and torch (build/hf-venv has them: scripts/hf-test-deps).
+Needs transformers >= 4.57 and torch (build/hf-venv has them: scripts/hf-test-deps).
 """
 import copy
 

@@ -17,7 +17,9 @@ random-initialised float32 decoders (2 layers, hidden 64), the same weights in a
 2. Continuing from a cache and from its fork (ServiceCache.fork), on two different next
    tokens: each gives the tokens local generate() gives from the same prefix.
 3. Rolling back with crop (TruncateSession) and generating again: the sessions hold the
-   kept tokens, and the tokens match local generation from that prefix.
+   kept tokens, and the tokens match local generation from that prefix. crop takes what the
+   installed transformers' caches take: a negative count, or also a length to keep (4.57,
+   5.0), where newer releases refuse one.
 4. Right padding (which the sessions cannot reproduce) raises ValueError; a forward
    without a ServiceCache raises; a sliding-window model whose sessions come back without
    the window (as from an older server) raises NotImplementedError; closed caches leave no
@@ -208,7 +210,17 @@ class Generations:
         with self.cache(served) as cache:
             full = greedy(served, ids, mask, NEW_TOKENS, cache=cache).sequences
             keep = ids.shape[1] + 10  # slots: the padded prompt and 10 generated tokens
-            cache.crop(keep - cache.get_seq_length())
+            length = cache.get_seq_length()
+            if hf.CROP_KEEPS_POSITIVE:  # this transformers' caches: crop(n > 0) keeps n slots
+                cache.crop(length + 5)  # longer than the cache: nothing to remove
+                self.t.check(cache.get_seq_length() == length,
+                             "crop(%d) of %d slots changed them to %d"
+                             % (length + 5, length, cache.get_seq_length()))
+                cache.crop(keep)
+            else:
+                expect_raise(self.t, "crop of a positive count", ValueError,
+                             lambda: cache.crop(keep))
+                cache.crop(keep - length)
             lengths = [self.client.get_session(s).length for s in cache.groups[0].sessions]
             self.t.check(lengths == [4 + 10, 10 + 10] and cache.get_seq_length() == keep,
                          "after crop the sessions hold %s tokens and the cache %d slots, want "

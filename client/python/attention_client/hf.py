@@ -24,14 +24,16 @@ stay on the client as bookkeeping and their query rows get zeros. Before a forwa
 its 4D mask is compared with what the sessions will compute; a mask they cannot reproduce
 (right padding, a custom 4D mask) raises ValueError instead of answering differently.
 
-Supported: transformers >= 5.23, < 6 (SUPPORTED_TRANSFORMERS; tested at both ends released,
-5.23.0 and 5.24.0; earlier releases pass cache_position to the cache and size masks by it),
-PyTorch 2.x. Not supported: attention dropout
-(training), output_attentions (no weights come back), layers with different head shapes or
-softmax scales in one model, chunked attention, sliding-window layers on a server without
-SessionConfig.sliding_window (refused), torch.compile (the cache is not compileable).
+Supported: transformers >= 4.57, < 6 (SUPPORTED_TRANSFORMERS; tested at both ends released,
+4.57.6 and 5.24.0, and at 5.0.0 and 5.23.0), PyTorch 2.x. (Older releases in the range size
+masks by the forward's cache_position and take crop(n > 0) as a length to keep; both are
+handled.) Not supported: attention dropout (training), output_attentions (no weights come
+back), layers with different head shapes or softmax scales in one model, chunked attention,
+sliding-window layers on a server without SessionConfig.sliding_window (refused),
+torch.compile (the cache is not compileable).
 """
 
+import inspect
 import threading
 
 import numpy as np
@@ -39,11 +41,13 @@ import torch
 import transformers
 from packaging.version import Version
 from transformers import AttentionInterface
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTENTION = "attention_service"
-SUPPORTED_TRANSFORMERS = (Version("5.23"), Version("6"))  # [low, high)
+SUPPORTED_TRANSFORMERS = (Version("4.57"), Version("6"))  # [low, high)
+# Older releases' caches take crop(n > 0) as the length to keep (4.57 and 5.0 do, 5.22 raises).
+CROP_KEEPS_POSITIVE = "max_length" in inspect.signature(DynamicLayer.crop).parameters
 
 if not SUPPORTED_TRANSFORMERS[0] <= Version(transformers.__version__) < SUPPORTED_TRANSFORMERS[1]:
     raise ImportError("attention_client.hf supports transformers >= %s, < %s; this is %s"
@@ -129,12 +133,17 @@ class ServiceLayer(CacheLayerMixin):
         return key_states, value_states
 
     def get_mask_sizes(self, query_length):
+        if torch.is_tensor(query_length):  # older releases: the forward's cache_position
+            query_length = query_length.shape[0]
         return self.slots + query_length, 0
 
     def get_seq_length(self):
         return self.slots
 
     def get_max_length(self):
+        return -1
+
+    def get_max_cache_shape(self):  # get_max_length's name in older releases
         return -1
 
     def reset(self):  # the mixin's would zero key / value tensors this layer does not have
@@ -203,14 +212,19 @@ class ServiceCache(Cache):
         return key_states, value_states
 
     def crop(self, tokens_to_remove):
-        """Removes the last -tokens_to_remove slots (transformers 5's convention: a count
-        <= 0) from every layer and truncates the sessions to the real tokens before them."""
+        """Removes the last -tokens_to_remove slots (a count <= 0) from every layer and
+        truncates the sessions to the real tokens before them. Where the installed
+        transformers' own caches take a positive length to keep (CROP_KEEPS_POSITIVE), so
+        does this."""
+        length = self.get_seq_length()
         if tokens_to_remove > 0:
-            raise ValueError("crop takes the negative number of tokens to remove, not %d"
-                             % tokens_to_remove)
+            if not CROP_KEEPS_POSITIVE:
+                raise ValueError("crop takes the negative number of tokens to remove, not %d"
+                                 % tokens_to_remove)
+            tokens_to_remove = min(tokens_to_remove, length) - length
         if tokens_to_remove == 0:
             return
-        self.truncate(self.get_seq_length() + tokens_to_remove)
+        self.truncate(length + tokens_to_remove)
 
     def reset(self):
         self.truncate(0)
