@@ -11,9 +11,10 @@ random-initialised float32 decoders (2 layers, hidden 64), the same weights in a
    lengths (and one unpadded prompt): the same tokens, and every step's logits within
    rtol = atol = 1e-4 of local (the largest difference is printed per model). Models: Llama
    with GQA, MQA (1 KV head), head_dim != hidden / heads with a softmax scale that is not
-   head_dim^-0.5, llama3 RoPE scaling, Qwen2 (q/k/v biases), and when the server applies
-   SessionConfig.sliding_window, Mistral and Qwen2 (sliding and full layers mixed) with a
-   window shorter than the generation; a chunked prefill; beam search (reorder_cache).
+   head_dim^-0.5, llama3 RoPE scaling, Qwen2 (q/k/v biases), Qwen3 (q/k norms), and when
+   the server applies SessionConfig.sliding_window, Mistral and Qwen2 (sliding and full
+   layers mixed) with a window shorter than the generation; a chunked prefill; beam search
+   (reorder_cache).
 2. Continuing from a cache and from its fork (ServiceCache.fork), on two different next
    tokens: each gives the tokens local generate() gives from the same prefix.
 3. Rolling back with crop (TruncateSession) and generating again: the sessions hold the
@@ -21,9 +22,9 @@ random-initialised float32 decoders (2 layers, hidden 64), the same weights in a
    installed transformers' caches take: a negative count, or also a length to keep (4.57,
    5.0), where newer releases refuse one.
 4. Right padding (which the sessions cannot reproduce) raises ValueError; a forward
-   without a ServiceCache raises; a sliding-window model whose sessions come back without
-   the window (as from an older server) raises NotImplementedError; closed caches leave no
-   session on the server. Every served generation is one SessionStep per layer per
+   without a ServiceCache raises; Gemma 2's logit soft-capping raises NotImplementedError;
+   a sliding-window model whose sessions come back without the window (as from an older
+   server) raises NotImplementedError; closed caches leave no session on the server. Every served generation is one SessionStep per layer per
    forward, with one entry per prompt.
 
 On failure the seed is printed; the exit code is 1.
@@ -56,7 +57,8 @@ def tiny(kind, **overrides):
                   initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=None)
     fields.update(overrides)
     config_class = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-                    "qwen2": transformers.Qwen2Config}[kind]
+                    "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+                    "gemma2": transformers.Gemma2Config}[kind]
     return config_class(**fields)
 
 
@@ -70,6 +72,7 @@ def model_cases(sliding_window_served):
             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 16}), {}),
         ("qwen2 q/k/v bias", tiny("qwen2"), {}),
+        ("qwen3 q/k norm, head_dim 32", tiny("qwen3", head_dim=32), {}),
     ]
     if sliding_window_served:
         cases += [
@@ -238,6 +241,11 @@ class Generations:
                          lambda: greedy(served, *right, 4, cache=cache))
         expect_raise(self.t, "no ServiceCache", RuntimeError,
                      lambda: served(input_ids=ids, attention_mask=mask, use_cache=False))
+        _, soft_capped = model_pair(tiny("gemma2", head_dim=16, attn_logit_softcapping=50.0,
+                                         sliding_window=64), self.seed + 300)
+        with self.cache(soft_capped) as cache:
+            expect_raise(self.t, "logit soft-capping", NotImplementedError,
+                         lambda: greedy(soft_capped, ids, mask, 2, cache=cache))
         left = self.client.list_sessions()
         self.t.check(left == [], "sessions left on the server: %s" % left)
 

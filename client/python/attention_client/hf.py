@@ -30,7 +30,8 @@ masks by the forward's cache_position and take crop(n > 0) as a length to keep; 
 handled.) Not supported: attention dropout (training), output_attentions (no weights come
 back), layers with different head shapes or softmax scales in one model, chunked attention,
 sliding-window layers on a server without SessionConfig.sliding_window (refused),
-torch.compile (the cache is not compileable).
+logit soft-capping, attention sinks, position biases and non-causal layers (refused:
+UNSUPPORTED_ARGUMENTS), torch.compile (the cache is not compileable).
 """
 
 import inspect
@@ -73,10 +74,29 @@ def service_attention(module, query, key, value, attention_mask, scaling=None, d
             "use_cache left on" % ATTENTION)
     if dropout:
         raise NotImplementedError("the service has no attention dropout (train locally)")
+    refuse_other_attention(module, kwargs)
     cache = pending[0]
     output = cache.attend(module.layer_idx, query, key, value, attention_mask,
                           scaling if scaling is not None else module.scaling, sliding_window)
     return output, None
+
+
+# Arguments some models pass to change the attention itself (Gemma 2's logit soft-capping,
+# gpt-oss's sinks, T5-style position biases): the sessions compute none of them.
+UNSUPPORTED_ARGUMENTS = ("softcap", "s_aux", "sinks", "position_bias")
+
+
+def refuse_other_attention(module, kwargs):
+    """Raises NotImplementedError where the model asks for attention the sessions do not
+    compute, instead of answering as if it had not."""
+    for name in UNSUPPORTED_ARGUMENTS:
+        if kwargs.get(name) is not None:
+            raise NotImplementedError("%s (layer %d) passes %s=, which attention-service "
+                                      "sessions do not compute" % (type(module).__name__,
+                                                                   module.layer_idx, name))
+    if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
+        raise NotImplementedError("%s (layer %d) is not causal; attention-service sessions "
+                                  "are" % (type(module).__name__, module.layer_idx))
 
 
 def materialised_mask(*args, **kwargs):
