@@ -67,7 +67,8 @@ def model_cases(sliding_window_served):
         ("llama GQA", tiny("llama"), {}),
         ("llama MQA", tiny("llama", num_key_value_heads=1), {}),
         ("llama head_dim 32, scale 0.3", tiny("llama", head_dim=32), {"scaling": 0.3}),
-        ("llama3 rope scaling", tiny("llama", rope_parameters={
+        # rope_scaling: the spelling 4.57 reads and 5.x converts to rope_parameters.
+        ("llama3 rope scaling", tiny("llama", rope_scaling={
             "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 16}), {}),
