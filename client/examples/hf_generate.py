@@ -10,6 +10,7 @@ generating locally.
 Needs transformers >= 4.57 and torch (build/hf-venv has them: scripts/hf-test-deps).
 """
 import copy
+import sys
 
 import torch
 import transformers
@@ -69,9 +70,11 @@ def main():
         text = tokenizer.decode(tokens) if tokenizer is not None else tokens
         print("prompt %d -> %s" % (row, text))
     largest = max(float((a - b).abs().max()) for a, b in zip(got.logits, want.logits))
+    same = torch.equal(got.sequences, want.sequences)
     print("same tokens as local generate(): %s; largest logit difference %.2g"
-          % ("yes" if torch.equal(got.sequences, want.sequences) else "NO", largest))
+          % ("yes" if same else "NO", largest))
+    return 0 if same else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
