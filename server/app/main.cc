@@ -85,7 +85,11 @@ ABSL_FLAG(int64_t, max_device_weight_bytes, 0,
           "budget for the weights held on each GPU, bytes; loads past it get "
           "RESOURCE_EXHAUSTED; 0 = the device's memory");
 ABSL_FLAG(int64_t, max_message_bytes, attention::wire::kDefaultMaxMessageBytes,
-          "largest gRPC message, bytes");
+          "largest gRPC message, bytes (also the most one KServe call reads from shared memory)");
+ABSL_FLAG(bool, kserve_system_shared_memory, false,
+          "let KServe callers on this host register POSIX shared memory regions (Triton's "
+          "system shared memory extension) and pass tensors through them; such a caller can "
+          "read and write any shared memory object this server can open");
 ABSL_FLAG(int64_t, max_request_flops, attention::server::RequestBudget{}.max_request_flops,
           "most floating-point operations one request may ask for (projections plus "
           "attention); larger ones get RESOURCE_EXHAUSTED before they are queued");
@@ -228,6 +232,7 @@ int main(int argc, char** argv) {
   options.registry.max_weight_bytes = absl::GetFlag(FLAGS_max_weight_bytes);
   options.registry.max_device_weight_bytes = absl::GetFlag(FLAGS_max_device_weight_bytes);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options.kserve_system_shared_memory = absl::GetFlag(FLAGS_kserve_system_shared_memory);
   options.request_budget.max_request_flops = absl::GetFlag(FLAGS_max_request_flops);
   options.request_budget.max_request_memory_bytes =
       absl::GetFlag(FLAGS_max_request_memory_bytes);

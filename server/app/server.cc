@@ -152,7 +152,9 @@ AttentionServer::AttentionServer(const ServerOptions& options,
       service_(registry_, batcher_, metrics_, request_log_, options.RequestBudgetWithMessageLimit(),
                *devices_, default_backend_, options.access, loader_,
                options.inline_layer_cache_bytes, sessions_.get()),
-      kserve_service_(service_, registry_, metrics_, loader_, ready_) {}
+      kserve_service_(service_, registry_, metrics_, loader_, ready_,
+                      options.kserve_system_shared_memory,
+                      static_cast<uint64_t>(options.max_message_bytes)) {}
 
 absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
     const ServerOptions& options) {

@@ -88,8 +88,14 @@ struct ServerOptions {
   // Where callers reach this replica, told in every SessionInfo (--replica_address): host or
   // host:port; without a port the listening port is added. "" tells nothing.
   std::string replica_address;
-  // Largest request or response message, bytes. >= 1 MiB; default 64 MiB.
+  // Largest request or response message, bytes. >= 1 MiB; default 64 MiB. Also the most a
+  // KServe call may read from system shared memory.
   int64_t max_message_bytes = wire::kDefaultMaxMessageBytes;
+  // Triton's system shared memory extension on the KServe endpoint
+  // (--kserve_system_shared_memory): callers on this host register POSIX shared memory
+  // regions and pass tensors through them instead of the message. Off by default: a caller
+  // that may register regions can read and write any shared memory object this server can.
+  bool kserve_system_shared_memory = false;
   // TLS or mutual TLS on the gRPC port (--tls_cert_file, --tls_key_file,
   // --tls_client_ca_file); plaintext by default.
   TlsOptions tls;

@@ -24,6 +24,10 @@ constexpr char kKey[] = "key";
 constexpr char kValue[] = "value";
 constexpr char kKeyPaddingMask[] = "key_padding_mask";
 constexpr char kAttnMask[] = "attn_mask";
+// Triton's system shared memory parameters of an input or requested output.
+constexpr char kRegionParameter[] = "shared_memory_region";
+constexpr char kByteSizeParameter[] = "shared_memory_byte_size";
+constexpr char kOffsetParameter[] = "shared_memory_offset";
 // Triton's priority levels start at 1 (first); they map below this native priority.
 constexpr int64_t kTritonPriorityBase = 1'000'000;
 
@@ -132,14 +136,73 @@ absl::Status ConvertIntegerMask(const InputTensor& input, const std::string* raw
   return absl::OkStatus();
 }
 
+bool IsSharedMemoryParameter(const std::string& key) {
+  return key == kRegionParameter || key == kByteSizeParameter || key == kOffsetParameter;
+}
+
+// A size or offset parameter: int64 (>= 0) or uint64.
+absl::StatusOr<uint64_t> SizeParameter(absl::string_view field, const char* key,
+                                       const Parameter& parameter) {
+  if (parameter.parameter_choice_case() == Parameter::kUint64Param) {
+    return parameter.uint64_param();
+  }
+  if (parameter.parameter_choice_case() != Parameter::kInt64Param) {
+    return Invalid(field, ".parameters[\"", key, "\"] must be an int64 or uint64 parameter");
+  }
+  if (parameter.int64_param() < 0) {
+    return Invalid(field, ".parameters[\"", key, "\"] = ", parameter.int64_param(),
+                   " is negative");
+  }
+  return static_cast<uint64_t>(parameter.int64_param());
+}
+
+// The shared memory slice a tensor's parameters name (`field`: inputs["query"] or
+// outputs["output"]), or none when they name no region.
+absl::StatusOr<std::optional<SharedMemorySlice>> SharedMemoryParameters(
+    absl::string_view field, const google::protobuf::Map<std::string, Parameter>& parameters,
+    const SystemSharedMemory& shared_memory) {
+  const auto region = parameters.find(kRegionParameter);
+  if (region == parameters.end()) {
+    for (const char* key : {kByteSizeParameter, kOffsetParameter}) {
+      if (parameters.count(key)) {
+        return Invalid(field, ".parameters[\"", key, "\"] is given without parameters[\"",
+                       kRegionParameter, "\"]");
+      }
+    }
+    return std::nullopt;
+  }
+  if (region->second.parameter_choice_case() != Parameter::kStringParam) {
+    return Invalid(field, ".parameters[\"", kRegionParameter, "\"] must be a string parameter");
+  }
+  const auto size = parameters.find(kByteSizeParameter);
+  if (size == parameters.end()) {
+    return Invalid(field, ".parameters[\"", kByteSizeParameter,
+                   "\"] is missing: it gives the size of the slice of region ",
+                   Quoted(region->second.string_param()));
+  }
+  ASSIGN_OR_RETURN(const uint64_t byte_size,
+                   SizeParameter(field, kByteSizeParameter, size->second));
+  uint64_t offset = 0;
+  if (const auto given = parameters.find(kOffsetParameter); given != parameters.end()) {
+    ASSIGN_OR_RETURN(offset, SizeParameter(field, kOffsetParameter, given->second));
+  }
+  return shared_memory.Find(field, region->second.string_param(), offset, byte_size);
+}
+
+std::string InputField(const InputTensor& input) {
+  return absl::StrCat("inputs[", Quoted(input.name()), "]");
+}
+
 // An input's parameters: binary_data_size, which the KServe SDK sends with every raw
-// input, must be its raw entry's size; shared memory and anything else are not supported.
+// input, must be its raw entry's size; shared memory ones were read before; nothing else.
 absl::Status CheckInputParameters(const InputTensor& input, const std::string* raw) {
   for (const auto& [key, parameter] : input.parameters()) {
+    if (IsSharedMemoryParameter(key)) continue;
     if (key != "binary_data_size") {
-      return absl::UnimplementedError(
-          absl::StrCat("inputs[", Quoted(input.name()), "].parameters[", Quoted(key),
-                       "] is not supported (shared memory inputs are not); send the contents"));
+      return absl::UnimplementedError(absl::StrCat(
+          "inputs[", Quoted(input.name()), "].parameters[", Quoted(key),
+          "] is not supported; an input takes binary_data_size, shared_memory_region, "
+          "shared_memory_byte_size and shared_memory_offset"));
     }
     // Compared and printed as sent: a negative int64 is no size, not a 64-bit wrap-around.
     std::string sent = "(not an integer)";
@@ -163,9 +226,18 @@ absl::Status CheckInputParameters(const InputTensor& input, const std::string* r
   return absl::OkStatus();
 }
 
-// One input into its native tensor; `raw` is its raw_input_contents entry, if used.
-absl::Status ConvertInput(const InputTensor& input, const std::string* raw,
+// An input's bytes where it sends them raw: its raw_input_contents entry (copied: the
+// request is the caller's) or what its shared memory slice held (moved).
+struct RawBytes {
+  const std::string* entry = nullptr;
+  std::string* slice = nullptr;
+  const std::string* get() const { return slice != nullptr ? slice : entry; }
+};
+
+// One input into its native tensor.
+absl::Status ConvertInput(const InputTensor& input, RawBytes bytes,
                           const std::vector<std::string>& datatypes, v1::Tensor* tensor) {
+  const std::string* raw = bytes.get();
   RETURN_IF_ERROR(CheckInputParameters(input, raw));
   ASSIGN_OR_RETURN(const v1::DataType dtype, ParseDatatype(input, datatypes));
   if (raw == nullptr) RETURN_IF_ERROR(CheckContentsField(input));
@@ -173,7 +245,11 @@ absl::Status ConvertInput(const InputTensor& input, const std::string* raw,
   if (dtype == v1::DATA_TYPE_UNSPECIFIED) return ConvertIntegerMask(input, raw, tensor);
   tensor->set_dtype(dtype);
   if (raw != nullptr) {
-    tensor->set_raw_data(*raw);
+    if (bytes.slice != nullptr) {
+      tensor->mutable_raw_data()->swap(*bytes.slice);
+    } else {
+      tensor->set_raw_data(*bytes.entry);
+    }
     return absl::OkStatus();
   }
   const inference::InferTensorContents& contents = input.contents();
@@ -282,6 +358,7 @@ absl::Status ConvertParameters(const inference::ModelInferRequest& request,
 }
 
 absl::Status PlanOutputs(const inference::ModelInferRequest& request,
+                         const SystemSharedMemory& shared_memory,
                          std::optional<v1::NeedWeights> need_weights, OutputPlan* plan,
                          v1::AttentionOptions* options) {
   bool weights_requested = false;
@@ -290,18 +367,23 @@ absl::Status PlanOutputs(const inference::ModelInferRequest& request,
       return Invalid("outputs[", Quoted(output.name()), "] is not an output; expected \"",
                      kOutputName, "\" or \"", kWeightsName, "\"");
     }
-    if (!output.parameters().empty()) {
+    for (const auto& [key, parameter] : output.parameters()) {
+      if (IsSharedMemoryParameter(key)) continue;
       return absl::UnimplementedError(absl::StrCat(
-          "outputs[", Quoted(output.name()), "].parameters[",
-          Quoted(output.parameters().begin()->first),
-          "] is not supported (no classification or shared memory outputs)"));
+          "outputs[", Quoted(output.name()), "].parameters[", Quoted(key),
+          "] is not supported (no classification outputs); an output takes "
+          "shared_memory_region, shared_memory_byte_size and shared_memory_offset"));
     }
     for (const std::string& earlier : plan->names) {
       if (earlier == output.name()) {
         return Invalid("outputs[", Quoted(output.name()), "] is requested twice");
       }
     }
+    ASSIGN_OR_RETURN(std::optional<SharedMemorySlice> destination,
+                     SharedMemoryParameters(absl::StrCat("outputs[", Quoted(output.name()), "]"),
+                                            output.parameters(), shared_memory));
     plan->names.push_back(output.name());
+    plan->destinations.push_back(std::move(destination));
     weights_requested |= output.name() == kWeightsName;
   }
   if (weights_requested && need_weights == v1::NEED_WEIGHTS_NONE) {
@@ -314,6 +396,7 @@ absl::Status PlanOutputs(const inference::ModelInferRequest& request,
   if (plan->names.empty()) {
     plan->names.push_back(kOutputName);
     if (need != v1::NEED_WEIGHTS_NONE) plan->names.push_back(kWeightsName);
+    plan->destinations.resize(plan->names.size());
   }
   return absl::OkStatus();
 }
@@ -321,17 +404,39 @@ absl::Status PlanOutputs(const inference::ModelInferRequest& request,
 }  // namespace
 
 absl::Status ToNativeRequest(const inference::ModelInferRequest& request,
-                             v1::MultiHeadAttentionRequest* native, OutputPlan* plan) {
+                             v1::MultiHeadAttentionRequest* native, OutputPlan* plan,
+                             const SystemSharedMemory* shared_memory) {
+  static const SystemSharedMemory kOff(/*enabled=*/false, 0);
+  const SystemSharedMemory& regions = shared_memory != nullptr ? *shared_memory : kOff;
   RETURN_IF_ERROR(CheckKnownFields(request));
   if (request.model_name().empty()) {
     return Invalid("model_name is empty: name a loaded layer (see RepositoryIndex)");
   }
   native->set_layer(request.model_name());
   native->set_request_id(request.id());
+  // Inputs in shared memory have no raw_input_contents entry (as tritonclient sends them).
+  std::vector<std::optional<SharedMemorySlice>> sources(request.inputs_size());
+  int outside = 0;
+  uint64_t shared_bytes = 0;
+  for (int i = 0; i < request.inputs_size(); ++i) {
+    ASSIGN_OR_RETURN(sources[i], SharedMemoryParameters(InputField(request.inputs(i)),
+                                                        request.inputs(i).parameters(), regions));
+    if (sources[i].has_value()) {
+      shared_bytes += sources[i]->byte_size;
+    } else {
+      ++outside;
+    }
+  }
+  if (shared_bytes > regions.max_call_bytes()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the inputs in shared memory hold ", shared_bytes, " bytes, past the ",
+                     regions.max_call_bytes(), " a call may send (--max_message_bytes)"));
+  }
   const bool raw = request.raw_input_contents_size() > 0;
-  if (raw && request.raw_input_contents_size() != request.inputs_size()) {
-    return Invalid("raw_input_contents has ", request.raw_input_contents_size(),
-                   " entries for ", request.inputs_size(), " inputs; give one per input");
+  if (raw && request.raw_input_contents_size() != outside) {
+    return Invalid("raw_input_contents has ", request.raw_input_contents_size(), " entries for ",
+                   outside, " inputs", outside == request.inputs_size() ? "" : " outside shared memory",
+                   "; give one per input");
   }
   static const std::vector<std::string> kFloatTypes = {"FP32", "FP16", "BF16"};
   static const std::vector<std::string> kPaddingMaskTypes = {"BOOL", "INT64", "INT32"};
@@ -340,16 +445,25 @@ absl::Status ToNativeRequest(const inference::ModelInferRequest& request,
   v1::AttentionOptions* options = native->mutable_options();
   // An integer padding mask is a tokenizer's: 1 attends, whatever bool_mask_polarity says.
   bool tokenizer_mask = false;
+  int raw_index = 0;
   for (int i = 0; i < request.inputs_size(); ++i) {
     const InputTensor& input = request.inputs(i);
-    if (raw && input.has_contents()) {
-      return Invalid("inputs[", Quoted(input.name()),
-                     "] has contents while raw_input_contents is used; use one form");
+    if ((raw || sources[i].has_value()) && input.has_contents()) {
+      return Invalid("inputs[", Quoted(input.name()), "] has contents while ",
+                     sources[i].has_value() ? "a shared memory region" : "raw_input_contents",
+                     " is used; use one form");
     }
     if (!seen.insert(input.name()).second) {
       return Invalid("inputs[", Quoted(input.name()), "] is given twice");
     }
-    const std::string* bytes = raw ? &request.raw_input_contents(i) : nullptr;
+    std::string shared;
+    RawBytes bytes;
+    if (sources[i].has_value()) {
+      RETURN_IF_ERROR(ReadSlice(*sources[i], &shared));
+      bytes.slice = &shared;
+    } else if (raw) {
+      bytes.entry = &request.raw_input_contents(raw_index++);
+    }
     if (input.name() == kQuery) {
       RETURN_IF_ERROR(ConvertInput(input, bytes, kFloatTypes, native->mutable_query()));
     } else if (input.name() == kKey) {
@@ -373,7 +487,7 @@ absl::Status ToNativeRequest(const inference::ModelInferRequest& request,
   if (tokenizer_mask) options->set_key_padding_polarity(v1::TRUE_ATTENDS);
   // JSON callers read fp32_contents; the protocol has no typed 16-bit field.
   if (!plan->binary_data) native->set_output_dtype(v1::FLOAT32);
-  return PlanOutputs(request, need_weights, plan, options);
+  return PlanOutputs(request, regions, need_weights, plan, options);
 }
 
 absl::Status ToKserveStatus(const absl::Status& status,
@@ -398,14 +512,23 @@ absl::Status ToKserveStatus(const absl::Status& status,
       {"options.key_padding_mask", kKeyPaddingMask}, {"options.attn_mask", kAttnMask}};
   for (const auto& [native, name] : kTensors) {
     const std::string input = absl::StrCat("inputs[\"", name, "\"]");
-    int index = -1;
-    for (int i = 0; i < request.inputs_size(); ++i) {
-      if (request.inputs(i).name() == name) index = i;
+    // Where its bytes came from: a raw entry (counted past inputs in shared memory), a
+    // region, or typed contents.
+    std::string source = absl::StrCat(input, ".contents");
+    int raw_index = 0;
+    for (const InputTensor& given : request.inputs()) {
+      const auto region = given.parameters().find(kRegionParameter);
+      const bool shared = region != given.parameters().end();
+      if (given.name() == name && shared) {
+        source = absl::StrCat(input, " (shared memory region ",
+                              Quoted(region->second.string_param()), ")");
+      } else if (given.name() == name && raw_index < request.raw_input_contents_size()) {
+        source = absl::StrCat("raw_input_contents[", raw_index, "] (", input, ")");
+      }
+      if (given.name() == name) break;
+      raw_index += shared ? 0 : 1;
     }
-    renames.emplace_back(absl::StrCat(native, ".raw_data"),
-                         index >= 0 && index < request.raw_input_contents_size()
-                             ? absl::StrCat("raw_input_contents[", index, "] (", input, ")")
-                             : absl::StrCat(input, ".contents"));
+    renames.emplace_back(absl::StrCat(native, ".raw_data"), source);
     renames.emplace_back(absl::StrCat(native, ".float_data"),
                          absl::StrCat(input, ".contents.fp32_contents"));
     renames.emplace_back(absl::StrCat(native, ".dtype"), absl::StrCat(input, ".datatype"));
@@ -445,19 +568,25 @@ const char* DatatypeName(v1::DataType dtype) {
   return info != nullptr ? info->kserve_name : "";
 }
 
-void ToInferResponse(v1::MultiHeadAttentionResponse& native, const OutputPlan& plan,
-                     const std::string& model_name, inference::ModelInferResponse* response) {
+absl::Status ToInferResponse(v1::MultiHeadAttentionResponse& native, const OutputPlan& plan,
+                             const std::string& model_name,
+                             inference::ModelInferResponse* response) {
   response->set_model_name(model_name);
   response->set_model_version(absl::StrCat(native.layer_version()));
   response->set_id(native.request_id());
-  for (const std::string& name : plan.names) {
+  for (size_t k = 0; k < plan.names.size(); ++k) {
+    const std::string& name = plan.names[k];
     v1::Tensor& tensor =
         name == kOutputName ? *native.mutable_output() : *native.mutable_attention_weights();
     auto* output = response->add_outputs();
     output->set_name(name);
     output->set_datatype(DatatypeName(tensor.dtype()));
     output->mutable_shape()->CopyFrom(tensor.shape());
-    if (plan.binary_data) {
+    if (k < plan.destinations.size() && plan.destinations[k].has_value()) {
+      RETURN_IF_ERROR(WriteSlice(*plan.destinations[k], tensor.raw_data()));
+      // An empty entry keeps raw_output_contents one per output, as tritonclient reads it.
+      if (plan.binary_data) response->add_raw_output_contents();
+    } else if (plan.binary_data) {
       response->add_raw_output_contents()->swap(*tensor.mutable_raw_data());
     } else {
       // FLOAT32, as ToNativeRequest asked for.
@@ -465,6 +594,7 @@ void ToInferResponse(v1::MultiHeadAttentionResponse& native, const OutputPlan& p
       output->mutable_contents()->mutable_fp32_contents()->Swap(tensor.mutable_float_data());
     }
   }
+  return absl::OkStatus();
 }
 
 void DescribeModel(const core::MhaConfig& config, inference::ModelMetadataResponse* metadata) {

@@ -7,23 +7,29 @@
 //            for cross-attention; key_padding_mask [B, Nk] BOOL (polarity below) or INT64 /
 //            INT32 as a tokenizer's attention_mask (1 = attend, 0 = padding); attn_mask BOOL
 //            or FP32 (additive), broadcastable to [B, H, Nq, Nk].
-//            Contents in raw_input_contents (all inputs) or the datatype's typed contents
-//            (fp32_contents, bool_contents, int64_contents, int_contents for INT32; FP16 and
-//            BF16 have none); values in another typed field are refused naming it.
+//            Contents in raw_input_contents (one entry per input outside shared memory),
+//            the datatype's typed contents (fp32_contents, bool_contents, int64_contents,
+//            int_contents for INT32; FP16 and BF16 have none; values in another typed field
+//            are refused naming it) or a slice of a registered shared memory region.
 //   outputs  output [B, Nq, output_dim]; attention_weights [B, Nq, Nk] averaged over heads
 //            or [B, H, Nq, Nk] per head. Raw little-endian bytes unless binary_data_output
-//            is false (then FP32 in contents.fp32_contents, for JSON callers).
+//            is false (then FP32 in contents.fp32_contents, for JSON callers); an output
+//            with shared memory parameters is written there (raw bytes) and its
+//            raw_output_contents entry left empty.
 //   request parameters
 //            causal (bool), scale (double), need_weights ("none" | "averaged" |
 //            "per_head", or bool), bool_mask_polarity ("true_masks_out", the default as
 //            PyTorch's MultiheadAttention, or "true_attends" as SDPA), binary_data_output
 //            (bool, default true), timeout (int64 µs in the queue, Triton's), priority
 //            (Triton's: 0 = none, 1 = first; any priority runs before requests without one).
-//   input parameters
-//            binary_data_size only (the KServe SDK sends it): the raw entry's size.
+//   input and output parameters
+//            binary_data_size (inputs; the KServe SDK sends it): the raw entry's size;
+//            shared_memory_region, shared_memory_byte_size, shared_memory_offset (Triton's
+//            system shared memory; see system_shared_memory.h).
 #ifndef ATTENTION_SERVER_KSERVE_KSERVE_CONVERT_H_
 #define ATTENTION_SERVER_KSERVE_KSERVE_CONVERT_H_
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,6 +37,7 @@
 #include "attention/v1/attention.pb.h"
 #include "core/mha_layer.h"
 #include "inference/grpc_service.pb.h"
+#include "server/kserve/system_shared_memory.h"
 
 namespace attention::server::kserve {
 
@@ -40,13 +47,17 @@ inline constexpr char kWeightsName[] = "attention_weights";
 // Which outputs a ModelInfer call answers with, in order, and how.
 struct OutputPlan {
   std::vector<std::string> names;
+  // Per name: the shared memory it is written to instead of the response, if any.
+  std::vector<std::optional<SharedMemorySlice>> destinations;
   bool binary_data = true;
 };
 
-// Fills `native` (and `plan`) from `request`; INVALID_ARGUMENT or UNIMPLEMENTED naming the
-// input, parameter or output and its values otherwise.
+// Fills `native` (and `plan`) from `request`, reading inputs in shared memory from
+// `shared_memory` (null: off); INVALID_ARGUMENT or UNIMPLEMENTED naming the input,
+// parameter or output and its values otherwise (NOT_FOUND for an unknown region).
 absl::Status ToNativeRequest(const inference::ModelInferRequest& request,
-                             v1::MultiHeadAttentionRequest* native, OutputPlan* plan);
+                             v1::MultiHeadAttentionRequest* native, OutputPlan* plan,
+                             const SystemSharedMemory* shared_memory = nullptr);
 
 // `status` of the native request ToNativeRequest made from `request`, its message in the
 // protocol's names: query.raw_data -> raw_input_contents[0] (inputs["query"]),
@@ -55,8 +66,9 @@ absl::Status ToNativeRequest(const inference::ModelInferRequest& request,
 absl::Status ToKserveStatus(const absl::Status& status,
                             const inference::ModelInferRequest& request);
 
-// Moves the native answer's tensors into `response` as `plan` says.
-void ToInferResponse(v1::MultiHeadAttentionResponse& native, const OutputPlan& plan,
+// Moves the native answer's tensors into `response`, or writes them to shared memory, as
+// `plan` says; an error when a shared memory slice cannot take its output.
+absl::Status ToInferResponse(v1::MultiHeadAttentionResponse& native, const OutputPlan& plan,
                      const std::string& model_name, inference::ModelInferResponse* response);
 
 // The protocol's datatype name of a native dtype (core::DTypeInfo::kserve_name: "FP32",

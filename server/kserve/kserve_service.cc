@@ -160,7 +160,8 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(
     kserve::OutputPlan plan;
   };
   auto native = std::make_shared<Call>();
-  absl::Status status = kserve::ToNativeRequest(*request, &native->request, &native->plan);
+  absl::Status status =
+      kserve::ToNativeRequest(*request, &native->request, &native->plan, &shared_memory_);
   if (status.ok()) {
     status = FindModel("model_name", request->model_name(), request->model_version()).status();
   }
@@ -168,11 +169,12 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(
     status = native_.SubmitMultiHeadAttention(
         native->request, call.deadline(), call.cancelled(), &native->response,
         [call, native, request, response](const absl::Status& result) {
-          if (result.ok()) {
-            kserve::ToInferResponse(native->response, native->plan, request->model_name(),
-                                    response);
+          absl::Status answered = result;
+          if (answered.ok()) {
+            answered = kserve::ToInferResponse(native->response, native->plan,
+                                               request->model_name(), response);
           }
-          call.Answer(kserve::ToKserveStatus(result, *request), request->id());
+          call.Answer(kserve::ToKserveStatus(answered, *request), request->id());
         },
         /*borrow_inputs=*/true);  // `native` holds the request until then
     status = kserve::ToKserveStatus(status, *request);
@@ -281,6 +283,39 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::RepositoryModelUnload(
     }
   }
   if (status.ok()) status = native_.DoUnloadLayer(request->model_name());
+  call.Answer(status);
+  return call.reactor();
+}
+
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::SystemSharedMemoryStatus(
+    grpc::CallbackServerContext* context, const inference::SystemSharedMemoryStatusRequest* request,
+    inference::SystemSharedMemoryStatusResponse* response) {
+  const UnaryCall call = native_.StartCall(context, "SystemSharedMemoryStatus");
+  absl::Status status = CheckKnownFields(*request);
+  if (status.ok()) status = shared_memory_.Describe(request->name(), response);
+  call.Answer(status);
+  return call.reactor();
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::SystemSharedMemoryRegister(
+    grpc::CallbackServerContext* context,
+    const inference::SystemSharedMemoryRegisterRequest* request,
+    inference::SystemSharedMemoryRegisterResponse* response) {
+  const UnaryCall call = native_.StartCall(context, "SystemSharedMemoryRegister");
+  absl::Status status = CheckKnownFields(*request);
+  if (status.ok()) status = shared_memory_.Register(*request);
+  call.Answer(status);
+  return call.reactor();
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::SystemSharedMemoryUnregister(
+    grpc::CallbackServerContext* context,
+    const inference::SystemSharedMemoryUnregisterRequest* request,
+    inference::SystemSharedMemoryUnregisterResponse* response) {
+  const UnaryCall call = native_.StartCall(context, "SystemSharedMemoryUnregister");
+  absl::Status status = CheckKnownFields(*request);
+  if (status.ok()) status = shared_memory_.Unregister(request->name());
   call.Answer(status);
   return call.reactor();
 }

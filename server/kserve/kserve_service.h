@@ -9,6 +9,7 @@
 #include <atomic>
 
 #include "inference/grpc_service.grpc.pb.h"
+#include "server/kserve/system_shared_memory.h"
 #include "server/native/attention_service.h"
 
 namespace attention::server {
@@ -16,9 +17,17 @@ namespace attention::server {
 class InferenceServiceImpl final : public inference::GRPCInferenceService::CallbackService {
  public:
   // `ready` is what ServerReady answers: false while starting and draining.
+  // `shared_memory` says whether callers may register system shared memory regions and how
+  // many bytes one call may read from them.
   InferenceServiceImpl(AttentionServiceImpl& native, LayerRegistry& registry, Metrics& metrics,
-                       LoaderPool& loader, const std::atomic<bool>& ready)
-      : native_(native), registry_(registry), metrics_(metrics), loader_(loader), ready_(ready) {}
+                       LoaderPool& loader, const std::atomic<bool>& ready, bool shared_memory,
+                       uint64_t max_call_bytes)
+      : native_(native),
+        registry_(registry),
+        metrics_(metrics),
+        loader_(loader),
+        ready_(ready),
+        shared_memory_(shared_memory, max_call_bytes) {}
 
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context,
                                        const inference::ServerLiveRequest* request,
@@ -50,6 +59,18 @@ class InferenceServiceImpl final : public inference::GRPCInferenceService::Callb
   grpc::ServerUnaryReactor* RepositoryModelUnload(
       grpc::CallbackServerContext* context, const inference::RepositoryModelUnloadRequest* request,
       inference::RepositoryModelUnloadResponse* response) override;
+  grpc::ServerUnaryReactor* SystemSharedMemoryStatus(
+      grpc::CallbackServerContext* context,
+      const inference::SystemSharedMemoryStatusRequest* request,
+      inference::SystemSharedMemoryStatusResponse* response) override;
+  grpc::ServerUnaryReactor* SystemSharedMemoryRegister(
+      grpc::CallbackServerContext* context,
+      const inference::SystemSharedMemoryRegisterRequest* request,
+      inference::SystemSharedMemoryRegisterResponse* response) override;
+  grpc::ServerUnaryReactor* SystemSharedMemoryUnregister(
+      grpc::CallbackServerContext* context,
+      const inference::SystemSharedMemoryUnregisterRequest* request,
+      inference::SystemSharedMemoryUnregisterResponse* response) override;
 
  private:
   // The loaded layer `name` at `version` (empty: any); NOT_FOUND naming `field` (the
@@ -63,6 +84,7 @@ class InferenceServiceImpl final : public inference::GRPCInferenceService::Callb
   Metrics& metrics_;
   LoaderPool& loader_;
   const std::atomic<bool>& ready_;
+  kserve::SystemSharedMemory shared_memory_;
 };
 
 }  // namespace attention::server

@@ -1,6 +1,7 @@
 """The Open Inference Protocol (KServe v2) endpoint, called with PyPI's tritonclient (sync,
 callback and asyncio clients) against a real server: every endpoint answers, and ModelInfer's
-outputs equal the native MultiHeadAttention RPC's bitwise. Runs in the venv that
+outputs equal the native MultiHeadAttention RPC's bitwise, also with the query and output in
+system shared memory (tritonclient.utils.shared_memory). Runs in the venv that
 scripts/kserve-venv makes (tritonclient[grpc], grpcio-tools for the native stubs).
 
 usage: test_kserve.py PATH/TO/attention-server
@@ -23,6 +24,7 @@ import grpc
 import ml_dtypes
 import tritonclient.grpc as triton
 import tritonclient.grpc.aio as triton_aio
+import tritonclient.utils.shared_memory as triton_shm
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
@@ -62,7 +64,8 @@ def main():
     print("seed %d (set TEST_SEED to repeat)" % seed, flush=True)
     rng = np.random.default_rng(seed)
     check = Checker("test_kserve (seed %d)" % seed)
-    server = ServerProcess(server_binary(), "--compute_threads=2").start()
+    server = ServerProcess(server_binary(), "--compute_threads=2",
+                           "--kserve_system_shared_memory").start()
     client = triton.InferenceServerClient(server.target)
     native = pb_grpc.AttentionServiceStub(grpc.insecure_channel(server.target))
 
@@ -187,6 +190,41 @@ def main():
             return await aio_client.infer("self", [triton_input("query", x)])
     check.check(np.array_equal(asyncio.run(infer_async()).as_numpy("output"), raw_answer),
                 "asyncio client answer differs")
+
+    # Triton's system shared memory extension through tritonclient's own utilities: the
+    # query read from one region, the output written into another (its response entry
+    # empty), the answer bitwise the raw call's.
+    keys = ["/attention-kserve-%d-%d-%s" % (os.getpid(), seed, name) for name in ("in", "out")]
+    regions = [triton_shm.create_shared_memory_region(name, key, x.nbytes)
+               for name, key in zip(("in", "out"), keys)]
+    try:
+        triton_shm.set_shared_memory_region(regions[0], [x])
+        for name, key in zip(("in", "out"), keys):
+            client.register_system_shared_memory(name, key, x.nbytes)
+        status = client.get_system_shared_memory_status()
+        check.check(sorted(status.regions) == ["in", "out"] and
+                    status.regions["in"].byte_size == x.nbytes,
+                    "SystemSharedMemoryStatus: %s" % status)
+        query = triton.InferInput("query", list(x.shape), "FP32")
+        query.set_shared_memory("in", x.nbytes)
+        output = triton.InferRequestedOutput("output")
+        output.set_shared_memory("out", x.nbytes)
+        result = client.infer("self", [query], outputs=[output])
+        answered = triton_shm.get_contents_as_numpy(regions[1], np.float32, list(x.shape))
+        check.check(np.array_equal(answered, raw_answer) and
+                    list(result.get_output("output").shape) == list(x.shape),
+                    "the output in shared memory differs from the raw answer")
+        try:
+            client.register_system_shared_memory("in", keys[0], x.nbytes)
+            check.check(False, "a second region \"in\" was registered")
+        except InferenceServerException as e:
+            check.check(e.status() == "StatusCode.ALREADY_EXISTS", "re-register: %s" % e)
+        client.unregister_system_shared_memory()
+        check.check(not client.get_system_shared_memory_status().regions,
+                    "regions left after unregistering all")
+    finally:
+        for region in regions:
+            triton_shm.destroy_shared_memory_region(region)
 
     # Errors keep their status and message.
     try:

@@ -78,12 +78,20 @@ std::vector<InferCase> InferCases() {
        C::kInvalidArgument,
        "inputs[\"query\"].datatype = \"INT8\" is not accepted; expected one of "
        "FP32, FP16, BF16"},
-      {"shared memory input",
+      {"shared memory input, off",
        [](auto& r) {
-         (*r.mutable_inputs(0)->mutable_parameters())["shared_memory_region"].set_string_param("r");
+         auto& parameters = *r.mutable_inputs(0)->mutable_parameters();
+         parameters["shared_memory_region"].set_string_param("r");
+         parameters["shared_memory_byte_size"].set_int64_param(9216);
        },
-       C::kUnimplemented,
-       "inputs[\"query\"].parameters[\"shared_memory_region\"] is not supported"},
+       C::kFailedPrecondition,
+       "inputs[\"query\"].parameters[\"shared_memory_region\"]: system shared memory is off "
+       "on this server; start it with --kserve_system_shared_memory"},
+      {"unknown input parameter",
+       [](auto& r) {
+         (*r.mutable_inputs(0)->mutable_parameters())["classification"].set_int64_param(1);
+       },
+       C::kUnimplemented, "inputs[\"query\"].parameters[\"classification\"] is not supported"},
       {"binary_data_size mismatch",
        [](auto& r) {
          (*r.mutable_inputs(0)->mutable_parameters())["binary_data_size"].set_int64_param(12);
@@ -335,7 +343,7 @@ TEST(KserveConvertTest, TypedContentsAndTypedOutputs) {
   wire::EncodeTensor(std::vector<float>{0.5f, 3.0f}, {1, 1, 2}, core::DType::kFloat32,
                      answer.mutable_output());
   inference::ModelInferResponse response;
-  kserve::ToInferResponse(answer, plan, "m", &response);
+  ASSERT_TRUE(kserve::ToInferResponse(answer, plan, "m", &response).ok());
   EXPECT_EQ(response.model_version(), "4");
   ASSERT_EQ(response.outputs_size(), 1);
   EXPECT_EQ(response.raw_output_contents_size(), 0);
