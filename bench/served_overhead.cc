@@ -9,11 +9,20 @@
 //   served    MultiHeadAttention on the demo layer (E=768, 12 heads) through an in-process
 //             server, one caller;
 //   compute   the same forward pass on the layer directly (in process, no gRPC);
-//   protobuf  serializing and parsing the request and the answer messages.
+//   protobuf  serializing and parsing the request and the answer messages;
+//   shm       with --kserve_shared_memory, the same request as KServe ModelInfer with its
+//             query written into (each call) and its output read from POSIX shared
+//             memory regions (Triton's system shared memory extension): no tensor bytes in
+//             the messages.
 // Medians over the rounds after the untimed warm-up ones are printed, with served - compute
 // and served / compute.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <string>
 #include <utility>
@@ -30,6 +39,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "attention/v1/attention.grpc.pb.h"
+#include "inference/grpc_service.grpc.pb.h"
 #include "server/app/malloc_tuning.h"
 #include "server/app/server.h"
 #include "tensor_codec.h"
@@ -46,6 +56,8 @@ ABSL_FLAG(bool, causal, false, "causal attention (S3: --batch=1 --tokens=2048 --
 ABSL_FLAG(bool, bf16, false,
           "serve a BFLOAT16 layer of the demo layer's shape (LayerConfig.compute_dtype, issue "
           "26) with bf16 requests and answers; compute is then the same bf16 input in process");
+ABSL_FLAG(bool, kserve_shared_memory, false,
+          "also time KServe ModelInfer with the query and output in system shared memory");
 ABSL_FLAG(int, echo_lookahead_bytes, 0,
           "grpc.http2.lookahead_bytes of the echo client and server (0: gRPC's default)");
 ABSL_FLAG(int, echo_max_frame_bytes, 0,
@@ -76,6 +88,25 @@ class EchoService final : public grpc::CallbackGenericService {
     };
     return new Reactor;
   }
+};
+
+// A POSIX shared memory object of `bytes` for one run, mapped; unlinked at the end.
+struct SharedObject {
+  explicit SharedObject(const std::string& name, size_t bytes)
+      : key("/served-overhead-" + std::to_string(getpid()) + "-" + name), size(bytes) {
+    const int fd = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0 || ftruncate(fd, static_cast<off_t>(bytes)) != 0) std::abort();
+    data = static_cast<char*>(mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+    close(fd);
+    if (data == MAP_FAILED) std::abort();
+  }
+  ~SharedObject() {
+    munmap(data, size);
+    shm_unlink(key.c_str());
+  }
+  std::string key;
+  size_t size;
+  char* data;
 };
 
 double Median(std::vector<double> values) {
@@ -118,6 +149,7 @@ int main(int argc, char** argv) {
   options.demo_layer = true;
   options.compute_threads = absl::GetFlag(FLAGS_compute_threads);
   options.batcher.num_workers = absl::GetFlag(FLAGS_batch_workers);
+  options.kserve_system_shared_memory = absl::GetFlag(FLAGS_kserve_shared_memory);
   auto server = AttentionServer::Start(options);
   if (!server.ok()) {
     std::fprintf(stderr, "server: %s\n", server.status().ToString().c_str());
@@ -179,6 +211,51 @@ int main(int argc, char** argv) {
   const grpc::Slice slice(payload);
   const grpc::ByteBuffer echo_request(&slice, 1);
 
+  // KServe ModelInfer over shared memory: the query's bytes go into region "in" each call,
+  // the answer comes back in region "out".
+  const bool shm = absl::GetFlag(FLAGS_kserve_shared_memory);
+  const size_t element_bytes = bf16 ? 2 : 4;
+  const size_t tensor_bytes = values.size() * element_bytes;
+  std::unique_ptr<SharedObject> shm_in, shm_out;
+  auto kserve = inference::GRPCInferenceService::NewStub(grpc::CreateCustomChannel(
+      "127.0.0.1:" + std::to_string((*server)->port()), grpc::InsecureChannelCredentials(),
+      LargeMessages()));
+  inference::ModelInferRequest shm_request;
+  if (shm) {
+    shm_in = std::make_unique<SharedObject>("in", tensor_bytes);
+    shm_out = std::make_unique<SharedObject>("out", tensor_bytes);
+    for (const auto& [name, object] : {std::pair{"in", shm_in.get()}, {"out", shm_out.get()}}) {
+      inference::SystemSharedMemoryRegisterRequest registration;
+      registration.set_name(name);
+      registration.set_key(object->key);
+      registration.set_byte_size(object->size);
+      grpc::ClientContext context;
+      inference::SystemSharedMemoryRegisterResponse registered;
+      if (const grpc::Status status =
+              kserve->SystemSharedMemoryRegister(&context, registration, &registered);
+          !status.ok()) {
+        std::fprintf(stderr, "SystemSharedMemoryRegister: %s\n", status.error_message().c_str());
+        return 1;
+      }
+    }
+    shm_request.set_model_name(layer_name);
+    auto* query = shm_request.add_inputs();
+    query->set_name("query");
+    query->set_datatype(bf16 ? "BF16" : "FP32");
+    for (int64_t dim : {batch, tokens, embed_dim}) query->add_shape(dim);
+    (*query->mutable_parameters())["shared_memory_region"].set_string_param("in");
+    (*query->mutable_parameters())["shared_memory_byte_size"].set_int64_param(
+        static_cast<int64_t>(tensor_bytes));
+    auto* output = shm_request.add_outputs();
+    output->set_name("output");
+    (*output->mutable_parameters())["shared_memory_region"].set_string_param("out");
+    (*output->mutable_parameters())["shared_memory_byte_size"].set_int64_param(
+        static_cast<int64_t>(tensor_bytes));
+    (*shm_request.mutable_parameters())["causal"].set_bool_param(absl::GetFlag(FLAGS_causal));
+  }
+  const void* query_bytes =
+      bf16 ? static_cast<const void*>(bf16_values.data()) : static_cast<const void*>(values.data());
+
   auto layer = (*(*server)->registry().Get(layer_name))->layer;
   attention::core::MhaInput input;
   input.batch = batch;
@@ -191,7 +268,7 @@ int main(int argc, char** argv) {
   }
   input.options.causal = absl::GetFlag(FLAGS_causal);
 
-  std::vector<double> echo_ms, served_ms, compute_ms, protobuf_ms;
+  std::vector<double> echo_ms, served_ms, compute_ms, protobuf_ms, shm_ms;
   const int warmup_rounds = absl::GetFlag(FLAGS_warmup_rounds);
   for (int round = -warmup_rounds; round < absl::GetFlag(FLAGS_rounds); ++round) {
     if (round == 0) {  // warmed up: time from here on
@@ -199,6 +276,7 @@ int main(int argc, char** argv) {
       served_ms.clear();
       compute_ms.clear();
       protobuf_ms.clear();
+      shm_ms.clear();
     }
     absl::Time start = absl::Now();
     grpc::ByteBuffer echoed;
@@ -229,6 +307,19 @@ int main(int argc, char** argv) {
     compute_ms.push_back(MillisecondsSince(start));
     if (!computed.ok()) return 1;
 
+    if (shm) {
+      start = absl::Now();
+      std::memcpy(shm_in->data, query_bytes, tensor_bytes);
+      grpc::ClientContext shm_context;
+      inference::ModelInferResponse shm_response;
+      const grpc::Status shm_status = kserve->ModelInfer(&shm_context, shm_request, &shm_response);
+      shm_ms.push_back(MillisecondsSince(start));
+      if (!shm_status.ok()) {
+        std::fprintf(stderr, "ModelInfer: %s\n", shm_status.error_message().c_str());
+        return 1;
+      }
+    }
+
     start = absl::Now();
     attention::v1::MultiHeadAttentionRequest parsed_request;
     attention::v1::MultiHeadAttentionResponse parsed_response;
@@ -248,6 +339,12 @@ int main(int argc, char** argv) {
   std::printf("  served MultiHeadAttention             %8.2f ms\n", served);
   std::printf("  served - compute                      %8.2f ms\n", served - compute);
   std::printf("  served / in-process throughput        %8.3f\n", compute / served);
+  if (shm) {
+    const double shared = Median(shm_ms);
+    std::printf("  KServe ModelInfer, shared memory      %8.2f ms\n", shared);
+    std::printf("  shared memory - compute               %8.2f ms\n", shared - compute);
+    std::printf("  shared memory / in-process throughput %8.3f\n", compute / shared);
+  }
   echo_server->Shutdown();
   return 0;
 }
