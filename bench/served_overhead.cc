@@ -217,9 +217,9 @@ int main(int argc, char** argv) {
   const size_t element_bytes = bf16 ? 2 : 4;
   const size_t tensor_bytes = values.size() * element_bytes;
   std::unique_ptr<SharedObject> shm_in, shm_out;
-  auto kserve = inference::GRPCInferenceService::NewStub(grpc::CreateCustomChannel(
-      "127.0.0.1:" + std::to_string((*server)->port()), grpc::InsecureChannelCredentials(),
-      LargeMessages()));
+  auto kserve = inference::GRPCInferenceService::NewStub(
+      grpc::CreateCustomChannel("127.0.0.1:" + std::to_string((*server)->port()),
+                                grpc::InsecureChannelCredentials(), LargeMessages()));
   inference::ModelInferRequest shm_request;
   if (shm) {
     shm_in = std::make_unique<SharedObject>("in", tensor_bytes);

@@ -150,8 +150,7 @@ absl::StatusOr<uint64_t> SizeParameter(absl::string_view field, const char* key,
     return Invalid(field, ".parameters[\"", key, "\"] must be an int64 or uint64 parameter");
   }
   if (parameter.int64_param() < 0) {
-    return Invalid(field, ".parameters[\"", key, "\"] = ", parameter.int64_param(),
-                   " is negative");
+    return Invalid(field, ".parameters[\"", key, "\"] = ", parameter.int64_param(), " is negative");
   }
   return static_cast<uint64_t>(parameter.int64_param());
 }
@@ -199,10 +198,10 @@ absl::Status CheckInputParameters(const InputTensor& input, const std::string* r
   for (const auto& [key, parameter] : input.parameters()) {
     if (IsSharedMemoryParameter(key)) continue;
     if (key != "binary_data_size") {
-      return absl::UnimplementedError(absl::StrCat(
-          "inputs[", Quoted(input.name()), "].parameters[", Quoted(key),
-          "] is not supported; an input takes binary_data_size, shared_memory_region, "
-          "shared_memory_byte_size and shared_memory_offset"));
+      return absl::UnimplementedError(
+          absl::StrCat("inputs[", Quoted(input.name()), "].parameters[", Quoted(key),
+                       "] is not supported; an input takes binary_data_size, shared_memory_region, "
+                       "shared_memory_byte_size and shared_memory_offset"));
     }
     // Compared and printed as sent: a negative int64 is no size, not a 64-bit wrap-around.
     std::string sent = "(not an integer)";
@@ -369,10 +368,10 @@ absl::Status PlanOutputs(const inference::ModelInferRequest& request,
     }
     for (const auto& [key, parameter] : output.parameters()) {
       if (IsSharedMemoryParameter(key)) continue;
-      return absl::UnimplementedError(absl::StrCat(
-          "outputs[", Quoted(output.name()), "].parameters[", Quoted(key),
-          "] is not supported (no classification outputs); an output takes "
-          "shared_memory_region, shared_memory_byte_size and shared_memory_offset"));
+      return absl::UnimplementedError(
+          absl::StrCat("outputs[", Quoted(output.name()), "].parameters[", Quoted(key),
+                       "] is not supported (no classification outputs); an output takes "
+                       "shared_memory_region, shared_memory_byte_size and shared_memory_offset"));
     }
     for (const std::string& earlier : plan->names) {
       if (earlier == output.name()) {
@@ -435,7 +434,8 @@ absl::Status ToNativeRequest(const inference::ModelInferRequest& request,
   const bool raw = request.raw_input_contents_size() > 0;
   if (raw && request.raw_input_contents_size() != outside) {
     return Invalid("raw_input_contents has ", request.raw_input_contents_size(), " entries for ",
-                   outside, " inputs", outside == request.inputs_size() ? "" : " outside shared memory",
+                   outside, " inputs",
+                   outside == request.inputs_size() ? "" : " outside shared memory",
                    "; give one per input");
   }
   static const std::vector<std::string> kFloatTypes = {"FP32", "FP16", "BF16"};

@@ -69,7 +69,8 @@ absl::Status ToKserveStatus(const absl::Status& status,
 // Moves the native answer's tensors into `response`, or writes them to shared memory, as
 // `plan` says; an error when a shared memory slice cannot take its output.
 absl::Status ToInferResponse(v1::MultiHeadAttentionResponse& native, const OutputPlan& plan,
-                     const std::string& model_name, inference::ModelInferResponse* response);
+                             const std::string& model_name,
+                             inference::ModelInferResponse* response);
 
 // The protocol's datatype name of a native dtype (core::DTypeInfo::kserve_name: "FP32",
 // "FP16", "BF16", "BOOL"); "" for DATA_TYPE_UNSPECIFIED.

@@ -287,7 +287,6 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::RepositoryModelUnload(
   return call.reactor();
 }
 
-
 grpc::ServerUnaryReactor* InferenceServiceImpl::SystemSharedMemoryStatus(
     grpc::CallbackServerContext* context, const inference::SystemSharedMemoryStatusRequest* request,
     inference::SystemSharedMemoryStatusResponse* response) {

@@ -73,15 +73,14 @@ absl::Status SystemSharedMemory::Register(
   const int fd = shm_open(request.key().c_str(), O_RDWR | O_CLOEXEC, 0);
   if (fd < 0) {
     const int error = errno;
-    const std::string what = absl::StrCat("key = ", Quoted(request.key()), ": ",
-                                          std::strerror(error));
+    const std::string what =
+        absl::StrCat("key = ", Quoted(request.key()), ": ", std::strerror(error));
     if (error == ENOENT) return absl::NotFoundError(absl::StrCat(what, " (no such object)"));
     if (error == EACCES) return absl::PermissionDeniedError(what);
     return Invalid(what);
   }
-  auto region = std::make_shared<const SharedMemoryRegion>(request.name(), request.key(),
-                                                           request.offset(),
-                                                           request.byte_size(), fd);
+  auto region = std::make_shared<const SharedMemoryRegion>(
+      request.name(), request.key(), request.offset(), request.byte_size(), fd);
   struct stat status {};
   if (fstat(fd, &status) != 0 || !S_ISREG(status.st_mode) ||
       static_cast<uint64_t>(status.st_size) < end) {
@@ -126,7 +125,8 @@ absl::Status SystemSharedMemory::Describe(
     status.set_byte_size(region->byte_size);
   }
   if (!name.empty() && response->regions().empty()) {
-    return absl::NotFoundError(absl::StrCat("name = ", Quoted(name), " is not a registered region"));
+    return absl::NotFoundError(
+        absl::StrCat("name = ", Quoted(name), " is not a registered region"));
   }
   return absl::OkStatus();
 }
@@ -136,8 +136,8 @@ absl::StatusOr<SharedMemorySlice> SystemSharedMemory::Find(absl::string_view fie
                                                            uint64_t offset,
                                                            uint64_t byte_size) const {
   if (!enabled_) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        field, ".parameters[\"shared_memory_region\"]: ", Off().message()));
+    return absl::FailedPreconditionError(
+        absl::StrCat(field, ".parameters[\"shared_memory_region\"]: ", Off().message()));
   }
   std::shared_ptr<const SharedMemoryRegion> region;
   {
@@ -145,8 +145,7 @@ absl::StatusOr<SharedMemorySlice> SystemSharedMemory::Find(absl::string_view fie
     const auto found = regions_.find(region_name);
     if (found == regions_.end()) {
       return absl::NotFoundError(absl::StrCat(field, ".parameters[\"shared_memory_region\"] = ",
-                                              Quoted(region_name),
-                                              " is not a registered region"));
+                                              Quoted(region_name), " is not a registered region"));
     }
     region = found->second;
   }
@@ -166,10 +165,10 @@ absl::Status ReadSlice(const SharedMemorySlice& slice, std::string* bytes) {
                               static_cast<off_t>(slice.region->offset + slice.offset + done));
     if (got < 0 && errno == EINTR) continue;
     if (got <= 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          slice.field, ": region ", Quoted(slice.region->name), " (key ",
-          Quoted(slice.region->key), ") gave ", done, " of its ", slice.byte_size,
-          " bytes; the object shrank or cannot be read"));
+      return absl::FailedPreconditionError(
+          absl::StrCat(slice.field, ": region ", Quoted(slice.region->name), " (key ",
+                       Quoted(slice.region->key), ") gave ", done, " of its ", slice.byte_size,
+                       " bytes; the object shrank or cannot be read"));
     }
     done += static_cast<uint64_t>(got);
   }
@@ -188,9 +187,8 @@ absl::Status WriteSlice(const SharedMemorySlice& slice, absl::string_view bytes)
     if (put < 0 && errno == EINTR) continue;
     if (put <= 0) {
       return absl::FailedPreconditionError(absl::StrCat(
-          slice.field, ": region ", Quoted(slice.region->name), " (key ",
-          Quoted(slice.region->key), ") took ", done, " of ", bytes.size(),
-          " bytes: ", std::strerror(errno)));
+          slice.field, ": region ", Quoted(slice.region->name), " (key ", Quoted(slice.region->key),
+          ") took ", done, " of ", bytes.size(), " bytes: ", std::strerror(errno)));
     }
     done += static_cast<uint64_t>(put);
   }

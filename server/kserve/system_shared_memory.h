@@ -24,8 +24,7 @@ namespace attention::server::kserve {
 // One registered region: the object's descriptor stays open while the region or a call
 // using it holds this.
 struct SharedMemoryRegion {
-  SharedMemoryRegion(std::string name, std::string key, uint64_t offset, uint64_t byte_size,
-                     int fd)
+  SharedMemoryRegion(std::string name, std::string key, uint64_t offset, uint64_t byte_size, int fd)
       : name(std::move(name)), key(std::move(key)), offset(offset), byte_size(byte_size), fd(fd) {}
   ~SharedMemoryRegion();
   SharedMemoryRegion(const SharedMemoryRegion&) = delete;

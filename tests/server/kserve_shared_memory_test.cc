@@ -83,8 +83,8 @@ TEST(SystemSharedMemoryTest, EveryRegistrationRejectionNamesTheFieldAndValues) {
   SystemSharedMemory regions(true, 1 << 20);
   ExpectStatus(regions.Register(Registration("", object.key(), 0, 8)), C::kInvalidArgument,
                "name is empty");
-  for (const std::string& key : {std::string(), std::string("/"), std::string("/a/b"),
-                                 "/" + std::string(300, 'k')}) {
+  for (const std::string& key :
+       {std::string(), std::string("/"), std::string("/a/b"), "/" + std::string(300, 'k')}) {
     ExpectStatus(regions.Register(Registration("r", key, 0, 8)), C::kInvalidArgument,
                  "is not a shared memory object name");
   }
@@ -92,8 +92,8 @@ TEST(SystemSharedMemoryTest, EveryRegistrationRejectionNamesTheFieldAndValues) {
                "byte_size is 0 for region \"r\"");
   ExpectStatus(regions.Register(Registration("r", object.key(), UINT64_MAX - 3, 8)),
                C::kInvalidArgument, "offset 18446744073709551612 + byte_size 8 is past");
-  ExpectStatus(regions.Register(Registration("r", "/attention-test-absent", 0, 8)),
-               C::kNotFound, "key = \"/attention-test-absent\"");
+  ExpectStatus(regions.Register(Registration("r", "/attention-test-absent", 0, 8)), C::kNotFound,
+               "key = \"/attention-test-absent\"");
   ExpectStatus(regions.Register(Registration("r", object.key(), 4000, 200)), C::kInvalidArgument,
                "region \"r\" = bytes [4000, 4200) of key");
   EXPECT_TRUE(regions.Register(Registration("r", object.key(), 0, 4096)).ok());
@@ -133,8 +133,7 @@ TEST(SystemSharedMemoryTest, StatusAndUnregister) {
   std::string bytes;
   ASSERT_TRUE(kserve::ReadSlice(*slice, &bytes).ok());
   EXPECT_EQ(bytes, "abcdefgh");
-  ExpectStatus(regions.Find("inputs[\"query\"]", "a", 0, 8).status(),
-               absl::StatusCode::kNotFound,
+  ExpectStatus(regions.Find("inputs[\"query\"]", "a", 0, 8).status(), absl::StatusCode::kNotFound,
                "inputs[\"query\"].parameters[\"shared_memory_region\"] = \"a\" is not a "
                "registered region");
   EXPECT_TRUE(regions.Unregister("").ok());
@@ -200,8 +199,7 @@ TEST(SystemSharedMemoryTest, EverySliceRejectionNamesTheFieldAndValues) {
        C::kInvalidArgument,
        "inputs[\"query\"].parameters[\"shared_memory_region\"] must be a string parameter"},
       {"no size", [&](auto& r) { query_parameters(r)->erase("shared_memory_byte_size"); },
-       C::kInvalidArgument,
-       "inputs[\"query\"].parameters[\"shared_memory_byte_size\"] is missing"},
+       C::kInvalidArgument, "inputs[\"query\"].parameters[\"shared_memory_byte_size\"] is missing"},
       {"negative size",
        [&](auto& r) { (*query_parameters(r))["shared_memory_byte_size"].set_int64_param(-4); },
        C::kInvalidArgument,
@@ -219,16 +217,15 @@ TEST(SystemSharedMemoryTest, EverySliceRejectionNamesTheFieldAndValues) {
        [&](auto& r) {
          (*query_parameters(r))["shared_memory_offset"].set_uint64_param(kQueryBytes + 8);
        },
-       C::kInvalidArgument, "inputs[\"query\"] asks for bytes [9224, 18440) of region \"in\", "
-                            "which has 18432"},
+       C::kInvalidArgument,
+       "inputs[\"query\"] asks for bytes [9224, 18440) of region \"in\", "
+       "which has 18432"},
       {"raw entry for it too",
        [&](auto& r) { r.add_raw_input_contents(std::string(kQueryBytes, '\0')); },
-       C::kInvalidArgument,
-       "raw_input_contents has 1 entries for 0 inputs outside shared memory"},
+       C::kInvalidArgument, "raw_input_contents has 1 entries for 0 inputs outside shared memory"},
       {"contents too",
        [&](auto& r) { r.mutable_inputs(0)->mutable_contents()->add_fp32_contents(1); },
-       C::kInvalidArgument,
-       "inputs[\"query\"] has contents while a shared memory region is used"},
+       C::kInvalidArgument, "inputs[\"query\"] has contents while a shared memory region is used"},
       {"more than a call may send",
        [&](auto& r) {
          *r.add_inputs() = r.inputs(0);
@@ -328,8 +325,8 @@ TEST_F(KserveSharedMemoryServerTest, InputsAndOutputsThroughSharedMemoryEqualThe
 
   // A slice that is not the shape's size is refused where raw contents would be, naming it.
   ModelInferRequest short_query = SharedQueryRequest(kOffset);
-  (*short_query.mutable_inputs(0)->mutable_parameters())["shared_memory_byte_size"]
-      .set_int64_param(64);
+  (*short_query.mutable_inputs(0)->mutable_parameters())["shared_memory_byte_size"].set_int64_param(
+      64);
   grpc::ClientContext short_context;
   inference::ModelInferResponse short_response;
   const grpc::Status wrong_size = stub_->ModelInfer(&short_context, short_query, &short_response);
@@ -358,8 +355,8 @@ TEST_F(KserveSharedMemoryServerTest, InputsAndOutputsThroughSharedMemoryEqualThe
   grpc::ClientContext unregister_context;
   inference::SystemSharedMemoryUnregisterRequest unregister;
   inference::SystemSharedMemoryUnregisterResponse unregistered;
-  ASSERT_TRUE(stub_->SystemSharedMemoryUnregister(&unregister_context, unregister, &unregistered)
-                  .ok());
+  ASSERT_TRUE(
+      stub_->SystemSharedMemoryUnregister(&unregister_context, unregister, &unregistered).ok());
   grpc::ClientContext after_context;
   inference::ModelInferResponse after;
   const grpc::Status gone = stub_->ModelInfer(&after_context, request, &after);
