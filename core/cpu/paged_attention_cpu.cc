@@ -131,8 +131,59 @@ struct RowKernels {
 PAGED_ROW_KERNELS(Portable, )
 PAGED_SOFTMAX_KERNELS(Portable, )
 #if defined(__x86_64__)
-PAGED_ROW_KERNELS(Avx2, __attribute__((target("avx2,fma"))))
 PAGED_SOFTMAX_KERNELS(Avx2, __attribute__((target("avx2,fma"))))
+#define PAGED_AVX2 __attribute__((target("avx2,fma")))
+
+// The AVX2 dot products: four keys at a time, each query chunk loaded once for the four,
+// their sums reduced together (the generic loop reduced 8 lanes per key). Scored in the
+// same order for every split, so results do not depend on the thread count.
+PAGED_AVX2 void ScoresAvx2(const float* query, const float* keys, int64_t key_stride, int64_t count,
+                           int64_t dim, float scale, float* scores) {
+  if (dim % 8 != 0) return ScoresGeneric(query, keys, key_stride, count, dim, scale, scores);
+  int64_t j = 0;
+  for (; j + 4 <= count; j += 4) {
+    const float* key = keys + j * key_stride;
+    __m256 sums[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                      _mm256_setzero_ps()};
+    for (int64_t c = 0; c < dim; c += 8) {
+      const __m256 q = _mm256_loadu_ps(query + c);
+      for (int k = 0; k < 4; ++k) {
+        sums[k] = _mm256_fmadd_ps(q, _mm256_loadu_ps(key + k * key_stride + c), sums[k]);
+      }
+    }
+    // Lane pairs, then quads: [k0 k1 k2 k3] in each 128-bit half, then the halves added.
+    const __m256 pairs =
+        _mm256_hadd_ps(_mm256_hadd_ps(sums[0], sums[1]), _mm256_hadd_ps(sums[2], sums[3]));
+    const __m128 total = _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+    _mm_storeu_ps(scores + j, _mm_mul_ps(total, _mm_set1_ps(scale)));
+  }
+  ScoresGeneric(query, keys + j * key_stride, key_stride, count - j, dim, scale, scores + j);
+}
+
+// acc += sum_j weights[j] * value_j, 32 columns at a time held in registers across the
+// keys (the generic loop loaded and stored the accumulators for every key); per column the
+// same products in the same order.
+PAGED_AVX2 void AccumulateAvx2(float* __restrict acc, const float* __restrict weights,
+                               const float* __restrict values, int64_t value_stride, int64_t count,
+                               int64_t dim) {
+  constexpr int64_t kColumns = 32;
+  const int64_t whole = dim / kColumns * kColumns;
+  for (int64_t c = 0; c < whole; c += kColumns) {
+    __m256 sums[4];
+    for (int v = 0; v < 4; ++v) sums[v] = _mm256_loadu_ps(acc + c + 8 * v);
+    for (int64_t j = 0; j < count; ++j) {
+      const __m256 weight = _mm256_set1_ps(weights[j]);
+      const float* value = values + j * value_stride + c;
+      for (int v = 0; v < 4; ++v) {
+        sums[v] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value + 8 * v), sums[v]);
+      }
+    }
+    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(acc + c + 8 * v, sums[v]);
+  }
+  if (whole < dim) {
+    AccumulateGeneric(acc + whole, weights, values + whole, value_stride, count, dim - whole);
+  }
+}
 #endif
 
 RowKernels Kernels(SimdLevel level) {
