@@ -127,6 +127,7 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ServerMetadata(
   response->set_version(ATTENTION_VERSION);
   response->add_extensions("model_repository");
   response->add_extensions("statistics");
+  if (shared_memory_.enabled()) response->add_extensions("system_shared_memory");
   call.Answer(CheckKnownFields(*request));
   return call.reactor();
 }

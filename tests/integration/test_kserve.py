@@ -79,7 +79,8 @@ def main():
     check.check(client.is_server_live(), "ServerLive is false")
     check.check(client.is_server_ready(), "ServerReady is false")
     metadata = client.get_server_metadata()
-    check.check(metadata.name == "attention-service" and "model_repository" in metadata.extensions,
+    check.check(metadata.name == "attention-service" and "model_repository" in metadata.extensions
+                and "system_shared_memory" in metadata.extensions,
                 "ServerMetadata: %s" % metadata)
 
     # Layers through the repository extension: self-attention with GQA, and cross-attention.

@@ -6,6 +6,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <functional>
 
@@ -364,6 +365,12 @@ TEST_F(KserveSharedMemoryServerTest, InputsAndOutputsThroughSharedMemoryEqualThe
 }
 
 TEST_F(KserveSharedMemoryServerTest, RegisterRejectionsReachTheCaller) {
+  grpc::ClientContext metadata_context;
+  inference::ServerMetadataResponse metadata;
+  ASSERT_TRUE(stub_->ServerMetadata(&metadata_context, {}, &metadata).ok());
+  EXPECT_NE(
+      std::find(metadata.extensions().begin(), metadata.extensions().end(), "system_shared_memory"),
+      metadata.extensions().end());
   SharedObject object(64);
   EXPECT_EQ(Register("r", "/attention-test-absent", 0, 8).error_code(),
             grpc::StatusCode::NOT_FOUND);
@@ -384,6 +391,12 @@ TEST_F(ServerTest, SystemSharedMemoryIsOffByDefault) {
   EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_NE(status.error_message().find("--kserve_system_shared_memory"), std::string::npos)
       << status.error_message();
+  grpc::ClientContext metadata_context;
+  inference::ServerMetadataResponse metadata;
+  ASSERT_TRUE(stub->ServerMetadata(&metadata_context, {}, &metadata).ok());
+  for (const std::string& extension : metadata.extensions()) {
+    EXPECT_NE(extension, "system_shared_memory");
+  }
 }
 
 }  // namespace
