@@ -44,11 +44,15 @@ absl::StatusOr<v1::DataType> ParseDatatype(const InputTensor& input,
                  " is not accepted; expected one of ", ListForMessage(allowed));
 }
 
+// inputs["name"]: how messages name an input.
+std::string InputField(const InputTensor& input) {
+  return absl::StrCat("inputs[", Quoted(input.name()), "]");
+}
+
 // The element count of `input`'s shape under the protocol's shape rule (zero dimensions
 // pass here; the native decode refuses them after conversion).
 absl::StatusOr<int64_t> ElementCount(const InputTensor& input) {
-  return wire::ElementCount(input.shape(), absl::StrCat("inputs[", Quoted(input.name()), "]"),
-                            wire::ShapeRule::kNonNegative);
+  return wire::ElementCount(input.shape(), InputField(input), wire::ShapeRule::kNonNegative);
 }
 
 // INVALID_ARGUMENT when typed contents hold `given` values where the shape needs `count`.
@@ -186,10 +190,6 @@ absl::StatusOr<std::optional<SharedMemorySlice>> SharedMemoryParameters(
     ASSIGN_OR_RETURN(offset, SizeParameter(field, kOffsetParameter, given->second));
   }
   return shared_memory.Find(field, region->second.string_param(), offset, byte_size);
-}
-
-std::string InputField(const InputTensor& input) {
-  return absl::StrCat("inputs[", Quoted(input.name()), "]");
 }
 
 // An input's parameters: binary_data_size, which the KServe SDK sends with every raw

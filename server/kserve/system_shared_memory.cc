@@ -58,18 +58,6 @@ absl::Status SystemSharedMemory::Register(
   }
   ASSIGN_OR_RETURN(const uint64_t end, End(absl::StrCat("region ", Quoted(request.name()), ":"),
                                            request.offset(), request.byte_size()));
-  {
-    core::MutexLock lock(mu_);
-    if (regions_.count(request.name())) {
-      return absl::AlreadyExistsError(
-          absl::StrCat("region ", Quoted(request.name()), " is already registered (key ",
-                       Quoted(regions_.at(request.name())->key), "); unregister it first"));
-    }
-    if (regions_.size() >= kMaxRegions) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          kMaxRegions, " regions are registered, the most this server holds; unregister one"));
-    }
-  }
   const int fd = shm_open(request.key().c_str(), O_RDWR | O_CLOEXEC, 0);
   if (fd < 0) {
     const int error = errno;
@@ -79,6 +67,7 @@ absl::Status SystemSharedMemory::Register(
     if (error == EACCES) return absl::PermissionDeniedError(what);
     return Invalid(what);
   }
+  // Owns the descriptor from here: an early return closes it.
   auto region = std::make_shared<const SharedMemoryRegion>(
       request.name(), request.key(), request.offset(), request.byte_size(), fd);
   struct stat status {};
@@ -89,15 +78,16 @@ absl::Status SystemSharedMemory::Register(
                    static_cast<int64_t>(status.st_size), " bytes");
   }
   core::MutexLock lock(mu_);
-  if (!regions_.emplace(request.name(), std::move(region)).second) {  // raced a twin
+  if (const auto found = regions_.find(request.name()); found != regions_.end()) {
     return absl::AlreadyExistsError(
-        absl::StrCat("region ", Quoted(request.name()), " is already registered"));
+        absl::StrCat("region ", Quoted(request.name()), " is already registered (key ",
+                     Quoted(found->second->key), "); unregister it first"));
   }
-  if (regions_.size() > kMaxRegions) {
-    regions_.erase(request.name());
+  if (regions_.size() >= kMaxRegions) {
     return absl::ResourceExhaustedError(absl::StrCat(
         kMaxRegions, " regions are registered, the most this server holds; unregister one"));
   }
+  regions_.emplace(request.name(), std::move(region));
   return absl::OkStatus();
 }
 
