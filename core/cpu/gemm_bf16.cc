@@ -109,7 +109,7 @@ __attribute__((target("avx512f"))) inline __m512i SingleAt(const uint16_t* a) {
     }                                                                                        \
   }
 template <int R, bool kWide>
-__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void TileBf16Avx512(
+__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl,prfchw"))) void TileBf16Avx512(
     const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t panel_stride, int64_t depth,
     const Bf16TileOutput& out) {
   __m512 left0 = _mm512_setzero_ps(), left1 = left0, left2 = left0, left3 = left0, left4 = left0,
@@ -119,6 +119,18 @@ __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void TileBf16Avx
          right5 = left0, right6 = left0, right7 = left0, right8 = left0, right9 = left0,
          right10 = left0, right11 = left0;
   const uint16_t* second = panel + panel_stride;
+  // The tile's output rows, fetched for writing now (PREFETCHW) so that its stores at the
+  // end do not wait on memory: a projection's output is larger than the caches.
+  for (int r = 0; r < R; ++r) {
+    if (out.c_bf16 != nullptr) {
+      _mm_prefetch(reinterpret_cast<const char*>(out.c_bf16 + r * out.ldc), _MM_HINT_ET0);
+    } else {
+      _mm_prefetch(reinterpret_cast<const char*>(out.c + r * out.ldc), _MM_HINT_ET0);
+      if constexpr (kWide) {
+        _mm_prefetch(reinterpret_cast<const char*>(out.c + r * out.ldc + 16), _MM_HINT_ET0);
+      }
+    }
+  }
   // clang-format off
 #define BF16_STEP(load)                                                                       \
   const __m512bh b0 = (__m512bh)_mm512_loadu_si512(panel + (k / 2) * kPairRow);               \
