@@ -31,16 +31,6 @@ struct TileOutput {
   int64_t width;
 };
 
-// Fetches a tile's output rows (`panels` x 16 floats each) for writing (PREFETCHW) as the
-// tile starts, so that its stores at the end do not wait on memory: a projection's output
-// is larger than the caches.
-__attribute__((target("prfchw"))) inline void PrefetchOutputRows(int rows, int panels,
-                                                                 const TileOutput& out) {
-  for (int r = 0; r < rows; ++r) {
-    for (int p = 0; p < panels; ++p) __builtin_prefetch(out.c + r * out.ldc + p * kPanelWidth, 1);
-  }
-}
-
 // The scalar epilogue, from sums stored as R x 16 floats: the portable kernel's, and the
 // AVX2 kernel's for a panel narrower than 16 columns.
 void Epilogue(const float* acc, int rows, const TileOutput& out) {
@@ -189,7 +179,7 @@ template <int R>
 __attribute__((target("avx512f,prfchw"))) void TileAvx512(const float* a, int64_t lda,
                                                           const float* panel, int64_t depth,
                                                           const TileOutput& out) {
-  PrefetchOutputRows(R, 1, out);
+  PrefetchForWriting(out.c, out.ldc * sizeof(float), R, kPanelWidth * sizeof(float));
   __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0, sum2 = sum0, sum3 = sum0, sum4 = sum0,
          sum5 = sum0, sum6 = sum0, sum7 = sum0, sum8 = sum0, sum9 = sum0, sum10 = sum0,
          sum11 = sum0;
@@ -258,7 +248,7 @@ __attribute__((target("avx512f,prfchw"))) void TileAvx512Wide(const float* a, in
                                                               const float* panel,
                                                               int64_t panel_stride, int64_t depth,
                                                               const TileOutput& out) {
-  PrefetchOutputRows(R, 2, out);
+  PrefetchForWriting(out.c, out.ldc * sizeof(float), R, 2 * kPanelWidth * sizeof(float));
   __m512 sum_left0 = _mm512_setzero_ps(), sum_left1 = sum_left0, sum_left2 = sum_left0,
          sum_left3 = sum_left0, sum_left4 = sum_left0, sum_left5 = sum_left0,
          sum_left6 = sum_left0, sum_left7 = sum_left0, sum_left8 = sum_left0,

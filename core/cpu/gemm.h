@@ -28,6 +28,16 @@ SimdLevel BestSimdLevel();
 inline constexpr int64_t kPanelWidth = 16;
 
 inline int64_t PanelCount(int64_t columns) { return (columns + kPanelWidth - 1) / kPanelWidth; }
+
+// Fetches a tile's output rows (`rows` rows of `row_bytes`, `stride` bytes apart) for writing
+// as the tile starts, so that its stores at the end do not wait on memory: a projection's
+// output is larger than the caches. Inlined into tiles built with `prfchw`, it is PREFETCHW.
+inline void PrefetchForWriting(const void* first_row, int64_t stride, int rows, int64_t row_bytes) {
+  const char* row = static_cast<const char*>(first_row);
+  for (int r = 0; r < rows; ++r, row += stride) {
+    for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(row + line, 1);
+  }
+}
 // Floats of B [depth, columns] in panel layout: panel p holds columns [16p, 16p + 16) as
 // `depth` rows of 16 contiguous floats, zero past the last column.
 inline int64_t PanelFloats(int64_t depth, int64_t columns) {
