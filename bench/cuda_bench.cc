@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
 #include "bench/cuda_read_roof.h"
 #include "benchmark/benchmark.h"
 #include "core/cuda/paged_decode.h"
@@ -43,7 +44,7 @@ std::shared_ptr<const Backend> Gpu(std::string* why_none) {
 
 // B sequences of N tokens through an E-wide layer of H heads on the GPU.
 // compute_dtype BFLOAT16 runs the projections on tensor cores (issue 26), and its inputs
-// come in as bf16, as a bf16 caller's do.
+// come in and its answers go out as bf16, as a bf16 caller's do.
 void RunCudaMha(benchmark::State& state, int64_t batch, int64_t tokens, int64_t embed_dim,
                 int64_t heads, bool causal, DType compute_dtype = DType::kFloat32) {
   std::string why_none;
@@ -78,6 +79,16 @@ void RunCudaMha(benchmark::State& state, int64_t batch, int64_t tokens, int64_t 
     input.query = query;
   }
   input.options.causal = causal;
+  // Answers go where a served caller's do: into its response, in its dtype.
+  std::vector<float> answer;
+  std::vector<uint16_t> answer_bf16;
+  if (compute_dtype == DType::kBFloat16) {
+    answer_bf16.resize(query.size());
+    input.output_destination_bf16 = absl::MakeSpan(answer_bf16);
+  } else {
+    answer.resize(query.size());
+    input.output_destination = absl::MakeSpan(answer);
+  }
   const MhaInput* inputs[] = {&input};
   auto warmup = (*layer)->ForwardBatch(inputs);
   if (!warmup.ok()) {

@@ -84,14 +84,19 @@ int64_t ForwardPlan::AttendedOffset(size_t n) const {
 }
 
 void PackInputTokens(const MhaConfig& c, const ForwardPlan::Input& input, const MhaInput& in,
-                     float* x, float* key_input, float* value_input) {
+                     float* x, float* key_input, float* value_input, const CopyFloats& copy) {
+  const auto copy_to = [&copy](absl::Span<const float> from, float* to) {
+    if (copy) {
+      copy(from, to);
+    } else {
+      std::copy(from.begin(), from.end(), to);
+    }
+  };
   const absl::Span<const float> key = in.key.empty() ? in.query : in.key;
   const absl::Span<const float> value = in.value.empty() ? in.query : in.value;
-  if (x != nullptr) std::copy(in.query.begin(), in.query.end(), x + input.q_row * c.embed_dim);
-  if (key_input != nullptr) std::copy(key.begin(), key.end(), key_input + input.kv_row * c.kdim);
-  if (value_input != nullptr) {
-    std::copy(value.begin(), value.end(), value_input + input.kv_row * c.vdim);
-  }
+  if (x != nullptr) copy_to(in.query, x + input.q_row * c.embed_dim);
+  if (key_input != nullptr) copy_to(key, key_input + input.kv_row * c.kdim);
+  if (value_input != nullptr) copy_to(value, value_input + input.kv_row * c.vdim);
 }
 
 }  // namespace attention::core

@@ -6,6 +6,7 @@
 #define ATTENTION_CORE_FORWARD_PLAN_H_
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "absl/types/span.h"
@@ -69,8 +70,11 @@ ForwardPlan PlanForward(const MhaConfig& config, absl::Span<const MhaInput* cons
 // Copies float32 input `in`, planned as `input`, into the packed token matrices: its query
 // rows into `x` ([q_rows, E]), its key and value rows (its query rows for self-attention)
 // into `key_input` ([kv_rows, kdim]) and `value_input` ([kv_rows, vdim]); null skips one.
+// `copy(from, to)` does each copy when given (a GPU's staging copies run on several threads).
+using CopyFloats = std::function<void(absl::Span<const float> from, float* to)>;
 void PackInputTokens(const MhaConfig& config, const ForwardPlan::Input& input, const MhaInput& in,
-                     float* x, float* key_input, float* value_input);
+                     float* x, float* key_input, float* value_input,
+                     const CopyFloats& copy = nullptr);
 
 }  // namespace attention::core
 

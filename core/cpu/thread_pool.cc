@@ -1,6 +1,8 @@
 #include "core/cpu/thread_pool.h"
 
+#include <algorithm>
 #include <atomic>
+#include <cstring>
 
 #include <cblas.h>
 
@@ -73,6 +75,19 @@ void ThreadPool::WorkerLoop() {
     }
     RunItems(job);
   }
+}
+
+void ParallelCopy(ThreadPool& pool, void* to, const void* from, size_t bytes) {
+  constexpr size_t kMinPiece = size_t{1} << 20;
+  const size_t pieces = std::clamp<size_t>(bytes / kMinPiece, 1, pool.size());
+  const size_t piece = (bytes / pieces + 63) / 64 * 64;  // whole cache lines
+  pool.ParallelFor(static_cast<int64_t>(pieces), [&](int64_t p) {
+    const size_t begin = std::min(bytes, static_cast<size_t>(p) * piece);
+    const size_t end =
+        p + 1 == static_cast<int64_t>(pieces) ? bytes : std::min(bytes, begin + piece);
+    std::memcpy(static_cast<char*>(to) + begin, static_cast<const char*>(from) + begin,
+                end - begin);
+  });
 }
 
 }  // namespace attention::core

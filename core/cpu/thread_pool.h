@@ -54,6 +54,10 @@ class ThreadPool {
   std::vector<std::thread> threads_;
 };
 
+// memcpy(to, from, bytes) split into pieces of at least 1 MiB run across `pool`: one thread
+// copies well below a host's memory bandwidth (a GPU's staging copies are this).
+void ParallelCopy(ThreadPool& pool, void* to, const void* from, size_t bytes);
+
 }  // namespace attention::core
 
 #endif  // ATTENTION_CORE_CPU_THREAD_POOL_H_

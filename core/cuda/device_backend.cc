@@ -1,5 +1,8 @@
 #include "core/cuda/device_backend.h"
 
+#include <algorithm>
+#include <thread>
+
 #include "absl/strings/str_cat.h"
 #include "core/cuda/cuda_status.h"
 #include "core/cuda/launch_plan.h"
@@ -7,12 +10,22 @@
 #include "core/status_macros.h"
 
 namespace attention::core::cuda {
+namespace {
+
+// Half the host's cores, up to 8: memory bandwidth is what a copy needs, and 8 threads
+// reach it on the servers GPUs sit in.
+int HostCopyThreads() {
+  return std::clamp(static_cast<int>(std::thread::hardware_concurrency() / 2), 1, 8);
+}
+
+}  // namespace
 
 CudaBackend::CudaBackend(int device, const cudaDeviceProp& properties)
     : device_(device),
       name_(absl::StrCat("cuda:", device)),
       max_shared_bytes_(static_cast<int64_t>(properties.sharedMemPerBlockOptin)),
-      contexts_(device) {}
+      contexts_(device),
+      host_copies_(HostCopyThreads()) {}
 
 absl::Status CudaBackend::KernelSupports(const AttentionShape& shape) const {
   const std::string reason = FlashUnsupportedReason(shape, max_shared_bytes_);

@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "core/backend.h"
+#include "core/cpu/thread_pool.h"
 #include "core/cuda/kernels.h"
 #include "core/cuda/streams.h"
 
@@ -39,6 +40,9 @@ class CudaBackend final : public Backend {
   // The calling thread's stream context on this device, created on first use.
   absl::StatusOr<StreamContext*> Context() const { return contexts_.ForThisThread(); }
 
+  // The threads that copy a call's arrays into pinned staging and its answers out of it.
+  ThreadPool& host_copies() const { return host_copies_; }
+
   // Runs one problem (shape checked by Supports) on `stream`.
   absl::Status Attend(const DeviceAttentionProblem& problem, cudaStream_t stream) const;
 
@@ -50,6 +54,7 @@ class CudaBackend final : public Backend {
   const std::string name_;
   const int64_t max_shared_bytes_;
   StreamContexts contexts_;
+  mutable ThreadPool host_copies_;
 };
 
 }  // namespace attention::core::cuda

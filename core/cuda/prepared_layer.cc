@@ -154,8 +154,17 @@ absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::ForwardBatch(
   for (size_t n = 0; n < count; ++n) {
     weights[n].PlanScratch(plan.inputs[n].dims, inputs[n]->options.need_weights, arena);
   }
+  // Callers who want bf16 answers (a bf16 request over the wire) get them rounded on the
+  // device: half the bytes come back. The float32 output is then scratch.
+  const bool bf16_answers = std::all_of(inputs.begin(), inputs.end(), [](const MhaInput* in) {
+    return !in->output_destination_bf16.empty();
+  });
+  const int64_t float_output_bytes = q_rows * c.output_dim * sizeof(float);
+  const int64_t float_output_scratch_at = bf16_answers ? arena.Add(float_output_bytes) : -1;
   staged.output_offset = arena.Add(0);
-  const int64_t output_at = arena.Add(q_rows * c.output_dim * sizeof(float));
+  const int64_t answers_at =
+      arena.Add(bf16_answers ? q_rows * c.output_dim * sizeof(uint16_t) : float_output_bytes);
+  const int64_t output_at = bf16_answers ? float_output_scratch_at : answers_at;
   for (size_t n = 0; n < count; ++n) {
     weights[n].PlanOutput(plan.inputs[n].dims, inputs[n]->options.need_weights, arena);
   }
@@ -166,6 +175,10 @@ absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::ForwardBatch(
   ASSIGN_OR_RETURN(char* staging, context->staging.Reserve(arena.size()));
   auto host = [staging](int64_t at) { return reinterpret_cast<float*>(staging + at); };
   auto on_device = [device](int64_t at) { return reinterpret_cast<float*>(device + at); };
+  ThreadPool& copiers = backend_.host_copies();
+  const CopyFloats copy_floats = [&copiers](absl::Span<const float> from, float* to) {
+    ParallelCopy(copiers, to, from.data(), from.size() * sizeof(float));
+  };
 
   for (size_t n = 0; n < count; ++n) {
     const MhaInput& in = *inputs[n];
@@ -173,11 +186,12 @@ absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::ForwardBatch(
       for (auto [at, bits] : {std::pair{half_at[n][0], in.query_half},
                               {half_at[n][1], in.key_half},
                               {half_at[n][2], in.value_half}}) {
-        if (at >= 0) std::memcpy(staging + at, bits.data(), bits.size() * sizeof(uint16_t));
+        if (at >= 0)
+          ParallelCopy(copiers, staging + at, bits.data(), bits.size() * sizeof(uint16_t));
       }
     } else {
       PackInputTokens(c, plan.inputs[n], in, host(x_at), all_self_attention ? nullptr : host(xk_at),
-                      all_self_attention ? nullptr : host(xv_at));
+                      all_self_attention ? nullptr : host(xv_at), copy_floats);
     }
     masks[n].Stage(in.options, staging);
   }
@@ -262,6 +276,13 @@ absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::ForwardBatch(
                            weights_.out_weight_bf16, weights_.out_bias, c.output_dim,
                            on_device(output_at), c.output_dim));
   }
+  if (bf16_answers) {
+    RETURN_IF_ERROR(
+        CudaStatus(LaunchFloatToBFloat16(on_device(output_at),
+                                         reinterpret_cast<uint16_t*>(device + answers_at),
+                                         q_rows * c.output_dim, context->stream),
+                   "bf16 answer rounding kernel"));
+  }
   RETURN_IF_ERROR(
       CudaStatus(cudaMemcpyAsync(staging + staged.output_offset, device + staged.output_offset,
                                  staged.output_bytes, cudaMemcpyDeviceToHost, context->stream),
@@ -270,9 +291,18 @@ absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::ForwardBatch(
 
   std::vector<AttentionResult> results(count);
   for (size_t n = 0; n < count; ++n) {
+    const MhaInput& in = *inputs[n];
     const ForwardPlan::Input& planned = plan.inputs[n];
-    DeliverOutput(*inputs[n], host(output_at) + planned.q_row * c.output_dim,
-                  planned.q_rows() * c.output_dim, &results[n]);
+    const int64_t first = planned.q_row * c.output_dim, elements = planned.q_rows() * c.output_dim;
+    if (bf16_answers) {
+      ParallelCopy(copiers, in.output_destination_bf16.data(),
+                   staging + answers_at + first * sizeof(uint16_t), elements * sizeof(uint16_t));
+    } else if (!in.output_destination.empty()) {
+      ParallelCopy(copiers, in.output_destination.data(), host(answers_at) + first,
+                   elements * sizeof(float));
+    } else {
+      DeliverOutput(in, host(answers_at) + first, elements, &results[n]);
+    }
     weights[n].CopyOut(staging, results[n].weights);
     FinishWeights(results[n], planned.dims, inputs[n]->options.need_weights);
   }

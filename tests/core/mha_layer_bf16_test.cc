@@ -248,10 +248,11 @@ TEST_P(Bf16LayerTest, HalfInputsGiveWhatTheirFloatValuesGive) {
 }
 
 // A caller that asks for a bf16 answer gets the layer's float32 answer rounded, bit for
-// bit: alone (a bf16 layer's output projection writes bf16 straight into the destination)
-// and packed with others (rounded on delivery), on bf16 and float32 layers.
-TEST_P(Bf16LayerTest, Bf16DestinationsHoldTheAnswerRounded) {
-  const uint64_t seed = TestSeed(2613);
+// bit, and one with a float32 destination gets the answer itself: alone (a CPU bf16 layer's
+// output projection writes bf16 straight into the destination), packed with others (rounded
+// on delivery), and with every caller of the batch asking for bf16 (the GPU rounds on the
+// device and copies half the bytes back), on bf16 and float32 layers of `backend`.
+void ExpectDestinationsHoldTheAnswer(const std::shared_ptr<const Backend>& backend, uint64_t seed) {
   SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
   std::mt19937_64 rng(seed);
   MhaConfig config;
@@ -261,7 +262,11 @@ TEST_P(Bf16LayerTest, Bf16DestinationsHoldTheAnswerRounded) {
   const MhaWeights weights = MhaWeights::Random(resolved, rng());
   for (const DType compute : {DType::kBFloat16, DType::kFloat32}) {
     SCOPED_TRACE(DTypeName(compute));
-    const auto layer = Layer(resolved, compute, weights);
+    MhaConfig layer_config = resolved;
+    layer_config.compute_dtype = compute;
+    const auto created = MhaLayer::Create(layer_config, weights, backend);
+    ASSERT_TRUE(created.ok()) << created.status();
+    const std::shared_ptr<const MhaLayer>& layer = *created;
     std::vector<std::vector<float>> queries;
     std::vector<MhaInput> inputs(3);
     for (MhaInput& in : inputs) {
@@ -298,7 +303,41 @@ TEST_P(Bf16LayerTest, Bf16DestinationsHoldTheAnswerRounded) {
     EXPECT_EQ((*batch)[1].output, (*packed_plain)[1].output);
     EXPECT_EQ(destinations[2], rounded((*packed_plain)[2].output));
     EXPECT_TRUE((*batch)[0].output.empty() && (*batch)[2].output.empty());
+    // Every caller asks for bf16.
+    for (auto& destination : destinations)
+      std::fill(destination.begin(), destination.end(), 0x7777);
+    inputs[1].output_destination_bf16 = absl::MakeSpan(destinations[1]);
+    const auto all_bf16 = layer->ForwardBatch(packed);
+    ASSERT_TRUE(all_bf16.ok()) << all_bf16.status();
+    for (int n = 0; n < 3; ++n) {
+      EXPECT_EQ(destinations[n], rounded((*packed_plain)[n].output)) << "input " << n;
+      EXPECT_TRUE((*all_bf16)[n].output.empty()) << "input " << n;
+    }
+    // float32 destinations beside a bf16 one.
+    std::vector<std::vector<float>> float_destinations;
+    for (int n = 0; n < 2; ++n) {
+      float_destinations.emplace_back(destinations[n].size(), -7.0f);
+      inputs[n].output_destination_bf16 = {};
+      inputs[n].output_destination = absl::MakeSpan(float_destinations[n]);
+    }
+    const auto mixed = layer->ForwardBatch(packed);
+    ASSERT_TRUE(mixed.ok()) << mixed.status();
+    for (int n = 0; n < 2; ++n) {
+      EXPECT_EQ(float_destinations[n], (*packed_plain)[n].output) << "input " << n;
+    }
+    EXPECT_EQ(destinations[2], rounded((*packed_plain)[2].output));
   }
+}
+
+TEST_P(Bf16LayerTest, DestinationsHoldTheAnswer) {
+  ExpectDestinationsHoldTheAnswer(backend_, TestSeed(2613));
+}
+
+// The same on the GPU. SKIPPED where no GPU can run.
+TEST(Bf16CudaLayerTest, DestinationsHoldTheAnswer) {
+  auto backend = testing::TestDevices().Get("cuda");
+  if (!backend.ok()) GTEST_SKIP() << "backend cuda cannot run here: " << backend.status().message();
+  ExpectDestinationsHoldTheAnswer(*backend, TestSeed(2617));
 }
 
 // The memory issue 26 asks for: a bf16 layer holds at most 0.55 x the host bytes of the

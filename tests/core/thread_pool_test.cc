@@ -2,7 +2,10 @@
 // whatever the pool size (1 = the caller alone). Also run under ThreadSanitizer in CI.
 #include "core/cpu/thread_pool.h"
 
+#include <algorithm>
 #include <atomic>
+#include <cstdint>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -47,6 +50,26 @@ TEST(ThreadPoolTest, ReturnsOnlyAfterEveryItemFinished) {
       finished.fetch_add(1);
     });
     EXPECT_EQ(finished.load(), n);
+  }
+}
+
+TEST(ThreadPoolTest, ParallelCopyCopiesEveryByteAndNoMore) {
+  const uint64_t seed = 26;
+  std::mt19937_64 rng(seed);
+  for (int threads : {1, 3, 8}) {
+    ThreadPool pool(threads);
+    // Below one piece, exactly pieces, and sizes that leave a ragged last piece.
+    for (size_t bytes : {size_t{0}, size_t{1}, size_t{4097}, size_t{1} << 20,
+                         (size_t{3} << 20) + 77, (size_t{9} << 20) + 13}) {
+      std::vector<uint8_t> from(bytes), to(bytes + 64, 0xAB);
+      for (uint8_t& b : from) b = static_cast<uint8_t>(rng());
+      ParallelCopy(pool, to.data(), from.data(), bytes);
+      ASSERT_TRUE(std::equal(from.begin(), from.end(), to.begin()))
+          << "threads " << threads << " bytes " << bytes << " seed " << seed;
+      for (size_t i = bytes; i < to.size(); ++i) {
+        ASSERT_EQ(to[i], 0xAB) << "wrote past the end at " << i << ", bytes " << bytes;
+      }
+    }
   }
 }
 

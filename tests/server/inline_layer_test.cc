@@ -130,7 +130,19 @@ TEST_F(InlineLayerTest, StreamsWithInlineLayersAllGetOk) {
   EXPECT_EQ(server_->inline_layer_cache().builds(), kDistinctLayers);
 }
 
-TEST_F(InlineLayerTest, ConcurrentIdenticalRequestsBuildOnce) {
+// One request a batch, so that identical requests run identical computations on every
+// device: a GPU's cuBLAS picks its kernels by a batch's row count, and the same request
+// batched differently differs there in the last bits.
+class InlineLayerUnbatchedTest : public InlineLayerTest {
+ protected:
+  ServerOptions Options() override {
+    ServerOptions options = InlineLayerTest::Options();
+    options.batcher.limits.max_batch_requests = 1;
+    return options;
+  }
+};
+
+TEST_F(InlineLayerUnbatchedTest, ConcurrentIdenticalRequestsBuildOnce) {
   constexpr int kCallers = 8;
   std::mt19937_64 rng(Seed(2303));
   const v1::MultiHeadAttentionRequest request = InlineRequest(rng, 0, 4);
