@@ -1,7 +1,8 @@
 // Where a large served request spends the time beyond its compute (issue 15, item 4).
 //
 //   build/bench/served_overhead [--batch=32] [--tokens=128] [--causal] [--rounds=15]
-//                               [--warmup_rounds=2]
+//                               [--warmup_rounds=2] [--bf16] [--kserve_shared_memory]
+//                               [--callers=1]
 //
 // One process, loopback, interleaved per round:
 //   echo      a gRPC echo of the request's payload size both ways (generic API, bytes only):
@@ -13,7 +14,10 @@
 //   shm       with --kserve_shared_memory, the same request as KServe ModelInfer with its
 //             query written into (each call) and its output read from POSIX shared
 //             memory regions (Triton's system shared memory extension): no tensor bytes in
-//             the messages.
+//             the messages;
+//   many      with --callers=N > 1, N callers at once, served and in process, timed until
+//             the last answer: throughput under load, where one caller's transport runs
+//             while another's request computes.
 // Medians over the rounds after the untimed warm-up ones are printed, with served - compute
 // and served / compute.
 #include <fcntl.h>
@@ -23,8 +27,10 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -56,6 +62,8 @@ ABSL_FLAG(bool, causal, false, "causal attention (S3: --batch=1 --tokens=2048 --
 ABSL_FLAG(bool, bf16, false,
           "serve a BFLOAT16 layer of the demo layer's shape (LayerConfig.compute_dtype, issue "
           "26) with bf16 requests and answers; compute is then the same bf16 input in process");
+ABSL_FLAG(int, callers, 1,
+          "also time this many callers at once, served and in process (throughput under load)");
 ABSL_FLAG(bool, kserve_shared_memory, false,
           "also time KServe ModelInfer with the query and output in system shared memory");
 ABSL_FLAG(int, echo_lookahead_bytes, 0,
@@ -268,7 +276,21 @@ int main(int argc, char** argv) {
   }
   input.options.causal = absl::GetFlag(FLAGS_causal);
 
-  std::vector<double> echo_ms, served_ms, compute_ms, protobuf_ms, shm_ms;
+  // `calls` run at once, each on its own thread; milliseconds until the last returns, per
+  // call, or -1 when one failed.
+  const int callers = absl::GetFlag(FLAGS_callers);
+  const auto time_at_once = [callers](const std::function<bool()>& call) {
+    const absl::Time start = absl::Now();
+    std::vector<std::thread> threads;
+    std::vector<char> ok(callers, 0);
+    for (int c = 0; c < callers; ++c) threads.emplace_back([&, c] { ok[c] = call(); });
+    for (std::thread& thread : threads) thread.join();
+    const bool all_ok = std::all_of(ok.begin(), ok.end(), [](char v) { return v != 0; });
+    return all_ok ? MillisecondsSince(start) / callers : -1.0;
+  };
+
+  std::vector<double> echo_ms, served_ms, compute_ms, protobuf_ms, shm_ms, served_many_ms,
+      compute_many_ms;
   const int warmup_rounds = absl::GetFlag(FLAGS_warmup_rounds);
   for (int round = -warmup_rounds; round < absl::GetFlag(FLAGS_rounds); ++round) {
     if (round == 0) {  // warmed up: time from here on
@@ -277,6 +299,8 @@ int main(int argc, char** argv) {
       compute_ms.clear();
       protobuf_ms.clear();
       shm_ms.clear();
+      served_many_ms.clear();
+      compute_many_ms.clear();
     }
     absl::Time start = absl::Now();
     grpc::ByteBuffer echoed;
@@ -320,6 +344,19 @@ int main(int argc, char** argv) {
       }
     }
 
+    if (callers > 1) {
+      served_many_ms.push_back(time_at_once([&] {
+        grpc::ClientContext many_context;
+        attention::v1::MultiHeadAttentionResponse many_response;
+        return mha->MultiHeadAttention(&many_context, request, &many_response).ok();
+      }));
+      compute_many_ms.push_back(time_at_once([&] { return layer->ForwardBatch({&input}).ok(); }));
+      if (served_many_ms.back() < 0 || compute_many_ms.back() < 0) {
+        std::fprintf(stderr, "a call of %d at once failed\n", callers);
+        return 1;
+      }
+    }
+
     start = absl::Now();
     attention::v1::MultiHeadAttentionRequest parsed_request;
     attention::v1::MultiHeadAttentionResponse parsed_response;
@@ -344,6 +381,13 @@ int main(int argc, char** argv) {
     std::printf("  KServe ModelInfer, shared memory      %8.2f ms\n", shared);
     std::printf("  shared memory - compute               %8.2f ms\n", shared - compute);
     std::printf("  shared memory / in-process throughput %8.3f\n", compute / shared);
+  }
+  if (callers > 1) {
+    const double served_many = Median(served_many_ms), compute_many = Median(compute_many_ms);
+    std::printf("  %d callers at once, per call: served   %8.2f ms\n", callers, served_many);
+    std::printf("  %d callers at once, per call: in process %6.2f ms\n", callers, compute_many);
+    std::printf("  served / in-process throughput, %d callers %6.3f\n", callers,
+                compute_many / served_many);
   }
   echo_server->Shutdown();
   return 0;

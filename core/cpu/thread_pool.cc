@@ -78,6 +78,7 @@ void ThreadPool::WorkerLoop() {
 }
 
 void ParallelCopy(ThreadPool& pool, void* to, const void* from, size_t bytes) {
+  if (bytes == 0) return;  // `from` may then be null, which memcpy must not be given
   constexpr size_t kMinPiece = size_t{1} << 20;
   const size_t pieces = std::clamp<size_t>(bytes / kMinPiece, 1, pool.size());
   const size_t piece = (bytes / pieces + 63) / 64 * 64;  // whole cache lines

@@ -1,7 +1,6 @@
-// Scaled dot-product attention of one request on the GPU: its tensors and masks copied in
-// at once, the attention kernel, the output and weights copied back at once.
-#include <cstring>
-
+// Scaled dot-product attention of one request on the GPU: its tensors (by several host
+// threads) and masks copied in at once, the attention kernel, the output and weights copied
+// back at once.
 #include <cuda_runtime.h>
 
 #include "core/attention_kernels.h"
@@ -33,9 +32,9 @@ absl::StatusOr<AttentionResult> CudaBackend::ScaledDotProductAttention(const Sdp
   ASSIGN_OR_RETURN(StreamContext * context, Context());
   ASSIGN_OR_RETURN(char* device, context->device.Reserve(arena.size()));
   ASSIGN_OR_RETURN(char* staging, context->staging.Reserve(arena.size()));
-  std::memcpy(staging + q_at, in.query.data(), in.query.size() * sizeof(float));
-  std::memcpy(staging + k_at, in.key.data(), in.key.size() * sizeof(float));
-  std::memcpy(staging + v_at, in.value.data(), in.value.size() * sizeof(float));
+  ParallelCopy(host_copies_, staging + q_at, in.query.data(), in.query.size() * sizeof(float));
+  ParallelCopy(host_copies_, staging + k_at, in.key.data(), in.key.size() * sizeof(float));
+  ParallelCopy(host_copies_, staging + v_at, in.value.data(), in.value.size() * sizeof(float));
   mask.Stage(in.options, staging);
   RETURN_IF_ERROR(CudaStatus(
       cudaMemcpyAsync(device, staging, staged.input_bytes, cudaMemcpyHostToDevice, context->stream),
