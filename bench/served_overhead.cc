@@ -276,8 +276,8 @@ int main(int argc, char** argv) {
   }
   input.options.causal = absl::GetFlag(FLAGS_causal);
 
-  // `calls` run at once, each on its own thread; milliseconds until the last returns, per
-  // call, or -1 when one failed.
+  // `callers` runs of `call` at once, each on its own thread: milliseconds until the last
+  // returns, per call, or -1 when one failed.
   const int callers = absl::GetFlag(FLAGS_callers);
   const auto time_at_once = [callers](const std::function<bool()>& call) {
     const absl::Time start = absl::Now();
