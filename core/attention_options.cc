@@ -73,6 +73,34 @@ float AttentionOptions::Scale(const AttentionDims& dims) const {
   return scale.has_value() ? *scale : 1.0f / std::sqrt(static_cast<float>(dims.head_dim));
 }
 
+AttentionOptions AttentionOptions::OneSequence(const AttentionDims& dims, int64_t b) const {
+  AttentionOptions one;
+  one.causal = causal;
+  one.scale = scale;
+  one.dropout_p = dropout_p;
+  one.dropout_seed = dropout_seed;
+  one.need_weights = need_weights;
+  one.sliding_window = sliding_window;
+  if (!key_lengths.empty()) one.key_lengths = {key_lengths[b]};
+  if (!key_padding_keep.empty()) {
+    const auto first = key_padding_keep.begin() + b * dims.kv_len;
+    one.key_padding_keep.assign(first, first + dims.kv_len);
+  }
+  one.attn_mask_dims = attn_mask_dims;
+  one.attn_mask_dims[0] = 1;
+  const int64_t block = attn_mask_dims[1] * attn_mask_dims[2] * attn_mask_dims[3];
+  const int64_t offset = attn_mask_dims[0] == 1 ? 0 : b * block;
+  if (!attn_mask_keep.empty()) {
+    one.attn_mask_keep.assign(attn_mask_keep.begin() + offset,
+                              attn_mask_keep.begin() + offset + block);
+  }
+  if (!attn_mask_bias.empty()) {
+    one.attn_mask_bias.assign(attn_mask_bias.begin() + offset,
+                              attn_mask_bias.begin() + offset + block);
+  }
+  return one;
+}
+
 MaskView AttentionOptions::View(const AttentionDims& dims) const {
   MaskView view;
   view.batch = dims.batch;

@@ -376,6 +376,39 @@ void DeliverOutput(const MhaInput& input, const float* rows, int64_t count,
   }
 }
 
+bool SplitsIntoSequences(const MhaInput& input) {
+  const AttentionOptions& options = input.options;
+  const bool shared_mask = options.attn_mask_dims[0] == 1 &&
+                           !(options.attn_mask_keep.empty() && options.attn_mask_bias.empty());
+  return input.batch > 1 && options.need_weights == NeedWeights::kNone &&
+         options.dropout_p == 0.0f && !shared_mask;
+}
+
+MhaInput OneSequence(const MhaInput& input, int64_t b, absl::Span<float> destination,
+                     absl::Span<uint16_t> destination_bf16) {
+  const auto rows_of_b = [&](auto tensor) {
+    const size_t each = tensor.size() / input.batch;
+    return tensor.subspan(b * each, each);
+  };
+  AttentionDims dims;
+  dims.batch = input.batch;
+  dims.kv_len = input.kv_len;
+  MhaInput one;
+  one.q_len = input.q_len;
+  one.kv_len = input.kv_len;
+  one.query = rows_of_b(input.query);
+  one.key = rows_of_b(input.key);
+  one.value = rows_of_b(input.value);
+  one.options = input.options.OneSequence(dims, b);
+  one.half_dtype = input.half_dtype;
+  one.query_half = rows_of_b(input.query_half);
+  one.key_half = rows_of_b(input.key_half);
+  one.value_half = rows_of_b(input.value_half);
+  one.output_destination = destination;
+  one.output_destination_bf16 = destination_bf16;
+  return one;
+}
+
 MhaInput WithFloatInputs(const MhaInput& in, std::deque<std::vector<float>>* storage) {
   if (!in.is_half()) return in;
   MhaInput decoded = in;

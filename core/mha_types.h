@@ -114,6 +114,15 @@ struct MhaInput {
 // `storage` (which must outlive the result; a deque, so earlier results stay valid).
 MhaInput WithFloatInputs(const MhaInput& input, std::deque<std::vector<float>>* storage);
 
+// Whether OneSequence may take `input` apart: several sequences, no attention weights, no
+// dropout, and no explicit mask shared by the whole batch (which each would copy).
+bool SplitsIntoSequences(const MhaInput& input);
+// Sequence `b` of `input`'s batch as an input of its own: its rows of the query, key and
+// value (float32 or 16-bit) and its masks (AttentionOptions::OneSequence), answering into
+// `destination` or `destination_bf16` (its rows of the output).
+MhaInput OneSequence(const MhaInput& input, int64_t b, absl::Span<float> destination,
+                     absl::Span<uint16_t> destination_bf16);
+
 struct AttentionResult {
   // MHA: [B, Nq, output_dim] (empty when the input gave an output destination);
   // SDPA: [B, H, Nq, dv].

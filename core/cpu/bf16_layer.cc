@@ -9,6 +9,7 @@
 
 #include "core/attention_kernels.h"
 #include "core/cpu/attention_cpu.h"
+#include "core/cpu/batch_groups.h"
 #include "core/cpu/cpu_backend.h"
 #include "core/cpu/forward_scratch.h"
 #include "core/cpu/forward_steps.h"
@@ -145,9 +146,13 @@ class CpuBf16Layer final : public PreparedLayer {
   }
 
  private:
+  // The whole batch with every step split across `pool`'s threads.
+  std::vector<AttentionResult> ForwardOn(ThreadPool& pool,
+                                         absl::Span<const MhaInput* const> inputs) const;
   // Q, K and V of `rows` bf16 tokens `x`: with fused weights one GEMM into `q` ([rows,
   // Q + K + V]; k and v unused), else three.
-  void ProjectSelf(const uint16_t* x, int64_t rows, float* q, float* k, float* v) const;
+  void ProjectSelf(ThreadPool& pool, const uint16_t* x, int64_t rows, float* q, float* k,
+                   float* v) const;
   // Whether attended rows go to the output projection in bf16 as attention writes them
   // (what the projection would round them to): where the host multiplies in bf16 and an
   // output projection follows.
@@ -159,37 +164,39 @@ class CpuBf16Layer final : public PreparedLayer {
   bool ProjectsToBf16(const ForwardPlan& plan, absl::Span<const MhaInput* const> inputs) const;
   // Q, K and V of the planned inputs (x, or xk and xv for separate keys and values), in bf16,
   // attended into `attended` in bf16.
-  std::vector<AttentionResult> ProjectAndAttendInBf16(const ForwardPlan& plan,
+  std::vector<AttentionResult> ProjectAndAttendInBf16(ThreadPool& pool, const ForwardPlan& plan,
                                                       absl::Span<const MhaInput* const> inputs,
                                                       const uint16_t* x, const uint16_t* xk,
                                                       const uint16_t* xv, uint16_t* attended) const;
   // The same in float32 rows, rounded by attention's bf16 products where the host has them,
   // into float32 `attended` or (AttendsToBf16) bf16 `attended_bf16`.
-  std::vector<AttentionResult> ProjectAndAttend(const ForwardPlan& plan,
+  std::vector<AttentionResult> ProjectAndAttend(ThreadPool& pool, const ForwardPlan& plan,
                                                 absl::Span<const MhaInput* const> inputs,
                                                 const uint16_t* x, const uint16_t* xk,
                                                 const uint16_t* xv, float* attended,
                                                 uint16_t* attended_bf16) const;
   // The output projection of `rows` attended float32 rows into `output`.
-  void ProjectOutput(const float* attended, int64_t rows, float* output) const;
+  void ProjectOutput(ThreadPool& pool, const float* attended, int64_t rows, float* output) const;
 
   const MhaConfig config_;
   const MhaWeightsView weights_;
   ThreadPool& pool_;
+  // Runs a group of the batch (GroupBatchParts) on the pool thread that claimed it.
+  mutable ThreadPool claiming_thread_{1};
   const Bf16Kernel kernel_;
   std::optional<Bf16Linear> fused_qkv_, q_, k_, v_, out_;
 };
 
-void CpuBf16Layer::ProjectSelf(const uint16_t* x, int64_t rows, float* q, float* k,
-                               float* v) const {
+void CpuBf16Layer::ProjectSelf(ThreadPool& pool, const uint16_t* x, int64_t rows, float* q,
+                               float* k, float* v) const {
   const MhaWeightsView& w = weights_;
   if (fused_qkv_.has_value()) {
-    fused_qkv_->Forward(pool_, x, rows, w.fused_qkv_bias, q);
+    fused_qkv_->Forward(pool, x, rows, w.fused_qkv_bias, q);
     return;
   }
-  q_->Forward(pool_, x, rows, w.q_bias, q);
-  k_->Forward(pool_, x, rows, w.k_bias, k);
-  v_->Forward(pool_, x, rows, w.v_bias, v);
+  q_->Forward(pool, x, rows, w.q_bias, q);
+  k_->Forward(pool, x, rows, w.k_bias, k);
+  v_->Forward(pool, x, rows, w.v_bias, v);
 }
 
 bool CpuBf16Layer::AttendsToBf16() const { return out_.has_value() && out_->WritesBf16(); }
@@ -204,29 +211,30 @@ bool CpuBf16Layer::ProjectsToBf16(const ForwardPlan& plan,
 }
 
 std::vector<AttentionResult> CpuBf16Layer::ProjectAndAttendInBf16(
-    const ForwardPlan& plan, absl::Span<const MhaInput* const> inputs, const uint16_t* x,
-    const uint16_t* xk, const uint16_t* xv, uint16_t* attended) const {
+    ThreadPool& pool, const ForwardPlan& plan, absl::Span<const MhaInput* const> inputs,
+    const uint16_t* x, const uint16_t* xk, const uint16_t* xv, uint16_t* attended) const {
   const MhaConfig& c = config_;
   const MhaWeightsView& w = weights_;
   ForwardScratch& scratch = ThreadScratch();
   uint16_t *q, *k, *v;
   if (plan.fused_qkv) {
     q = scratch.Get<uint16_t>(ForwardScratch::kQ, plan.q_rows * plan.q_stride);
-    fused_qkv_->Forward(pool_, x, plan.q_rows, w.fused_qkv_bias, q);
+    fused_qkv_->Forward(pool, x, plan.q_rows, w.fused_qkv_bias, q);
     k = q + c.QWidth();
     v = k + c.KWidth();
   } else {
     q = scratch.Get<uint16_t>(ForwardScratch::kQ, plan.q_rows * c.QWidth());
     k = scratch.Get<uint16_t>(ForwardScratch::kK, plan.kv_rows * c.KWidth());
     v = scratch.Get<uint16_t>(ForwardScratch::kV, plan.kv_rows * c.VWidth());
-    q_->Forward(pool_, x, plan.q_rows, w.q_bias, q);
-    k_->Forward(pool_, xk != nullptr ? xk : x, plan.kv_rows, w.k_bias, k);
-    v_->Forward(pool_, xv != nullptr ? xv : x, plan.kv_rows, w.v_bias, v);
+    q_->Forward(pool, x, plan.q_rows, w.q_bias, q);
+    k_->Forward(pool, xk != nullptr ? xk : x, plan.kv_rows, w.k_bias, k);
+    v_->Forward(pool, xv != nullptr ? xv : x, plan.kv_rows, w.v_bias, v);
   }
-  return AttendPlannedBf16(plan, inputs, q, k, v, attended, pool_);
+  return AttendPlannedBf16(plan, inputs, q, k, v, attended, pool);
 }
 
-void CpuBf16Layer::ProjectOutput(const float* attended, int64_t rows, float* output) const {
+void CpuBf16Layer::ProjectOutput(ThreadPool& pool, const float* attended, int64_t rows,
+                                 float* output) const {
   const MhaConfig& c = config_;
   if (!c.output_projection) {
     std::copy(attended, attended + rows * c.AttentionWidth(), output);
@@ -235,11 +243,66 @@ void CpuBf16Layer::ProjectOutput(const float* attended, int64_t rows, float* out
   ForwardScratch& scratch = ThreadScratch();
   uint16_t* rounded = scratch.Get<uint16_t>(ForwardScratch::kRounded, rows * c.AttentionWidth());
   RoundToBf16(attended, rows * c.AttentionWidth(), rounded, kernel_);
-  out_->Forward(pool_, rounded, rows, weights_.out_bias, output);
+  out_->Forward(pool, rounded, rows, weights_.out_bias, output);
 }
 
 absl::StatusOr<std::vector<AttentionResult>> CpuBf16Layer::ForwardBatch(
     absl::Span<const MhaInput* const> inputs) const {
+  // The batch's parts: each input whole, or each of its sequences where it splits.
+  std::vector<BatchPart> part_sizes;
+  for (const MhaInput* in : inputs) {
+    if (SplitsIntoSequences(*in)) {
+      part_sizes.insert(part_sizes.end(), in->batch, {in->q_len, in->kv_len});
+    } else {
+      part_sizes.push_back({in->batch * in->q_len, in->kv_len});
+    }
+  }
+  const std::vector<std::vector<size_t>> groups =
+      GroupBatchParts(config_.embed_dim, part_sizes, pool_.size());
+  if (groups.empty()) return ForwardOn(pool_, inputs);
+  std::vector<AttentionResult> results(inputs.size());
+  std::deque<MhaInput> sequences;
+  std::vector<const MhaInput*> parts;
+  std::vector<int64_t> whole_input;  // per part: the input it is, or -1 for a sequence
+  for (size_t n = 0; n < inputs.size(); ++n) {
+    const MhaInput& in = *inputs[n];
+    if (!SplitsIntoSequences(in)) {
+      parts.push_back(&in);
+      whole_input.push_back(static_cast<int64_t>(n));
+      continue;
+    }
+    // Each sequence answers into its rows of the input's destination or result.
+    const int64_t rows_floats = in.q_len * config_.output_dim;
+    absl::Span<float> destination = in.output_destination;
+    if (!in.has_output_destination()) {
+      results[n].output.resize(in.batch * rows_floats);
+      destination = absl::MakeSpan(results[n].output);
+    }
+    for (int64_t b = 0; b < in.batch; ++b) {
+      sequences.push_back(OneSequence(
+          in, b,
+          destination.empty() ? destination : destination.subspan(b * rows_floats, rows_floats),
+          in.output_destination_bf16.empty()
+              ? in.output_destination_bf16
+              : in.output_destination_bf16.subspan(b * rows_floats, rows_floats)));
+      parts.push_back(&sequences.back());
+      whole_input.push_back(-1);
+    }
+  }
+  pool_.ParallelFor(static_cast<int64_t>(groups.size()), [&](int64_t g) {
+    std::vector<const MhaInput*> members;
+    for (size_t part : groups[g]) members.push_back(parts[part]);
+    std::vector<AttentionResult> answers = ForwardOn(claiming_thread_, members);
+    for (size_t i = 0; i < members.size(); ++i) {
+      const int64_t n = whole_input[groups[g][i]];
+      if (n >= 0) results[n] = std::move(answers[i]);
+    }
+  });
+  return results;
+}
+
+std::vector<AttentionResult> CpuBf16Layer::ForwardOn(
+    ThreadPool& pool, absl::Span<const MhaInput* const> inputs) const {
   const MhaConfig& c = config_;
   const ForwardPlan plan = PlanForward(c, inputs, fused_qkv_.has_value());
   const int64_t q_rows = plan.q_rows, kv_rows = plan.kv_rows;
@@ -271,7 +334,7 @@ absl::StatusOr<std::vector<AttentionResult>> CpuBf16Layer::ForwardBatch(
     ToBf16(chunk.values, chunk.half, chunk.half_dtype, chunk.to, kernel_);
   };
   if (chunks.size() > 1) {
-    pool_.ParallelFor(static_cast<int64_t>(chunks.size()), convert);
+    pool.ParallelFor(static_cast<int64_t>(chunks.size()), convert);
   } else if (!chunks.empty()) {
     convert(0);
   }
@@ -287,27 +350,28 @@ absl::StatusOr<std::vector<AttentionResult>> CpuBf16Layer::ForwardBatch(
     uint16_t* attended =
         scratch.Get<uint16_t>(ForwardScratch::kRounded, q_rows * c.AttentionWidth());
     results = ProjectsToBf16(plan, inputs)
-                  ? ProjectAndAttendInBf16(plan, inputs, x, xk, xv, attended)
-                  : ProjectAndAttend(plan, inputs, x, xk, xv, nullptr, attended);
+                  ? ProjectAndAttendInBf16(pool, plan, inputs, x, xk, xv, attended)
+                  : ProjectAndAttend(pool, plan, inputs, x, xk, xv, nullptr, attended);
     // A lone caller that asked for bf16 gets it from the projection, with no float32 pass.
     if (inputs.size() == 1 && !inputs[0]->output_destination_bf16.empty()) {
-      out_->Forward(pool_, attended, q_rows, weights_.out_bias,
+      out_->Forward(pool, attended, q_rows, weights_.out_bias,
                     inputs[0]->output_destination_bf16.data());
       return results;
     }
-    out_->Forward(pool_, attended, q_rows, weights_.out_bias, output());
+    out_->Forward(pool, attended, q_rows, weights_.out_bias, output());
   } else {
     float* attended = scratch.Get(ForwardScratch::kAttended, q_rows * c.AttentionWidth());
-    results = ProjectAndAttend(plan, inputs, x, xk, xv, attended, nullptr);
-    ProjectOutput(attended, q_rows, output());
+    results = ProjectAndAttend(pool, plan, inputs, x, xk, xv, attended, nullptr);
+    ProjectOutput(pool, attended, q_rows, output());
   }
   if (!project_to_destination) DeliverPlanned(plan, inputs, output(), c.output_dim, results);
   return results;
 }
 
 std::vector<AttentionResult> CpuBf16Layer::ProjectAndAttend(
-    const ForwardPlan& plan, absl::Span<const MhaInput* const> inputs, const uint16_t* x,
-    const uint16_t* xk, const uint16_t* xv, float* attended, uint16_t* attended_bf16) const {
+    ThreadPool& pool, const ForwardPlan& plan, absl::Span<const MhaInput* const> inputs,
+    const uint16_t* x, const uint16_t* xk, const uint16_t* xv, float* attended,
+    uint16_t* attended_bf16) const {
   const MhaConfig& c = config_;
   const MhaWeightsView& w = weights_;
   const int64_t q_rows = plan.q_rows, kv_rows = plan.kv_rows;
@@ -315,7 +379,7 @@ std::vector<AttentionResult> CpuBf16Layer::ProjectAndAttend(
   float *q, *k, *v;
   if (plan.fused_qkv) {
     q = scratch.Get(ForwardScratch::kQ, q_rows * plan.q_stride);
-    ProjectSelf(x, q_rows, q, nullptr, nullptr);
+    ProjectSelf(pool, x, q_rows, q, nullptr, nullptr);
     k = q + c.QWidth();
     v = k + c.KWidth();
   } else {
@@ -323,9 +387,9 @@ std::vector<AttentionResult> CpuBf16Layer::ProjectAndAttend(
     k = scratch.Get(ForwardScratch::kK, kv_rows * c.KWidth());
     v = scratch.Get(ForwardScratch::kV, kv_rows * c.VWidth());
     if (!fused_qkv_.has_value()) {
-      q_->Forward(pool_, x, q_rows, w.q_bias, q);
-      k_->Forward(pool_, xk != nullptr ? xk : x, kv_rows, w.k_bias, k);
-      v_->Forward(pool_, xv != nullptr ? xv : x, kv_rows, w.v_bias, v);
+      q_->Forward(pool, x, q_rows, w.q_bias, q);
+      k_->Forward(pool, xk != nullptr ? xk : x, kv_rows, w.k_bias, k);
+      v_->Forward(pool, xv != nullptr ? xv : x, kv_rows, w.v_bias, v);
     } else {
       // Cross-attention on a layer stored fused (kdim == vdim == E, but separate key and
       // value tokens sent): each token set through the whole fused GEMM, keeping its
@@ -335,7 +399,7 @@ std::vector<AttentionResult> CpuBf16Layer::ProjectAndAttend(
       float* fused = scratch.Get(ForwardScratch::kProjected, most_rows * width);
       const auto project = [&](const uint16_t* tokens, int64_t rows, int64_t first_column,
                                int64_t columns, float* to) {
-        fused_qkv_->Forward(pool_, tokens, rows, w.fused_qkv_bias, fused);
+        fused_qkv_->Forward(pool, tokens, rows, w.fused_qkv_bias, fused);
         for (int64_t r = 0; r < rows; ++r) {
           std::copy_n(fused + r * width + first_column, columns, to + r * columns);
         }
@@ -345,9 +409,9 @@ std::vector<AttentionResult> CpuBf16Layer::ProjectAndAttend(
       project(xv, kv_rows, c.QWidth() + c.KWidth(), c.VWidth(), v);
     }
   }
-  RotatePlanned(c, plan, q, k, pool_);
-  if (attended_bf16 != nullptr) return AttendPlanned(plan, inputs, q, k, v, attended_bf16, pool_);
-  return AttendPlanned(plan, inputs, q, k, v, attended, kernel_ == Bf16Kernel::kAvx512Bf16, pool_);
+  RotatePlanned(c, plan, q, k, pool);
+  if (attended_bf16 != nullptr) return AttendPlanned(plan, inputs, q, k, v, attended_bf16, pool);
+  return AttendPlanned(plan, inputs, q, k, v, attended, kernel_ == Bf16Kernel::kAvx512Bf16, pool);
 }
 
 absl::Status CpuBf16Layer::ProjectForDecode(const float* x, absl::Span<const int64_t> positions,
@@ -360,10 +424,10 @@ absl::Status CpuBf16Layer::ProjectForDecode(const float* x, absl::Span<const int
   if (fused_qkv_.has_value()) {
     const int64_t width = c.QWidth() + c.KWidth() + c.VWidth();
     float* qkv = scratch.Get(ForwardScratch::kQ, rows * width);
-    ProjectSelf(tokens, rows, qkv, nullptr, nullptr);
+    ProjectSelf(pool_, tokens, rows, qkv, nullptr, nullptr);
     SplitFusedRows(c, qkv, rows, q, k, v);
   } else {
-    ProjectSelf(tokens, rows, q, k, v);
+    ProjectSelf(pool_, tokens, rows, q, k, v);
   }
   RotateAtPositions(c, positions, q, k);
   return absl::OkStatus();
@@ -371,7 +435,7 @@ absl::Status CpuBf16Layer::ProjectForDecode(const float* x, absl::Span<const int
 
 absl::Status CpuBf16Layer::ProjectDecodeOutput(const float* attended, int64_t rows,
                                                float* output) const {
-  ProjectOutput(attended, rows, output);
+  ProjectOutput(pool_, attended, rows, output);
   return absl::OkStatus();
 }
 

@@ -78,6 +78,40 @@ TEST(MaskViewTest, MatchesTheOptionsItIsMadeFrom) {
   }
 }
 
+// One sequence's options (a batch split into sequences, core/cpu/bf16_layer.cc) mask every
+// score as the batch's options mask that sequence's, and keep the scalar options.
+TEST(MaskViewTest, OneSequenceMasksAsItsRowOfTheBatch) {
+  const uint64_t seed = testing::TestSeed(6);
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
+  std::mt19937_64 rng(seed);
+  for (int trial = 0; trial < 100; ++trial) {
+    const AttentionDims dims{3, 2, 1, 4, 5, 2, 2};
+    AttentionDims one_dims = dims;
+    one_dims.batch = 1;
+    const AttentionOptions options = testing::RandomOptions(rng, dims);
+    const MaskView view = options.View(dims);
+    for (int64_t b = 0; b < dims.batch; ++b) {
+      const AttentionOptions one = options.OneSequence(dims, b);
+      EXPECT_EQ(one.causal, options.causal);
+      EXPECT_EQ(one.scale, options.scale);
+      EXPECT_EQ(one.need_weights, options.need_weights);
+      EXPECT_EQ(one.dropout_p, options.dropout_p);
+      ASSERT_TRUE(one.Validate(one_dims).ok()) << one.Validate(one_dims);
+      const MaskView one_view = one.View(one_dims);
+      for (int64_t h = 0; h < dims.num_heads; ++h) {
+        for (int64_t i = 0; i < dims.q_len; ++i) {
+          EXPECT_EQ(one_view.KeyLimit(0, i), view.KeyLimit(b, i));
+          for (int64_t j = 0; j < dims.kv_len; ++j) {
+            EXPECT_EQ(one_view.ScoreBias(0, h, i, j), view.ScoreBias(b, h, i, j))
+                << "sequence " << b << " head " << h << " query " << i << " key " << j << ": "
+                << testing::Describe(dims, options);
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(OnlineSoftmaxRowTest, BlockwiseEqualsOnePass) {
   std::mt19937_64 rng(11);
   std::normal_distribution<float> normal(0.0f, 3.0f);

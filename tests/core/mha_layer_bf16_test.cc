@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "core/cpu/batch_groups.h"
 #include "core/cpu/cpu_backend.h"
 #include "core/mha_layer.h"
 #include "gtest/gtest.h"
@@ -338,6 +339,121 @@ TEST(Bf16CudaLayerTest, DestinationsHoldTheAnswer) {
   auto backend = testing::TestDevices().Get("cuda");
   if (!backend.ok()) GTEST_SKIP() << "backend cuda cannot run here: " << backend.status().message();
   ExpectDestinationsHoldTheAnswer(*backend, TestSeed(2617));
+}
+
+// A batch large enough to run in groups, each on one thread (core/cpu/batch_groups.h), its
+// inputs taken apart into their sequences where they can be: every answer follows the bf16
+// rule (masks of every kind, dropout, weights, cross-attention, GQA and RoPE, bf16 inputs),
+// lands in its caller's destination when given one, and is bit for bit what the input
+// alone gets.
+TEST_P(Bf16LayerTest, GroupedBatchesAnswerAsEachInputAlone) {
+  const uint64_t seed = TestSeed(2618);
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
+  std::mt19937_64 rng(seed);
+  auto uniform = [&rng](int64_t lo, int64_t hi) {
+    return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+  };
+  FidelityStats outputs("grouped bf16 batch output"), weights("grouped bf16 batch weights");
+  for (int trial = 0; trial < 6 && !HasFailure(); ++trial) {
+    MhaConfig config;
+    config.embed_dim = 64;
+    config.num_heads = 4;
+    config.num_kv_heads = trial % 2 == 0 ? 4 : 2;
+    config.rope_theta = trial % 3 == 2 ? 10000.0 : 0.0;
+    const MhaConfig resolved = *MhaConfig::Resolve(config);
+    const MhaWeights random = MhaWeights::Random(resolved, rng());
+    const auto bf16 = Layer(resolved, DType::kBFloat16, random);
+    const auto f32 = Layer(resolved, DType::kFloat32, random);
+    const int64_t e = resolved.embed_dim;
+    std::vector<std::vector<float>> storage;
+    std::vector<std::vector<uint16_t>> bf16_storage;
+    std::vector<MhaInput> inputs(12);
+    for (size_t n = 0; n < inputs.size(); ++n) {
+      MhaInput& in = inputs[n];
+      in.batch = uniform(2, 4);
+      in.q_len = uniform(20, 40);
+      in.kv_len = n == 1 ? uniform(10, 50) : in.q_len;  // input 1: cross-attention
+      storage.push_back(RandomFloats(rng, in.batch * in.q_len * e));
+      if (n == 2) {  // bf16 on the wire
+        bf16_storage.emplace_back(storage.back().size());
+        for (size_t i = 0; i < storage.back().size(); ++i) {
+          bf16_storage.back()[i] = FloatToBFloat16(storage.back()[i]);
+        }
+        in.half_dtype = DType::kBFloat16;
+        in.query_half = bf16_storage.back();
+      } else {
+        in.query = storage.back();
+      }
+      if (n == 1) {
+        storage.push_back(RandomFloats(rng, in.batch * in.kv_len * e));
+        in.key = storage.back();
+        storage.push_back(RandomFloats(rng, in.batch * in.kv_len * e));
+        in.value = storage.back();
+      }
+      in.options =
+          RandomOptions(rng, {in.batch, resolved.num_heads, resolved.num_kv_heads, in.q_len,
+                              in.kv_len, resolved.head_dim, resolved.v_head_dim});
+      // Most split: no weights, no dropout.
+      if (n % 3 != 0) {
+        in.options.need_weights = NeedWeights::kNone;
+        in.options.dropout_p = 0.0f;
+      }
+    }
+    std::vector<float> float_destination(inputs[3].batch * inputs[3].q_len * resolved.output_dim,
+                                         -7.0f);
+    std::vector<uint16_t> bf16_destination(inputs[4].batch * inputs[4].q_len * resolved.output_dim,
+                                           uint16_t{0x7777});
+    inputs[3].output_destination = absl::MakeSpan(float_destination);
+    inputs[4].output_destination_bf16 = absl::MakeSpan(bf16_destination);
+    std::vector<BatchPart> parts;
+    std::vector<const MhaInput*> pointers;
+    for (const MhaInput& in : inputs) {
+      ASSERT_TRUE(bf16->ValidateInput(in).ok()) << bf16->ValidateInput(in);
+      pointers.push_back(&in);
+      const int64_t sequences = SplitsIntoSequences(in) ? in.batch : 1;
+      for (int64_t s = 0; s < sequences; ++s) {
+        parts.push_back({in.batch / sequences * in.q_len, in.kv_len});
+      }
+    }
+    ASSERT_FALSE(GroupBatchParts(e, parts, 2).empty()) << "the batch should run in groups";
+    const auto batch = bf16->ForwardBatch(pointers);
+    ASSERT_TRUE(batch.ok()) << batch.status();
+    for (size_t n = 0; n < inputs.size(); ++n) {
+      MhaInput plain = inputs[n];
+      plain.output_destination = {};
+      plain.output_destination_bf16 = {};
+      const MhaInput* alone_batch[] = {&plain};
+      const auto alone = bf16->ForwardBatch(alone_batch);
+      ASSERT_TRUE(alone.ok()) << alone.status();
+      const std::string what =
+          "trial " + std::to_string(trial) + " input " + std::to_string(n) + ": " +
+          testing::Describe({plain.batch, resolved.num_heads, resolved.num_kv_heads, plain.q_len,
+                             plain.kv_len, resolved.head_dim, resolved.v_head_dim},
+                            plain.options);
+      std::vector<float> answer = (*batch)[n].output;
+      if (n == 3) {
+        EXPECT_TRUE(answer.empty()) << what;
+        answer = float_destination;
+      } else if (n == 4) {
+        EXPECT_TRUE(answer.empty()) << what;
+        std::vector<uint16_t> rounded((*alone)[0].output.size());
+        for (size_t i = 0; i < rounded.size(); ++i) {
+          rounded[i] = FloatToBFloat16((*alone)[0].output[i]);
+        }
+        EXPECT_EQ(bf16_destination, rounded) << what;
+        continue;
+      }
+      EXPECT_EQ(answer, (*alone)[0].output) << what;
+      EXPECT_EQ((*batch)[n].weights, (*alone)[0].weights) << what;
+      std::deque<std::vector<float>> decoded;
+      const MhaInput as_float = WithFloatInputs(plain, &decoded);
+      const TextbookResult<float> reference = bf16->ForwardBf16Textbook(as_float);
+      const TextbookResult<double> oracle = f32->ForwardTextbook<double>(as_float);
+      EXPECT_TRUE(outputs.CheckBf16(answer, reference.output, oracle.output)) << what;
+      EXPECT_TRUE(weights.CheckBf16((*batch)[n].weights, reference.weights, oracle.weights))
+          << what;
+    }
+  }
 }
 
 // The memory issue 26 asks for: a bf16 layer holds at most 0.55 x the host bytes of the
