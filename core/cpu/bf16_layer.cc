@@ -130,6 +130,8 @@ class CpuBf16Layer final : public PreparedLayer {
     if (c.output_projection) out_.emplace(w.out_weight, c.output_dim, c.AttentionWidth(), kernel);
   }
 
+  // In groups of sequences, each group's every step on one thread, where GroupBatchParts
+  // finds groups that keep the pool busy; else ForwardOn the pool.
   absl::StatusOr<std::vector<AttentionResult>> ForwardBatch(
       absl::Span<const MhaInput* const> inputs) const override;
   bool HasDecodeEntry() const override { return true; }
