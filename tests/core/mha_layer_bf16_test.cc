@@ -8,6 +8,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/cpu/batch_groups.h"
@@ -453,6 +454,57 @@ TEST_P(Bf16LayerTest, GroupedBatchesAnswerAsEachInputAlone) {
       EXPECT_TRUE(weights.CheckBf16((*batch)[n].weights, reference.weights, oracle.weights))
           << what;
     }
+  }
+}
+
+// Callers running grouped batches on one layer at once (two batch workers, each batch's
+// groups on the shared pool) get what each batch gets alone.
+TEST_P(Bf16LayerTest, ConcurrentGroupedBatchesAnswerAsAlone) {
+  const uint64_t seed = TestSeed(2619);
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
+  std::mt19937_64 rng(seed);
+  MhaConfig config;
+  config.embed_dim = 32;
+  config.num_heads = 2;
+  const MhaConfig resolved = *MhaConfig::Resolve(config);
+  const auto layer = Layer(resolved, DType::kBFloat16, MhaWeights::Random(resolved, rng()));
+  constexpr int kCallers = 3;
+  std::vector<std::vector<float>> queries;
+  std::vector<std::vector<MhaInput>> batches(kCallers, std::vector<MhaInput>(12));
+  std::vector<std::vector<std::vector<float>>> expected(kCallers);
+  for (int caller = 0; caller < kCallers; ++caller) {
+    std::vector<const MhaInput*> pointers;
+    std::vector<BatchPart> sequences;
+    for (MhaInput& in : batches[caller]) {
+      in.batch = 2;
+      in.q_len = in.kv_len = 20 + caller;
+      queries.push_back(RandomFloats(rng, in.batch * in.q_len * resolved.embed_dim));
+      in.query = queries.back();
+      pointers.push_back(&in);
+      sequences.insert(sequences.end(), in.batch, {in.q_len, in.kv_len});
+    }
+    ASSERT_FALSE(GroupBatchParts(resolved.embed_dim, sequences, 2).empty()) << "caller " << caller;
+    const auto alone = layer->ForwardBatch(pointers);
+    ASSERT_TRUE(alone.ok()) << alone.status();
+    for (const AttentionResult& result : *alone) expected[caller].push_back(result.output);
+  }
+  std::vector<int> mismatches(kCallers, 0);
+  std::vector<std::thread> threads;
+  for (int caller = 0; caller < kCallers; ++caller) {
+    threads.emplace_back([&, caller] {
+      std::vector<const MhaInput*> pointers;
+      for (const MhaInput& in : batches[caller]) pointers.push_back(&in);
+      for (int round = 0; round < 5; ++round) {
+        const auto results = layer->ForwardBatch(pointers);
+        for (size_t n = 0; n < pointers.size(); ++n) {
+          mismatches[caller] += !results.ok() || (*results)[n].output != expected[caller][n];
+        }
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  for (int caller = 0; caller < kCallers; ++caller) {
+    EXPECT_EQ(mismatches[caller], 0) << "caller " << caller;
   }
 }
 
