@@ -16,17 +16,22 @@ namespace attention::server {
 namespace {
 
 // A query, key or value: float32 values, or, for a layer whose backend converts 16-bit
-// inputs on its device, the FLOAT16 / BFLOAT16 bits as sent (half the bytes to copy), or
-// FLOAT32 raw_data read in place (`borrowed`, no copy).
+// inputs on its device, the FLOAT16 / BFLOAT16 bits as sent (half the bytes to copy); or
+// either read in place from raw_data (`borrowed`, `borrowed_half`: no copy).
 struct InputTensor {
   std::vector<int64_t> shape;
   std::vector<float> values;
   std::vector<uint16_t> half;
   absl::Span<const float> borrowed;
+  absl::Span<const uint16_t> borrowed_half;
 
   // The float32 values, wherever they are; `values` once moved to `stored`.
   absl::Span<const float> Floats(const std::vector<float>& stored) const {
     return borrowed.data() != nullptr ? borrowed : absl::Span<const float>(stored);
+  }
+  // The same for 16-bit values; `half` once moved to `stored`.
+  absl::Span<const uint16_t> HalfBits(const std::vector<uint16_t>& stored) const {
+    return borrowed_half.data() != nullptr ? borrowed_half : absl::Span<const uint16_t>(stored);
   }
 };
 
@@ -59,7 +64,8 @@ core::DType HalfDType(const v1::Tensor& tensor) {
 }
 
 // `tensor` kept as its 16-bit bits when `keep_half` (it is then FLOAT16 or BFLOAT16 raw
-// data), else decoded to float32; refused when non-finite and the budget asks for checking.
+// data), else decoded to float32; read in place with `borrow` where it can be; refused when
+// non-finite and the budget asks for checking.
 absl::StatusOr<InputTensor> DecodeMhaInput(const v1::Tensor& tensor, absl::string_view field,
                                            const RequestBudget& budget, bool keep_half,
                                            bool borrow) {
@@ -82,16 +88,19 @@ absl::StatusOr<InputTensor> DecodeMhaInput(const v1::Tensor& tensor, absl::strin
   const core::DType dtype = HalfDType(tensor);
   ASSIGN_OR_RETURN(const int64_t count, wire::CheckFloatTensor(tensor, field));
   input.shape.assign(tensor.shape().begin(), tensor.shape().end());
-  input.half.resize(count);
-  std::memcpy(input.half.data(), tensor.raw_data().data(), count * sizeof(uint16_t));
-  if (budget.reject_non_finite) {
-    const bool bfloat16 = dtype == core::DType::kBFloat16;
-    for (int64_t e = 0; e < count; ++e) {
-      if (core::HalfBitsNonFinite(input.half[e], bfloat16)) {
-        // Decoded, the same check names the index and the value.
-        return DecodeInput(tensor, field, budget).status();
-      }
-    }
+  const std::string& raw = tensor.raw_data();
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(raw.data());
+  if (borrow && reinterpret_cast<uintptr_t>(bits) % alignof(uint16_t) == 0) {
+    input.borrowed_half = absl::MakeConstSpan(bits, static_cast<size_t>(count));
+  } else {
+    input.half.resize(count);
+    std::memcpy(input.half.data(), raw.data(), count * sizeof(uint16_t));
+    bits = input.half.data();
+  }
+  if (budget.reject_non_finite &&
+      core::AnyHalfBitsNonFinite(bits, count, dtype == core::DType::kBFloat16)) {
+    // Decoded, the same check names the index and the value.
+    return DecodeInput(tensor, field, budget).status();
   }
   return input;
 }
@@ -252,7 +261,7 @@ namespace {
 // Decodes a MultiHeadAttention request's query, key and value into `item`'s input for
 // `layer`, under the shape rules of core/input_shapes.h. 16-bit inputs stay as sent when
 // the layer takes them so (MhaLayer::TakesHalfInputs) and all three share one 16-bit dtype;
-// with `borrow`, FLOAT32 raw_data is read in place.
+// with `borrow`, FLOAT32 and 16-bit raw_data are read in place.
 absl::Status DecodeMhaInputs(const v1::MultiHeadAttentionRequest& request,
                              const core::MhaLayer& layer, const RequestBudget& budget, bool borrow,
                              LayerWorkItem* item) {
@@ -272,6 +281,7 @@ absl::Status DecodeMhaInputs(const v1::MultiHeadAttentionRequest& request,
   // Spans of the key and value values; they survive item->storage growing, as a moved
   // vector keeps its buffer.
   absl::Span<const float> key_values, value_values;
+  absl::Span<const uint16_t> key_half, value_half;
   if (has_key) {
     ASSIGN_OR_RETURN(InputTensor key,
                      DecodeMhaInput(request.key(), "key", budget, keep_half, borrow));
@@ -285,16 +295,16 @@ absl::Status DecodeMhaInputs(const v1::MultiHeadAttentionRequest& request,
     value_values = value.Floats(item->storage[1]);
     item->half_storage.push_back(std::move(key.half));
     item->half_storage.push_back(std::move(value.half));
+    key_half = key.HalfBits(item->half_storage[0]);
+    value_half = value.HalfBits(item->half_storage[1]);
   }
   item->storage.push_back(std::move(query.values));
   item->half_storage.push_back(std::move(query.half));
   if (keep_half) {
     input.half_dtype = half_dtype;
-    input.query_half = item->half_storage.back();
-    if (has_key) {
-      input.key_half = item->half_storage[0];
-      input.value_half = item->half_storage[1];
-    }
+    input.query_half = query.HalfBits(item->half_storage.back());
+    input.key_half = key_half;
+    input.value_half = value_half;
   } else {
     input.query = query.Floats(item->storage.back());
     input.key = key_values;

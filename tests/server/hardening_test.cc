@@ -212,6 +212,34 @@ TEST_F(ServerTest, NonFinite16BitInputsAreRefusedToo) {
   EXPECT_NE(status.message().find("query holds NaN at [0, 1, 4]"), std::string::npos) << status;
 }
 
+// The same on a BFLOAT16 layer, which takes 16-bit inputs as sent (read in place from the
+// request): a NaN in a bf16 query, an inf in a bf16 key, and a clean request answers.
+TEST_F(ServerTest, NonFinite16BitInputsOfABf16LayerAreRefused) {
+  v1::LoadLayerRequest load = RandomLayerRequest("bf16", 16, 3);
+  load.mutable_spec()->mutable_config()->set_compute_dtype(v1::BFLOAT16);
+  ASSERT_TRUE(client_->LoadLayer(load).ok());
+  std::mt19937_64 rng(28);
+  v1::MultiHeadAttentionRequest mha;
+  mha.set_layer("bf16");
+  for (v1::Tensor* tensor : {mha.mutable_query(), mha.mutable_key(), mha.mutable_value()}) {
+    wire::EncodeTensor(RandomValues(rng, 2 * 3 * 16), std::vector<int64_t>{2, 3, 16},
+                       core::DType::kBFloat16, tensor);
+  }
+  ASSERT_TRUE(client_->MultiHeadAttention(mha).ok());
+  v1::MultiHeadAttentionRequest with_nan = mha;
+  const uint16_t nan_bits = 0x7fc0, inf_bits = 0x7f80;
+  std::memcpy(with_nan.mutable_query()->mutable_raw_data()->data() + 2 * (3 * 16 + 5), &nan_bits,
+              2);
+  absl::Status status = client_->MultiHeadAttention(with_nan).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_NE(status.message().find("query holds NaN at [1, 0, 5]"), std::string::npos) << status;
+  v1::MultiHeadAttentionRequest with_inf = mha;
+  std::memcpy(with_inf.mutable_key()->mutable_raw_data()->data() + 2 * (16 + 2), &inf_bits, 2);
+  status = client_->MultiHeadAttention(with_inf).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_NE(status.message().find("key holds +inf at [0, 1, 2]"), std::string::npos) << status;
+}
+
 class UncheckedInputsServerTest : public ServerTest {
  protected:
   ServerOptions Options() override {
@@ -321,7 +349,7 @@ grpc::Status CallReflection(const std::shared_ptr<grpc::Channel>& channel) {
   std::promise<grpc::Status> done;
   stub.UnaryCall(&context, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
                  grpc::StubOptions(), &request, &response,
-                 [&done](grpc::Status status) { done.set_value(status); });
+                 [&done](const grpc::Status& status) { done.set_value(status); });
   return done.get_future().get();
 }
 
