@@ -55,9 +55,9 @@ ATTENTION_HOST_DEVICE inline bool HalfBitsNonFinite(uint16_t bits, bool bfloat16
 // Whether any of `bits` is NaN or infinite: an OR over all of them, which vectorizes (a
 // loop that stops at the first one does not); only a tensor that fails is searched again.
 inline bool AnyHalfBitsNonFinite(const uint16_t* bits, size_t count, bool bfloat16) {
-  const uint16_t exponent = bfloat16 ? 0x7f80 : 0x7c00;
   uint32_t any = 0;
-  for (size_t i = 0; i < count; ++i) any |= static_cast<uint32_t>((bits[i] & exponent) == exponent);
+  for (size_t i = 0; i < count; ++i)
+    any |= static_cast<uint32_t>(HalfBitsNonFinite(bits[i], bfloat16));
   return any != 0;
 }
 

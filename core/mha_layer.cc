@@ -384,8 +384,7 @@ bool SplitsIntoSequences(const MhaInput& input) {
          options.dropout_p == 0.0f && !shared_mask;
 }
 
-MhaInput OneSequence(const MhaInput& input, int64_t b, absl::Span<float> destination,
-                     absl::Span<uint16_t> destination_bf16) {
+MhaInput OneSequence(const MhaInput& input, int64_t b, absl::Span<float> batch_destination) {
   const auto rows_of_b = [&](auto tensor) {
     const size_t each = tensor.size() / input.batch;
     return tensor.subspan(b * each, each);
@@ -404,8 +403,8 @@ MhaInput OneSequence(const MhaInput& input, int64_t b, absl::Span<float> destina
   one.query_half = rows_of_b(input.query_half);
   one.key_half = rows_of_b(input.key_half);
   one.value_half = rows_of_b(input.value_half);
-  one.output_destination = destination;
-  one.output_destination_bf16 = destination_bf16;
+  one.output_destination = rows_of_b(batch_destination);
+  one.output_destination_bf16 = rows_of_b(input.output_destination_bf16);
   return one;
 }
 

@@ -119,9 +119,9 @@ MhaInput WithFloatInputs(const MhaInput& input, std::deque<std::vector<float>>* 
 bool SplitsIntoSequences(const MhaInput& input);
 // Sequence `b` of `input`'s batch as an input of its own: its rows of the query, key and
 // value (float32 or 16-bit) and its masks (AttentionOptions::OneSequence), answering into
-// `destination` or `destination_bf16` (its rows of the output).
-MhaInput OneSequence(const MhaInput& input, int64_t b, absl::Span<float> destination,
-                     absl::Span<uint16_t> destination_bf16);
+// its rows of `batch_destination` (the whole batch's float32 output; empty for none) or of
+// the input's bf16 destination.
+MhaInput OneSequence(const MhaInput& input, int64_t b, absl::Span<float> batch_destination);
 
 struct AttentionResult {
   // MHA: [B, Nq, output_dim] (empty when the input gave an output destination);

@@ -251,12 +251,15 @@ void CpuBf16Layer::ProjectOutput(ThreadPool& pool, const float* attended, int64_
 absl::StatusOr<std::vector<AttentionResult>> CpuBf16Layer::ForwardBatch(
     absl::Span<const MhaInput* const> inputs) const {
   // The batch's parts: each input whole, or each of its sequences where it splits.
+  std::vector<char> splits(inputs.size());
   std::vector<BatchPart> part_sizes;
-  for (const MhaInput* in : inputs) {
-    if (SplitsIntoSequences(*in)) {
-      part_sizes.insert(part_sizes.end(), in->batch, {in->q_len, in->kv_len});
+  for (size_t n = 0; n < inputs.size(); ++n) {
+    const MhaInput& in = *inputs[n];
+    splits[n] = SplitsIntoSequences(in);
+    if (splits[n]) {
+      part_sizes.insert(part_sizes.end(), in.batch, {in.q_len, in.kv_len});
     } else {
-      part_sizes.push_back({in->batch * in->q_len, in->kv_len});
+      part_sizes.push_back({in.batch * in.q_len, in.kv_len});
     }
   }
   const std::vector<std::vector<size_t>> groups =
@@ -268,25 +271,19 @@ absl::StatusOr<std::vector<AttentionResult>> CpuBf16Layer::ForwardBatch(
   std::vector<int64_t> whole_input;  // per part: the input it is, or -1 for a sequence
   for (size_t n = 0; n < inputs.size(); ++n) {
     const MhaInput& in = *inputs[n];
-    if (!SplitsIntoSequences(in)) {
+    if (!splits[n]) {
       parts.push_back(&in);
       whole_input.push_back(static_cast<int64_t>(n));
       continue;
     }
     // Each sequence answers into its rows of the input's destination or result.
-    const int64_t rows_floats = in.q_len * config_.output_dim;
     absl::Span<float> destination = in.output_destination;
     if (!in.has_output_destination()) {
-      results[n].output.resize(in.batch * rows_floats);
+      results[n].output.resize(in.batch * in.q_len * config_.output_dim);
       destination = absl::MakeSpan(results[n].output);
     }
     for (int64_t b = 0; b < in.batch; ++b) {
-      sequences.push_back(OneSequence(
-          in, b,
-          destination.empty() ? destination : destination.subspan(b * rows_floats, rows_floats),
-          in.output_destination_bf16.empty()
-              ? in.output_destination_bf16
-              : in.output_destination_bf16.subspan(b * rows_floats, rows_floats)));
+      sequences.push_back(OneSequence(in, b, destination));
       parts.push_back(&sequences.back());
       whole_input.push_back(-1);
     }
