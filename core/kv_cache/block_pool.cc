@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -18,12 +19,17 @@ absl::StatusOr<int64_t> TokensPerBlock(const KvLayout& layout, int64_t block_byt
     return absl::InvalidArgumentError(
         absl::StrCat("KV dtype must be float32 or bfloat16, not ", DTypeName(layout.dtype)));
   }
-  const int64_t tokens = block_bytes / layout.TokenBytes();
+  int64_t token_bytes = 0;
+  const bool overflows = __builtin_add_overflow(layout.key_dim, layout.value_dim, &token_bytes) ||
+                         __builtin_mul_overflow(token_bytes, layout.num_kv_heads, &token_bytes) ||
+                         __builtin_mul_overflow(token_bytes, layout.ElementBytes(), &token_bytes);
+  const int64_t tokens = overflows ? 0 : block_bytes / token_bytes;
   if (tokens < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "one token of KV layout num_kv_heads ", layout.num_kv_heads, " x (key_dim ", layout.key_dim,
-        " + value_dim ", layout.value_dim, ") x ", layout.ElementBytes(), " bytes = ",
-        layout.TokenBytes(), " bytes does not fit a KV block of ", block_bytes, " bytes"));
+        " + value_dim ", layout.value_dim, ") x ", layout.ElementBytes(),
+        " bytes = ", overflows ? std::string("more than 2^63") : absl::StrCat(token_bytes),
+        " bytes does not fit a KV block of ", block_bytes, " bytes"));
   }
   return tokens;
 }
@@ -136,18 +142,24 @@ absl::StatusOr<SequenceId> KvBlockPool::Reserve(const KvLayout& layout, int64_t 
                                                    "reserved_tokens >= 1; got ", num_layers,
                                                    " and ", reserved_tokens));
   }
+  // Refused before anything is allocated; each factor is at most the pool's block count
+  // (< 2^31) when multiplied, so the product cannot overflow.
+  const int64_t total = static_cast<int64_t>(blocks_.size());
+  const int64_t blocks_per_layer = BlocksFor(reserved_tokens, *tokens_per_block);
+  const int64_t needed = num_layers <= total && blocks_per_layer <= total
+                             ? num_layers * blocks_per_layer
+                             : std::numeric_limits<int64_t>::max();
+  if (needed > total - Committed()) {
+    return Exhausted(
+        absl::StrCat("a reservation of ", reserved_tokens, " tokens x ", num_layers, " layers"),
+        needed, *tokens_per_block);
+  }
   KvSequence sequence;
   sequence.layout = layout;
   sequence.tokens_per_block = *tokens_per_block;
   sequence.num_layers = num_layers;
   sequence.reserved_tokens = reserved_tokens;
   sequence.block_tables.resize(num_layers);
-  const int64_t needed = GrowthOwed(sequence);
-  if (Committed() + needed > static_cast<int64_t>(blocks_.size())) {
-    return Exhausted(
-        absl::StrCat("a reservation of ", reserved_tokens, " tokens x ", num_layers, " layers"),
-        needed, *tokens_per_block);
-  }
   growth_owed_ += needed;
   const SequenceId id = next_id_++;
   sequences_.emplace(id, std::move(sequence));
@@ -213,6 +225,10 @@ absl::StatusOr<SequenceId> KvBlockPool::Fork(SequenceId source_id, int64_t token
     return absl::InvalidArgumentError(
         absl::StrCat("a fork of ", tokens, " tokens needs a reservation of at least ",
                      std::max<int64_t>(tokens, 1), "; got ", reserved_tokens));
+  }
+  if (BlocksFor(reserved_tokens, source.tokens_per_block) > static_cast<int64_t>(blocks_.size())) {
+    return Exhausted(absl::StrCat("a fork of ", tokens, " tokens reserving ", reserved_tokens),
+                     BlocksFor(reserved_tokens, source.tokens_per_block), source.tokens_per_block);
   }
   KvSequence fork = source;
   fork.length = tokens;

@@ -45,12 +45,13 @@ struct KvLayout {
   DType dtype = DType::kFloat32;
 
   int64_t ElementBytes() const { return ElementSize(dtype); }
-  // Bytes of one token's keys and values in one layer.
+  // Bytes of one token's keys and values in one layer, for a layout TokensPerBlock accepted
+  // (any other may overflow).
   int64_t TokenBytes() const { return num_kv_heads * (key_dim + value_dim) * ElementBytes(); }
 };
 
 // Tokens of `layout` one block holds; INVALID_ARGUMENT naming the numbers when the layout
-// is malformed or a token does not fit a block.
+// is malformed or a token does not fit a block (checked without overflow for any values).
 absl::StatusOr<int64_t> TokensPerBlock(const KvLayout& layout, int64_t block_bytes);
 
 // Where a block's tokens are, in elements of the KV dtype from the block's start.
@@ -146,7 +147,7 @@ class KvBlockPool {
 
   static int64_t CopiesOwed(const BlockState& state);
   static int64_t BlocksFor(int64_t tokens, int64_t tokens_per_block) {
-    return (tokens + tokens_per_block - 1) / tokens_per_block;
+    return tokens / tokens_per_block + (tokens % tokens_per_block != 0);  // cannot overflow
   }
   // Blocks a sequence still needs to reach its reservation, over all layers.
   static int64_t GrowthOwed(const KvSequence& sequence);

@@ -125,6 +125,9 @@ ABSL_FLAG(int64_t, max_session_tokens, int64_t{128} << 10,
 ABSL_FLAG(absl::Duration, session_ttl, absl::Minutes(10),
           "idle time after which a session expires, unless it asks for another ttl");
 ABSL_FLAG(absl::Duration, max_session_ttl, absl::Hours(24), "longest ttl a session may ask for");
+ABSL_FLAG(int64_t, prefill_chunk_tokens, 256,
+          "a session step's attention runs in turns of at most this many query tokens per "
+          "entry, so that other sessions' decode steps run between a long prefill's chunks");
 ABSL_FLAG(std::string, replica_name, "",
           "prefix of session ids naming this replica (e.g. the pod name from the Downward "
           "API), so that callers pin a session's calls to the replica that holds it");
@@ -249,6 +252,7 @@ int main(int argc, char** argv) {
   options.sessions.max_session_tokens = absl::GetFlag(FLAGS_max_session_tokens);
   options.sessions.default_ttl = absl::GetFlag(FLAGS_session_ttl);
   options.sessions.max_ttl = absl::GetFlag(FLAGS_max_session_ttl);
+  options.sessions.prefill_chunk_tokens = absl::GetFlag(FLAGS_prefill_chunk_tokens);
   options.sessions.replica = absl::GetFlag(FLAGS_replica_name);
   options.replica_address = absl::GetFlag(FLAGS_replica_address);
   options.keepalive_min_ping_interval = absl::GetFlag(FLAGS_keepalive_min_ping_interval);

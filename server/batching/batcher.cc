@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
+#include "server/common/status_util.h"
 
 namespace attention::server {
 
@@ -282,7 +283,13 @@ void Batcher::Run(std::vector<std::unique_ptr<WorkItem>> batch) {
   const absl::Time start = absl::Now();
   std::vector<WorkItem*> items;
   for (const auto& item : live) items.push_back(item.get());
-  absl::StatusOr<std::vector<core::AttentionResult>> results = live.front()->Compute(items);
+  absl::StatusOr<std::vector<core::AttentionResult>> results;
+  const absl::Status computed = CatchExceptions(
+      absl::StrCat("a batch of ", live.front()->queue_name()), [&]() -> absl::Status {
+        results = live.front()->Compute(items);
+        return absl::OkStatus();
+      });
+  if (!computed.ok()) results = computed;
   if (metrics_ != nullptr) {
     const absl::Duration compute = absl::Now() - start;
     const std::string name = live.front()->queue_name();

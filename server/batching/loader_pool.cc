@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "server/common/status_util.h"
 
 namespace attention::server {
 namespace {
@@ -120,7 +121,7 @@ void LoaderPool::WorkerLoop() {
     }
     AnswerExpired(std::move(expired), now);
     if (!job.work) continue;  // every waiting job had expired
-    const absl::Status status = job.work();
+    const absl::Status status = CatchExceptions("a loader job", job.work);
     job.done(status);
   }
 }

@@ -1,5 +1,7 @@
 #include "server/common/status_util.h"
 
+#include <exception>
+#include <iostream>
 #include <string>
 #include <utility>
 
@@ -68,6 +70,21 @@ std::string ReasonOf(const absl::Status& status) {
   google::rpc::ErrorInfo info;
   if (!payload.has_value() || !info.ParseFromString(std::string(*payload))) return "";
   return info.reason();
+}
+
+absl::Status CatchExceptions(absl::string_view what, const std::function<absl::Status()>& work) {
+  std::string exception;
+  try {
+    return work();
+  } catch (const std::exception& error) {
+    exception = error.what();
+  } catch (...) {
+    exception = "an exception of unknown type";
+  }
+  const std::string message = BoundedMessage(
+      absl::StrCat(what, " failed on an internal error (", exception, "); the server goes on"));
+  std::cerr << "attention-service: " << message << std::endl;
+  return absl::InternalError(message);
 }
 
 absl::Status Prefixed(const absl::Status& status, absl::string_view context) {

@@ -5,6 +5,7 @@
 #define ATTENTION_SERVER_COMMON_STATUS_UTIL_H_
 
 #include <cstddef>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,13 @@ absl::Status WithReason(absl::Status status, absl::string_view reason);
 std::string ReasonOf(const absl::Status& status);
 // `status` with its message prefixed by `context` and ": ", its code and reason kept.
 absl::Status Prefixed(const absl::Status& status, absl::string_view context);
+
+// `work`'s status; an exception it throws (std::bad_alloc, a vector's std::length_error)
+// becomes INTERNAL naming `what` and the exception, logged on stderr. The last guard of
+// every handler and worker thread: an exception leaving a gRPC handler is answered
+// UNIMPLEMENTED with no message and leaks the call's in-flight count, and one leaving a
+// worker thread ends the process.
+absl::Status CatchExceptions(absl::string_view what, const std::function<absl::Status()>& work);
 
 // absl and gRPC share the canonical code numbering, so the code carries over unchanged; a
 // reason goes into the details as a google.rpc.Status holding the ErrorInfo.

@@ -161,23 +161,26 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(
     kserve::OutputPlan plan;
   };
   auto native = std::make_shared<Call>();
-  absl::Status status =
-      kserve::ToNativeRequest(*request, &native->request, &native->plan, &shared_memory_);
+  absl::Status status = CatchExceptions("ModelInfer", [&] {
+    return kserve::ToNativeRequest(*request, &native->request, &native->plan, &shared_memory_);
+  });
   if (status.ok()) {
     status = FindModel("model_name", request->model_name(), request->model_version()).status();
   }
   if (status.ok()) {
-    status = native_.SubmitMultiHeadAttention(
-        native->request, call.deadline(), call.cancelled(), &native->response,
-        [call, native, request, response](const absl::Status& result) {
-          absl::Status answered = result;
-          if (answered.ok()) {
-            answered = kserve::ToInferResponse(native->response, native->plan,
-                                               request->model_name(), response);
-          }
-          call.Answer(kserve::ToKserveStatus(answered, *request), request->id());
-        },
-        /*borrow_inputs=*/true);  // `native` holds the request until then
+    status = CatchExceptions("ModelInfer", [&] {
+      return native_.SubmitMultiHeadAttention(
+          native->request, call.deadline(), call.cancelled(), &native->response,
+          [call, native, request, response](const absl::Status& result) {
+            absl::Status answered = result;
+            if (answered.ok()) {
+              answered = kserve::ToInferResponse(native->response, native->plan,
+                                                 request->model_name(), response);
+            }
+            call.Answer(kserve::ToKserveStatus(answered, *request), request->id());
+          },
+          /*borrow_inputs=*/true);
+    });  // `native` holds the request until then
     status = kserve::ToKserveStatus(status, *request);
   }
   if (!status.ok()) call.Answer(status, request->id());

@@ -161,10 +161,12 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::MultiHeadAttention(
       *request, call.deadline(), call.cancelled(),
       [this, call, response, answer](const v1::MultiHeadAttentionRequest& request,
                                      std::shared_ptr<const LayerSnapshot> inline_layer) {
-        return SubmitMultiHeadAttention(request, call.deadline(), call.cancelled(), response,
-                                        answer,
-                                        /*borrow_inputs=*/true,  // gRPC holds the request
-                                        std::move(inline_layer));
+        return CatchExceptions("MultiHeadAttention", [&] {
+          return SubmitMultiHeadAttention(request, call.deadline(), call.cancelled(), response,
+                                          answer,
+                                          /*borrow_inputs=*/true,  // gRPC holds the request
+                                          std::move(inline_layer));
+        });
       },
       answer, /*copy_to_build=*/false);
   return call.reactor();
@@ -409,8 +411,10 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ScaledDotProductAttention(
   auto answer = [call, request](const absl::Status& status) {
     call.Answer(status, request->request_id());
   };
-  const absl::Status status = SubmitScaledDotProductAttention(*request, call.deadline(),
-                                                              call.cancelled(), response, answer);
+  const absl::Status status = CatchExceptions("ScaledDotProductAttention", [&] {
+    return SubmitScaledDotProductAttention(*request, call.deadline(), call.cancelled(), response,
+                                           answer);
+  });
   if (!status.ok()) answer(status);
   return call.reactor();
 }

@@ -131,13 +131,15 @@ class MultiHeadAttentionStreamReactor final
         request, Deadline(context_), [this] { return context_->IsCancelled(); },
         [this, answer, record](const v1::MultiHeadAttentionRequest& submitted,
                                std::shared_ptr<const LayerSnapshot> inline_layer) {
-          return service_.SubmitMultiHeadAttention(
-              submitted, Deadline(context_), [this] { return context_->IsCancelled(); },
-              answer->mutable_response(),
-              [this, answer, record](const absl::Status& result) {
-                Answer(answer, record, result);
-              },
-              /*borrow_inputs=*/false, std::move(inline_layer));
+          return CatchExceptions("MultiHeadAttentionStream", [&] {
+            return service_.SubmitMultiHeadAttention(
+                submitted, Deadline(context_), [this] { return context_->IsCancelled(); },
+                answer->mutable_response(),
+                [this, answer, record](const absl::Status& result) {
+                  Answer(answer, record, result);
+                },
+                /*borrow_inputs=*/false, std::move(inline_layer));
+          });
         },
         [this, answer, record](const absl::Status& status) { Answer(answer, record, status); },
         /*copy_to_build=*/true);  // the request is reused by the next read
@@ -158,9 +160,11 @@ class SessionStepStreamReactor final
       service_.CountSessionRefusal(result);
       Answer(answer, record, result);
     };
-    const absl::Status status = service_.SubmitSessionStep(
-        request, Deadline(context_), [this] { return context_->IsCancelled(); },
-        answer->mutable_response(), finish);
+    const absl::Status status = CatchExceptions("SessionStepStream", [&] {
+      return service_.SubmitSessionStep(
+          request, Deadline(context_), [this] { return context_->IsCancelled(); },
+          answer->mutable_response(), finish);
+    });
     if (!status.ok()) finish(status);
   }
 };

@@ -9,6 +9,7 @@
 #include <map>
 #include <new>
 #include <tuple>
+#include <utility>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -44,13 +45,28 @@ float ScaleOf(const SessionShape& shape) {
 }
 
 absl::Status CheckShape(const SessionShape& shape) {
-  if (shape.num_layers < 1) return Invalid("num_layers = ", shape.num_layers, " must be >= 1");
-  if (shape.num_heads < 1) return Invalid("num_heads = ", shape.num_heads, " must be >= 1");
+  if (shape.num_layers < 1 || shape.num_layers > kMaxSessionLayers) {
+    return Invalid("num_layers = ", shape.num_layers, " must be in [1, ", kMaxSessionLayers, "]");
+  }
+  for (auto [name, value] : {std::pair<const char*, int64_t>{"num_heads", shape.num_heads},
+                             {"head_dim", shape.head_dim}}) {
+    if (value < 1 || value > kMaxSessionDim) {
+      return Invalid(name, " = ", value, " must be in [1, ", kMaxSessionDim, "]");
+    }
+  }
   RETURN_IF_ERROR(
       core::CheckHeadGroups(shape.num_heads, shape.num_kv_heads, "num_heads", "num_kv_heads"));
-  if (shape.head_dim < 1) return Invalid("head_dim = ", shape.head_dim, " must be >= 1");
-  if (shape.v_head_dim < 0) {
-    return Invalid("v_head_dim = ", shape.v_head_dim, " must be >= 1, or 0 for head_dim");
+  if (shape.v_head_dim < 0 || shape.v_head_dim > kMaxSessionDim) {
+    return Invalid("v_head_dim = ", shape.v_head_dim, " must be in [1, ", kMaxSessionDim,
+                   "], or 0 for head_dim");
+  }
+  // Each factor is at most 2^16 now, so the products are exact.
+  const int64_t widest_row =
+      shape.num_heads * std::max(shape.head_dim, std::max<int64_t>(shape.v_head_dim, 1));
+  if (widest_row > kMaxSessionRowWidth) {
+    return Invalid("num_heads x max(head_dim, v_head_dim) = ", shape.num_heads, " x ",
+                   std::max(shape.head_dim, shape.v_head_dim), " = ", widest_row,
+                   " values a token exceeds ", kMaxSessionRowWidth);
   }
   if (shape.kv_dtype != core::DType::kFloat32 && shape.kv_dtype != core::DType::kBFloat16) {
     return Invalid("kv_dtype = ", core::DTypeName(shape.kv_dtype),
@@ -82,6 +98,23 @@ void Store(const float* values, int64_t count, std::byte* stored, core::DType dt
 
 }  // namespace
 
+absl::Status CheckNoGap(int64_t layer, int64_t position, int64_t length) {
+  if (position <= length) return absl::OkStatus();
+  return WithReason(
+      absl::OutOfRangeError(absl::StrCat("position = ", position, " leaves a gap: layer ", layer,
+                                         " of the session holds ", length,
+                                         " tokens, so the next step starts at or before ", length)),
+      "POSITION_GAP");
+}
+
+absl::Status CheckWithinReservation(int64_t end, int64_t reserved_tokens) {
+  if (end <= reserved_tokens) return absl::OkStatus();
+  return WithReason(absl::OutOfRangeError(absl::StrCat("position + num_tokens = ", end,
+                                                       " is past the session's reservation of ",
+                                                       reserved_tokens, " tokens")),
+                    "PAST_RESERVATION");
+}
+
 absl::Status SessionTableOptions::Validate() const {
   if (block_bytes < 64 || block_bytes % 64 != 0) {
     return Invalid("block_bytes = ", block_bytes, " must be a positive multiple of 64");
@@ -103,6 +136,9 @@ absl::Status SessionTableOptions::Validate() const {
   }
   if (prefill_min_queries < 1) {
     return Invalid("prefill_min_queries = ", prefill_min_queries, " must be >= 1");
+  }
+  if (prefill_chunk_tokens < 1) {
+    return Invalid("prefill_chunk_tokens = ", prefill_chunk_tokens, " must be >= 1");
   }
   return absl::OkStatus();
 }
@@ -212,7 +248,8 @@ absl::StatusOr<SessionTable::Session*> SessionTable::FindLocked(const std::strin
                                                                 absl::Time now) {
   ForgetTombstonesLocked(now);
   auto found = sessions_.find(id);
-  if (found != sessions_.end() && now - found->second.last_used > found->second.ttl) {
+  if (found != sessions_.end() && now - found->second.last_used > found->second.ttl &&
+      !pins_.contains(found->second.sequence)) {  // a step in flight is a use
     EndLocked(id, Ending::kExpired, now);
     found = sessions_.end();
   }
@@ -250,6 +287,7 @@ SessionInfo SessionTable::InfoLocked(const std::string& id, const Session& sessi
   info.id = id;
   info.shape = session.shape;
   info.length = *std::min_element(session.layer_lengths.begin(), session.layer_lengths.end());
+  info.layer_lengths = session.layer_lengths;
   const core::kv_cache::KvSequence* sequence = *block_pool_.Find(session.sequence);
   info.reserved_tokens = sequence->reserved_tokens;
   for (const auto& table : sequence->block_tables) {
@@ -306,6 +344,13 @@ absl::StatusOr<SessionInfo> SessionTable::Truncate(const std::string& id, int64_
     return absl::OutOfRangeError(
         absl::StrCat("tokens = ", tokens, " must be in [0, ", longest, "], the session's length"));
   }
+  if (pins_.contains(session->sequence)) {
+    // Its step reads blocks a truncation would free for others to write.
+    return WithReason(absl::AbortedError(absl::StrCat(
+                          "session ", Quoted(id),
+                          " has a step in flight; truncate it once the step has answered")),
+                      "SESSION_BUSY");
+  }
   std::vector<BlockId> freed;
   RETURN_IF_ERROR(block_pool_.Truncate(session->sequence, tokens, &freed));
   FreeBlocksLocked(freed);
@@ -341,7 +386,9 @@ int64_t SessionTable::ExpireIdle(absl::Time now) {
   ForgetTombstonesLocked(now);
   std::vector<std::string> idle;
   for (const auto& [id, session] : sessions_) {
-    if (now - session.last_used > session.ttl) idle.push_back(id);
+    if (now - session.last_used > session.ttl && !pins_.contains(session.sequence)) {
+      idle.push_back(id);
+    }
   }
   for (const std::string& id : idle) EndLocked(id, Ending::kExpired, now);
   return static_cast<int64_t>(idle.size());
@@ -350,10 +397,7 @@ int64_t SessionTable::ExpireIdle(absl::Time now) {
 void SessionTable::EndLocked(const std::string& id, Ending ending, absl::Time now) {
   ++(ending == Ending::kExpired ? totals_.expired : totals_.dropped);
   const auto found = sessions_.find(id);
-  std::vector<BlockId> freed;
-  // Releasing a sequence the table holds cannot fail.
-  block_pool_.Release(found->second.sequence, &freed).IgnoreError();
-  FreeBlocksLocked(freed);
+  ReleaseLocked(found->second.sequence);
   sessions_.erase(found);
   if (options_.max_tombstones == 0) return;
   while (static_cast<int64_t>(tombstones_.size()) >= options_.max_tombstones) {
@@ -393,21 +437,10 @@ absl::Status SessionTable::WriteLocked(const StepEntry& entry, Session& session)
   if (entry.num_tokens < 1) return Invalid("num_tokens = ", entry.num_tokens, " must be >= 1");
   if (entry.position < 0) return Invalid("position = ", entry.position, " must be >= 0");
   int64_t& length = session.layer_lengths[entry.layer];
-  if (entry.position > length) {
-    return WithReason(absl::OutOfRangeError(
-                          absl::StrCat("position = ", entry.position, " leaves a gap: layer ",
-                                       entry.layer, " of the session holds ", length,
-                                       " tokens, so the next step starts at or before ", length)),
-                      "POSITION_GAP");
-  }
+  RETURN_IF_ERROR(CheckNoGap(entry.layer, entry.position, length));
   const core::kv_cache::KvSequence* sequence = *block_pool_.Find(session.sequence);
   const int64_t end = entry.position + entry.num_tokens;
-  if (end > sequence->reserved_tokens) {
-    return WithReason(absl::OutOfRangeError(absl::StrCat("position + num_tokens = ", end,
-                                                         " is past the session's reservation of ",
-                                                         sequence->reserved_tokens, " tokens")),
-                      "PAST_RESERVATION");
-  }
+  RETURN_IF_ERROR(CheckWithinReservation(end, sequence->reserved_tokens));
   const KvLayout layout = LayoutOf(shape);
   const int64_t heads = layout.num_kv_heads, dk = layout.key_dim, dv = layout.value_dim;
   const int64_t element = layout.ElementBytes();
@@ -482,8 +515,38 @@ absl::Status SessionTable::WriteLocked(const StepEntry& entry, Session& session)
   return absl::OkStatus();
 }
 
-std::vector<absl::Status> SessionTable::Step(absl::Span<const StepEntry> entries, absl::Time now) {
-  std::vector<absl::Status> statuses(entries.size());
+SessionTable::StorageTurns::Turn::Turn(StorageTurns& turns) : turns_(turns) {
+  std::unique_lock<std::mutex> lock(turns_.mu_);
+  const uint64_t ticket = turns_.next_ticket_++;
+  turns_.turn_.wait(lock, [&] { return turns_.serving_ == ticket; });
+}
+
+SessionTable::StorageTurns::Turn::~Turn() {
+  {
+    std::lock_guard<std::mutex> lock(turns_.mu_);
+    ++turns_.serving_;
+  }
+  turns_.turn_.notify_all();
+}
+
+int64_t SessionTable::StorageTurns::Waiting() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int64_t>(next_ticket_ - serving_) - (next_ticket_ > serving_ ? 1 : 0);
+}
+
+// One turn of a step's attention: entries that share a KV layout, heads, scale and window,
+// each with a chunk of its query rows, over block tables copied under the table's lock.
+struct SessionTable::AttendPass {
+  core::PagedDecodeBatch batch;  // batch.sequences spans `sequences`
+  std::vector<core::PagedDecodeSequence> sequences;
+  std::vector<std::vector<BlockId>> block_tables;
+  std::vector<size_t> members;  // the entry of each sequence
+  int64_t first_query = 0;      // of each entry's chunk
+};
+
+std::vector<SessionTable::AttendPass> SessionTable::PlanStepLocked(
+    absl::Span<const StepEntry> entries, absl::Time now, std::vector<absl::Status>& statuses,
+    std::vector<core::kv_cache::SequenceId>& pinned) {
   // Entries of one session and layer apply in position order, whatever order they came in.
   std::vector<size_t> order(entries.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
@@ -491,7 +554,6 @@ std::vector<absl::Status> SessionTable::Step(absl::Span<const StepEntry> entries
     return std::tie(entries[a].session_id, entries[a].layer, entries[a].position) <
            std::tie(entries[b].session_id, entries[b].layer, entries[b].position);
   });
-  core::MutexLock lock(mu_);
   std::vector<Session*> sessions(entries.size(), nullptr);
   for (const size_t i : order) {
     absl::StatusOr<Session*> session = FindLocked(entries[i].session_id, now);
@@ -499,9 +561,9 @@ std::vector<absl::Status> SessionTable::Step(absl::Span<const StepEntry> entries
     if (session.ok()) statuses[i] = WriteLocked(entries[i], **session);
     if (statuses[i].ok()) sessions[i] = *session;
   }
-  // Attend: one pass per group of entries that share a KV layout, heads, scale and window;
-  // the dispatcher sends decode entries to the decode kernel and prefill chunks to the
-  // blocked flash-style kernel (core/cpu/paged_prefill_cpu.h).
+  // One group per KV layout, heads, scale and window; the dispatcher sends decode entries
+  // to the decode kernel and prefill chunks to the blocked flash-style kernel
+  // (core/cpu/paged_prefill_cpu.h). Pass k of a group holds chunk k of each of its entries.
   using GroupKey = std::tuple<int64_t, int64_t, int64_t, int, int64_t, float, int64_t>;
   std::map<GroupKey, std::vector<size_t>> groups;
   for (size_t i = 0; i < entries.size(); ++i) {
@@ -512,48 +574,119 @@ std::vector<absl::Status> SessionTable::Step(absl::Span<const StepEntry> entries
             shape.num_heads, ScaleOf(shape), shape.sliding_window}]
         .push_back(i);
   }
-  for (const auto& [key, members] : groups) {
-    const SessionShape& shape = sessions[members.front()]->shape;
-    std::vector<core::PagedDecodeSequence> sequences;
-    int64_t tokens_per_block = 0;
-    for (const size_t i : members) {
-      const StepEntry& entry = entries[i];
-      const core::kv_cache::KvSequence* sequence = *block_pool_.Find(sessions[i]->sequence);
-      tokens_per_block = sequence->tokens_per_block;
-      core::PagedDecodeSequence decode;
-      decode.block_table = sequence->block_tables[entry.layer];
-      decode.length = entry.position + entry.num_tokens;
-      decode.num_queries = entry.num_tokens;
-      decode.query = entry.query;
-      decode.output = entry.output;
-      decode.log_sum_exp = entry.log_sum_exp;
-      sequences.push_back(decode);
+  // Every group's first chunks (all of a decode entry) first, then the second chunks, ...
+  const int64_t chunk = options_.prefill_chunk_tokens;
+  std::vector<AttendPass> passes;
+  for (int64_t first = 0;; first += chunk) {
+    const size_t before = passes.size();
+    for (const auto& [key, members] : groups) {
+      const SessionShape& shape = sessions[members.front()]->shape;
+      AttendPass pass;
+      pass.first_query = first;
+      for (const size_t i : members) {
+        const StepEntry& entry = entries[i];
+        if (first >= entry.num_tokens) continue;
+        const core::kv_cache::KvSequence* sequence = *block_pool_.Find(sessions[i]->sequence);
+        pass.batch.tokens_per_block = sequence->tokens_per_block;
+        pass.block_tables.push_back(sequence->block_tables[entry.layer]);
+        const int64_t count = std::min(chunk, entry.num_tokens - first);
+        core::PagedDecodeSequence rows;
+        rows.length = entry.position + first + count;
+        rows.num_queries = count;
+        rows.query = entry.query + first * shape.num_heads * shape.head_dim;
+        rows.output = entry.output + first * shape.num_heads * LayoutOf(shape).value_dim;
+        rows.log_sum_exp =
+            entry.log_sum_exp == nullptr ? nullptr : entry.log_sum_exp + first * shape.num_heads;
+        pass.sequences.push_back(rows);
+        pass.members.push_back(i);
+      }
+      if (pass.sequences.empty()) continue;
+      for (size_t s = 0; s < pass.sequences.size(); ++s) {
+        pass.sequences[s].block_table = pass.block_tables[s];
+      }
+      pass.batch.layout = LayoutOf(shape);
+      pass.batch.num_heads = shape.num_heads;
+      pass.batch.scale = ScaleOf(shape);
+      pass.batch.sliding_window = shape.sliding_window;
+      passes.push_back(std::move(pass));
     }
-    core::PagedDecodeBatch batch;
-    batch.layout = LayoutOf(shape);
-    batch.tokens_per_block = tokens_per_block;
-    batch.num_heads = shape.num_heads;
-    batch.scale = ScaleOf(shape);
-    batch.sliding_window = shape.sliding_window;
-    batch.sequences = sequences;
+    if (passes.size() == before) break;
+  }
+  absl::flat_hash_set<core::kv_cache::SequenceId> distinct;
+  for (const Session* session : sessions) {
+    if (session != nullptr && distinct.insert(session->sequence).second) {
+      pinned.push_back(session->sequence);
+      ++pins_[session->sequence];
+    }
+  }
+  return passes;
+}
+
+void SessionTable::UnpinLocked(absl::Span<const core::kv_cache::SequenceId> pinned) {
+  for (const core::kv_cache::SequenceId sequence : pinned) {
+    if (--pins_[sequence] > 0) continue;
+    pins_.erase(sequence);
+    if (release_when_unpinned_.erase(sequence) > 0) ReleaseLocked(sequence);
+  }
+}
+
+void SessionTable::ReleaseLocked(core::kv_cache::SequenceId sequence) {
+  if (pins_.contains(sequence)) {
+    release_when_unpinned_.insert(sequence);
+    return;
+  }
+  std::vector<BlockId> freed;
+  // Releasing a sequence the table holds cannot fail.
+  block_pool_.Release(sequence, &freed).IgnoreError();
+  FreeBlocksLocked(freed);
+}
+
+std::vector<absl::Status> SessionTable::Step(absl::Span<const StepEntry> entries, absl::Time now) {
+  std::vector<absl::Status> statuses(entries.size());
+  std::vector<core::kv_cache::SequenceId> pinned;
+  std::vector<AttendPass> passes;
+  absl::Duration compute;
+  int64_t kv_bytes_read = 0;
+  const auto attend = [&](AttendPass& pass) {
+    pass.batch.sequences = pass.sequences;
     const absl::Time start = absl::Now();
-    const absl::Status computed = storage_->Attend(batch);
-    totals_.step_compute += absl::Now() - start;
+    const absl::Status computed =
+        CatchExceptions("the KV attention", [&] { return storage_->Attend(pass.batch); });
+    compute += absl::Now() - start;
     if (!computed.ok()) {
-      for (const size_t i : members) statuses[i] = computed;
-      continue;
+      for (const size_t i : pass.members) statuses[i] = computed;
+      return;
     }
     // Each K/V head is read once for its query group (or gathered once for a prefill
     // chunk), over the keys the first query sees.
-    for (const core::PagedDecodeSequence& sequence : sequences) {
+    for (const core::PagedDecodeSequence& sequence : pass.sequences) {
       const int64_t first_seen = sequence.length - sequence.num_queries;
       const int64_t keys =
-          batch.sliding_window > 0
-              ? sequence.length - std::max<int64_t>(0, first_seen - batch.sliding_window + 1)
+          pass.batch.sliding_window > 0
+              ? sequence.length - std::max<int64_t>(0, first_seen - pass.batch.sliding_window + 1)
               : sequence.length;
-      totals_.kv_bytes_read += keys * batch.layout.TokenBytes();
+      kv_bytes_read += keys * pass.batch.layout.TokenBytes();
     }
+  };
+  // The writes and every entry's first chunk (a decode entry whole) in one turn, then one
+  // turn per later chunk: a decode step waits for at most one chunk of a long prefill.
+  size_t next = 0;
+  {
+    const StorageTurns::Turn turn(storage_turns_);
+    {
+      core::MutexLock lock(mu_);
+      passes = PlanStepLocked(entries, now, statuses, pinned);
+    }
+    for (; next < passes.size() && passes[next].first_query == 0; ++next) attend(passes[next]);
   }
+  for (; next < passes.size(); ++next) {
+    const StorageTurns::Turn turn(storage_turns_);
+    attend(passes[next]);
+  }
+  core::MutexLock lock(mu_);
+  UnpinLocked(pinned);
+  totals_.step_compute += compute;
+  totals_.kv_bytes_read += kv_bytes_read;
   return statuses;
 }
 

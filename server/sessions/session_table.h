@@ -18,14 +18,17 @@
 #ifndef ATTENTION_SERVER_SESSIONS_SESSION_TABLE_H_
 #define ATTENTION_SERVER_SESSIONS_SESSION_TABLE_H_
 
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/container/node_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -51,6 +54,13 @@ struct ServedLayers {
 // The heads a session attends with. The caller projects and rotates (RoPE) its queries and
 // keys, or the session's served layers do; the session stores K/V in `kv_dtype` (float32 or
 // bfloat16) and computes in float32.
+// Bounds of a session's shape, checked before anything is derived from it: layers (the
+// largest models have about 130), each head count and head size (a layer's own bound), and
+// one token's query or output row, num_heads x head_dim or v_head_dim (4 MiB in float32).
+inline constexpr int64_t kMaxSessionLayers = 1024;
+inline constexpr int64_t kMaxSessionDim = 1 << 16;
+inline constexpr int64_t kMaxSessionRowWidth = 1 << 20;
+
 struct SessionShape {
   int64_t num_layers = 1;
   int64_t num_heads = 1;     // H, a multiple of num_kv_heads
@@ -84,6 +94,10 @@ struct SessionTableOptions {
   // (core/cpu/paged_prefill_cpu.h); >= 1, and larger than any entry keeps every entry on the
   // decode kernel (the bench's old path). A GPU's storage runs its decode kernel for all.
   int64_t prefill_min_queries = core::kPagedPrefillMinQueries;
+  // A step's attention runs in turns of at most this many query tokens per entry (a
+  // prefill chunk, as chunked-prefill schedulers cut them): other steps that arrive
+  // meanwhile take their turns between its chunks instead of waiting for all of it. >= 1.
+  int64_t prefill_chunk_tokens = 256;
   // Fill freed blocks with NaN, so that a read outside a block table shows (tests).
   bool poison_freed_blocks = false;
   // Prefix of every session id, naming the replica that holds it ("" for none).
@@ -96,6 +110,7 @@ struct SessionInfo {
   std::string id;
   SessionShape shape;
   int64_t length = 0;           // tokens written in every layer
+  std::vector<int64_t> layer_lengths;  // tokens written, per layer
   int64_t reserved_tokens = 0;  // what it may grow to
   int64_t kv_bytes = 0;         // of the blocks it holds (shared ones included)
   absl::Duration ttl;
@@ -116,6 +131,12 @@ struct StepEntry {
   float* log_sum_exp = nullptr;  // [n][H], or null
 };
 
+// The step's placement refusals, also checked before a step's work is queued: a gap past
+// the `length` tokens `layer` holds (OUT_OF_RANGE, POSITION_GAP), and an end past the
+// session's reservation (OUT_OF_RANGE, PAST_RESERVATION).
+absl::Status CheckNoGap(int64_t layer, int64_t position, int64_t length);
+absl::Status CheckWithinReservation(int64_t end, int64_t reserved_tokens);
+
 struct SessionCounters {
   int64_t sessions = 0;
   int64_t tombstones = 0;
@@ -130,8 +151,12 @@ struct SessionCounters {
   absl::Duration step_compute;
 };
 
-// Thread-safe. One mutex covers the table, the pool and the KV bytes: a step writes and
-// attends under it, so a drop, truncation or fork never races a step's reads.
+// Thread-safe. A mutex covers the table and the pool, held only for bookkeeping: never
+// across attention, so that other sessions' calls, health and metrics never wait on a
+// step's compute. The KV bytes are the storage's, reached in FIFO turns (StorageTurns): a
+// step's writes take one turn and each chunk of its attention another. A session with a
+// step in flight is pinned: its blocks outlive a drop or expiry until the step ends, and a
+// truncation is refused (ABORTED, SESSION_BUSY), so no step ever reads a reused block.
 class SessionTable {
  public:
   // A table whose KV blocks live in host memory, attended on `pool`.
@@ -168,6 +193,8 @@ class SessionTable {
   int64_t ExpireIdle(absl::Time now);
 
   SessionCounters Counters() const;
+  // Steps waiting for their turn on the storage behind another step's writes or chunk.
+  int64_t StepsWaitingForATurn() const { return storage_turns_.Waiting(); }
   int64_t block_bytes() const { return options_.block_bytes; }
   // Where the KV blocks are and attention over them runs: "cpu", "cuda:0".
   const std::string& device() const { return device_; }
@@ -181,6 +208,28 @@ class SessionTable {
     absl::Duration ttl;
     absl::Time last_used;
   };
+  // First-come, first-served turns on the storage; a Turn holds one for its lifetime.
+  class StorageTurns {
+   public:
+    class Turn {
+     public:
+      explicit Turn(StorageTurns& turns);
+      ~Turn();
+      Turn(const Turn&) = delete;
+      Turn& operator=(const Turn&) = delete;
+
+     private:
+      StorageTurns& turns_;
+    };
+    // Turns asked for and not yet begun.
+    int64_t Waiting() const;
+
+   private:
+    mutable std::mutex mu_;
+    std::condition_variable turn_;
+    uint64_t next_ticket_ = 0, serving_ = 0;
+  };
+  struct AttendPass;
   enum class Ending { kDropped, kExpired };
   struct Tombstone {
     Ending ending;
@@ -208,16 +257,31 @@ class SessionTable {
   // Writes one entry's K/V (checking positions already written), or says why not.
   absl::Status WriteLocked(const StepEntry& entry, Session& session)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Writes every entry's K/V, pins their sessions and plans the attention's passes.
+  std::vector<AttendPass> PlanStepLocked(absl::Span<const StepEntry> entries, absl::Time now,
+                                         std::vector<absl::Status>& statuses,
+                                         std::vector<core::kv_cache::SequenceId>& pinned)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UnpinLocked(absl::Span<const core::kv_cache::SequenceId> pinned)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Gives a sequence's blocks back to the pool, or once its last step ends when one is in
+  // flight.
+  void ReleaseLocked(core::kv_cache::SequenceId sequence) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const SessionTableOptions options_;
   const std::string device_;  // the storage's
+  StorageTurns storage_turns_;
   mutable core::Mutex mu_;  // see core/mutex.h
   core::kv_cache::KvBlockPool block_pool_ ABSL_GUARDED_BY(mu_);
-  const std::unique_ptr<core::kv_cache::KvStorage> storage_ ABSL_PT_GUARDED_BY(mu_);
+  // Reached in storage_turns_ only (a step's writes under mu_ as well).
+  const std::unique_ptr<core::kv_cache::KvStorage> storage_;
   absl::node_hash_map<std::string, Session> sessions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, Tombstone> tombstones_ ABSL_GUARDED_BY(mu_);
   std::deque<std::string> tombstone_order_ ABSL_GUARDED_BY(mu_);  // oldest first
   SessionCounters totals_ ABSL_GUARDED_BY(mu_);                   // the "since start" fields
+  // Steps in flight per sequence, and the sequences whose session ended meanwhile.
+  absl::flat_hash_map<core::kv_cache::SequenceId, int> pins_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<core::kv_cache::SequenceId> release_when_unpinned_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace attention::server

@@ -242,6 +242,50 @@ RequestCost ScaledDotProductAttentionCost(const core::AttentionDims& d, core::Ne
   return cost;
 }
 
+RequestCost SessionStepEntryCost(const core::AttentionDims& d, const core::MhaConfig* layer,
+                                 bool log_sum_exp, core::DType output_dtype) {
+  RequestCost cost;
+  const int64_t n = d.q_len;
+  cost.output_elements = layer != nullptr ? CheckedProduct({n, layer->output_dim})
+                                          : CheckedProduct({n, d.num_heads, d.v_head_dim});
+  const int64_t log_sum_exp_elements = log_sum_exp ? CheckedProduct({n, d.num_heads}) : 0;
+  cost.response_bytes =
+      CheckedSum({CheckedProduct({cost.output_elements,
+                                  static_cast<int64_t>(core::ElementSize(output_dtype))}),
+                  CheckedProduct({log_sum_exp_elements, 4})});
+  cost.flops = AttentionFlops(d);
+  // The step's float buffers: inputs, projections and attention rows, the answers.
+  int64_t floats = CheckedSum({cost.output_elements, log_sum_exp_elements});
+  if (layer == nullptr) {
+    floats = CheckedSum(
+        {floats,
+         CheckedProduct({n, CheckedSum({CheckedProduct({d.num_heads, d.head_dim}),
+                                        CheckedProduct({d.num_kv_heads, d.head_dim}),
+                                        CheckedProduct({d.num_kv_heads, d.v_head_dim})})})});
+  } else {
+    const core::MhaConfig& c = *layer;
+    cost.flops = CheckedSum(
+        {cost.flops, CheckedProduct({2, n, c.embed_dim, c.QWidth()}),
+         CheckedProduct({2, n, c.kdim, c.KWidth()}), CheckedProduct({2, n, c.vdim, c.VWidth()}),
+         c.output_projection ? CheckedProduct({2, n, c.AttentionWidth(), c.output_dim}) : 0});
+    floats = CheckedSum(
+        {floats, CheckedProduct({n, CheckedSum({c.embed_dim, c.QWidth(), c.KWidth(), c.VWidth(),
+                                                CheckedProduct({2, c.AttentionWidth()})})})});
+  }
+  cost.memory_bytes = CheckedSum({CheckedProduct({floats, 4}), cost.response_bytes});
+  return cost;
+}
+
+RequestCost operator+(const RequestCost& a, const RequestCost& b) {
+  RequestCost sum;
+  sum.output_elements = CheckedSum({a.output_elements, b.output_elements});
+  sum.weight_elements = CheckedSum({a.weight_elements, b.weight_elements});
+  sum.response_bytes = CheckedSum({a.response_bytes, b.response_bytes});
+  sum.flops = CheckedSum({a.flops, b.flops});
+  sum.memory_bytes = CheckedSum({a.memory_bytes, b.memory_bytes});
+  return sum;
+}
+
 absl::Status CheckRequestBudget(const RequestCost& cost, const RequestBudget& budget) {
   if (cost.response_bytes > budget.max_response_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(

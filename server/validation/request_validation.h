@@ -66,6 +66,17 @@ RequestCost MultiHeadAttentionCost(const core::MhaConfig& config, const core::At
 RequestCost ScaledDotProductAttentionCost(const core::AttentionDims& dims, core::NeedWeights need,
                                           core::DType output_dtype);
 
+// One entry of a session step: `dims` has batch 1, the entry's n new tokens as q_len and
+// the keys they attend to (position + n) as kv_len, causal not discounted, as in
+// ScaledDotProductAttentionCost. `layer` projects the tokens (null for a session whose
+// caller sends query, key and value). Outputs leave in `output_dtype`, log-sum-exp (when
+// asked for) in float32.
+RequestCost SessionStepEntryCost(const core::AttentionDims& dims, const core::MhaConfig* layer,
+                                 bool log_sum_exp, core::DType output_dtype);
+
+// Both costs together (saturating).
+RequestCost operator+(const RequestCost& a, const RequestCost& b);
+
 // RESOURCE_EXHAUSTED naming the budget that `cost` passes, with both numbers and the flag
 // that raises it.
 absl::Status CheckRequestBudget(const RequestCost& cost, const RequestBudget& budget);

@@ -4,9 +4,12 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <limits>
 #include <map>
 #include <random>
 #include <set>
+#include <utility>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -39,6 +42,37 @@ TEST(KvLayoutTest, TokensPerBlockFollowsTheLayout) {
   EXPECT_EQ(TokensPerBlock({0, 1, 1, DType::kFloat32}, 64).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(KvBlockPool::Create(100, 200).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(KvLayoutTest, LayoutsWhoseTokenBytesOverflowAreRefusedNotWrapped) {
+  // Each wrapped to 0 bytes a token once, and TokensPerBlock divided by it (SIGFPE).
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  const KvLayout overflowing[] = {{1, int64_t{1} << 62, int64_t{1} << 62, DType::kFloat32},
+                                  {int64_t{1} << 60, 2, 2, DType::kFloat32},
+                                  {1, 1, kMax, DType::kFloat32},
+                                  {kMax, kMax, kMax, DType::kBFloat16}};
+  for (const KvLayout& layout : overflowing) {
+    const absl::StatusOr<int64_t> tokens = TokensPerBlock(layout, kDefaultBlockBytes);
+    EXPECT_EQ(tokens.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(tokens.status().message(), HasSubstr("more than 2^63 bytes does not fit"));
+  }
+}
+
+TEST(KvBlockPoolTest, HugeReservationsAreRefusedBeforeAnythingIsAllocated) {
+  KvBlockPool pool = TinyPool(10);
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  // Block tables of 2^62 layers were resized before the check once (and threw).
+  for (const auto& [layers, tokens] : std::vector<std::pair<int64_t, int64_t>>{
+           {int64_t{1} << 62, 1}, {1'000'000'000, 4}, {1, kMax}, {kMax, kMax}, {11, 1}}) {
+    const absl::StatusOr<SequenceId> refused = pool.Reserve(kTinyLayout, layers, tokens);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted)
+        << layers << " layers x " << tokens << " tokens: " << refused.status();
+  }
+  EXPECT_EQ(pool.Counters().sequences, 0);
+  EXPECT_EQ(pool.Counters().blocks_available, 10);
+  const SequenceId source = *pool.Reserve(kTinyLayout, 2, 4);
+  EXPECT_EQ(pool.Fork(source, 0, kMax).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(pool.Counters().sequences, 1);
 }
 
 TEST(KvBlockPoolTest, ReservationIsPromisedUpFrontAndAppendsStayWithinIt) {

@@ -310,6 +310,27 @@ TEST_F(BatcherTest, BackendErrorFailsEveryRequestOfItsBatchAndTheWorkerGoesOn) {
   EXPECT_EQ(order_, (std::vector<int>{0, exhausted, exhausted, exhausted, 4}));
 }
 
+TEST_F(BatcherTest, AComputeThatThrowsAnswersItsBatchInternalAndTheWorkerGoesOn) {
+  Batcher batcher(OneWorker());
+  auto throwing = std::make_unique<SoloWorkItem>();
+  throwing->run = []() -> absl::StatusOr<core::AttentionResult> {
+    std::vector<float> too_many;
+    too_many.resize(too_many.max_size() + 1);  // throws std::length_error
+    return core::AttentionResult{};
+  };
+  absl::Status answered;
+  throwing->done = [&](const absl::StatusOr<core::AttentionResult>& result) {
+    answered = result.status();
+  };
+  ASSERT_TRUE(batcher.Submit(std::move(throwing)).ok());
+  ASSERT_TRUE(batcher.Submit(TaggedItem(1, &order_, &mu_)).ok());
+  batcher.Shutdown();
+  EXPECT_EQ(answered.code(), absl::StatusCode::kInternal) << answered;
+  EXPECT_NE(answered.message().find("failed on an internal error (vector"), std::string::npos)
+      << answered;
+  EXPECT_EQ(order_, (std::vector<int>{1}));
+}
+
 }  // namespace
 }  // namespace attention::server
 

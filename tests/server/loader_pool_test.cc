@@ -3,6 +3,7 @@
 #include "server/batching/loader_pool.h"
 
 #include <atomic>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -51,6 +52,30 @@ TEST(LoaderPoolTest, JobsPastTheRunningOnesWaitAndRunInArrivalOrder) {
   blocker.release.Notify();
   all_done.WaitForNotification();
   EXPECT_EQ(order, (std::vector<int>{0, 1, 2, 3, 4}));
+}
+
+TEST(LoaderPoolTest, AJobThatThrowsIsAnsweredInternalAndTheThreadGoesOn) {
+  LoaderPool pool(LoaderPoolOptions{1, 8});
+  std::vector<absl::Status> answers(2);
+  absl::Notification both;
+  for (int i = 0; i < 2; ++i) {
+    LoaderJob job;
+    job.work = [i]() -> absl::Status {
+      if (i == 0) throw std::bad_alloc();
+      return absl::OkStatus();
+    };
+    job.done = [&answers, &both, i](const absl::Status& status) {
+      answers[i] = status;
+      if (i == 1) both.Notify();
+    };
+    ASSERT_TRUE(pool.Submit(std::move(job)).ok());
+  }
+  both.WaitForNotification();
+  EXPECT_EQ(answers[0].code(), absl::StatusCode::kInternal) << answers[0];
+  EXPECT_NE(answers[0].message().find("a loader job failed on an internal error"),
+            std::string::npos)
+      << answers[0];
+  EXPECT_TRUE(answers[1].ok()) << answers[1];
 }
 
 TEST(LoaderPoolTest, AFullQueueRefusesNamingItsLength) {

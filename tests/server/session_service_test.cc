@@ -1,6 +1,7 @@
 // KV-cache sessions over gRPC (issue 25): create, step a batch of sessions, fork, truncate,
 // drop, get and list through the native API, the step's answer against the table's own,
 // and every rejection with its code and a message naming the field.
+#include <limits>
 #include <map>
 #include <random>
 #include <set>
@@ -280,7 +281,39 @@ TEST_F(SessionServiceTest, EveryRejectionHasItsCodeAndNamesTheField) {
   };
   const std::vector<Case> cases = {
       {"no layers", [](auto& r) { r.mutable_config()->set_num_layers(0); }, nullptr,
-       C::kInvalidArgument, "num_layers = 0 must be >= 1"},
+       C::kInvalidArgument, "num_layers = 0 must be in [1, 1024]"},
+      // Each of these once allocated block tables for every layer before the pool refused,
+      // or threw from that allocation (answered UNIMPLEMENTED, an in-flight call leaked).
+      {"5e7 layers", [](auto& r) { r.mutable_config()->set_num_layers(50'000'000); }, nullptr,
+       C::kInvalidArgument, "num_layers = 50000000 must be in [1, 1024]"},
+      {"2^62 layers", [](auto& r) { r.mutable_config()->set_num_layers(int64_t{1} << 62); },
+       nullptr, C::kInvalidArgument, "num_layers = 4611686018427387904 must be in [1, 1024]"},
+      // Each of these wrapped the bytes of a token to 0 once, and the server died of SIGFPE.
+      {"head_dim 2^62", [](auto& r) { r.mutable_config()->set_head_dim(int64_t{1} << 62); },
+       nullptr, C::kInvalidArgument, "head_dim = 4611686018427387904 must be in [1, 65536]"},
+      {"2^60 heads",
+       [](auto& r) {
+         r.mutable_config()->set_num_heads(int64_t{1} << 60);
+         r.mutable_config()->set_num_kv_heads(int64_t{1} << 60);
+         r.mutable_config()->set_head_dim(2);
+       },
+       nullptr, C::kInvalidArgument, "num_heads = 1152921504606846976 must be in [1, 65536]"},
+      {"v_head_dim 2^63-1",
+       [](auto& r) {
+         r.mutable_config()->set_head_dim(1);
+         r.mutable_config()->set_v_head_dim(std::numeric_limits<int64_t>::max());
+       },
+       nullptr, C::kInvalidArgument,
+       "v_head_dim = 9223372036854775807 must be in [1, 65536], or 0 for head_dim"},
+      // A session no step could ever reach: one token's query is 4 GiB.
+      {"a row too wide",
+       [](auto& r) {
+         r.mutable_config()->set_num_heads(65536);
+         r.mutable_config()->set_num_kv_heads(1);
+         r.mutable_config()->set_head_dim(32);
+       },
+       nullptr, C::kInvalidArgument,
+       "num_heads x max(head_dim, v_head_dim) = 65536 x 32 = 2097152 values a token exceeds"},
       {"heads not a multiple", [](auto& r) { r.mutable_config()->set_num_kv_heads(3); }, nullptr,
        C::kInvalidArgument, "num_kv_heads"},
       {"float16 kv", [](auto& r) { r.mutable_config()->set_kv_dtype(v1::FLOAT16); }, nullptr,
@@ -354,6 +387,9 @@ TEST_F(SessionServiceTest, EveryRejectionHasItsCodeAndNamesTheField) {
           1);
     }
   }
+  // Every refused call was answered and counted out: none is left in flight (a throwing
+  // CreateSession once left one count each).
+  EXPECT_EQ(Gauge(server_->metrics(), "attention_in_flight_requests"), 0);
   // A conflict: the same position with other keys.
   v1::SessionStepRequest first, second;
   *first.add_entries() = Entry(session.session_id(), 0, 0, 2, rng);
@@ -374,10 +410,10 @@ TEST_F(SessionServiceTest, EveryRejectionHasItsCodeAndNamesTheField) {
 }
 
 TEST_F(SessionServiceTest, AnswersPastTheMessageLimitAreRefusedBeforeAllocating) {
-  // 512 query heads on one KV head of 4096 values: a 1 MiB value answers with 512 MiB.
+  // 256 query heads on one KV head of 4096 values: a 1 MiB value answers with 256 MiB.
   v1::CreateSessionRequest create;
   create.mutable_config()->set_num_layers(1);
-  create.mutable_config()->set_num_heads(512);
+  create.mutable_config()->set_num_heads(256);
   create.mutable_config()->set_num_kv_heads(1);
   create.mutable_config()->set_head_dim(1);
   create.mutable_config()->set_v_head_dim(4096);
@@ -387,7 +423,7 @@ TEST_F(SessionServiceTest, AnswersPastTheMessageLimitAreRefusedBeforeAllocating)
   v1::SessionStepRequest request;
   v1::SessionStepEntry* entry = request.add_entries();
   entry->set_session_id(created.session().session_id());
-  wire::EncodeTensor(std::vector<float>(64 * 512), {64, 512, 1}, core::DType::kFloat32,
+  wire::EncodeTensor(std::vector<float>(64 * 256), {64, 256, 1}, core::DType::kFloat32,
                      entry->mutable_query());
   wire::EncodeTensor(std::vector<float>(64), {64, 1, 1}, core::DType::kFloat32,
                      entry->mutable_key());
@@ -399,6 +435,60 @@ TEST_F(SessionServiceTest, AnswersPastTheMessageLimitAreRefusedBeforeAllocating)
   EXPECT_NE(status.error_message().find("entries[0]: the answers up to here need"),
             std::string::npos)
       << status.error_message();
+}
+
+// Steps answer to the per-request budgets as ScaledDotProductAttention does: an 8,192-token
+// prefill once ran 1.9 s on a server limited to a fraction of its FLOPs.
+class SessionBudgetTest : public SessionServiceTest {
+ protected:
+  ServerOptions Options() override {
+    ServerOptions options = SessionServiceTest::Options();
+    options.request_budget.max_request_flops = 1'000'000'000;
+    options.request_budget.max_request_memory_bytes = 64 << 10;
+    return options;
+  }
+};
+
+TEST_F(SessionBudgetTest, StepsPastTheFlopOrMemoryBudgetAreRefusedBeforeAnyWork) {
+  std::mt19937_64 rng(11);
+  const v1::SessionInfo session = Create(4096);
+  // 2,048 tokens: 2048 x 4 heads x 2048 keys x (2 x (16 + 16) + 8) = 1.2e9 FLOPs.
+  v1::SessionStepRequest prefill;
+  *prefill.add_entries() = Entry(session.session_id(), 0, 0, 2048, rng);
+  v1::SessionStepResponse response;
+  grpc::Status status = Step(prefill, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  EXPECT_NE(status.error_message().find("entries[0]: the request needs 1207959552 FLOPs, over the "
+                                        "server's per-request limit of 1000000000 "
+                                        "(--max_request_flops)"),
+            std::string::npos)
+      << status.error_message();
+  // 128 tokens: 4.7 MFLOPs, but 128 x (query, key, value, output: 192 floats) and the answer
+  // make 128 KiB.
+  v1::SessionStepRequest chunk;
+  *chunk.add_entries() = Entry(session.session_id(), 0, 0, 128, rng);
+  status = Step(chunk, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  EXPECT_NE(status.error_message().find("(--max_request_memory_bytes)"), std::string::npos)
+      << status.error_message();
+  // Two entries under the budget each, over it together.
+  v1::SessionStepRequest pair;
+  *pair.add_entries() = Entry(session.session_id(), 0, 0, 64, rng);
+  *pair.add_entries() = Entry(session.session_id(), 1, 0, 64, rng);
+  status = Step(pair, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  EXPECT_NE(status.error_message().find("entries[1]: the request needs"), std::string::npos)
+      << status.error_message();
+  // Nothing was written, and a step within the budgets runs.
+  v1::SessionStepRequest small;
+  *small.add_entries() = Entry(session.session_id(), 0, 0, 16, rng);
+  status = Step(small, &response);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  v1::GetSessionRequest get;
+  get.set_session_id(session.session_id());
+  v1::GetSessionResponse got;
+  ASSERT_TRUE(Invoke(&v1::AttentionService::Stub::GetSession, get, &got).ok());
+  EXPECT_EQ(got.session().length(), 0);  // layer 1 holds nothing yet
 }
 
 class SessionsWithAdminTokenTest : public ServerTest {

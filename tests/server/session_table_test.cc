@@ -4,10 +4,19 @@
 // expiry on a fake clock, admission control and the pool back at its baseline.
 #include "server/sessions/session_table.h"
 
+#include <cmath>
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <random>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/synchronization/notification.h"
+#include "core/cpu/host_kv_storage.h"
 
 #include "core/mha_layer.h"
 #include "gtest/gtest.h"
@@ -415,6 +424,167 @@ TEST_F(SessionTableTest, EntriesOfOneSessionApplyInPositionOrder) {
   StepAll(*other, again, tokens, 0, 0, 6, 3, &one_by_one);
   early.insert(early.end(), late.begin(), late.end());
   EXPECT_EQ(early, one_by_one);
+}
+
+// Host storage whose attention records each pass's first sequence length and, while
+// `hold` is set, waits in its first pass for `release`: a step computing for as long as a
+// test likes, without a sleep.
+class HeldStorage final : public core::kv_cache::KvStorage {
+ public:
+  HeldStorage(const SessionTableOptions& options, core::ThreadPool& pool)
+      : KvStorage(options.kv_cache_bytes / options.block_bytes, options.block_bytes),
+        host_(num_blocks(), block_bytes(), pool, options.prefill_min_queries) {}
+
+  const std::string& device() const override { return host_.device(); }
+  absl::Status WriteTokens(core::kv_cache::BlockId block, const core::kv_cache::KvLayout& layout,
+                           int64_t tokens_per_block, int64_t slot, int64_t tokens, const void* keys,
+                           const void* values) override {
+    return host_.WriteTokens(block, layout, tokens_per_block, slot, tokens, keys, values);
+  }
+  absl::Status ReadTokens(core::kv_cache::BlockId block, const core::kv_cache::KvLayout& layout,
+                          int64_t tokens_per_block, int64_t slot, int64_t tokens, void* keys,
+                          void* values) const override {
+    return host_.ReadTokens(block, layout, tokens_per_block, slot, tokens, keys, values);
+  }
+  absl::Status CopyBlock(core::kv_cache::BlockId from, core::kv_cache::BlockId to) override {
+    return host_.CopyBlock(from, to);
+  }
+  absl::Status Poison(core::kv_cache::BlockId block) override { return host_.Poison(block); }
+  absl::Status Attend(const core::PagedDecodeBatch& batch) override {
+    bool hold = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      passes_.push_back(batch.sequences[0].length);
+      std::swap(hold, hold_);
+    }
+    if (hold) {
+      held.Notify();
+      release.WaitForNotification();
+    }
+    return host_.Attend(batch);
+  }
+
+  void HoldNextPass() {
+    std::lock_guard<std::mutex> lock(mu_);
+    hold_ = true;
+  }
+  std::vector<int64_t> Passes() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return passes_;
+  }
+
+  absl::Notification held, release;
+
+ private:
+  core::HostKvStorage host_;
+  std::mutex mu_;
+  bool hold_ = false;
+  std::vector<int64_t> passes_;  // the first sequence's length in each pass
+};
+
+class SessionTableConcurrencyTest : public SessionTableTest {
+ protected:
+  void SetUp() override {
+    SessionTableOptions options = Options();
+    options.prefill_chunk_tokens = 64;
+    options.poison_freed_blocks = true;
+    auto storage = std::make_unique<HeldStorage>(options, pool_);
+    storage_ = storage.get();
+    table_ = *SessionTable::Create(options, std::move(storage));
+    prefilling_ = *table_->CreateSession(shape_, 256, {}, kT0);
+    prefill_tokens_ = RandomTokens(shape_, 256, 21);
+  }
+
+  // Starts a 256-token prefill (four chunks) that holds its first chunk until released.
+  void StartHeldPrefill() {
+    storage_->HoldNextPass();
+    prefill_ = std::thread([this] {
+      const StepEntry entry = Entry(prefilling_, prefill_tokens_, 0, 0, 256, &prefill_output_);
+      prefill_status_ = table_->Step({&entry, 1}, kT0)[0];
+    });
+    storage_->held.WaitForNotification();
+  }
+
+  void FinishPrefill() {
+    storage_->release.Notify();
+    prefill_.join();
+    ASSERT_TRUE(prefill_status_.ok()) << prefill_status_;
+  }
+
+  // Runs `call` on another thread: true when it returned within a minute (it must not
+  // wait for the held prefill; the minute only turns a hang into a failure).
+  static bool ReturnsWhileThePrefillIsHeld(const std::function<void()>& call) {
+    auto done = std::make_shared<absl::Notification>();
+    std::thread([call, done] {
+      call();
+      done->Notify();
+    }).detach();
+    return done->WaitForNotificationWithTimeout(absl::Minutes(1));
+  }
+
+  const SessionShape shape_{1, 4, 2, 16, 0, core::DType::kFloat32, 0};
+  HeldStorage* storage_ = nullptr;
+  std::unique_ptr<SessionTable> table_;
+  SessionInfo prefilling_;
+  Tokens prefill_tokens_;
+  std::vector<float> prefill_output_;
+  std::thread prefill_;
+  absl::Status prefill_status_;
+};
+
+TEST_F(SessionTableConcurrencyTest, OtherCallsDoNotWaitForAStepsAttention) {
+  const SessionInfo other = *table_->CreateSession(shape_, 16, {}, kT0);
+  StartHeldPrefill();
+  EXPECT_TRUE(ReturnsWhileThePrefillIsHeld([&] {
+    EXPECT_TRUE(table_->Get(prefilling_.id, kT0).ok());
+    EXPECT_TRUE(table_->CreateSession(shape_, 16, {}, kT0).ok());
+    EXPECT_TRUE(table_->Fork(prefilling_.id, 0, 16, {}, kT0).ok());
+    EXPECT_TRUE(table_->Drop(other.id, kT0).ok());
+    EXPECT_EQ(table_->List(kT0).size(), 3u);
+    EXPECT_EQ(table_->Counters().sessions, 3);
+  }));
+  FinishPrefill();
+}
+
+TEST_F(SessionTableConcurrencyTest, ADecodeStepRunsBetweenTheChunksOfALongPrefill) {
+  const SessionInfo decoding = *table_->CreateSession(shape_, 16, {}, kT0);
+  const Tokens tokens = RandomTokens(shape_, 1, 22);
+  std::vector<float> output;
+  StartHeldPrefill();
+  absl::Status decoded;
+  std::thread decode([&] {
+    const StepEntry entry = Entry(decoding, tokens, 0, 0, 1, &output);
+    decoded = table_->Step({&entry, 1}, kT0)[0];
+  });
+  // Once the decode step waits for its turn, that turn comes before the prefill's second
+  // chunk: it runs once the first chunk ends, not after all four.
+  while (table_->StepsWaitingForATurn() == 0) std::this_thread::yield();
+  FinishPrefill();
+  decode.join();
+  ASSERT_TRUE(decoded.ok()) << decoded;
+  EXPECT_EQ(storage_->Passes(), (std::vector<int64_t>{64, 1, 128, 192, 256}));
+  // Chunked, the prefill answers what four steps of 64 tokens answer.
+  auto whole = Table();
+  const SessionInfo again = *whole->CreateSession(shape_, 256, {}, kT0);
+  std::vector<float> stepwise;
+  StepAll(*whole, again, prefill_tokens_, 0, 0, 256, 64, &stepwise);
+  EXPECT_EQ(prefill_output_, stepwise);
+}
+
+TEST_F(SessionTableConcurrencyTest, ASessionInAStepKeepsItsBlocksUntilTheStepEnds) {
+  StartHeldPrefill();
+  const core::kv_cache::KvPoolCounters during = table_->Counters().pool;
+  const absl::StatusOr<SessionInfo> truncated = table_->Truncate(prefilling_.id, 0, kT0);
+  EXPECT_EQ(truncated.status().code(), absl::StatusCode::kAborted) << truncated.status();
+  EXPECT_EQ(ReasonOf(truncated.status()), "SESSION_BUSY");
+  // Dropped, the session is gone at once, but its blocks stay held for the step, which
+  // still answers (poisoned blocks would show as NaN).
+  EXPECT_TRUE(table_->Drop(prefilling_.id, kT0).ok());
+  EXPECT_EQ(table_->Get(prefilling_.id, kT0).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(table_->Counters().pool.blocks_free, during.blocks_free);
+  FinishPrefill();
+  for (const float x : prefill_output_) ASSERT_TRUE(std::isfinite(x));
+  EXPECT_EQ(table_->Counters().pool.blocks_free, table_->Counters().pool.blocks_total);
 }
 
 }  // namespace
