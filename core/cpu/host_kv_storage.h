@@ -32,6 +32,8 @@ class HostKvStorage final : public kv_cache::KvStorage {
   absl::Status CopyBlock(kv_cache::BlockId from, kv_cache::BlockId to) override;
   absl::Status Poison(kv_cache::BlockId block) override;
   absl::Status Attend(const PagedDecodeBatch& batch) override;
+  // Attend only reads the blocks, on the thread pool, which takes several callers at once.
+  bool attends_concurrently() const override { return true; }
 
  private:
   std::byte* Block(kv_cache::BlockId block) const {

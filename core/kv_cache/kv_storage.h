@@ -13,7 +13,9 @@
 
 namespace attention::core::kv_cache {
 
-// Thread-compatible: the session table calls it under its lock.
+// Thread-compatible: the session table serializes its calls, except that a storage whose
+// attends_concurrently() is true may run Attend on several threads at once, beside writes
+// to blocks those calls do not read.
 class KvStorage {
  public:
   KvStorage(int64_t num_blocks, int64_t block_bytes)
@@ -42,6 +44,8 @@ class KvStorage {
   // the storage field is this object's; queries, outputs, log-sum-exps and block tables
   // are host memory. Outputs are ready when it returns.
   virtual absl::Status Attend(const PagedDecodeBatch& batch) = 0;
+  // Whether Attend may run on several threads at once (it then keeps no state of its own).
+  virtual bool attends_concurrently() const { return false; }
 
  private:
   const int64_t num_blocks_;

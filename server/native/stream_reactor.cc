@@ -86,6 +86,7 @@ class StreamReactor : public grpc::ServerBidiReactor<Request, StreamAnswer> {
       answer->clear_response();
       answer->set_error_code(static_cast<int>(result.code()));
       answer->set_error_message(BoundedMessage(result.message()));
+      answer->set_error_reason(ReasonOf(result));
     }
     core::MutexLock lock(mu_);
     write_queue_.emplace_back(answer);

@@ -22,7 +22,11 @@ class SessionStepItem final : public WorkItem {
 
   const LayerSnapshot* layer() const override { return nullptr; }
   std::string queue_name() const override { return kSessionStepQueue; }
-  const void* batch_key() const override { return &table_; }
+  // A step longer than one prefill chunk runs alone: decode steps packed with it would
+  // wait for all its chunks instead of taking turns between them.
+  const void* batch_key() const override {
+    return tokens > table_.prefill_chunk_tokens() ? nullptr : &table_;
+  }
   std::string device() const override { return device_; }
   // Steps every entry of every item of `batch` in one StepOverLayers; each item's
   // status() is then its first failed entry's, naming entries[i].

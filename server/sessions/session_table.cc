@@ -11,6 +11,7 @@
 #include <tuple>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "core/attention_options.h"
@@ -34,10 +35,29 @@ KvLayout LayoutOf(const SessionShape& shape) {
 }
 
 // The pool's refusal to promise blocks, with its reason.
+absl::Status WithPoolReason(const absl::Status& status) {
+  if (status.code() != absl::StatusCode::kResourceExhausted) return status;
+  return WithReason(status, "KV_POOL_EXHAUSTED");
+}
 absl::StatusOr<core::kv_cache::SequenceId> WithPoolReason(
     absl::StatusOr<core::kv_cache::SequenceId> sequence) {
-  if (sequence.status().code() != absl::StatusCode::kResourceExhausted) return sequence;
-  return WithReason(sequence.status(), "KV_POOL_EXHAUSTED");
+  if (sequence.ok()) return sequence;
+  return WithPoolReason(sequence.status());
+}
+
+// Whether `id` has the form this server's ids have: "<replica>/<32 hex digits>" or the
+// digits alone, the replica a DNS label or pod name. Only such an id may name another
+// replica as its holder; any other text is unknown, never echoed as a replica name.
+bool IsWellFormedId(absl::string_view id) {
+  const size_t slash = id.rfind('/');
+  const absl::string_view replica = slash == absl::string_view::npos ? "" : id.substr(0, slash);
+  const absl::string_view random = id.substr(slash == absl::string_view::npos ? 0 : slash + 1);
+  const auto is_hex = [](char c) { return absl::ascii_isdigit(c) || (c >= 'a' && c <= 'f'); };
+  const auto is_name = [](char c) {
+    return absl::ascii_isalnum(c) || c == '-' || c == '.' || c == '_';
+  };
+  return random.size() == 32 && std::all_of(random.begin(), random.end(), is_hex) &&
+         replica.size() <= 253 && std::all_of(replica.begin(), replica.end(), is_name);
 }
 
 float ScaleOf(const SessionShape& shape) {
@@ -195,9 +215,12 @@ absl::StatusOr<absl::Duration> SessionTable::TtlFor(absl::Duration ttl) const {
 }
 
 absl::Status SessionTable::CheckReservation(int64_t reserved_tokens) const {
-  if (reserved_tokens < 1 || reserved_tokens > options_.max_session_tokens) {
-    return Invalid("reserved_tokens = ", reserved_tokens, " must be in [1, ",
-                   options_.max_session_tokens, "] (the server's max_session_tokens)");
+  if (reserved_tokens < 1) return Invalid("reserved_tokens = ", reserved_tokens, " must be >= 1");
+  if (reserved_tokens > options_.max_session_tokens) {
+    // INVALID_ARGUMENT, not RESOURCE_EXHAUSTED: no retry succeeds on this server.
+    return WithReason(Invalid("reserved_tokens = ", reserved_tokens, " must be in [1, ",
+                              options_.max_session_tokens, "] (the server's max_session_tokens)"),
+                      "MAX_SESSION_TOKENS");
   }
   return absl::OkStatus();
 }
@@ -246,6 +269,7 @@ absl::StatusOr<SessionInfo> SessionTable::CreateSession(const SessionShape& shap
 
 absl::StatusOr<SessionTable::Session*> SessionTable::FindLocked(const std::string& id,
                                                                 absl::Time now) {
+  if (id.empty()) return Invalid("session_id is empty");
   ForgetTombstonesLocked(now);
   auto found = sessions_.find(id);
   if (found != sessions_.end() && now - found->second.last_used > found->second.ttl &&
@@ -260,7 +284,7 @@ absl::StatusOr<SessionTable::Session*> SessionTable::FindLocked(const std::strin
   const auto tombstone = tombstones_.find(id);
   const size_t slash = id.rfind('/');
   if (tombstone == tombstones_.end() && slash != std::string::npos &&
-      absl::string_view(id).substr(0, slash) != options_.replica) {
+      absl::string_view(id).substr(0, slash) != options_.replica && IsWellFormedId(id)) {
     return WithReason(
         absl::FailedPreconditionError(
             absl::StrCat("session ", Quoted(id), " is held by replica ",
@@ -308,8 +332,10 @@ absl::StatusOr<SessionInfo> SessionTable::Fork(const std::string& id, int64_t to
   const int64_t written =
       *std::min_element(source->layer_lengths.begin(), source->layer_lengths.end());
   if (tokens < 0 || tokens > written) {
-    return absl::OutOfRangeError(absl::StrCat("tokens = ", tokens, " must be in [0, ", written,
-                                              "], the tokens written in every layer"));
+    return WithReason(
+        absl::OutOfRangeError(absl::StrCat("tokens = ", tokens, " must be in [0, ", written,
+                                           "], the tokens written in every layer")),
+        "PAST_LENGTH");
   }
   if (reserved_tokens < tokens) {
     return Invalid("reserved_tokens = ", reserved_tokens, " is less than tokens = ", tokens);
@@ -341,8 +367,9 @@ absl::StatusOr<SessionInfo> SessionTable::Truncate(const std::string& id, int64_
   const int64_t longest =
       *std::max_element(session->layer_lengths.begin(), session->layer_lengths.end());
   if (tokens < 0 || tokens > longest) {
-    return absl::OutOfRangeError(
-        absl::StrCat("tokens = ", tokens, " must be in [0, ", longest, "], the session's length"));
+    return WithReason(absl::OutOfRangeError(absl::StrCat("tokens = ", tokens, " must be in [0, ",
+                                                         longest, "], the session's length")),
+                      "PAST_LENGTH");
   }
   if (pins_.contains(session->sequence)) {
     // Its step reads blocks a truncation would free for others to write.
@@ -352,7 +379,7 @@ absl::StatusOr<SessionInfo> SessionTable::Truncate(const std::string& id, int64_
                       "SESSION_BUSY");
   }
   std::vector<BlockId> freed;
-  RETURN_IF_ERROR(block_pool_.Truncate(session->sequence, tokens, &freed));
+  RETURN_IF_ERROR(WithPoolReason(block_pool_.Truncate(session->sequence, tokens, &freed)));
   FreeBlocksLocked(freed);
   for (int64_t& length : session->layer_lengths) length = std::min(length, tokens);
   return InfoLocked(id, *session);
@@ -668,20 +695,30 @@ std::vector<absl::Status> SessionTable::Step(absl::Span<const StepEntry> entries
       kv_bytes_read += keys * pass.batch.layout.TokenBytes();
     }
   };
-  // The writes and every entry's first chunk (a decode entry whole) in one turn, then one
-  // turn per later chunk: a decode step waits for at most one chunk of a long prefill.
-  size_t next = 0;
-  {
-    const StorageTurns::Turn turn(storage_turns_);
+  if (storage_->attends_concurrently()) {
+    // Writes under the lock, then attention beside other steps': blocks being read are
+    // pinned, and shared ones are copied before any write.
     {
       core::MutexLock lock(mu_);
       passes = PlanStepLocked(entries, now, statuses, pinned);
     }
-    for (; next < passes.size() && passes[next].first_query == 0; ++next) attend(passes[next]);
-  }
-  for (; next < passes.size(); ++next) {
-    const StorageTurns::Turn turn(storage_turns_);
-    attend(passes[next]);
+    for (AttendPass& pass : passes) attend(pass);
+  } else {
+    // The writes and every entry's first chunk (a decode entry whole) in one turn, then one
+    // turn per later chunk: a decode step waits for at most one chunk of a long prefill.
+    size_t next = 0;
+    {
+      const StorageTurns::Turn turn(storage_turns_);
+      {
+        core::MutexLock lock(mu_);
+        passes = PlanStepLocked(entries, now, statuses, pinned);
+      }
+      for (; next < passes.size() && passes[next].first_query == 0; ++next) attend(passes[next]);
+    }
+    for (; next < passes.size(); ++next) {
+      const StorageTurns::Turn turn(storage_turns_);
+      attend(passes[next]);
+    }
   }
   core::MutexLock lock(mu_);
   UnpinLocked(pinned);

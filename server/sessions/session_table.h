@@ -196,6 +196,7 @@ class SessionTable {
   // Steps waiting for their turn on the storage behind another step's writes or chunk.
   int64_t StepsWaitingForATurn() const { return storage_turns_.Waiting(); }
   int64_t block_bytes() const { return options_.block_bytes; }
+  int64_t prefill_chunk_tokens() const { return options_.prefill_chunk_tokens; }
   // Where the KV blocks are and attention over them runs: "cpu", "cuda:0".
   const std::string& device() const { return device_; }
   const std::string& replica() const { return options_.replica; }

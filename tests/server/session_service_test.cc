@@ -252,10 +252,12 @@ TEST_F(SessionServiceTest, TheStepStreamAnswersEachStepAsTheUnaryCallAndGoesOnPa
   ASSERT_TRUE(stream->Finish().ok());
   ASSERT_EQ(answers.size(), 3u);
   EXPECT_EQ(answers["unknown"].error_code(), static_cast<int>(grpc::StatusCode::NOT_FOUND));
+  EXPECT_EQ(answers["unknown"].error_reason(), "SESSION_UNKNOWN");
   EXPECT_NE(answers["unknown"].error_message().find("entries[0]: session \"replica-a/00\""),
             std::string::npos)
       << answers["unknown"].error_message();
   EXPECT_EQ(answers["b"].error_code(), 0) << answers["b"].error_message();
+  EXPECT_EQ(answers["b"].error_reason(), "");
   EXPECT_EQ(answers["b"].response().results_size(), 1);
   // The same step on a twin session, unary: the same bits.
   v1::SessionStepRequest unary = sent["a"];
@@ -323,7 +325,15 @@ TEST_F(SessionServiceTest, EveryRejectionHasItsCodeAndNamesTheField) {
       {"negative window", [](auto& r) { r.mutable_config()->set_sliding_window(-2); }, nullptr,
        C::kInvalidArgument, "config.sliding_window = -2 must be >= 0"},
       {"no reservation", [](auto& r) { r.set_reserved_tokens(0); }, nullptr, C::kInvalidArgument,
-       "reserved_tokens = 0 must be in [1, 65536]"},
+       "reserved_tokens = 0 must be >= 1"},
+      {"reservation past max_session_tokens", [](auto& r) { r.set_reserved_tokens(65537); },
+       nullptr, C::kInvalidArgument, "reserved_tokens = 65537 must be in [1, 65536]",
+       "MAX_SESSION_TOKENS"},
+      {"empty session id", nullptr, [](auto& r) { r.mutable_entries(0)->clear_session_id(); },
+       C::kInvalidArgument, "entries[0]: session_id is empty"},
+      {"not an id", nullptr,
+       [](auto& r) { r.mutable_entries(0)->set_session_id("<script>/alert"); }, C::kNotFound,
+       "entries[0]: session \"<script>/alert\" is unknown", "SESSION_UNKNOWN"},
       {"reservation past the pool", [](auto& r) { r.set_reserved_tokens(1 << 16); }, nullptr,
        C::kResourceExhausted, "blocks", "KV_POOL_EXHAUSTED"},
       {"negative ttl", [](auto& r) { r.set_ttl_ms(-5); }, nullptr, C::kInvalidArgument,

@@ -354,6 +354,45 @@ TEST_F(SessionTableTest, ExpiredDroppedAndUnknownAreToldApart) {
   // A TTL past the server's max is refused.
   EXPECT_EQ(table->CreateSession(shape, 8, absl::Hours(48), kT0).status().code(),
             absl::StatusCode::kInvalidArgument);
+  // An empty id is malformed; an id naming another replica is told apart from text that
+  // is not an id at all, which is never echoed as a replica name.
+  EXPECT_EQ(table->Get("", kT0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(reason("replica-b/0123456789abcdef0123456789abcdef", kT0), "WRONG_REPLICA");
+  EXPECT_EQ(reason("DROP TABLE sessions; --/0123456789abcdef0123456789abcdef", kT0),
+            "SESSION_UNKNOWN");
+  EXPECT_EQ(reason("replica-b/nope", kT0), "SESSION_UNKNOWN");
+}
+
+TEST_F(SessionTableTest, ForksTruncationsAndReservationsPastTheLimitsSayWhy) {
+  SessionTableOptions options = Options(1 << 20, 64 << 10);
+  options.max_session_tokens = 4096;
+  auto table = Table(options);
+  // 256 tokens a block, 16 blocks.
+  const SessionShape shape{1, 2, 2, 16, 0, core::DType::kFloat32, 0};
+  const absl::StatusOr<SessionInfo> too_long = table->CreateSession(shape, 4097, {}, kT0);
+  EXPECT_TRUE(Refused(too_long.status(), absl::StatusCode::kInvalidArgument,
+                      "reserved_tokens = 4097 must be in [1, 4096]"));
+  EXPECT_EQ(ReasonOf(too_long.status()), "MAX_SESSION_TOKENS");
+  const SessionInfo source = *table->CreateSession(shape, 300, {}, kT0);
+  const Tokens tokens = RandomTokens(shape, 300, 5);
+  std::vector<float> output;
+  StepAll(*table, source, tokens, 0, 0, 300, 300, &output);
+  const absl::StatusOr<SessionInfo> fork = table->Fork(source.id, 301, 400, {}, kT0);
+  EXPECT_TRUE(Refused(fork.status(), absl::StatusCode::kOutOfRange, "tokens = 301"));
+  EXPECT_EQ(ReasonOf(fork.status()), "PAST_LENGTH");
+  const absl::StatusOr<SessionInfo> truncated = table->Truncate(source.id, 301, kT0);
+  EXPECT_TRUE(Refused(truncated.status(), absl::StatusCode::kOutOfRange, "tokens = 301"));
+  EXPECT_EQ(ReasonOf(truncated.status()), "PAST_LENGTH");
+  // A fork of all 300 tokens shares the partial second block; the rest of the pool is
+  // taken, so rolling the source back into that shared block (whose regrowth needs a copy)
+  // cannot be promised.
+  ASSERT_TRUE(table->Fork(source.id, 300, 300, {}, kT0).ok());
+  const int64_t available = table->Counters().pool.blocks_available;
+  if (available > 0) ASSERT_TRUE(table->CreateSession(shape, available * 256, {}, kT0).ok());
+  const absl::StatusOr<SessionInfo> rolled_back = table->Truncate(source.id, 200, kT0);
+  EXPECT_EQ(rolled_back.status().code(), absl::StatusCode::kResourceExhausted)
+      << rolled_back.status();
+  EXPECT_EQ(ReasonOf(rolled_back.status()), "KV_POOL_EXHAUSTED");
 }
 
 TEST_F(SessionTableTest, ReservationsAreAdmittedOrRefusedAndThePoolReturnsToItsBaseline) {
