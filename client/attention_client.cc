@@ -9,17 +9,71 @@
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "core/hash.h"
+#include "google/rpc/error_details.pb.h"
+#include "google/rpc/status.pb.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
 namespace attention::client {
 namespace {
 
+// The server's reasons: ErrorInfo of this domain, kept on an absl::Status as a payload under
+// the Any type URL (as the server's own WithReason does, so both read it alike).
+constexpr char kErrorDomain[] = "attention-service";
+constexpr char kErrorInfoType[] = "type.googleapis.com/google.rpc.ErrorInfo";
+
+// The ErrorInfo of kErrorDomain in serialized google.rpc.ErrorInfo `bytes`, if it is one.
+std::optional<google::rpc::ErrorInfo> OurErrorInfo(const std::string& bytes) {
+  google::rpc::ErrorInfo info;
+  if (!info.ParseFromString(bytes) || info.domain() != kErrorDomain || info.reason().empty()) {
+    return std::nullopt;
+  }
+  return info;
+}
+
 absl::Status FromGrpc(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  absl::Status converted(static_cast<absl::StatusCode>(status.error_code()),
+                         status.error_message());
+  google::rpc::Status details;
+  if (status.error_details().empty() || !details.ParseFromString(status.error_details())) {
+    return converted;
+  }
+  for (const google::protobuf::Any& any : details.details()) {
+    if (any.type_url() == kErrorInfoType && OurErrorInfo(any.value()).has_value()) {
+      converted.SetPayload(kErrorInfoType, absl::Cord(any.value()));
+    }
+  }
+  return converted;
+}
+
+// `status` with `message`, its code and payloads (the reason) kept.
+absl::Status WithMessage(const absl::Status& status, absl::string_view message) {
+  absl::Status renamed(status.code(), message);
+  status.ForEachPayload([&renamed](absl::string_view type, const absl::Cord& payload) {
+    renamed.SetPayload(type, payload);
+  });
+  return renamed;
+}
+
+// The replica a WRONG_REPLICA message names: `is held by replica "NAME"`, NAME a DNS label or
+// pod name (session_table.cc); "" when absent or cut short by the server's quoting.
+std::string HolderIn(absl::string_view message) {
+  constexpr absl::string_view kHeldBy = "is held by replica \"";
+  const size_t start = message.find(kHeldBy);
+  if (start == absl::string_view::npos) return "";
+  const absl::string_view rest = message.substr(start + kHeldBy.size());
+  size_t end = 0;
+  while (end < rest.size() && (absl::ascii_isalnum(rest[end]) || rest[end] == '-' ||
+                               rest[end] == '.' || rest[end] == '_')) {
+    ++end;
+  }
+  if (end == 0 || end == rest.size() || rest[end] != '"') return "";
+  return std::string(rest.substr(0, end));
 }
 
 void SetDeadline(grpc::ClientContext& context, absl::Duration timeout) {
@@ -242,8 +296,8 @@ absl::StatusOr<v1::SessionStepResponse> AttentionClient::SessionStep(
         [stub](auto* c, const auto& q, auto* r) { return stub->SessionStep(c, q, r); }, part,
         timeout, channel_status_);
     if (!answer.ok()) {
-      return absl::Status(
-          answer.status().code(),
+      return WithMessage(
+          answer.status(),
           absl::StrCat("the step's entries on the replica of entries[", indices.front(), "] (",
                        indices.size(),
                        " entries, numbered among themselves): ", answer.status().message()));
@@ -303,6 +357,29 @@ absl::StatusOr<v1::SessionInfo> AttentionClient::GetSession(const std::string& s
       timeout, channel_status_);
   if (!response.ok()) return response.status();
   return response->session();
+}
+
+std::optional<SessionRefusal> SessionRefusalOf(const absl::Status& status) {
+  const auto payload = status.GetPayload(kErrorInfoType);
+  if (status.ok() || !payload.has_value()) return std::nullopt;
+  const std::optional<google::rpc::ErrorInfo> info = OurErrorInfo(std::string(*payload));
+  if (!info.has_value()) return std::nullopt;
+  SessionRefusal refusal;
+  refusal.reason = info->reason();
+  if (refusal.reason == "WRONG_REPLICA") refusal.holder = HolderIn(status.message());
+  return refusal;
+}
+
+absl::Status StatusOf(const v1::SessionStepStreamResponse& answer) {
+  if (answer.error_code() == 0) return absl::OkStatus();
+  absl::Status status(static_cast<absl::StatusCode>(answer.error_code()), answer.error_message());
+  if (!answer.error_reason().empty()) {
+    google::rpc::ErrorInfo info;
+    info.set_reason(answer.error_reason());
+    info.set_domain(kErrorDomain);
+    status.SetPayload(kErrorInfoType, absl::Cord(info.SerializeAsString()));
+  }
+  return status;
 }
 
 std::vector<std::string> SplitWords(const std::string& text) {

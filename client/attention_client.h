@@ -3,6 +3,7 @@
 #define ATTENTION_CLIENT_ATTENTION_CLIENT_H_
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -12,6 +13,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "attention/v1/attention.grpc.pb.h"
@@ -47,6 +49,29 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(
 // The channel arguments `options` ask for: message size limits, the TLS name override and
 // the load-balancing policy.
 grpc::ChannelArguments ChannelArgumentsFor(const ClientOptions& options);
+
+// A session call the server refused, as a program acts on it. The server names the reason in
+// the gRPC status details (a google.rpc.ErrorInfo of domain "attention-service"); every
+// method of AttentionClient keeps it on the absl::Status it returns, so read it here rather
+// than from the message.
+struct SessionRefusal {
+  // "SESSION_EXPIRED", "SESSION_DROPPED", "SESSION_UNKNOWN", "WRONG_REPLICA", "MAX_SESSIONS",
+  // "MAX_SESSION_TOKENS", "KV_POOL_EXHAUSTED", "POSITION_GAP", "POSITION_CONFLICT",
+  // "PAST_RESERVATION", "PAST_LENGTH", "SESSION_BUSY", "SESSIONS_OFF", or another the server
+  // adds.
+  std::string reason;
+  // For WRONG_REPLICA, the replica that holds the session, as the server's message names it
+  // ("" when the message does not: a name too long to quote whole); "" for other reasons.
+  std::string holder;
+};
+
+// The refusal `status` carries, or nullopt: OK, or an error the server gave no reason for
+// (a malformed request, a deadline, an unreachable server).
+std::optional<SessionRefusal> SessionRefusalOf(const absl::Status& status);
+
+// A SessionStepStream answer's status (OK when error_code is 0), its error_reason carried as
+// a unary call's is, so that SessionRefusalOf reads it.
+absl::Status StatusOf(const v1::SessionStepStreamResponse& answer);
 
 // Thread-safe: one client may serve many threads.
 class AttentionClient {

@@ -6,7 +6,9 @@ usage: test_python_client.py PATH/TO/attention-server
 Checks: health SERVING; the demo layer through MultiHeadAttention in float32, float16 and
 bfloat16; ScaledDotProductAttention against a numpy reference; LoadLayer / GetLayer /
 ListLayers / UnloadLayer with inline and random weights; malformed requests answered
-INVALID_ARGUMENT / NOT_FOUND; the server exits 0 on SIGTERM.
+INVALID_ARGUMENT / NOT_FOUND; session refusals raised as SessionError with the server's
+reason (and the holder replica of WRONG_REPLICA), unary and streamed; the server exits 0 on
+SIGTERM.
 """
 
 import tempfile
@@ -16,7 +18,7 @@ import numpy as np
 
 import harness
 import attention_client as ac
-from attention_client import AttentionClient, tensors
+from attention_client import AttentionClient, SessionError, errors, stubs, tensors
 from attention_client.server_process import make_test_certificates
 
 DEMO = "demo-bert-base"
@@ -167,7 +169,7 @@ def check_sessions(t, client):
         steps.append(("step%d" % position, [(session.session_id, 0, position, q[span], k[span],
                                              v[span])]))
         position += n
-    steps.insert(2, ("lost", [("nobody/00", 0, 0, q[:1], k[:1], v[:1])]))
+    steps.insert(2, ("lost", [("nobody/" + "0" * 32, 0, 0, q[:1], k[:1], v[:1])]))
     answers = dict(client.session_step_stream(iter(steps)))
     t.check(sorted(answers) == sorted(r for r, _ in steps), "one answer per streamed step")
     streamed = np.concatenate([answers[r][0] for r, _ in steps if r != "lost"])
@@ -175,6 +177,9 @@ def check_sessions(t, client):
             "streamed steps answer the unary steps' bits")
     t.check(answers["lost"][0] == grpc.StatusCode.FAILED_PRECONDITION
             and "nobody" in answers["lost"][1], "a failed streamed step: %s" % (answers["lost"],))
+    t.check(isinstance(answers["lost"], SessionError) and answers["lost"].reason ==
+            "WRONG_REPLICA" and answers["lost"].holder == "nobody",
+            "a failed streamed step's reason and holder: %r" % (answers["lost"],))
     fork = client.fork_session(session.session_id, 8, reserved_tokens=32)
     t.check(fork.length == 8, "fork length %d" % fork.length)
     t.check(client.truncate_session(session.session_id, 4).length == 4, "truncate")
@@ -273,10 +278,9 @@ def check_replicas(t, binary):
                     "every session holds its 6 tokens")
             held_by_a = next(s for s in sessions if s.replica == "py-a")
             with AttentionClient(replicas[1].target) as replica_b:
-                expect_error(t, "a session of the other replica",
-                             grpc.StatusCode.FAILED_PRECONDITION,
-                             lambda: replica_b.get_session(held_by_a.session_id),
-                             'held by replica "py-a"')
+                expect_refusal(t, "a session of the other replica",
+                               grpc.StatusCode.FAILED_PRECONDITION, "WRONG_REPLICA",
+                               lambda: replica_b.get_session(held_by_a.session_id), "py-a")
                 replica_b.pin_session(held_by_a.session_id, held_by_a.replica_address)
                 t.check(replica_b.get_session(held_by_a.session_id).length == 6,
                         "pinned by hand, another client reaches it")
@@ -350,6 +354,103 @@ def expect_error(t, label, code, fn, message_part=""):
                 "%s: %r does not say %r" % (label, err.details(), message_part))
 
 
+def expect_refusal(t, label, code, reason, fn, holder=None):
+    """`fn` raises a SessionError with `code`, `reason` and `holder`."""
+    try:
+        fn()
+        t.check(False, "%s: succeeded, want %s" % (label, reason))
+    except SessionError as err:
+        t.check((err.code(), err.reason, err.holder) == (code, reason, holder),
+                "%s: got %s %s holder %s (%s), want %s %s holder %s"
+                % (label, err.code(), err.reason, err.holder, err.details(), code, reason,
+                   holder))
+        t.check(isinstance(err, grpc.RpcError), "%s: a SessionError is a grpc.RpcError" % label)
+
+
+def wire_field(number, payload):
+    """A length-delimited protobuf field (payloads under 128 bytes)."""
+    assert len(payload) < 128
+    return bytes([number << 3 | 2, len(payload)]) + payload
+
+
+def check_status_details_decoding(t):
+    """The google.rpc.Status decoder on hand-built bytes: the reason of this domain's
+    ErrorInfo, and None for another domain, another detail type or malformed bytes."""
+    def status(reason=b"POSITION_GAP", domain=b"attention-service",
+               type_url=b"type.googleapis.com/google.rpc.ErrorInfo"):
+        info = wire_field(1, reason) + wire_field(2, domain) + wire_field(
+            3, wire_field(1, b"key") + wire_field(2, b"value"))  # metadata, skipped
+        detail = wire_field(1, type_url) + wire_field(2, info)
+        return bytes([0x08, 11]) + wire_field(2, b"a message") + wire_field(3, detail)
+
+    t.check(errors.reason_in_status(status()) == "POSITION_GAP", "decoded reason")
+    for label, data in (("another domain", status(domain=b"example.com")),
+                        ("another detail type", status(type_url=b"type.googleapis.com/x.Y")),
+                        ("cut short", status()[:-5]), ("no details", b""),
+                        ("a group field", b"\x0b"), ("an endless varint", b"\x08\xff")):
+        t.check(errors.reason_in_status(data) is None, "%s decodes to no reason" % label)
+    cut = SessionError(grpc.StatusCode.FAILED_PRECONDITION,
+                       'session "%s/0" is held by replica "%s... (200 bytes)", not this one'
+                       % ("r" * 200, "r" * 128), "WRONG_REPLICA")
+    t.check(cut.holder is None, "a holder name cut short is no holder: %r" % cut.holder)
+    answer = stubs.load()[0].SessionStepStreamResponse(
+        error_code=9, error_reason="WRONG_REPLICA",
+        error_message='entries[0]: session "b/0" is held by replica "b", not this one ("a")')
+    streamed = errors.from_stream_answer(answer)
+    t.check((streamed.code(), streamed.reason, streamed.holder)
+            == (grpc.StatusCode.FAILED_PRECONDITION, "WRONG_REPLICA", "b"),
+            "a stream answer's failure: %r" % (streamed,))
+
+
+def check_session_errors(t, client):
+    """Every session method raises SessionError with the server's reason; a streamed step's
+    failure is one too, yielded; other calls keep raising plain grpc.RpcError."""
+    rng = np.random.default_rng(38)
+    token = lambda heads: rng.normal(size=(1, heads, 16)).astype(np.float32)
+    session = client.create_session(1, 4, 2, 16, reserved_tokens=16).session_id
+    unknown = "0" * 32  # well-formed, never made
+    expect_refusal(t, "a step leaving a gap", grpc.StatusCode.OUT_OF_RANGE, "POSITION_GAP",
+                   lambda: client.session_step([(session, 0, 3, token(4), token(2),
+                                                 token(2))]))
+    expect_refusal(t, "get an unknown session", grpc.StatusCode.NOT_FOUND, "SESSION_UNKNOWN",
+                   lambda: client.get_session(unknown))
+    expect_refusal(t, "fork an unknown session", grpc.StatusCode.NOT_FOUND, "SESSION_UNKNOWN",
+                   lambda: client.fork_session(unknown, 0, reserved_tokens=16))
+    expect_refusal(t, "truncate an unknown session", grpc.StatusCode.NOT_FOUND,
+                   "SESSION_UNKNOWN", lambda: client.truncate_session(unknown, 0))
+    expect_refusal(t, "a session of another replica", grpc.StatusCode.FAILED_PRECONDITION,
+                   "WRONG_REPLICA", lambda: client.get_session("py-z/" + unknown), "py-z")
+    expect_refusal(t, "a session with no heads", grpc.StatusCode.INVALID_ARGUMENT, None,
+                   lambda: client.create_session(1, 0, 0, 16, reserved_tokens=16))
+
+    steps = [("ok", [(session, 0, 0, token(4), token(2), token(2))]),
+             ("gap", [(session, 0, 5, token(4), token(2), token(2))]),
+             ("elsewhere", [("py-z/" + unknown, 0, 0, token(4), token(2), token(2))])]
+    answers = dict(client.session_step_stream(iter(steps)))
+    t.check(not isinstance(answers.get("ok"), SessionError), "the good streamed step answers")
+    gap, elsewhere = answers.get("gap"), answers.get("elsewhere")
+    t.check(isinstance(gap, SessionError) and (gap.code(), gap.reason, gap.holder)
+            == (grpc.StatusCode.OUT_OF_RANGE, "POSITION_GAP", None),
+            "a streamed gap: %r" % (gap,))
+    t.check(isinstance(elsewhere, SessionError) and (elsewhere.reason, elsewhere.holder)
+            == ("WRONG_REPLICA", "py-z"), "a streamed step elsewhere: %r" % (elsewhere,))
+    if isinstance(gap, SessionError):
+        code, message = gap  # the (code, message) pair it was before SessionError
+        t.check(code == gap.code() and message == gap.details(), "a failure unpacks as before")
+
+    client.drop_session(session)
+    expect_refusal(t, "get a dropped session", grpc.StatusCode.NOT_FOUND, "SESSION_DROPPED",
+                   lambda: client.get_session(session))
+    expect_refusal(t, "drop a dropped session", grpc.StatusCode.NOT_FOUND, "SESSION_DROPPED",
+                   lambda: client.drop_session(session))
+    try:
+        client.get_layer("no-such-layer")
+        t.check(False, "GetLayer of an unknown layer succeeded")
+    except grpc.RpcError as err:
+        t.check(not isinstance(err, SessionError) and err.code() == grpc.StatusCode.NOT_FOUND,
+                "a layer call raises a plain grpc.RpcError: %r" % (err,))
+
+
 def check_errors(t, client):
     x = np.zeros((1, 5, 100), dtype=np.float32)
     expect_error(t, "query embed_dim 100 on a 768 layer", grpc.StatusCode.INVALID_ARGUMENT,
@@ -409,6 +510,7 @@ def check_tls_and_admin_token(t, binary):
 def main():
     t = harness.Checker("test_python_client")
     check_codec(t)
+    check_status_details_decoding(t)
     t.run("tls and admin token", check_tls_and_admin_token, t, harness.server_binary())
     t.run("replicas", check_replicas, t, harness.server_binary())
     server = harness.ServerProcess(harness.server_binary(), "--compute_threads=2",
@@ -423,6 +525,7 @@ def main():
             t.run("layers", check_layers, t, client)
             t.run("errors", check_errors, t, client)
             t.run("sessions", check_sessions, t, client)
+            t.run("session errors", check_session_errors, t, client)
             t.run("layer sessions", check_layer_sessions, t, client)
     except BaseException:
         server.kill()

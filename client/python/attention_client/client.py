@@ -1,7 +1,9 @@
 """The blocking client for attention.v1.AttentionService (numpy or torch in and out).
 
 Errors are raised as grpc.RpcError; `err.code()` is the gRPC status code
-(e.g. grpc.StatusCode.INVALID_ARGUMENT) and `err.details()` the server's message.
+(e.g. grpc.StatusCode.INVALID_ARGUMENT) and `err.details()` the server's message. The session
+methods raise SessionError, a grpc.RpcError that adds the server's machine-readable `reason`
+(e.g. "SESSION_EXPIRED") and, for "WRONG_REPLICA", the `holder` replica.
 The asyncio twin is attention_client.aio.AsyncAttentionClient; both build their requests
 with attention_client.messages.
 """
@@ -11,14 +13,12 @@ import threading
 
 import grpc
 
+from . import errors
 from . import messages
 from . import stubs
 from . import tensors
+from .errors import SessionError, raises_session_errors  # noqa: F401
 from .messages import AttentionResult, make_layer_config, make_layer_spec  # noqa: F401
-
-
-# grpc.StatusCode by number, for the error codes a stream's answers carry.
-_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class ClientBase:
@@ -161,6 +161,7 @@ class AttentionClient(ClientBase):
     # KV-cache sessions (decode): the server holds each sequence's keys and values, so a step
     # sends only its new tokens. Q, K and V are projected and rotated (RoPE) by the caller.
 
+    @raises_session_errors
     def create_session(self, num_layers, num_heads, num_kv_heads, head_dim, reserved_tokens,
                        *, v_head_dim=0, kv_dtype="float32", scale=None, sliding_window=0,
                        ttl_ms=0, timeout=None):
@@ -178,6 +179,7 @@ class AttentionClient(ClientBase):
                                                  ttl_ms=ttl_ms)
         return self._pin(self._stub.CreateSession(request, timeout=self._timeout(timeout)).session)
 
+    @raises_session_errors
     def create_layer_session(self, layers, reserved_tokens, *, kv_dtype="float32", ttl_ms=0,
                              timeout=None):
         """A session over layers loaded on the server (names, one per session layer): its steps
@@ -189,6 +191,7 @@ class AttentionClient(ClientBase):
                                                  ttl_ms=ttl_ms)
         return self._pin(self._stub.CreateSession(request, timeout=self._timeout(timeout)).session)
 
+    @raises_session_errors
     def session_step(self, entries, *, return_log_sum_exp=False, output_dtype=None,
                      timeout=None):
         """entries: (session_id, layer, position, query [n, H, dk], key [n, Hkv, dk],
@@ -208,13 +211,15 @@ class AttentionClient(ClientBase):
                 results[index] = result
         return self._step_outputs(results, return_log_sum_exp)
 
+    @raises_session_errors
     def session_step_stream(self, steps, *, return_log_sum_exp=False, output_dtype=None,
                             timeout=None):
         """SessionStep on one bidirectional stream, several steps in flight. `steps` yields
         (request_id, entries), entries as in session_step; this yields (request_id, outputs)
-        in completion order, where a failed step's outputs are a (grpc.StatusCode, message)
-        pair and the stream goes on. Keep one step of a session in flight at a time. The
-        stream goes to the replica of the first step's first session."""
+        in completion order, where a failed step's outputs are a SessionError (yielded, not
+        raised: it unpacks as the (grpc.StatusCode, message) pair it was before) and the
+        stream goes on. Keep one step of a session in flight at a time. The stream goes to
+        the replica of the first step's first session."""
         steps = iter(steps)
         first = next(steps, None)
         if first is None:
@@ -233,8 +238,7 @@ class AttentionClient(ClientBase):
 
         for answer in stub.SessionStepStream(requests(), timeout=self._timeout(timeout)):
             if answer.error_code:
-                yield answer.request_id, (_STATUS_CODES[answer.error_code],
-                                          answer.error_message)
+                yield answer.request_id, errors.from_stream_answer(answer)
             else:
                 yield answer.request_id, self._step_outputs(answer.response.results,
                                                             return_log_sum_exp)
@@ -275,6 +279,7 @@ class AttentionClient(ClientBase):
             return [(decode(r.output), decode(r.log_sum_exp)) for r in results]
         return [decode(r.output) for r in results]
 
+    @raises_session_errors
     def fork_session(self, session_id, tokens, reserved_tokens, *, ttl_ms=0, timeout=None):
         """A new session sharing the first `tokens` tokens (copy-on-write); its SessionInfo."""
         request = self._pb2.ForkSessionRequest(session_id=session_id, tokens=tokens,
@@ -282,16 +287,19 @@ class AttentionClient(ClientBase):
         stub = self._session_stub(session_id)
         return self._pin(stub.ForkSession(request, timeout=self._timeout(timeout)).session)
 
+    @raises_session_errors
     def truncate_session(self, session_id, tokens, timeout=None):
         request = self._pb2.TruncateSessionRequest(session_id=session_id, tokens=tokens)
         stub = self._session_stub(session_id)
         return stub.TruncateSession(request, timeout=self._timeout(timeout)).session
 
+    @raises_session_errors
     def drop_session(self, session_id, timeout=None):
         self._session_stub(session_id).DropSession(
             self._pb2.DropSessionRequest(session_id=session_id), timeout=self._timeout(timeout))
         self.pin_session(session_id, "")
 
+    @raises_session_errors
     def get_session(self, session_id, timeout=None):
         stub = self._session_stub(session_id)
         return stub.GetSession(self._pb2.GetSessionRequest(session_id=session_id),
@@ -320,6 +328,7 @@ class AttentionClient(ClientBase):
                 self._replica_channels[address] = (channel, self._stub_class(channel))
             return self._replica_channels[address][1]
 
+    @raises_session_errors
     def list_sessions(self, timeout=None):
         return list(self._stub.ListSessions(self._pb2.ListSessionsRequest(),
                                             timeout=self._timeout(timeout),

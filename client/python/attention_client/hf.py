@@ -8,7 +8,10 @@ attention-service, the KV cache held by the server; model.generate() is unchange
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation=hf.ATTENTION)
     with AttentionClient(target) as client, \\
             hf.ServiceCache(client, model.config, max_tokens=prompt + new) as cache:
-        tokens = model.generate(**inputs, past_key_values=cache, max_new_tokens=new)
+        tokens = model.generate(**inputs, cache=cache, max_new_tokens=new)
+
+(transformers 5.24 names generate()'s cache argument cache=; before 5.24 it is
+past_key_values=, which 5.24 still takes with a deprecation warning until 6.0.)
 
 How: importing this module registers the attention implementation ATTENTION with
 transformers' AttentionInterface (and a mask function with AttentionMaskInterface that always
@@ -32,6 +35,10 @@ back), layers with different head shapes or softmax scales in one model, chunked
 sliding-window layers on a server without SessionConfig.sliding_window (refused),
 logit soft-capping, attention sinks, position biases and non-causal layers (refused:
 UNSUPPORTED_ARGUMENTS), torch.compile (the cache is not compileable).
+
+A session call the server refuses raises attention_client.SessionError out of generate() and
+the cache's methods alike: its .reason says why (e.g. SESSION_EXPIRED after an idle ttl_ms,
+KV_POOL_EXHAUSTED when the server's KV cache is full).
 """
 
 import inspect
