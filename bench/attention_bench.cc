@@ -8,6 +8,7 @@
 #include <immintrin.h>
 #endif
 
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -153,15 +154,17 @@ BENCHMARK(BM_Linear)
 void RunMha(benchmark::State& state, const std::vector<int64_t>& lengths, int64_t embed_dim,
             int64_t heads, bool causal, int threads, absl::Duration idle_gap = absl::ZeroDuration(),
             DType compute = DType::kFloat32, double rope_theta = 0.0,
-            Bf16Kernel bf16_kernel = BestBf16Kernel()) {
+            Bf16Kernel bf16_kernel = FastestBf16AttentionKernel(),
+            std::optional<Bf16Projection> bf16_projection = std::nullopt) {
   MhaConfig config;
   config.embed_dim = embed_dim;
   config.num_heads = heads;
   config.compute_dtype = compute;
   config.rope_theta = rope_theta;
   const MhaConfig resolved = *MhaConfig::Resolve(config);
-  auto layer = *MhaLayer::Create(resolved, MhaWeights::Random(resolved, 7),
-                                 std::make_shared<CpuBackend>(threads, bf16_kernel));
+  auto layer =
+      *MhaLayer::Create(resolved, MhaWeights::Random(resolved, 7),
+                        std::make_shared<CpuBackend>(threads, bf16_kernel, bf16_projection));
   std::vector<std::vector<float>> queries;
   std::vector<MhaInput> inputs(lengths.size());
   double flops = 0;
@@ -203,8 +206,51 @@ void BM_MhaBf16S4(benchmark::State& s) { RunMhaBf16(s, std::vector<int64_t>(256,
 // issue 26 asks for >= 0.95 x the float32 layer.
 void RunMhaBf16Fallback(benchmark::State& s, const std::vector<int64_t>& lengths) {
   RunMha(s, lengths, 768, 12, false, s.range(0), absl::ZeroDuration(), DType::kBFloat16, 0.0,
-         Bf16Kernel::kPortable);
+         Bf16Kernel::kPortable, Bf16Projection::kFloat32);
 }
+// The same shapes with the projections forced onto each kernel (the start-up measurement
+// picks one of these; issue 39 compares them). Args: threads, kernel.
+void BM_MhaBf16Projection(benchmark::State& s) {
+  const auto projection = static_cast<Bf16Projection>(s.range(1));
+  if (!CpuSupports(projection)) {
+    s.SkipWithError("this CPU has no instructions for the kernel");
+    return;
+  }
+  s.SetLabel(Bf16ProjectionName(projection));
+  const std::vector<int64_t> shapes[] = {
+      std::vector<int64_t>(32, 128), std::vector<int64_t>(8, 512), std::vector<int64_t>(256, 16)};
+  RunMha(s, shapes[s.range(2)], 768, 12, false, s.range(0), absl::ZeroDuration(), DType::kBFloat16,
+         0.0, FastestBf16AttentionKernel(), projection);
+}
+// The start-up measurement's projections with attention's products forced onto each
+// kernel: bf16 dot products (0) or float32 products of the bf16 values (1). Args: threads,
+// shape, products.
+void BM_MhaBf16AttentionProducts(benchmark::State& s) {
+  const Bf16Kernel products = s.range(2) == 0 ? Bf16Kernel::kAvx512Bf16 : Bf16Kernel::kPortable;
+  if (!CpuSupports(products)) {
+    s.SkipWithError("this CPU has no instructions for the kernel");
+    return;
+  }
+  s.SetLabel(s.range(2) == 0 ? "avx512_bf16 products" : "float32 products");
+  const std::vector<int64_t> shapes[] = {
+      std::vector<int64_t>(32, 128), std::vector<int64_t>(8, 512), std::vector<int64_t>(256, 16)};
+  RunMha(s, shapes[s.range(1)], 768, 12, false, s.range(0), absl::ZeroDuration(), DType::kBFloat16,
+         0.0, products);
+}
+BENCHMARK(BM_MhaBf16AttentionProducts)
+    ->ArgNames({"threads", "shape", "products"})
+    ->ArgsProduct({{2}, {0, 1, 2}, {0, 1}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_MhaBf16Projection)
+    ->ArgNames({"threads", "kernel", "shape"})
+    ->ArgsProduct({{2},
+                   {static_cast<int64_t>(Bf16Projection::kOneDnn),
+                    static_cast<int64_t>(Bf16Projection::kAvx512Bf16),
+                    static_cast<int64_t>(Bf16Projection::kFloat32)},
+                   {0, 1, 2}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 void BM_MhaBf16FallbackS1(benchmark::State& s) {
   RunMhaBf16Fallback(s, std::vector<int64_t>(32, 128));
 }

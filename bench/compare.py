@@ -106,7 +106,9 @@ def main():
     bf16_columns = [("core bf16 GFLOPS", ".1f"), ("bf16 / core f32", ".2f"),
                     ("bf16 / dot ceiling", ".3f")]
     if with_torch2:
-        bf16_columns += [("bf16 / SDPA bf16", ".2f"), ("bf16 / MHA bf16", ".2f")]
+        # PyTorch's bf16 matmul at the shape's QKV product: the matrix engine's ceiling.
+        bf16_columns += [("bf16 / SDPA bf16", ".2f"), ("bf16 / MHA bf16", ".2f"),
+                         ("PyTorch bf16 matmul GFLOPS", ".0f"), ("bf16 / bf16 matmul", ".3f")]
     columns += bf16_columns
     print("| shape | threads | " + " | ".join(heading for heading, _ in columns) + " |")
     print("|---|---|" + "---|" * len(columns))
@@ -146,7 +148,8 @@ def main():
                     row += [bf16, bf16 / ours, bf16 / ceiling]
                     if with_torch2:
                         row += [bf16 / torch2["sdpa_bf16_gflops"],
-                                bf16 / torch2["mha_bf16_gflops"]]
+                                bf16 / torch2["mha_bf16_gflops"], torch2["matmul_bf16_gflops"],
+                                bf16 / torch2["matmul_bf16_gflops"]]
                 else:
                     row += [float("nan")] * len(bf16_columns)
                 rows.append(row)

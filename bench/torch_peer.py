@@ -71,6 +71,13 @@ def main():
             if not stray <= reference.abs().max().item() / 20:
                 sys.exit(f"torch_peer: {name} strays from float32 by {stray}")
             result[name + "_gflops"] = flops / seconds_per_call(call, min_seconds) / 1e9
+        # The shape's QKV product as one bf16 matmul: the matrix engine's ceiling (oneDNN on
+        # AMX tiles where the CPU has them), against which a layer's bf16 speed is read.
+        tokens16 = torch.randn(batch * tokens, embed_dim).to(torch.bfloat16)
+        qkv16 = torch.randn(embed_dim, 3 * embed_dim).to(torch.bfloat16)
+        matmul_seconds = seconds_per_call(lambda: tokens16 @ qkv16, min_seconds)
+        result["matmul_bf16_gflops"] = 2 * batch * tokens * embed_dim * 3 * embed_dim / \
+            matmul_seconds / 1e9
     print(json.dumps(result))
 
 

@@ -6,6 +6,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
@@ -24,8 +25,11 @@ bool CudaBuilt();
 // Thread-safe.
 class Devices {
  public:
-  // `cpu_threads` >= 1: the CPU backend's compute threads.
-  explicit Devices(int cpu_threads) : cpu_(std::make_shared<CpuBackend>(cpu_threads)) {}
+  // `cpu_threads` >= 1: the CPU backend's compute threads; `bf16_projection` forces how its
+  // BFLOAT16 layers project (default: the host's fastest, measured).
+  explicit Devices(int cpu_threads, std::optional<Bf16Projection> bf16_projection = std::nullopt)
+      : cpu_(std::make_shared<CpuBackend>(cpu_threads, FastestBf16AttentionKernel(),
+                                          bf16_projection)) {}
 
   const std::shared_ptr<const CpuBackend>& cpu() const { return cpu_; }
 

@@ -10,6 +10,7 @@
 #include "core/attention_kernels.h"
 #include "core/cpu/attention_cpu.h"
 #include "core/cpu/batch_groups.h"
+#include "core/cpu/bf16_linear.h"
 #include "core/cpu/cpu_backend.h"
 #include "core/cpu/forward_scratch.h"
 #include "core/cpu/forward_steps.h"
@@ -20,55 +21,6 @@
 
 namespace attention::core {
 namespace {
-
-// One Linear of a bf16 layer as this host multiplies it: bf16 panels for vdpbf16ps, or the
-// same bf16 values widened to float32 panels where the CPU has no bf16 dot products.
-class Bf16Linear {
- public:
-  Bf16Linear(absl::Span<const uint16_t> weight, int64_t out_features, int64_t in_features,
-             Bf16Kernel kernel)
-      : out_features_(out_features), in_features_(in_features) {
-    if (kernel == Bf16Kernel::kAvx512Bf16) {
-      bf16_.emplace(weight, out_features, in_features);
-      return;
-    }
-    std::vector<float> widened(weight.size());
-    for (size_t i = 0; i < weight.size(); ++i) widened[i] = BFloat16ToFloat(weight[i]);
-    widened_.emplace(widened, out_features, in_features);
-  }
-
-  // Whether Forward can write bf16 (the host multiplies in bf16).
-  bool WritesBf16() const { return bf16_.has_value(); }
-
-  // y[rows, out_features] = x[rows, in_features] * W^T + bias, x in bf16.
-  void Forward(ThreadPool& pool, const uint16_t* x, int64_t rows, absl::Span<const float> bias,
-               float* y) const {
-    if (bf16_.has_value()) {
-      LinearForwardBf16(pool, x, rows, in_features_, *bf16_, bias, out_features_, y);
-      return;
-    }
-    thread_local std::vector<float> widened;
-    widened.resize(rows * in_features_);
-    // Inline bit shifts, which vectorize: the fallback widens every call's tokens.
-    for (int64_t i = 0; i < rows * in_features_; ++i) widened[i] = BFloat16BitsToFloat(x[i]);
-    // Always the packed microkernel: the layer holds no float32 weights for OpenBLAS.
-    LinearForward(pool, widened.data(), rows, in_features_, {}, bias, out_features_, y,
-                  widened_->panels(), BestSimdLevel(), std::numeric_limits<int64_t>::max());
-  }
-
-  // The same, rounded to bf16 as written; only where WritesBf16().
-  void Forward(ThreadPool& pool, const uint16_t* x, int64_t rows, absl::Span<const float> bias,
-               uint16_t* y) const {
-    LinearForwardBf16(pool, x, rows, in_features_, *bf16_, bias, out_features_, y);
-  }
-
-  int64_t bytes() const { return bf16_.has_value() ? bf16_->bytes() : widened_->bytes(); }
-
- private:
-  int64_t out_features_, in_features_;
-  std::optional<PackedBf16Weight> bf16_;
-  std::optional<PackedWeight> widened_;
-};
 
 // `count` elements of one input tensor as bf16 into `to`: copied when the wire sent bf16,
 // else rounded to nearest even once (float16 is exact in float32 first).
@@ -115,19 +67,21 @@ ForwardScratch& ThreadScratch() {
 class CpuBf16Layer final : public PreparedLayer {
  public:
   CpuBf16Layer(const MhaConfig& config, const MhaWeightsView& weights, ThreadPool& pool,
-               Bf16Kernel kernel)
+               Bf16Kernel kernel, Bf16Projection projection)
       : config_(config), weights_(weights), pool_(pool), kernel_(kernel) {
     const MhaConfig& c = config;
     const MhaWeightsView::Bf16Matrices& w = weights.bf16;
     const int64_t q = c.QWidth(), k = c.KWidth(), v = c.VWidth();
     if (!w.fused_qkv_weight.empty()) {
-      fused_qkv_.emplace(w.fused_qkv_weight, q + k + v, c.embed_dim, kernel);
+      fused_qkv_.emplace(w.fused_qkv_weight, q + k + v, c.embed_dim, projection);
     } else {
-      q_.emplace(w.q_weight, q, c.embed_dim, kernel);
-      k_.emplace(w.k_weight, k, c.kdim, kernel);
-      v_.emplace(w.v_weight, v, c.vdim, kernel);
+      q_.emplace(w.q_weight, q, c.embed_dim, projection);
+      k_.emplace(w.k_weight, k, c.kdim, projection);
+      v_.emplace(w.v_weight, v, c.vdim, projection);
     }
-    if (c.output_projection) out_.emplace(w.out_weight, c.output_dim, c.AttentionWidth(), kernel);
+    if (c.output_projection) {
+      out_.emplace(w.out_weight, c.output_dim, c.AttentionWidth(), projection);
+    }
   }
 
   // In groups of sequences, each group's every step on one thread, where GroupBatchParts
@@ -442,8 +396,8 @@ absl::Status CpuBf16Layer::ProjectDecodeOutput(const float* attended, int64_t ro
 
 std::unique_ptr<PreparedLayer> PrepareBf16Layer(const MhaConfig& config,
                                                 const MhaWeightsView& weights, ThreadPool& pool,
-                                                Bf16Kernel kernel) {
-  return std::make_unique<CpuBf16Layer>(config, weights, pool, kernel);
+                                                Bf16Kernel kernel, Bf16Projection projection) {
+  return std::make_unique<CpuBf16Layer>(config, weights, pool, kernel, projection);
 }
 
 }  // namespace attention::core

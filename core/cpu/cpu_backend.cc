@@ -8,6 +8,8 @@
 
 #include <cblas.h>
 
+#include "absl/strings/str_cat.h"
+
 #include "core/attention_kernels.h"
 #include "core/cpu/attention_cpu.h"
 #include "core/cpu/bf16_layer.h"
@@ -261,15 +263,16 @@ void ApplyRotaryAt(float* data, absl::Span<const int64_t> positions, int64_t hea
 
 std::string CpuBackend::BlasCore() { return openblas_get_corename(); }
 
-std::string CpuBackend::Bf16Path() {
-  return BestBf16Kernel() == Bf16Kernel::kAvx512Bf16 ? "avx512_bf16"
-                                                     : "float32 fallback (no bf16 instructions)";
+std::string CpuBackend::Bf16Path() const {
+  return absl::StrCat("projections on ", Bf16ProjectionName(bf16_projection_),
+                      " (measured: ", Bf16ProjectionReport(), "), attention products on ",
+                      bf16_kernel_ == Bf16Kernel::kAvx512Bf16 ? "avx512_bf16" : "float32");
 }
 
 absl::StatusOr<std::unique_ptr<PreparedLayer>> CpuBackend::Prepare(
     const MhaConfig& config, const MhaWeightsView& weights) const {
   if (config.compute_dtype == DType::kBFloat16) {
-    return PrepareBf16Layer(config, weights, pool_, bf16_kernel_);
+    return PrepareBf16Layer(config, weights, pool_, bf16_kernel_, bf16_projection_);
   }
   return std::make_unique<CpuPreparedLayer>(config, weights, pool_);
 }

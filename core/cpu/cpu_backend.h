@@ -6,10 +6,12 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "core/backend.h"
+#include "core/cpu/bf16_linear.h"
 #include "core/cpu/gemm_bf16.h"
 #include "core/cpu/thread_pool.h"
 
@@ -19,10 +21,14 @@ namespace attention::core {
 // compute threads per forward pass, OpenBLAS single-threaded inside them (see ThreadPool).
 class CpuBackend final : public Backend {
  public:
-  // num_threads >= 1. BFLOAT16 layers multiply with `bf16_kernel` (tests pick the
-  // fallback of hosts without bf16 instructions).
-  explicit CpuBackend(int num_threads, Bf16Kernel bf16_kernel = BestBf16Kernel())
-      : pool_(num_threads), bf16_kernel_(bf16_kernel) {}
+  // num_threads >= 1. BFLOAT16 layers project with `bf16_projection` (the host's fastest
+  // unless forced: --bf16_kernels) and attend with `bf16_kernel` (tests pick the fallback of
+  // hosts without bf16 instructions).
+  explicit CpuBackend(int num_threads, Bf16Kernel bf16_kernel = BestBf16Kernel(),
+                      std::optional<Bf16Projection> bf16_projection = std::nullopt)
+      : pool_(num_threads),
+        bf16_kernel_(bf16_kernel),
+        bf16_projection_(bf16_projection.value_or(FastestBf16Projection())) {}
 
   const std::string& name() const override { return name_; }
   // Every config and option.
@@ -42,15 +48,16 @@ class CpuBackend final : public Backend {
   // The kernel set OpenBLAS chose for this CPU (or OPENBLAS_CORETYPE forced), e.g.
   // "Haswell", "SkylakeX", "Cooperlake".
   static std::string BlasCore();
-  // How BFLOAT16 layers multiply on this CPU by default (for the start-up log):
-  // "avx512_bf16", or "float32 fallback (no bf16 instructions)".
-  static std::string Bf16Path();
+  // How this backend's BFLOAT16 layers multiply (for the start-up log): the projection
+  // kernel and what the start-up measurement found, then attention's products.
+  std::string Bf16Path() const;
 
  private:
   const std::string name_ = "cpu";
   // ParallelFor is thread-safe; mutable because computing does not change the backend.
   mutable ThreadPool pool_;
   const Bf16Kernel bf16_kernel_;
+  const Bf16Projection bf16_projection_;
 };
 
 // cos and sin of the rotary angles of a list of positions, each row head_dim / 2 channels.

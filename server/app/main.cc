@@ -79,8 +79,9 @@ ABSL_FLAG(std::string, model_repository, "",
           "(persisted/<name>.safetensors, loaded at start-up); empty = none");
 ABSL_FLAG(int64_t, max_weight_bytes, 0,
           "budget for the host memory of all loaded layers' weights, bytes (a CPU layer also "
-          "holds a packed copy of its weights, about as large, which counts); loads past it "
-          "get RESOURCE_EXHAUSTED; 0 = unlimited");
+          "holds a packed copy of its weights, about as large, which counts); a layer unloaded "
+          "or replaced while sessions hold it still counts until the last of them ends; loads "
+          "past it get RESOURCE_EXHAUSTED; 0 = unlimited");
 ABSL_FLAG(int64_t, max_device_weight_bytes, 0,
           "budget for the weights held on each GPU, bytes; loads past it get "
           "RESOURCE_EXHAUSTED; 0 = the device's memory");
@@ -125,6 +126,13 @@ ABSL_FLAG(int64_t, max_session_tokens, int64_t{128} << 10,
 ABSL_FLAG(absl::Duration, session_ttl, absl::Minutes(10),
           "idle time after which a session expires, unless it asks for another ttl");
 ABSL_FLAG(absl::Duration, max_session_ttl, absl::Hours(24), "longest ttl a session may ask for");
+ABSL_FLAG(absl::Duration, session_sweep_interval, absl::Seconds(1),
+          "how often idle sessions past their ttl are ended and the session gauges refreshed, "
+          "whether or not a call comes");
+ABSL_FLAG(std::string, bf16_kernels, "auto",
+          "how BFLOAT16 layers multiply their projections on the CPU: auto (the fastest of this "
+          "host's kernels, measured at start-up and logged), onednn (oneDNN's matmul: AMX "
+          "tiles where the CPU has them), avx512_bf16, or float32 (the bf16 values widened)");
 ABSL_FLAG(int64_t, prefill_chunk_tokens, 256,
           "a session step's attention runs in turns of at most this many query tokens per "
           "entry, so that other sessions' decode steps run between a long prefill's chunks");
@@ -252,7 +260,20 @@ int main(int argc, char** argv) {
   options.sessions.max_session_tokens = absl::GetFlag(FLAGS_max_session_tokens);
   options.sessions.default_ttl = absl::GetFlag(FLAGS_session_ttl);
   options.sessions.max_ttl = absl::GetFlag(FLAGS_max_session_ttl);
+  options.session_sweep_interval = absl::GetFlag(FLAGS_session_sweep_interval);
   options.sessions.prefill_chunk_tokens = absl::GetFlag(FLAGS_prefill_chunk_tokens);
+  if (const std::string kernels = absl::GetFlag(FLAGS_bf16_kernels); kernels != "auto") {
+    const absl::StatusOr<attention::core::Bf16Projection> projection =
+        attention::core::ParseBf16Projection(kernels);
+    if (!projection.ok() || !attention::core::CpuSupports(*projection)) {
+      std::cerr << "attention-service: --bf16_kernels: "
+                << (projection.ok() ? "this CPU has no " + kernels + " instructions"
+                                    : std::string(projection.status().message()))
+                << std::endl;
+      return 1;
+    }
+    options.bf16_projection = *projection;
+  }
   options.sessions.replica = absl::GetFlag(FLAGS_replica_name);
   options.replica_address = absl::GetFlag(FLAGS_replica_address);
   options.keepalive_min_ping_interval = absl::GetFlag(FLAGS_keepalive_min_ping_interval);
@@ -284,7 +305,7 @@ int main(int argc, char** argv) {
   }
   std::cerr << "attention-service: default device " << (*server)->default_backend().name()
             << ", OpenBLAS core " << attention::core::CpuBackend::BlasCore()
-            << ", bfloat16 layers on " << attention::core::CpuBackend::Bf16Path() << std::endl;
+            << ", bfloat16 layers: " << (*server)->cpu_backend().Bf16Path() << std::endl;
   if (const attention::server::SessionTable* sessions = (*server)->sessions()) {
     const attention::core::kv_cache::KvPoolCounters pool = sessions->Counters().pool;
     // In tokens of a Llama-3-8B layer (8 KV heads of 128 dims, float32 K and V: 8 KiB).

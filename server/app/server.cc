@@ -1,6 +1,7 @@
 #include "server/app/server.h"
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <iostream>
 #include <thread>
@@ -119,6 +120,10 @@ absl::Status ServerOptions::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat(
         "max_metadata_bytes = ", max_metadata_bytes, " must be in [1 KiB, 2 GiB)"));
   }
+  if (session_sweep_interval <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "session_sweep_interval = ", absl::FormatDuration(session_sweep_interval), " must be > 0"));
+  }
   if (drain_delay < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
         absl::StrCat("drain_delay = ", absl::FormatDuration(drain_delay), " must be >= 0"));
@@ -159,7 +164,8 @@ AttentionServer::AttentionServer(const ServerOptions& options,
 absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
     const ServerOptions& options) {
   RETURN_IF_ERROR(options.Validate());
-  auto devices = std::make_unique<core::Devices>(ComputeThreads(options.compute_threads));
+  auto devices = std::make_unique<core::Devices>(ComputeThreads(options.compute_threads),
+                                                 options.bf16_projection);
   absl::StatusOr<std::shared_ptr<const core::Backend>> default_backend =
       devices->Get(options.device);
   if (!default_backend.ok()) {
@@ -234,7 +240,26 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
   health->SetServingStatus(true);
   health->SetServingStatus(kServiceName, true);
   server->ready_ = true;
+  if (server->sessions_ != nullptr) {
+    server->sweeper_ =
+        std::thread(&AttentionServer::SweepSessions, server.get(), options.session_sweep_interval);
+  }
   return server;
+}
+
+void AttentionServer::SweepSessions(absl::Duration interval) {
+  core::MutexLock lock(sweep_mu_);
+  while (!stop_sweeping_) {
+    const auto next = std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(interval);
+    while (!stop_sweeping_ && std::chrono::steady_clock::now() < next) {
+      sweep_stop_.wait_until(lock, next);
+    }
+    if (stop_sweeping_) break;
+    sessions_->ExpireIdle(absl::Now());
+    service_.RefreshSessionMetrics();
+    // A session that ended may have let go of the last reference to a replaced layer.
+    service_.RefreshLayerMetrics();
+  }
 }
 
 AttentionServer::~AttentionServer() { Shutdown(absl::ZeroDuration()); }
@@ -242,6 +267,14 @@ AttentionServer::~AttentionServer() { Shutdown(absl::ZeroDuration()); }
 void AttentionServer::Shutdown(absl::Duration grace) {
   if (shut_down_) return;
   shut_down_ = true;
+  if (sweeper_.joinable()) {
+    {
+      core::MutexLock lock(sweep_mu_);
+      stop_sweeping_ = true;
+    }
+    sweep_stop_.notify_all();
+    sweeper_.join();
+  }
   if (server_ != nullptr) {
     server_->GetHealthCheckService()->SetServingStatus(false);
     ready_ = false;

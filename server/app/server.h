@@ -4,8 +4,11 @@
 #define ATTENTION_SERVER_APP_SERVER_H_
 
 #include <atomic>
+#include <condition_variable>
 #include <memory>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <grpcpp/server.h>
@@ -13,14 +16,15 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "core/devices.h"
-#include "server/native/attention_service.h"
+#include "core/mutex.h"
+#include "server/app/tls.h"
 #include "server/batching/batcher.h"
 #include "server/kserve/kserve_service.h"
 #include "server/models/layer_registry.h"
+#include "server/native/attention_service.h"
 #include "server/observability/metrics.h"
 #include "server/observability/request_log.h"
 #include "server/validation/request_validation.h"
-#include "server/app/tls.h"
 
 namespace attention::server {
 
@@ -81,6 +85,10 @@ struct ServerOptions {
   // KV-cache sessions: the pool (--kv_cache_bytes, 0 turns sessions off) and their limits
   // (--max_sessions, --max_session_tokens, --session_ttl, --max_session_ttl, --replica_name).
   SessionTableOptions sessions;
+  // How often a thread ends the sessions idle past their TTL and refreshes the session and
+  // weight gauges (--session_sweep_interval), so both are true without a call coming. > 0;
+  // default 1 s.
+  absl::Duration session_sweep_interval = absl::Seconds(1);
   // Where the KV blocks of sessions live and their attention runs (--kv_cache_device): "cpu"
   // (default) or "cuda:N". Sessions over served layers still project on their layers'
   // device.
@@ -104,6 +112,9 @@ struct ServerOptions {
   AccessPolicy access;
   // Offer the gRPC reflection service (--reflection); default on.
   bool reflection = true;
+  // How the CPU's BFLOAT16 layers project (--bf16_kernels); unset: the host's fastest,
+  // measured at start-up (core/cpu/bf16_linear.h).
+  std::optional<core::Bf16Projection> bf16_projection;
   // Per-request work and memory limits (--max_request_flops, --max_request_memory_bytes);
   // its max_response_bytes is ignored: answers are bounded by max_message_bytes.
   RequestBudget request_budget;
@@ -122,6 +133,7 @@ class AttentionServer {
   int port() const { return port_; }
   // The default device's backend ("cpu", "cuda:0").
   const core::Backend& default_backend() const { return *default_backend_; }
+  const core::CpuBackend& cpu_backend() const { return *devices_->cpu(); }
   // Port of /metrics, 0 when disabled.
   int metrics_port() const { return metrics_.port(); }
   LayerRegistry& registry() { return registry_; }
@@ -142,6 +154,10 @@ class AttentionServer {
                   std::shared_ptr<const core::Backend> default_backend,
                   std::unique_ptr<SessionTable> sessions);
 
+  // The sweeper thread: every `interval` until Shutdown, expires idle sessions and refreshes
+  // the gauges they change.
+  void SweepSessions(absl::Duration interval);
+
   const std::unique_ptr<core::Devices> devices_;
   const std::shared_ptr<const core::Backend> default_backend_;
   Metrics metrics_;
@@ -159,6 +175,10 @@ class AttentionServer {
   int port_ = 0;
   std::vector<std::string> startup_problems_;
   bool shut_down_ = false;
+  core::Mutex sweep_mu_;  // see core/mutex.h
+  std::condition_variable_any sweep_stop_;
+  bool stop_sweeping_ ABSL_GUARDED_BY(sweep_mu_) = false;
+  std::thread sweeper_;  // runs while sessions are on
 };
 
 }  // namespace attention::server

@@ -1,5 +1,7 @@
 #include "server/models/layer_registry.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
 #include "server/common/status_util.h"
@@ -35,42 +37,73 @@ int64_t LayerRegistry::EstimatedHostBytes(int64_t weight_bytes, const std::strin
 absl::Status LayerRegistry::CheckBudget(const std::string& name, int64_t host_bytes,
                                         int64_t weight_bytes, const std::string& device) const {
   // The host budget counts every layer; a device's budget counts the layers placed on it.
-  int64_t in_use = 0, on_device = 0, cached = 0;
-  int others = 0, others_on_device = 0;
+  // Retired layers that sessions still hold count as loaded ones do.
+  int64_t in_use = 0, on_device = 0, cached = 0, retired = 0, retired_on_device = 0;
+  int others = 0, others_on_device = 0, retired_layers = 0;
   {
     core::ReaderLock lock(mu_);
     cached = cached_bytes_;
-    in_use = cached;
+    const auto count_retired = [&](int64_t host, int64_t weights, const std::string& on) {
+      retired += host;
+      ++retired_layers;
+      if (on == device) retired_on_device += weights;
+    };
     for (const auto& [loaded_name, snapshot] : layers_) {
-      if (loaded_name == name) continue;  // replaced by this load
-      in_use += snapshot->layer->HostBytes();
+      const core::MhaLayer& layer = *snapshot->layer;
+      if (loaded_name == name) {
+        // Replaced by this load, but held by sessions (the registry's is the other
+        // reference): it stays in memory after the replacement.
+        if (snapshot->layer.use_count() > 1) {
+          count_retired(layer.HostBytes(), layer.WeightBytes(), layer.device());
+        }
+        continue;
+      }
+      in_use += layer.HostBytes();
       ++others;
-      if (snapshot->layer->device() == device) {
-        on_device += snapshot->layer->WeightBytes();
+      if (layer.device() == device) {
+        on_device += layer.WeightBytes();
         ++others_on_device;
       }
     }
+    for (const RetiredLayer& layer : retired_) {
+      if (!layer.layer.expired()) count_retired(layer.host_bytes, layer.weight_bytes, layer.device);
+    }
+    in_use += cached + retired;
+    on_device += retired_on_device;
   }
+  const std::string held_by_sessions =
+      absl::StrCat(retired_layers, " unloaded or replaced layer(s) that sessions still hold");
   if (max_weight_bytes_ > 0 && in_use + host_bytes > max_weight_bytes_) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "layer \"", name, "\" needs ", host_bytes,
-        " bytes of host memory for its weights",
+        "layer \"", name, "\" needs ", host_bytes, " bytes of host memory for its weights",
         device == "cpu" ? " (with the CPU's packed copy)" : "", " but only ",
-        std::max<int64_t>(0, max_weight_bytes_ - in_use), " of max_weight_bytes = ",
-        max_weight_bytes_, " are free (", in_use, " in use by ", others, " other layer(s)",
+        std::max<int64_t>(0, max_weight_bytes_ - in_use),
+        " of max_weight_bytes = ", max_weight_bytes_, " are free (", in_use, " in use by ", others,
+        " other layer(s)", retired > 0 ? absl::StrCat(", ", retired, " by ", held_by_sessions) : "",
         cached > 0 ? absl::StrCat(" and ", cached, " by cached inline layers") : "",
-        "); unload a layer or raise --max_weight_bytes"));
+        "); unload a layer", retired > 0 ? ", drop the sessions over retired layers" : "",
+        " or raise --max_weight_bytes"));
   }
   if (device != "cpu" && max_device_weight_bytes_ > 0 &&
       on_device + weight_bytes > max_device_weight_bytes_) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "layer \"", name, "\" needs ", weight_bytes, " weight bytes on ", device, " but only ",
         std::max<int64_t>(0, max_device_weight_bytes_ - on_device),
-        " of max_device_weight_bytes = ", max_device_weight_bytes_, " are free there (",
-        on_device, " in use by ", others_on_device,
-        " other layer(s)); unload a layer or raise --max_device_weight_bytes"));
+        " of max_device_weight_bytes = ", max_device_weight_bytes_, " are free there (", on_device,
+        " in use by ", others_on_device, " other layer(s)",
+        retired_on_device > 0 ? absl::StrCat(", ", retired_on_device, " by ", held_by_sessions)
+                              : "",
+        "); unload a layer", retired_on_device > 0 ? ", drop the sessions over retired layers" : "",
+        " or raise --max_device_weight_bytes"));
   }
   return absl::OkStatus();
+}
+
+void LayerRegistry::RetireLocked(const std::shared_ptr<const core::MhaLayer>& layer) {
+  retired_.erase(std::remove_if(retired_.begin(), retired_.end(),
+                                [](const RetiredLayer& r) { return r.layer.expired(); }),
+                 retired_.end());
+  retired_.push_back({layer, layer->HostBytes(), layer->WeightBytes(), layer->device()});
 }
 
 std::shared_ptr<const LayerSnapshot> LayerRegistry::PublishLocked(
@@ -83,7 +116,9 @@ std::shared_ptr<const LayerSnapshot> LayerRegistry::PublishLocked(
   snapshot->batching = batching;
   core::WriterLock lock(mu_);
   snapshot->version = next_version_++;
-  layers_[name] = snapshot;
+  std::shared_ptr<const LayerSnapshot>& published = layers_[name];
+  if (published != nullptr) RetireLocked(published->layer);
+  published = snapshot;
   return snapshot;
 }
 
@@ -129,7 +164,9 @@ absl::Status LayerRegistry::Remove(const std::string& name) {
   }
   if (persisted && repository_ != nullptr) RETURN_IF_ERROR(repository_->RemovePersisted(name));
   core::WriterLock lock(mu_);
-  layers_.erase(name);
+  const auto found = layers_.find(name);
+  RetireLocked(found->second->layer);
+  layers_.erase(found);
   return absl::OkStatus();
 }
 
@@ -144,6 +181,9 @@ int64_t LayerRegistry::weight_bytes() const {
   core::ReaderLock lock(mu_);
   int64_t bytes = 0;
   for (const auto& [name, snapshot] : layers_) bytes += snapshot->layer->WeightBytes();
+  for (const RetiredLayer& layer : retired_) {
+    if (!layer.layer.expired()) bytes += layer.weight_bytes;
+  }
   return bytes;
 }
 
@@ -153,11 +193,14 @@ absl::Status LayerRegistry::ReserveCachedBytes(int64_t host_bytes) {
   core::WriterLock lock(mu_);
   if (max_weight_bytes_ > 0) {
     for (const auto& [name, snapshot] : layers_) in_use += snapshot->layer->HostBytes();
+    for (const RetiredLayer& layer : retired_) {
+      if (!layer.layer.expired()) in_use += layer.host_bytes;
+    }
     if (in_use + cached_bytes_ + host_bytes > max_weight_bytes_) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "caching an inline layer of ", host_bytes, " host bytes would pass max_weight_bytes = ",
-          max_weight_bytes_, " (", in_use, " in use by loaded layers, ", cached_bytes_,
-          " by cached inline layers)"));
+          max_weight_bytes_, " (", in_use, " in use by loaded layers and those sessions hold, ",
+          cached_bytes_, " by cached inline layers)"));
     }
   }
   cached_bytes_ += host_bytes;
@@ -193,8 +236,8 @@ std::vector<std::string> LayerRegistry::LoadPersisted(
 absl::Status LayerRegistry::NotFoundLocked(const std::string& name) const {
   std::vector<std::string> loaded;
   for (const auto& [loaded_name, snapshot] : layers_) loaded.push_back(loaded_name);
-  return absl::NotFoundError(absl::StrCat("layer ", Quoted(name), " is not loaded (loaded: ",
-                                          ListForMessage(loaded), ")"));
+  return absl::NotFoundError(absl::StrCat("layer ", Quoted(name),
+                                          " is not loaded (loaded: ", ListForMessage(loaded), ")"));
 }
 
 }  // namespace attention::server

@@ -5,16 +5,16 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <shared_mutex>
-#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "core/mutex.h"
 #include "absl/status/statusor.h"
 #include "core/mha_layer.h"
+#include "core/mutex.h"
 #include "server/models/batch_limits.h"
 #include "server/models/model_repository.h"
 
@@ -35,7 +35,10 @@ struct LayerSnapshot {
 struct LayerRegistryOptions {
   // Budget for the weights of all published layers together, bytes (float32 storage, see
   // LayerInfo.weight_bytes). A load that would exceed it is RESOURCE_EXHAUSTED. 0 (default)
-  // means unlimited; >= 0. A layer being replaced does not count against its successor.
+  // means unlimited; >= 0. A layer being replaced does not count against its successor,
+  // unless sessions hold it: a layer unloaded or replaced while sessions pinned it stays in
+  // memory, and counts against this budget (and max_device_weight_bytes), until the last of
+  // them ends.
   int64_t max_weight_bytes = 0;
   // Budget for the weights held on each GPU, bytes, counted per device (every layer also
   // keeps its host copy, which counts against max_weight_bytes). 0 (default): only the
@@ -76,7 +79,8 @@ class LayerRegistry {
   absl::Status Remove(const std::string& name);
   // Sorted by name.
   std::vector<std::shared_ptr<const LayerSnapshot>> List() const;
-  // RESOURCE_EXHAUSTED when a layer under `name` (replacing its current version) placed on
+  // RESOURCE_EXHAUSTED when a layer under `name` (replacing its current version, which still
+  // counts while sessions hold it, as retired layers do) placed on
   // `device` would pass max_weight_bytes with its `host_bytes` (MhaLayer::HostBytes), or
   // max_device_weight_bytes of that device (not "cpu") with its `weight_bytes`. LoadLayer
   // asks before building the weights (with EstimatedHostBytes); Publish asks again with the
@@ -86,7 +90,8 @@ class LayerRegistry {
   // Host bytes of a layer of `weight_bytes` on `device` before it is built: the CPU
   // backend keeps a packed copy of about the weights' size.
   static int64_t EstimatedHostBytes(int64_t weight_bytes, const std::string& device);
-  // Bytes of weights of all published layers.
+  // Bytes of weights of all published layers, and of the unloaded or replaced ones that
+  // sessions still hold.
   int64_t weight_bytes() const;
   // Host bytes of cached inline layers (InlineLayerCache), which count against
   // max_weight_bytes as published layers do. Reserve is RESOURCE_EXHAUSTED past it.
@@ -103,7 +108,19 @@ class LayerRegistry {
       core::Devices& devices, const std::shared_ptr<const core::Backend>& default_backend);
 
  private:
+  // A layer unloaded or replaced: sessions pin the layers they were created over, so its
+  // memory stays in use until the last holder lets go, and it counts against the budgets
+  // until then.
+  struct RetiredLayer {
+    std::weak_ptr<const core::MhaLayer> layer;
+    int64_t host_bytes = 0, weight_bytes = 0;
+    std::string device;
+  };
+
   absl::Status NotFoundLocked(const std::string& name) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Remembers `layer` as retired, and forgets the retired layers nothing holds any more.
+  void RetireLocked(const std::shared_ptr<const core::MhaLayer>& layer)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::shared_ptr<const LayerSnapshot> PublishLocked(const std::string& name,
                                                      std::shared_ptr<const core::MhaLayer> layer,
                                                      bool persisted,
@@ -116,6 +133,7 @@ class LayerRegistry {
   std::map<std::string, std::shared_ptr<const LayerSnapshot>> layers_ ABSL_GUARDED_BY(mu_);
   uint64_t next_version_ ABSL_GUARDED_BY(mu_) = 1;
   int64_t cached_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // ReserveCachedBytes
+  std::vector<RetiredLayer> retired_ ABSL_GUARDED_BY(mu_);
   // Set by Configure before the registry is shared; read-only afterwards.
   int64_t max_weight_bytes_ = 0;
   int64_t max_device_weight_bytes_ = 0;

@@ -29,10 +29,10 @@ void DescribeLayer(const LayerSnapshot& snapshot, const BatchLimits& server_limi
 }
 
 void AttentionServiceImpl::RefreshLayerMetrics() {
-  int64_t weight_bytes = 0;
   const auto layers = registry_.List();
-  for (const auto& snapshot : layers) weight_bytes += snapshot->layer->WeightBytes();
-  metrics_.SetLayers(static_cast<int64_t>(layers.size()), weight_bytes);
+  // Also the unloaded or replaced layers that sessions still hold, which count against
+  // --max_weight_bytes.
+  metrics_.SetLayers(static_cast<int64_t>(layers.size()), registry_.weight_bytes());
   // Accelerators: the default one and every one holding a layer.
   std::map<std::string, const core::Backend*> backends = {
       {default_backend_->name(), default_backend_.get()}};

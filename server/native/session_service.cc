@@ -242,7 +242,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetSession(grpc::CallbackServerC
                                                            v1::GetSessionResponse* response) {
   return AnswerSessionCall(context, "GetSession", *request, [&]() -> absl::Status {
     const absl::Time now = absl::Now();
-    ASSIGN_OR_RETURN(const SessionInfo info, sessions_->Get(request->session_id(), now));
+    ASSIGN_OR_RETURN(const SessionInfo info, sessions_->Get(request->session_id(), now,
+                                                            /*renew_ttl=*/!request->keep_idle()));
     Describe(info, now, sessions_->replica(), ReplicaAddress(), response->mutable_session());
     return absl::OkStatus();
   });

@@ -73,7 +73,8 @@ Metrics::Metrics(absl::string_view default_device, absl::string_view blas_core)
                          .Add({})),
       weight_bytes_(prometheus::BuildGauge()
                         .Name("attention_layer_weight_bytes")
-                        .Help("Bytes of weights held by loaded layers")
+                        .Help("Bytes of weights held by loaded layers, and by unloaded or "
+                              "replaced layers that sessions still hold")
                         .Register(*registry_)
                         .Add({})),
       inline_cache_hits_(prometheus::BuildCounter()
@@ -181,13 +182,13 @@ void Metrics::Dequeued(absl::Duration waited) {
   queue_duration_.Observe(absl::ToDoubleSeconds(waited));
 }
 
-void Metrics::BatchComputed(absl::string_view layer, absl::string_view device,
-                            int64_t requests, int64_t tokens, absl::Duration compute) {
+void Metrics::BatchComputed(absl::string_view layer, absl::string_view device, int64_t requests,
+                            int64_t tokens, absl::Duration compute) {
   const prometheus::Labels labels = {{"layer", std::string(layer)}};
   batch_requests_.Add(labels, PowersOfTwo(1024)).Observe(static_cast<double>(requests));
   batch_tokens_.Add(labels, PowersOfTwo(1 << 20)).Observe(static_cast<double>(tokens));
-  compute_duration_.Add({{"layer", std::string(layer)}, {"device", std::string(device)}},
-                        SecondsBuckets())
+  compute_duration_
+      .Add({{"layer", std::string(layer)}, {"device", std::string(device)}}, SecondsBuckets())
       .Observe(absl::ToDoubleSeconds(compute));
 }
 
@@ -245,15 +246,14 @@ void Metrics::SetLoaderQueueDepth(int64_t jobs) {
   loader_queue_depth_.Set(static_cast<double>(jobs));
 }
 
-void Metrics::SetDeviceMemory(absl::string_view device, int64_t used_bytes,
-                              int64_t total_bytes) {
+void Metrics::SetDeviceMemory(absl::string_view device, int64_t used_bytes, int64_t total_bytes) {
   const prometheus::Labels labels = {{"device", std::string(device)}};
   device_memory_used_.Add(labels).Set(static_cast<double>(used_bytes));
   device_memory_total_.Add(labels).Set(static_cast<double>(total_bytes));
 }
 
-void Metrics::LayerBatchFinished(absl::string_view layer, int64_t requests,
-                                 absl::Duration queued, absl::Duration compute, bool ok) {
+void Metrics::LayerBatchFinished(absl::string_view layer, int64_t requests, absl::Duration queued,
+                                 absl::Duration compute, bool ok) {
   core::MutexLock lock(layer_statistics_mutex_);
   LayerStatistics& statistics = layer_statistics_[std::string(layer)];
   ++statistics.batches;

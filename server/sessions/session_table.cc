@@ -268,7 +268,7 @@ absl::StatusOr<SessionInfo> SessionTable::CreateSession(const SessionShape& shap
 }
 
 absl::StatusOr<SessionTable::Session*> SessionTable::FindLocked(const std::string& id,
-                                                                absl::Time now) {
+                                                                absl::Time now, bool renew_ttl) {
   if (id.empty()) return Invalid("session_id is empty");
   ForgetTombstonesLocked(now);
   auto found = sessions_.find(id);
@@ -278,7 +278,7 @@ absl::StatusOr<SessionTable::Session*> SessionTable::FindLocked(const std::strin
     found = sessions_.end();
   }
   if (found != sessions_.end()) {
-    found->second.last_used = now;  // every use renews the TTL
+    if (renew_ttl) found->second.last_used = now;  // every use renews the TTL
     return &found->second;
   }
   const auto tombstone = tombstones_.find(id);
@@ -325,10 +325,22 @@ SessionInfo SessionTable::InfoLocked(const std::string& id, const Session& sessi
 absl::StatusOr<SessionInfo> SessionTable::Fork(const std::string& id, int64_t tokens,
                                                int64_t reserved_tokens, absl::Duration ttl,
                                                absl::Time now) {
-  RETURN_IF_ERROR(CheckReservation(reserved_tokens));
-  ASSIGN_OR_RETURN(const absl::Duration session_ttl, TtlFor(ttl));
+  // Zero asks for the source's reservation and TTL, found below.
+  if (reserved_tokens < 0) {
+    return Invalid("reserved_tokens = ", reserved_tokens,
+                   " must be >= 0 (0 for the source's reservation)");
+  }
+  if (reserved_tokens != 0) RETURN_IF_ERROR(CheckReservation(reserved_tokens));
+  absl::Duration session_ttl = ttl;
+  if (ttl != absl::ZeroDuration()) {
+    ASSIGN_OR_RETURN(session_ttl, TtlFor(ttl));
+  }
   core::MutexLock lock(mu_);
   ASSIGN_OR_RETURN(Session * source, FindLocked(id, now));
+  if (reserved_tokens == 0) {
+    reserved_tokens = (*block_pool_.Find(source->sequence))->reserved_tokens;
+  }
+  if (ttl == absl::ZeroDuration()) session_ttl = source->ttl;
   const int64_t written =
       *std::min_element(source->layer_lengths.begin(), source->layer_lengths.end());
   if (tokens < 0 || tokens > written) {
@@ -392,9 +404,10 @@ absl::Status SessionTable::Drop(const std::string& id, absl::Time now) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<SessionInfo> SessionTable::Get(const std::string& id, absl::Time now) {
+absl::StatusOr<SessionInfo> SessionTable::Get(const std::string& id, absl::Time now,
+                                              bool renew_ttl) {
   core::MutexLock lock(mu_);
-  ASSIGN_OR_RETURN(Session * session, FindLocked(id, now));
+  ASSIGN_OR_RETURN(Session * session, FindLocked(id, now, renew_ttl));
   return InfoLocked(id, *session);
 }
 

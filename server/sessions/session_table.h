@@ -109,10 +109,10 @@ struct SessionTableOptions {
 struct SessionInfo {
   std::string id;
   SessionShape shape;
-  int64_t length = 0;           // tokens written in every layer
+  int64_t length = 0;                  // tokens written in every layer
   std::vector<int64_t> layer_lengths;  // tokens written, per layer
-  int64_t reserved_tokens = 0;  // what it may grow to
-  int64_t kv_bytes = 0;         // of the blocks it holds (shared ones included)
+  int64_t reserved_tokens = 0;         // what it may grow to
+  int64_t kv_bytes = 0;                // of the blocks it holds (shared ones included)
   absl::Duration ttl;
   absl::Time last_used;
 };
@@ -171,13 +171,15 @@ class SessionTable {
   // default.
   absl::StatusOr<SessionInfo> CreateSession(const SessionShape& shape, int64_t reserved_tokens,
                                             absl::Duration ttl, absl::Time now);
-  // A new session sharing the first `tokens` tokens of `id` (copy-on-write by block).
+  // A new session sharing the first `tokens` tokens of `id` (copy-on-write by block);
+  // `reserved_tokens` zero means the source's reservation, and `ttl` zero the source's TTL.
   absl::StatusOr<SessionInfo> Fork(const std::string& id, int64_t tokens, int64_t reserved_tokens,
                                    absl::Duration ttl, absl::Time now);
   // Back to `tokens` tokens in every layer (rejected speculative tokens).
   absl::StatusOr<SessionInfo> Truncate(const std::string& id, int64_t tokens, absl::Time now);
   absl::Status Drop(const std::string& id, absl::Time now);
-  absl::StatusOr<SessionInfo> Get(const std::string& id, absl::Time now);
+  // Without `renew_ttl` a read is not a use: the session's idle time goes on.
+  absl::StatusOr<SessionInfo> Get(const std::string& id, absl::Time now, bool renew_ttl = true);
   std::vector<SessionInfo> List(absl::Time now);
 
   // Writes every entry's K/V, then attends every entry in one pass. Entries of one session
@@ -240,7 +242,7 @@ class SessionTable {
   SessionTable(const SessionTableOptions& options, core::kv_cache::KvBlockPool block_pool,
                std::unique_ptr<core::kv_cache::KvStorage> storage);
 
-  absl::StatusOr<Session*> FindLocked(const std::string& id, absl::Time now)
+  absl::StatusOr<Session*> FindLocked(const std::string& id, absl::Time now, bool renew_ttl = true)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<absl::Duration> TtlFor(absl::Duration ttl) const;
   absl::Status CheckReservation(int64_t reserved_tokens) const;

@@ -7,8 +7,10 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "core/cpu/bf16_linear.h"
 #include "core/dtype.h"
 #include "gtest/gtest.h"
 #include "tests/core/fidelity.h"
@@ -228,6 +230,96 @@ INSTANTIATE_TEST_SUITE_P(Kernels, GemmBf16Test,
                          ::testing::Values(Bf16Kernel::kPortable, Bf16Kernel::kAvx512Bf16),
                          [](const ::testing::TestParamInfo<Bf16Kernel>& info) {
                            return std::string(Bf16KernelName(info.param));
+                         });
+
+// The projection kernels of bf16 layers (core/cpu/bf16_linear.h): oneDNN's matmul (AMX
+// tiles where the CPU has them), the avx512_bf16 panels and the float32 fallback, each
+// against the float64 sum of the same bf16 products by FlashAttention's rule, with and
+// without a bias, on one thread and two, in float32 and rounded to bf16.
+class Bf16LinearTest : public ::testing::TestWithParam<Bf16Projection> {
+ protected:
+  void SetUp() override {
+    if (!CpuSupports(GetParam())) {
+      GTEST_SKIP() << "this CPU has no " << Bf16ProjectionName(GetParam()) << " instructions";
+    }
+  }
+};
+
+TEST_P(Bf16LinearTest, EveryKernelSumsTheSameBf16ProductsByTheRule) {
+  const uint64_t seed = TestSeed(3901);
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
+  std::mt19937_64 rng(seed);
+  FidelityStats stats(std::string("Bf16Linear, ") + Bf16ProjectionName(GetParam()));
+  for (const int threads : {1, 2}) {
+    ThreadPool pool(threads);
+    // Rows around oneDNN's and the panels' blocks; depths odd and past a tile's 32.
+    for (const int64_t rows : {1, 9, 40, 300}) {
+      for (const auto& [in, out] : std::vector<std::pair<int64_t, int64_t>>{{45, 8}, {96, 100}}) {
+        for (const bool with_bias : {false, true}) {
+          SCOPED_TRACE("threads " + std::to_string(threads) + " rows " + std::to_string(rows) +
+                       " in " + std::to_string(in) + " out " + std::to_string(out) +
+                       (with_bias ? " with bias" : ""));
+          const std::vector<uint16_t> x = UniformBf16(rng, rows * in);
+          const std::vector<uint16_t> w = UniformBf16(rng, out * in);
+          std::vector<float> bias;
+          if (with_bias) bias.assign(out, 0.5f);
+          const Bf16Linear linear(w, out, in, GetParam());
+          std::vector<float> y(rows * out, 7.0f);
+          linear.Forward(pool, x.data(), rows, bias, y.data());
+          std::vector<float> textbook;
+          std::vector<double> oracle;
+          for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t j = 0; j < out; ++j) {
+              double sum = with_bias ? 0.5 : 0.0;
+              float float_sum = 0;
+              for (int64_t k = 0; k < in; ++k) {
+                const float product =
+                    BFloat16ToFloat(x[r * in + k]) * BFloat16ToFloat(w[j * in + k]);
+                sum += product;
+                float_sum += product;
+              }
+              textbook.push_back(float_sum + (with_bias ? 0.5f : 0.0f));
+              oracle.push_back(sum);
+            }
+          }
+          EXPECT_TRUE(stats.Check(y, textbook, oracle));
+          if (!linear.WritesBf16()) continue;
+          std::vector<uint16_t> y_bf16(rows * out, 0x7777);
+          linear.Forward(pool, x.data(), rows, bias, y_bf16.data());
+          for (int64_t e = 0; e < rows * out; ++e) {
+            ASSERT_EQ(y_bf16[e], FloatToBFloat16(y[e])) << "element " << e << ", written in bf16";
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Bf16ProjectionTest, NamesParseAndTheMeasuredChoiceRunsHere) {
+  for (const Bf16Projection projection :
+       {Bf16Projection::kOneDnn, Bf16Projection::kAvx512Bf16, Bf16Projection::kFloat32}) {
+    EXPECT_EQ(*ParseBf16Projection(Bf16ProjectionName(projection)), projection);
+  }
+  const absl::StatusOr<Bf16Projection> unknown = ParseBf16Projection("amx");
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(unknown.status().message(),
+            "bf16 kernel \"amx\" is not one of onednn, avx512_bf16, float32");
+  EXPECT_TRUE(CpuSupports(FastestBf16Projection()));
+  // The report names every kernel this host runs, with its speed.
+  const std::string report = Bf16ProjectionReport();
+  EXPECT_EQ(report.find("onednn ") != std::string::npos, CpuSupports(Bf16Projection::kOneDnn))
+      << report;
+  EXPECT_NE(report.find("float32 "), std::string::npos) << report;
+  EXPECT_EQ(report.find("avx512_bf16 ") != std::string::npos,
+            CpuSupports(Bf16Projection::kAvx512Bf16))
+      << report;
+}
+
+INSTANTIATE_TEST_SUITE_P(Kernels, Bf16LinearTest,
+                         ::testing::Values(Bf16Projection::kOneDnn, Bf16Projection::kAvx512Bf16,
+                                           Bf16Projection::kFloat32),
+                         [](const ::testing::TestParamInfo<Bf16Projection>& info) {
+                           return std::string(Bf16ProjectionName(info.param));
                          });
 
 }  // namespace

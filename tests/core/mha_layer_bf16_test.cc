@@ -27,13 +27,20 @@ using testing::RandomFloats;
 using testing::RandomOptions;
 using testing::TestSeed;
 
-class Bf16LayerTest : public ::testing::TestWithParam<Bf16Kernel> {
+// How a bf16 layer multiplies: attention's products and the projections' kernel.
+struct Bf16Path {
+  Bf16Kernel kernel;
+  Bf16Projection projection;
+};
+
+class Bf16LayerTest : public ::testing::TestWithParam<Bf16Path> {
  protected:
   void SetUp() override {
-    if (!CpuSupports(GetParam())) {
-      GTEST_SKIP() << "this CPU has no " << Bf16KernelName(GetParam()) << " instructions";
+    if (!CpuSupports(GetParam().kernel) || !CpuSupports(GetParam().projection)) {
+      GTEST_SKIP() << "this CPU has no " << Bf16KernelName(GetParam().kernel) << " or "
+                   << Bf16ProjectionName(GetParam().projection) << " instructions";
     }
-    backend_ = std::make_shared<CpuBackend>(2, GetParam());
+    backend_ = std::make_shared<CpuBackend>(2, GetParam().kernel, GetParam().projection);
   }
 
   // The layer of `config` (compute_dtype set to `dtype`) with `weights`.
@@ -140,12 +147,14 @@ void ExpectBf16RuleOnRandomConfigs(const std::shared_ptr<const Backend>& backend
 }
 
 TEST_P(Bf16LayerTest, BatchedForwardFollowsTheBf16RuleOnRandomConfigs) {
-  ExpectBf16RuleOnRandomConfigs(backend_, Bf16KernelName(GetParam()), TestSeed(2610));
+  ExpectBf16RuleOnRandomConfigs(backend_, Bf16ProjectionName(GetParam().projection),
+                                TestSeed(2610));
 }
 
 TEST_P(Bf16LayerTest, LongerSequencesOfWideHeadsFollowTheBf16Rule) {
-  ExpectBf16RuleOnRandomConfigs(backend_, std::string(Bf16KernelName(GetParam())) + ", wide heads",
-                                TestSeed(2616), /*tensor_core_heads=*/true);
+  ExpectBf16RuleOnRandomConfigs(
+      backend_, std::string(Bf16ProjectionName(GetParam().projection)) + ", wide heads",
+      TestSeed(2616), /*tensor_core_heads=*/true);
 }
 
 // The same on the GPU: projections on tensor cores (cuBLAS bf16 GEMMs, float32
@@ -522,7 +531,7 @@ TEST_P(Bf16LayerTest, HoldsAtMostHalfTheBytesOfFloat32) {
   const int64_t matrices = resolved.ParameterCount() - 256 - 256 - 2 * 64;  // less biases
   EXPECT_EQ(bf16->WeightBytes(), matrices * 2 + (resolved.ParameterCount() - matrices) * 4);
   EXPECT_EQ(f32->WeightBytes(), resolved.ParameterCount() * 4);
-  if (GetParam() == Bf16Kernel::kAvx512Bf16) {
+  if (GetParam().projection != Bf16Projection::kFloat32) {
     EXPECT_LE(bf16->HostBytes(), 0.55 * f32->HostBytes())
         << bf16->HostBytes() << " vs " << f32->HostBytes();
   }
@@ -547,11 +556,17 @@ TEST(Bf16LayerConfigTest, OnlyFloat32AndBFloat16AreComputePrecisions) {
             "BFLOAT16");
 }
 
-INSTANTIATE_TEST_SUITE_P(Kernels, Bf16LayerTest,
-                         ::testing::Values(Bf16Kernel::kAvx512Bf16, Bf16Kernel::kPortable),
-                         [](const ::testing::TestParamInfo<Bf16Kernel>& info) {
-                           return std::string(Bf16KernelName(info.param));
-                         });
+// oneDNN runs everywhere (AMX tiles where the CPU has them), beside the host's own
+// attention kernel.
+INSTANTIATE_TEST_SUITE_P(
+    Kernels, Bf16LayerTest,
+    ::testing::Values(Bf16Path{Bf16Kernel::kAvx512Bf16, Bf16Projection::kAvx512Bf16},
+                      Bf16Path{Bf16Kernel::kPortable, Bf16Projection::kFloat32},
+                      Bf16Path{BestBf16Kernel(), Bf16Projection::kOneDnn}),
+    [](const ::testing::TestParamInfo<Bf16Path>& info) {
+      return std::string(Bf16KernelName(info.param.kernel)) + "_" +
+             Bf16ProjectionName(info.param.projection);
+    });
 
 }  // namespace
 }  // namespace attention::core

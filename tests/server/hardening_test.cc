@@ -122,6 +122,51 @@ TEST_F(ServerTest, AttentionWeightsArePresentOnlyWhenAsked) {
   EXPECT_TRUE(sdpa_answer->has_attention_weights());
 }
 
+// Finite inputs whose scores overflow float32 (issue 38): q . k of two [3e38, 3e38] rows is
+// past float32's range. Not refused but documented; this pins today's answer, for
+// ScaledDotProductAttention and a session step alike, so that a change is noticed.
+TEST_F(ServerTest, ScoresThatOverflowFloat32AnswerAsDocumented) {
+  constexpr float kHuge = 3e38f;
+  const std::vector<float> huge(4, kHuge), values = {1, 2, 3, 4};
+  v1::ScaledDotProductAttentionRequest sdpa;
+  const std::vector<int64_t> shape = {1, 1, 2, 2};  // [batch, heads, tokens, dim]
+  wire::EncodeTensor(huge, shape, core::DType::kFloat32, sdpa.mutable_query());
+  wire::EncodeTensor(huge, shape, core::DType::kFloat32, sdpa.mutable_key());
+  wire::EncodeTensor(values, shape, core::DType::kFloat32, sdpa.mutable_value());
+  const auto answer = client_->ScaledDotProductAttention(sdpa);
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  const std::vector<float> sdpa_output =
+      wire::DecodeFloatTensor(answer->output(), "output")->values;
+  ASSERT_EQ(sdpa_output.size(), 4u);
+  for (float x : sdpa_output) EXPECT_TRUE(std::isnan(x)) << "SDPA answered " << x;
+
+  auto stub = v1::AttentionService::NewStub(client_->channel());
+  v1::CreateSessionRequest create;
+  create.mutable_config()->set_num_layers(1);
+  create.mutable_config()->set_num_heads(1);
+  create.mutable_config()->set_num_kv_heads(1);
+  create.mutable_config()->set_head_dim(2);
+  create.set_reserved_tokens(2);
+  v1::CreateSessionResponse created;
+  grpc::ClientContext create_context;
+  ASSERT_TRUE(stub->CreateSession(&create_context, create, &created).ok());
+  v1::SessionStepRequest step;
+  v1::SessionStepEntry* entry = step.add_entries();
+  entry->set_session_id(created.session().session_id());
+  const std::vector<int64_t> rows = {2, 1, 2};  // [n, heads, dim]
+  wire::EncodeTensor(huge, rows, core::DType::kFloat32, entry->mutable_query());
+  wire::EncodeTensor(huge, rows, core::DType::kFloat32, entry->mutable_key());
+  wire::EncodeTensor(values, rows, core::DType::kFloat32, entry->mutable_value());
+  v1::SessionStepResponse stepped;
+  grpc::ClientContext step_context;
+  const grpc::Status status = stub->SessionStep(&step_context, step, &stepped);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  const std::vector<float> step_output =
+      wire::DecodeFloatTensor(stepped.results(0).output(), "output")->values;
+  ASSERT_EQ(step_output.size(), 4u);
+  for (float x : step_output) EXPECT_TRUE(std::isnan(x)) << "the session step answered " << x;
+}
+
 TEST_F(ServerTest, ErrorMessagesStayBounded) {
   // 150 loaded layers with 128-character names: the NOT_FOUND list is capped.
   for (int n = 0; n < 150; ++n) {
@@ -194,8 +239,7 @@ TEST_F(ServerTest, NonFiniteInputsAreRefusedNamingTheIndex) {
                      sdpa.mutable_options()->mutable_attn_mask());
   status = client_->ScaledDotProductAttention(sdpa).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
-  EXPECT_NE(status.message().find("options.attn_mask holds NaN at [0, 0, 1, 0]"),
-            std::string::npos)
+  EXPECT_NE(status.message().find("options.attn_mask holds NaN at [0, 0, 1, 0]"), std::string::npos)
       << status;
 }
 
@@ -384,8 +428,8 @@ TEST_F(ShortConnectionAgeServerTest, OldConnectionsAreAskedToReconnect) {
   ASSERT_TRUE(client_->ListLayers().ok());
   const auto& channel = client_->channel();
   ASSERT_EQ(channel->GetState(false), GRPC_CHANNEL_READY);
-  EXPECT_TRUE(channel->WaitForStateChange(GRPC_CHANNEL_READY,
-                                          std::chrono::system_clock::now() + std::chrono::seconds(30)));
+  EXPECT_TRUE(channel->WaitForStateChange(
+      GRPC_CHANNEL_READY, std::chrono::system_clock::now() + std::chrono::seconds(30)));
   EXPECT_NE(channel->GetState(false), GRPC_CHANNEL_READY);
   EXPECT_TRUE(client_->ListLayers().ok()) << "the client reconnects";
 }

@@ -587,12 +587,13 @@ class SessionFuzzer {
     }
     if (Coin(0.05)) reserved = tokens - 1;
     if (Coin(0.02)) reserved = options_.max_session_tokens + 1;
+    if (Coin(0.05)) reserved = 0;  // the source's reservation
     const absl::Duration ttl = PickTtl();
     Log(absl::StrCat("fork ", source_id, " tokens=", tokens, " reserved=", reserved,
                      " ttl=", absl::FormatDuration(ttl)));
     const absl::StatusOr<SessionInfo> info = table_->Fork(source_id, tokens, reserved, ttl, now_);
     Count("fork", info.status());
-    if (!ReservationValid(reserved) || !TtlValid(ttl)) {
+    if ((reserved != 0 && !ReservationValid(reserved)) || !TtlValid(ttl)) {
       EXPECT_TRUE(HasCode(info.status(), Code::kInvalidArgument));
       return;
     }
@@ -602,6 +603,7 @@ class SessionFuzzer {
       EXPECT_TRUE(HasCode(info.status(), Code::kNotFound, parts));
       return;
     }
+    if (reserved == 0) reserved = source->sequence.reserved;  // 0: the source's
     if (tokens > source->MinLength()) {
       EXPECT_TRUE(HasCode(info.status(), Code::kOutOfRange));
       return;
@@ -626,7 +628,7 @@ class SessionFuzzer {
     Session fork;
     fork.id = info->id;
     fork.shape = source->shape;
-    fork.ttl = TtlOf(ttl);
+    fork.ttl = ttl == absl::ZeroDuration() ? source->ttl : ttl;  // 0: the source's
     fork.last_used = now_;
     fork.sequence = std::move(sequence);
     const int64_t key_row = source->KeyRow(), value_row = source->ValueRow();

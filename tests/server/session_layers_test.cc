@@ -2,12 +2,15 @@
 // the cache positions, attends and projects out. Incremental decode over the wire must give
 // the one-shot causal forward of the same tokens through the same layer, position by
 // position, by FlashAttention's rule; and every rejection has its code and field.
+#include <algorithm>
 #include <random>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "prometheus/metric_family.h"
 #include "tests/core/fidelity.h"
 #include "tests/server/test_server.h"
 
@@ -371,6 +374,75 @@ TEST_F(SessionLayersTest, SessionsKeepTheLayersTheyWereCreatedWith) {
   ASSERT_TRUE(Step(decode, &after).ok());
   EXPECT_EQ(wire::DecodeFloatTensor(after.results(0).output(), "output")->values,
             wire::DecodeFloatTensor(before.results(0).output(), "output")->values);
+}
+
+// Sessions pin their layers, so a layer unloaded or replaced while sessions hold it stays in
+// memory; it counts against --max_weight_bytes until the last of them ends (issue 38), and
+// in attention_layer_weight_bytes.
+class SessionLayersBudgetTest : public SessionLayersTest {
+ protected:
+  ServerOptions Options() override {
+    ServerOptions options = SessionLayersTest::Options();
+    options.device = "cpu";  // the budget below is a CPU layer's, with its packed copy
+    options.registry.max_weight_bytes = max_weight_bytes_;
+    return options;
+  }
+
+  void Restart(int64_t max_weight_bytes) {
+    stub_.reset();
+    client_.reset();
+    server_.reset();
+    max_weight_bytes_ = max_weight_bytes;
+    SetUp();
+  }
+
+  double WeightGauge() {
+    for (const prometheus::MetricFamily& family : server_->metrics().registry().Collect()) {
+      if (family.name == "attention_layer_weight_bytes") return family.metric[0].gauge.value;
+    }
+    return -1;
+  }
+
+  int64_t max_weight_bytes_ = 0;
+};
+
+TEST_F(SessionLayersBudgetTest, LayersThatSessionsStillHoldCountAgainstTheWeightBudget) {
+  Load(DecoderLayer("llama", 1));
+  const core::MhaLayer& probe = *(*server_->registry().Get("llama"))->layer;
+  const int64_t host = probe.HostBytes(), weights = probe.WeightBytes();
+  const int64_t estimate = LayerRegistry::EstimatedHostBytes(weights, "cpu");
+  // Room for two such layers: LoadLayer checks the estimate, Publish the built size.
+  const int64_t budget = host + std::max(host, estimate);
+  Restart(budget);
+  Load(DecoderLayer("llama", 1));
+  v1::SessionInfo session;
+  ASSERT_TRUE(Create(OverLayers({"llama"}), &session).ok());
+  Load(DecoderLayer("llama", 11));  // the session keeps the first weights in memory
+  EXPECT_EQ(server_->registry().weight_bytes(), 2 * weights);
+  // A second layer would fit beside the loaded one, but not beside the one the session holds.
+  const absl::Status refused = client_->LoadLayer(DecoderLayer("other", 3)).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_TRUE(absl::StrContains(
+      refused.message(),
+      absl::StrCat("max_weight_bytes = ", budget, " are free (", 2 * host,
+                   " in use by 1 other layer(s), ", host,
+                   " by 1 unloaded or replaced layer(s) that sessions still hold); unload a "
+                   "layer, drop the sessions over retired layers or raise --max_weight_bytes")))
+      << refused;
+  EXPECT_EQ(WeightGauge(), 2 * weights);
+  // Once the session ends its weights are freed, and the load fits.
+  ASSERT_TRUE(client_->DropSession(session.session_id()).ok());
+  EXPECT_EQ(server_->registry().weight_bytes(), weights);
+  Load(DecoderLayer("other", 3));
+  // Unloading a layer a session holds keeps it counted too, with no layer of its name loaded.
+  ASSERT_TRUE(Create(OverLayers({"other"}), &session).ok());
+  ASSERT_TRUE(client_->UnloadLayer("other").ok());
+  EXPECT_EQ(server_->registry().weight_bytes(), 2 * weights);
+  EXPECT_EQ(client_->LoadLayer(DecoderLayer("third", 5)).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(client_->DropSession(session.session_id()).ok());
+  EXPECT_EQ(server_->registry().weight_bytes(), weights);
+  Load(DecoderLayer("third", 5));
 }
 
 }  // namespace

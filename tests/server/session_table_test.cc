@@ -363,6 +363,54 @@ TEST_F(SessionTableTest, ExpiredDroppedAndUnknownAreToldApart) {
   EXPECT_EQ(reason("replica-b/nope", kT0), "SESSION_UNKNOWN");
 }
 
+// A read that keeps the session idle (GetSessionRequest.keep_idle, issue 38) is not a use:
+// a monitor watching a session does not keep it alive.
+TEST_F(SessionTableTest, AReadThatKeepsIdleDoesNotRenewTheTtl) {
+  SessionTableOptions options = Options();
+  options.default_ttl = absl::Seconds(10);
+  auto table = Table(options);
+  const SessionShape shape{1, 2, 2, 8, 0, core::DType::kFloat32, 0};
+  const SessionInfo watched = *table->CreateSession(shape, 8, {}, kT0);
+  const SessionInfo used = *table->CreateSession(shape, 8, {}, kT0);
+  const absl::StatusOr<SessionInfo> read =
+      table->Get(watched.id, kT0 + absl::Seconds(8), /*renew_ttl=*/false);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(read->last_used, kT0);
+  ASSERT_TRUE(table->Get(used.id, kT0 + absl::Seconds(8)).ok());
+  // At 11 s the watched one has been idle past its TTL; the used one was renewed at 8 s.
+  const absl::Status late = table->Get(watched.id, kT0 + absl::Seconds(11), false).status();
+  EXPECT_EQ(ReasonOf(late), "SESSION_EXPIRED") << late;
+  const absl::StatusOr<SessionInfo> renewed = table->Get(used.id, kT0 + absl::Seconds(11), false);
+  ASSERT_TRUE(renewed.ok()) << renewed.status();
+  EXPECT_EQ(renewed->last_used, kT0 + absl::Seconds(8));
+}
+
+// A fork that names no reservation or TTL (0) inherits the source's (issue 38), rather than
+// being refused or taking the server's default TTL.
+TEST_F(SessionTableTest, AForkWithoutReservationOrTtlInheritsTheSources) {
+  auto table = Table();
+  const SessionShape shape{1, 2, 2, 8, 0, core::DType::kFloat32, 0};
+  const SessionInfo source = *table->CreateSession(shape, 40, absl::Seconds(30), kT0);
+  const Tokens tokens = RandomTokens(shape, 5, 38);
+  std::vector<float> output;
+  StepAll(*table, source, tokens, 0, 0, 5, 5, &output);
+  const absl::StatusOr<SessionInfo> inherited = table->Fork(source.id, 5, 0, {}, kT0);
+  ASSERT_TRUE(inherited.ok()) << inherited.status();
+  EXPECT_EQ(inherited->reserved_tokens, 40);
+  EXPECT_EQ(inherited->ttl, absl::Seconds(30));
+  EXPECT_EQ(inherited->length, 5);
+  const absl::StatusOr<SessionInfo> named = table->Fork(source.id, 3, 20, absl::Seconds(3), kT0);
+  ASSERT_TRUE(named.ok()) << named.status();
+  EXPECT_EQ(named->reserved_tokens, 20);
+  EXPECT_EQ(named->ttl, absl::Seconds(3));
+  EXPECT_TRUE(Refused(table->Fork(source.id, 5, -1, {}, kT0).status(),
+                      absl::StatusCode::kInvalidArgument,
+                      "reserved_tokens = -1 must be >= 0 (0 for the source's reservation)"));
+  // The inherited TTL is the source's 30 s, not the default 10 min.
+  EXPECT_EQ(ReasonOf(table->Get(inherited->id, kT0 + absl::Seconds(31)).status()),
+            "SESSION_EXPIRED");
+}
+
 TEST_F(SessionTableTest, ForksTruncationsAndReservationsPastTheLimitsSayWhy) {
   SessionTableOptions options = Options(1 << 20, 64 << 10);
   options.max_session_tokens = 4096;

@@ -1,0 +1,77 @@
+// The projections of a BFLOAT16 layer (bf16 tokens and weights, float32 accumulation) on
+// the fastest of three kernels this host has, measured once per process:
+//   onednn       Debian's oneDNN matmul: AMX tiles on Intel Xeons that have them, else its
+//                AVX512-BF16 or float32 kernels;
+//   avx512_bf16  this project's vdpbf16ps panels (core/cpu/gemm_bf16.h);
+//   float32      the same bf16 values widened to float32 panels (core/cpu/gemm.h).
+// All three multiply the same bf16 values exactly and sum in float32; only the order of the
+// sums differs, so each answers within the bf16 rule.
+#ifndef ATTENTION_CORE_CPU_BF16_LINEAR_H_
+#define ATTENTION_CORE_CPU_BF16_LINEAR_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "core/cpu/gemm.h"
+#include "core/cpu/gemm_bf16.h"
+#include "core/cpu/thread_pool.h"
+
+namespace attention::core {
+
+enum class Bf16Projection { kOneDnn, kAvx512Bf16, kFloat32 };
+
+const char* Bf16ProjectionName(Bf16Projection projection);
+// "onednn", "avx512_bf16" or "float32"; INVALID_ARGUMENT naming the choices otherwise.
+absl::StatusOr<Bf16Projection> ParseBf16Projection(absl::string_view name);
+// Whether this host runs `projection`: avx512_bf16 needs the instructions, onednn a bf16
+// matmul of oneDNN's for this CPU, float32 runs everywhere.
+bool CpuSupports(Bf16Projection projection);
+
+// The fastest projection kernel of this host: each candidate multiplies 256 tokens of
+// 1024 -> 1024 features a few times on one thread, once per process (about 20 ms), the
+// best of three timings counting.
+Bf16Projection FastestBf16Projection();
+// Attention's products inside a bf16 layer run on the same two panel kernels: bf16 dot
+// products (kAvx512Bf16) where that measurement found them faster than float32 products of
+// the same bf16 values (kPortable); on Intel cores vdpbf16ps issues at half the FMA rate.
+Bf16Kernel FastestBf16AttentionKernel();
+// What that measurement found, for the start-up log, e.g.
+// "onednn 612 GFLOPS (brg:avx512_core_amx_bf16), avx512_bf16 104, float32 131".
+std::string Bf16ProjectionReport();
+
+class OneDnnBf16Matmul;
+
+// One Linear of a bf16 layer, its weight packed once for `projection`.
+class Bf16Linear {
+ public:
+  Bf16Linear(absl::Span<const uint16_t> weight, int64_t out_features, int64_t in_features,
+             Bf16Projection projection);
+  ~Bf16Linear();
+  Bf16Linear(Bf16Linear&&) noexcept;
+
+  // y[rows, out_features] = x[rows, in_features] * W^T + bias, x in bf16, on the pool's
+  // threads.
+  void Forward(ThreadPool& pool, const uint16_t* x, int64_t rows, absl::Span<const float> bias,
+               float* y) const;
+  // The same, rounded to bf16 as written; only where WritesBf16().
+  void Forward(ThreadPool& pool, const uint16_t* x, int64_t rows, absl::Span<const float> bias,
+               uint16_t* y) const;
+  // Whether Forward can write bf16 (float32 panels cannot).
+  bool WritesBf16() const { return !widened_.has_value(); }
+  int64_t bytes() const;
+
+ private:
+  int64_t out_features_, in_features_;
+  std::optional<PackedBf16Weight> bf16_;
+  std::optional<PackedWeight> widened_;
+  std::unique_ptr<OneDnnBf16Matmul> onednn_;
+};
+
+}  // namespace attention::core
+
+#endif  // ATTENTION_CORE_CPU_BF16_LINEAR_H_
