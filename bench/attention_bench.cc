@@ -154,7 +154,7 @@ BENCHMARK(BM_Linear)
 void RunMha(benchmark::State& state, const std::vector<int64_t>& lengths, int64_t embed_dim,
             int64_t heads, bool causal, int threads, absl::Duration idle_gap = absl::ZeroDuration(),
             DType compute = DType::kFloat32, double rope_theta = 0.0,
-            Bf16Kernel bf16_kernel = FastestBf16AttentionKernel(),
+            Bf16Kernel bf16_kernel = BestBf16Kernel(),
             std::optional<Bf16Projection> bf16_projection = std::nullopt) {
   MhaConfig config;
   config.embed_dim = embed_dim;
@@ -220,7 +220,7 @@ void BM_MhaBf16Projection(benchmark::State& s) {
   const std::vector<int64_t> shapes[] = {
       std::vector<int64_t>(32, 128), std::vector<int64_t>(8, 512), std::vector<int64_t>(256, 16)};
   RunMha(s, shapes[s.range(2)], 768, 12, false, s.range(0), absl::ZeroDuration(), DType::kBFloat16,
-         0.0, FastestBf16AttentionKernel(), projection);
+         0.0, BestBf16Kernel(), projection);
 }
 // The start-up measurement's projections with attention's products forced onto each
 // kernel: bf16 dot products (0) or float32 products of the bf16 values (1). Args: threads,

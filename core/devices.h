@@ -28,8 +28,7 @@ class Devices {
   // `cpu_threads` >= 1: the CPU backend's compute threads; `bf16_projection` forces how its
   // BFLOAT16 layers project (default: the host's fastest, measured).
   explicit Devices(int cpu_threads, std::optional<Bf16Projection> bf16_projection = std::nullopt)
-      : cpu_(std::make_shared<CpuBackend>(cpu_threads, FastestBf16AttentionKernel(),
-                                          bf16_projection)) {}
+      : cpu_(std::make_shared<CpuBackend>(cpu_threads, BestBf16Kernel(), bf16_projection)) {}
 
   const std::shared_ptr<const CpuBackend>& cpu() const { return cpu_; }
 

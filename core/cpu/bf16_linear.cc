@@ -238,7 +238,6 @@ namespace {
 
 struct Calibration {
   Bf16Projection fastest = Bf16Projection::kFloat32;
-  Bf16Kernel attention = Bf16Kernel::kPortable;
   std::string report;
 };
 
@@ -253,7 +252,7 @@ Calibration Calibrate() {
   std::vector<float> y(kRows * kFeatures);
   ThreadPool one_thread(1);
   Calibration calibration;
-  double best_gflops = 0, avx512_bf16_gflops = 0, float32_gflops = 0;
+  double best_gflops = 0;
   for (const Bf16Projection projection :
        {Bf16Projection::kOneDnn, Bf16Projection::kAvx512Bf16, Bf16Projection::kFloat32}) {
     if (!CpuSupports(projection)) continue;
@@ -278,10 +277,7 @@ Calibration Calibrate() {
       best_gflops = gflops;
       calibration.fastest = projection;
     }
-    if (projection == Bf16Projection::kAvx512Bf16) avx512_bf16_gflops = gflops;
-    if (projection == Bf16Projection::kFloat32) float32_gflops = gflops;
   }
-  if (avx512_bf16_gflops > float32_gflops) calibration.attention = Bf16Kernel::kAvx512Bf16;
   return calibration;
 }
 
@@ -293,8 +289,6 @@ const Calibration& MeasuredOnce() {
 }  // namespace
 
 Bf16Projection FastestBf16Projection() { return MeasuredOnce().fastest; }
-
-Bf16Kernel FastestBf16AttentionKernel() { return MeasuredOnce().attention; }
 
 std::string Bf16ProjectionReport() { return MeasuredOnce().report; }
 

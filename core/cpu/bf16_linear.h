@@ -36,10 +36,6 @@ bool CpuSupports(Bf16Projection projection);
 // 1024 -> 1024 features a few times on one thread, once per process (about 20 ms), the
 // best of three timings counting.
 Bf16Projection FastestBf16Projection();
-// Attention's products inside a bf16 layer run on the same two panel kernels: bf16 dot
-// products (kAvx512Bf16) where that measurement found them faster than float32 products of
-// the same bf16 values (kPortable); on Intel cores vdpbf16ps issues at half the FMA rate.
-Bf16Kernel FastestBf16AttentionKernel();
 // What that measurement found, for the start-up log, e.g.
 // "onednn 612 GFLOPS (brg:avx512_core_amx_bf16), avx512_bf16 104, float32 131".
 std::string Bf16ProjectionReport();

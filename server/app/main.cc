@@ -68,6 +68,9 @@ ABSL_FLAG(std::string, admin_token_file, "",
           "file holding a bearer token that LoadLayer and UnloadLayer callers must send as "
           "'authorization: Bearer <token>' metadata; empty = layer management is open to "
           "every caller");
+ABSL_FLAG(bool, allow_list_sessions, false,
+          "answer ListSessions on a server without --admin_token_file (it hands out every "
+          "live session id, the only key to a session)");
 ABSL_FLAG(bool, allow_inline_layers, true,
           "accept MultiHeadAttention requests carrying an inline_layer (built per request)");
 ABSL_FLAG(bool, reflection, true, "offer the gRPC server reflection service");
@@ -289,6 +292,7 @@ int main(int argc, char** argv) {
   options.tls.client_ca_file = absl::GetFlag(FLAGS_tls_client_ca_file);
   options.tls.reload_interval = absl::GetFlag(FLAGS_tls_reload_interval);
   options.access.allow_inline_layers = absl::GetFlag(FLAGS_allow_inline_layers);
+  options.access.allow_list_sessions = absl::GetFlag(FLAGS_allow_list_sessions);
   options.reflection = absl::GetFlag(FLAGS_reflection);
   if (const std::string path = absl::GetFlag(FLAGS_admin_token_file); !path.empty()) {
     auto token = ReadAdminToken(path);

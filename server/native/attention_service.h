@@ -38,6 +38,9 @@ struct AccessPolicy {
   // Whether MultiHeadAttention may carry an inline_layer (built per request); when not,
   // such requests are PERMISSION_DENIED.
   bool allow_inline_layers = true;
+  // Whether ListSessions answers on a server without an admin token: it hands out every
+  // live id, the only key to a session. With a token it needs the token either way.
+  bool allow_list_sessions = false;
 };
 
 // Thread-safe.

@@ -254,6 +254,11 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ListSessions(grpc::CallbackServe
                                                              v1::ListSessionsResponse* response) {
   return AnswerSessionCall(context, "ListSessions", *request, [&]() -> absl::Status {
     // Ids are the only key to a session, so listing them all is layer management's to do.
+    if (access_.admin_token.empty() && !access_.allow_list_sessions) {
+      return absl::PermissionDeniedError(
+          "ListSessions hands out every session id, the only key to a session: start the "
+          "server with --admin_token_file (and send the token), or --allow_list_sessions");
+    }
     RETURN_IF_ERROR(CheckAdmin(*context, "ListSessions"));
     const absl::Time now = absl::Now();
     for (const SessionInfo& info : sessions_->List(now)) {

@@ -280,7 +280,8 @@ def main():
     t = harness.Checker("test_hf_generate")
     print("seed %d, transformers %s, torch %s" % (args.seed, transformers.__version__,
                                                  torch.__version__))
-    server = harness.ServerProcess(args.server, "--compute_threads=2", "--demo_layer=false")
+    server = harness.ServerProcess(args.server, "--compute_threads=2", "--demo_layer=false",
+                                   "--allow_list_sessions")
     server.start()
     try:
         with AttentionClient(server.target) as client:

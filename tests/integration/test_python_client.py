@@ -514,7 +514,7 @@ def main():
     t.run("tls and admin token", check_tls_and_admin_token, t, harness.server_binary())
     t.run("replicas", check_replicas, t, harness.server_binary())
     server = harness.ServerProcess(harness.server_binary(), "--compute_threads=2",
-                                   "--demo_layer").start()
+                                   "--demo_layer", "--allow_list_sessions").start()
     try:
         with AttentionClient(server.target) as client:
             t.check(client.health() == "SERVING", "health is %s" % client.health())

@@ -75,6 +75,7 @@ class SessionServiceTest : public ServerTest {
     options.sessions.kv_cache_bytes = 2 << 20;  // 8 blocks of 1024 tokens of these heads
     options.sessions.max_session_tokens = 1 << 16;
     options.sessions.replica = "replica-a";
+    options.access.allow_list_sessions = true;  // the tests list what they made
     return options;
   }
 
@@ -545,6 +546,17 @@ TEST_F(SessionBudgetTest, RefusalsComeInTheDocumentedOrder) {
         << status.error_message();
     EXPECT_EQ(Reason(status), c.reason) << status.error_message();
   }
+}
+
+// Without an admin token, listing every session id is off unless the operator turns it on.
+TEST_F(ServerTest, ListingSessionsIsOffWithoutAnAdminTokenOrTheFlag) {
+  auto stub = v1::AttentionService::NewStub(client_->channel());
+  grpc::ClientContext context;
+  v1::ListSessionsResponse response;
+  const grpc::Status status = stub->ListSessions(&context, v1::ListSessionsRequest(), &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED) << status.error_message();
+  EXPECT_NE(status.error_message().find("--allow_list_sessions"), std::string::npos)
+      << status.error_message();
 }
 
 class SessionsWithAdminTokenTest : public ServerTest {
