@@ -157,8 +157,8 @@ bool OneDnnHasBf16Matmul() {
       const memory::desc a({4, 64}, memory::data_type::bf16, memory::format_tag::ab);
       const memory::desc b({64, 16}, memory::data_type::bf16, memory::format_tag::any);
       const memory::desc c({4, 16}, memory::data_type::f32, memory::format_tag::ab);
-      dnnl::matmul::primitive_desc(dnnl::matmul::desc(a, b, c), CpuEngine());
-      return true;
+      const dnnl::matmul::primitive_desc probe(dnnl::matmul::desc(a, b, c), CpuEngine());
+      return probe.get(/*allow_empty=*/true) != nullptr;
     } catch (const dnnl::error&) {
       return false;
     }

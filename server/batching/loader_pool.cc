@@ -50,7 +50,7 @@ absl::Status LoaderPool::Submit(LoaderJob job) {
     if (status.ok()) jobs_.push_back(std::move(job));
     if (metrics_ != nullptr) metrics_->SetLoaderQueueDepth(static_cast<int64_t>(jobs_.size()));
   }
-  AnswerExpired(std::move(expired), now);
+  AnswerExpired(expired, now);
   if (status.ok()) job_added_.notify_one();
   return status;
 }
@@ -85,8 +85,8 @@ std::vector<LoaderJob> LoaderPool::TakeExpiredLocked(absl::Time now) {
   return expired;
 }
 
-void LoaderPool::AnswerExpired(std::vector<LoaderJob> expired, absl::Time now) {
-  for (LoaderJob& job : expired) {
+void LoaderPool::AnswerExpired(const std::vector<LoaderJob>& expired, absl::Time now) {
+  for (const LoaderJob& job : expired) {
     if (now > job.deadline) {
       job.done(absl::DeadlineExceededError(
           "the deadline passed while the request waited for a layer-build slot "
@@ -119,7 +119,7 @@ void LoaderPool::WorkerLoop() {
       }
       if (metrics_ != nullptr) metrics_->SetLoaderQueueDepth(static_cast<int64_t>(jobs_.size()));
     }
-    AnswerExpired(std::move(expired), now);
+    AnswerExpired(expired, now);
     if (!job.work) continue;  // every waiting job had expired
     const absl::Status status = CatchExceptions("a loader job", job.work);
     job.done(status);

@@ -77,7 +77,7 @@ class LoaderPool {
   // released), for the caller to answer once mu_ is released.
   std::vector<LoaderJob> TakeExpiredLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Answers jobs taken by TakeExpiredLocked; called without mu_.
-  static void AnswerExpired(std::vector<LoaderJob> expired, absl::Time now);
+  static void AnswerExpired(const std::vector<LoaderJob>& expired, absl::Time now);
 
   const LoaderPoolOptions options_;
   Batcher* const queued_bytes_;

@@ -783,8 +783,8 @@ TEST_F(SessionServiceTest, FieldsAtTheirLimitsAreAnsweredWithTheExpectedCodes) {
   const int64_t max_ttl_ms = absl::ToInt64Milliseconds(options.sessions.max_ttl);
   std::map<std::string, int> outcomes;
   // Checks `status` against the expected codes and counts its outcome.
-  const auto expect = [&](const std::string& op, const grpc::Status& status, std::set<G> expected,
-                          const std::string& what) {
+  const auto expect = [&](const std::string& op, const grpc::Status& status,
+                          const std::set<G>& expected, const std::string& what) {
     ++outcomes[op + " " + std::to_string(static_cast<int>(status.error_code()))];
     EXPECT_TRUE(expected.count(status.error_code()) > 0)
         << op << " " << what << ": code " << status.error_code() << ", " << status.error_message();
@@ -867,12 +867,13 @@ TEST_F(SessionServiceTest, FieldsAtTheirLimitsAreAnsweredWithTheExpectedCodes) {
       const int64_t length = std::min(lengths[0], lengths[1]);
       const int64_t reserved = request.reserved_tokens() == 0 ? 64 : request.reserved_tokens();
       std::set<G> expected = {G::OK, G::RESOURCE_EXHAUSTED};
-      if (!in(request.ttl_ms(), 0, max_ttl_ms) || !in(request.reserved_tokens(), 0, max_tokens)) {
+      // The TTL and reservation are checked first, then the tokens, then the two together.
+      const bool past_length = !in(request.tokens(), 0, length);
+      if (!in(request.ttl_ms(), 0, max_ttl_ms) || !in(request.reserved_tokens(), 0, max_tokens) ||
+          (!past_length && reserved < request.tokens())) {
         expected = {G::INVALID_ARGUMENT};
-      } else if (!in(request.tokens(), 0, length)) {
+      } else if (past_length) {
         expected = {G::OUT_OF_RANGE};
-      } else if (reserved < request.tokens()) {
-        expected = {G::INVALID_ARGUMENT};
       }
       v1::ForkSessionResponse response;
       const grpc::Status status =
