@@ -118,16 +118,24 @@ void Store(const float* values, int64_t count, std::byte* stored, core::DType dt
 
 }  // namespace
 
-absl::Status CheckNoGap(int64_t layer, int64_t position, int64_t length) {
-  if (position <= length) return absl::OkStatus();
-  return WithReason(
-      absl::OutOfRangeError(absl::StrCat("position = ", position, " leaves a gap: layer ", layer,
-                                         " of the session holds ", length,
-                                         " tokens, so the next step starts at or before ", length)),
-      "POSITION_GAP");
-}
-
-absl::Status CheckWithinReservation(int64_t end, int64_t reserved_tokens) {
+absl::Status CheckPlacement(const StepEntry& entry, absl::Span<const int64_t> layer_lengths,
+                            int64_t other_tokens, int64_t reserved_tokens) {
+  const auto layers = static_cast<int64_t>(layer_lengths.size());
+  if (entry.layer < 0 || entry.layer >= layers) {
+    return Invalid("layer = ", entry.layer, " is not a layer of the session (it has ", layers, ")");
+  }
+  if (entry.num_tokens < 1) return Invalid("num_tokens = ", entry.num_tokens, " must be >= 1");
+  if (entry.position < 0) return Invalid("position = ", entry.position, " must be >= 0");
+  // No overflow: a request's tokens are bounded by its message.
+  const int64_t length = layer_lengths[entry.layer] + other_tokens;
+  if (entry.position > length) {
+    return WithReason(absl::OutOfRangeError(
+                          absl::StrCat("position = ", entry.position, " leaves a gap: layer ",
+                                       entry.layer, " of the session holds ", length,
+                                       " tokens, so the next step starts at or before ", length)),
+                      "POSITION_GAP");
+  }
+  const int64_t end = entry.position + entry.num_tokens;
   if (end <= reserved_tokens) return absl::OkStatus();
   return WithReason(absl::OutOfRangeError(absl::StrCat("position + num_tokens = ", end,
                                                        " is past the session's reservation of ",
@@ -470,17 +478,10 @@ void SessionTable::FreeBlocksLocked(absl::Span<const BlockId> freed) {
 
 absl::Status SessionTable::WriteLocked(const StepEntry& entry, Session& session) {
   const SessionShape& shape = session.shape;
-  if (entry.layer < 0 || entry.layer >= shape.num_layers) {
-    return Invalid("layer = ", entry.layer, " is not a layer of the session (it has ",
-                   shape.num_layers, ")");
-  }
-  if (entry.num_tokens < 1) return Invalid("num_tokens = ", entry.num_tokens, " must be >= 1");
-  if (entry.position < 0) return Invalid("position = ", entry.position, " must be >= 0");
-  int64_t& length = session.layer_lengths[entry.layer];
-  RETURN_IF_ERROR(CheckNoGap(entry.layer, entry.position, length));
   const core::kv_cache::KvSequence* sequence = *block_pool_.Find(session.sequence);
+  RETURN_IF_ERROR(CheckPlacement(entry, session.layer_lengths, 0, sequence->reserved_tokens));
+  int64_t& length = session.layer_lengths[entry.layer];
   const int64_t end = entry.position + entry.num_tokens;
-  RETURN_IF_ERROR(CheckWithinReservation(end, sequence->reserved_tokens));
   const KvLayout layout = LayoutOf(shape);
   const int64_t heads = layout.num_kv_heads, dk = layout.key_dim, dv = layout.value_dim;
   const int64_t element = layout.ElementBytes();

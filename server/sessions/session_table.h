@@ -131,11 +131,13 @@ struct StepEntry {
   float* log_sum_exp = nullptr;  // [n][H], or null
 };
 
-// The step's placement refusals, also checked before a step's work is queued: a gap past
-// the `length` tokens `layer` holds (OUT_OF_RANGE, POSITION_GAP), and an end past the
-// session's reservation (OUT_OF_RANGE, PAST_RESERVATION).
-absl::Status CheckNoGap(int64_t layer, int64_t position, int64_t length);
-absl::Status CheckWithinReservation(int64_t end, int64_t reserved_tokens);
+// Where a step entry goes, checked when the step runs and, before its work is queued, by
+// the service: a layer of the session's `layer_lengths.size()`, at least one token, a
+// position >= 0 leaving no gap past what its layer holds plus `other_tokens` (what the rest
+// of a request writes there; POSITION_GAP), an end within `reserved_tokens`
+// (PAST_RESERVATION).
+absl::Status CheckPlacement(const StepEntry& entry, absl::Span<const int64_t> layer_lengths,
+                            int64_t other_tokens, int64_t reserved_tokens);
 
 struct SessionCounters {
   int64_t sessions = 0;
