@@ -171,6 +171,10 @@ TEST_F(SessionTableTest, IncrementalDecodeHoldsTheRuleAgainstTheOneShotForward) 
     for (const int64_t length : {1, 37, 300, 1500}) {
       // The window is exercised past its width by 300 tokens; the kernel test covers more.
       if (shape.sliding_window > 0 && length > 300) continue;
+      // One sequence and its references (quadratic in the length) for every chunking.
+      const Tokens tokens = RandomTokens(shape, length, rng());
+      const std::vector<float> reference = OneShot<float>(shape, tokens, length);
+      const std::vector<double> oracle = OneShot<double>(shape, tokens, length);
       for (const int64_t chunk : {1, 7, 64}) {
         SCOPED_TRACE(::testing::Message()
                      << "seed " << seed << " H=" << shape.num_heads << " Hkv=" << shape.num_kv_heads
@@ -180,9 +184,6 @@ TEST_F(SessionTableTest, IncrementalDecodeHoldsTheRuleAgainstTheOneShotForward) 
         auto table = Table();
         const absl::StatusOr<SessionInfo> session = table->CreateSession(shape, length, {}, kT0);
         ASSERT_TRUE(session.ok()) << session.status();
-        const Tokens tokens = RandomTokens(shape, length, rng());
-        const std::vector<float> reference = OneShot<float>(shape, tokens, length);
-        const std::vector<double> oracle = OneShot<double>(shape, tokens, length);
         for (int64_t layer = 0; layer < shape.num_layers; ++layer) {
           std::vector<float> outputs;
           StepAll(*table, *session, tokens, layer, 0, length, chunk, &outputs);
