@@ -10,6 +10,7 @@
 
 #include <optional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "absl/time/clock.h"
@@ -154,7 +155,7 @@ BENCHMARK(BM_Linear)
 void RunMha(benchmark::State& state, const std::vector<int64_t>& lengths, int64_t embed_dim,
             int64_t heads, bool causal, int threads, absl::Duration idle_gap = absl::ZeroDuration(),
             DType compute = DType::kFloat32, double rope_theta = 0.0,
-            Bf16Kernel bf16_kernel = BestBf16Kernel(),
+            std::optional<Bf16Kernel> bf16_kernel = std::nullopt,
             std::optional<Bf16Projection> bf16_projection = std::nullopt) {
   MhaConfig config;
   config.embed_dim = embed_dim;
@@ -220,18 +221,18 @@ void BM_MhaBf16Projection(benchmark::State& s) {
   const std::vector<int64_t> shapes[] = {
       std::vector<int64_t>(32, 128), std::vector<int64_t>(8, 512), std::vector<int64_t>(256, 16)};
   RunMha(s, shapes[s.range(2)], 768, 12, false, s.range(0), absl::ZeroDuration(), DType::kBFloat16,
-         0.0, BestBf16Kernel(), projection);
+         0.0, std::nullopt, projection);
 }
 // The start-up measurement's projections with attention's products forced onto each
-// kernel: bf16 dot products (0) or float32 products of the bf16 values (1). Args: threads,
-// shape, products.
+// kernel: float32 products of the bf16 values (0), AVX512-BF16 dot products (1), AMX tiles
+// (2). Args: threads, shape, products.
 void BM_MhaBf16AttentionProducts(benchmark::State& s) {
-  const Bf16Kernel products = s.range(2) == 0 ? Bf16Kernel::kAvx512Bf16 : Bf16Kernel::kPortable;
-  if (!CpuSupports(products)) {
+  const auto products = static_cast<Bf16Kernel>(s.range(2));
+  if (!CpuSupportsBf16Products(products)) {
     s.SkipWithError("this CPU has no instructions for the kernel");
     return;
   }
-  s.SetLabel(s.range(2) == 0 ? "avx512_bf16 products" : "float32 products");
+  s.SetLabel(std::string(Bf16ProductsName(products)) + " products");
   const std::vector<int64_t> shapes[] = {
       std::vector<int64_t>(32, 128), std::vector<int64_t>(8, 512), std::vector<int64_t>(256, 16)};
   RunMha(s, shapes[s.range(1)], 768, 12, false, s.range(0), absl::ZeroDuration(), DType::kBFloat16,
@@ -239,7 +240,11 @@ void BM_MhaBf16AttentionProducts(benchmark::State& s) {
 }
 BENCHMARK(BM_MhaBf16AttentionProducts)
     ->ArgNames({"threads", "shape", "products"})
-    ->ArgsProduct({{2}, {0, 1, 2}, {0, 1}})
+    ->ArgsProduct({{2},
+                   {0, 1, 2},
+                   {static_cast<int64_t>(Bf16Kernel::kPortable),
+                    static_cast<int64_t>(Bf16Kernel::kAvx512Bf16),
+                    static_cast<int64_t>(Bf16Kernel::kAmx)}})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MhaBf16Projection)

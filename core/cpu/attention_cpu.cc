@@ -1,12 +1,16 @@
 #include "core/cpu/attention_cpu.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <limits>
+#include <random>
 #include <vector>
 
 #include <cblas.h>
 
+#include "absl/strings/str_cat.h"
+#include "core/cpu/amx_tiles.h"
 #include "core/cpu/exp_poly.h"
 #include "core/cpu/gemm.h"
 #include "core/cpu/gemm_bf16.h"
@@ -263,13 +267,13 @@ uint16_t* Bf16HeadPanels(const HeadRows& rows, int64_t depth, int64_t columns, b
 // scores[rows, keys] = scale * Q K^T against `keys` keys; in bf16 products with `bf16` (up
 // to kTinyHeadKeys keys, which every online block is; the only path of bf16 sources).
 void ScoresGemm(const HeadRows& query, int64_t rows, const HeadRows& key, int64_t keys,
-                int64_t head_dim, float scale, float* scores, bool bf16) {
+                int64_t head_dim, float scale, float* scores, bool bf16, Bf16Kernel kernel) {
   if (bf16 && keys <= kTinyHeadKeys) {
     const bool rounded = query.bf16 != nullptr;
     const uint16_t* a = rounded ? query.bf16 : Bf16Rows(query.f32, rows, head_dim, query.stride);
     const uint16_t* panels = Bf16HeadPanels(key, head_dim, keys, /*transposed=*/true);
-    GemmBf16Panels(Bf16Kernel::kAvx512Bf16, a, rounded ? query.stride : head_dim, rows, panels,
-                   head_dim, keys, 0, PanelCount(keys), scale, nullptr, scores, keys);
+    GemmBf16Panels(kernel, a, rounded ? query.stride : head_dim, rows, panels, head_dim, keys, 0,
+                   PanelCount(keys), scale, nullptr, scores, keys);
     return;
   }
   if (keys > kTinyHeadKeys) {
@@ -286,18 +290,19 @@ void ScoresGemm(const HeadRows& query, int64_t rows, const HeadRows& key, int64_
 // ValuesGemm's bf16 products, for probabilities already rounded to bf16 (up to kTinyHeadKeys).
 void ValuesGemmBf16(const uint16_t* probabilities, int64_t rows, int64_t keys,
                     const HeadRows& value, int64_t v_head_dim, bool accumulate, float* out,
-                    int64_t out_stride) {
+                    int64_t out_stride, Bf16Kernel kernel) {
   const uint16_t* panels = Bf16HeadPanels(value, keys, v_head_dim, /*transposed=*/false);
-  GemmBf16Panels(Bf16Kernel::kAvx512Bf16, probabilities, keys, rows, panels, keys, v_head_dim, 0,
+  GemmBf16Panels(kernel, probabilities, keys, rows, panels, keys, v_head_dim, 0,
                  PanelCount(v_head_dim), 1.0f, nullptr, out, out_stride, accumulate);
 }
 
 // out[rows, v_head_dim] = P V, or += with `accumulate`, for probabilities P [rows, keys].
 void ValuesGemm(const float* probabilities, int64_t rows, int64_t keys, const HeadRows& value,
-                int64_t v_head_dim, bool accumulate, float* out, int64_t out_stride, bool bf16) {
+                int64_t v_head_dim, bool accumulate, float* out, int64_t out_stride, bool bf16,
+                Bf16Kernel kernel) {
   if (bf16 && keys <= kTinyHeadKeys) {
     ValuesGemmBf16(Bf16Rows(probabilities, rows, keys, keys), rows, keys, value, v_head_dim,
-                   accumulate, out, out_stride);
+                   accumulate, out, out_stride, kernel);
     return;
   }
   if (keys > kTinyHeadKeys) {
@@ -352,8 +357,9 @@ float* LogSumExpAt(const AttentionProblem& p, int64_t b, int64_t h, int64_t i) {
 // Flash-style pass for one query block over `key_count` keys in blocks of kKeyBlock: a
 // running row maximum and sum rescale what is already accumulated in `out`, so no row of
 // scores longer than kKeyBlock is ever held. Used when no attention weights are returned.
-void AttendBlockOnline(const AttentionProblem& p, int64_t b, int64_t h, int64_t first_row,
-                       int64_t rows, int64_t key_count, float* out, int64_t out_stride) {
+void AttendBlockOnline(const AttentionProblem& p, Bf16Kernel kernel, int64_t b, int64_t h,
+                       int64_t first_row, int64_t rows, int64_t key_count, float* out,
+                       int64_t out_stride) {
   const AttentionOptions& options = *p.options;
   const AttentionDims& d = p.dims;
   const int64_t hk = KvHead(d, h);
@@ -366,7 +372,7 @@ void AttendBlockOnline(const AttentionProblem& p, int64_t b, int64_t h, int64_t 
     const int64_t keys = std::min(kKeyBlock, key_count - first_key);
     ScoresGemm(RowsOf(p.query, p.query_bf16, p.query_layout, b, h, first_row), rows,
                RowsOf(p.key, p.key_bf16, p.key_layout, b, hk, first_key), keys, d.head_dim,
-               options.Scale(d), scores.data(), p.bf16_products);
+               options.Scale(d), scores.data(), p.bf16_products, kernel);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = first_row + r;
       float* row = scores.data() + r * keys;
@@ -385,7 +391,7 @@ void AttendBlockOnline(const AttentionProblem& p, int64_t b, int64_t h, int64_t 
     }
     ValuesGemm(scores.data(), rows, keys,
                RowsOf(p.value, p.value_bf16, p.value_layout, b, hk, first_key), d.v_head_dim,
-               /*accumulate=*/true, out, out_stride, p.bf16_products);
+               /*accumulate=*/true, out, out_stride, p.bf16_products, kernel);
   }
   for (int64_t r = 0; r < rows; ++r) {
     // A fully masked row has sum 0 and an all-zero accumulator: it stays zeros.
@@ -400,8 +406,8 @@ void AttendBlockOnline(const AttentionProblem& p, int64_t b, int64_t h, int64_t 
 
 // Query rows [first_row, first_row + rows) of head h of sequence b into float32 `out`
 // (rows `out_stride` apart).
-void AttendRows(const AttentionProblem& p, int64_t b, int64_t h, int64_t first_row, int64_t rows,
-                float* out, int64_t out_stride) {
+void AttendRows(const AttentionProblem& p, Bf16Kernel kernel, int64_t b, int64_t h,
+                int64_t first_row, int64_t rows, float* out, int64_t out_stride) {
   const AttentionOptions& options = *p.options;
   const AttentionDims& d = p.dims;
   const float scale = options.Scale(d);
@@ -420,7 +426,7 @@ void AttendRows(const AttentionProblem& p, int64_t b, int64_t h, int64_t first_r
     return;
   }
   if (weights == nullptr && key_count > kKeyBlock) {
-    AttendBlockOnline(p, b, h, first_row, rows, key_count, out, out_stride);
+    AttendBlockOnline(p, kernel, b, h, first_row, rows, key_count, out, out_stride);
     return;
   }
   // One pass over all keys: the whole row of scores is needed when weights are returned,
@@ -429,7 +435,7 @@ void AttendRows(const AttentionProblem& p, int64_t b, int64_t h, int64_t first_r
   scores.resize(rows * key_count);
   ScoresGemm(RowsOf(p.query, p.query_bf16, p.query_layout, b, h, first_row), rows,
              RowsOf(p.key, p.key_bf16, p.key_layout, b, hk, 0), key_count, d.head_dim, scale,
-             scores.data(), p.bf16_products);
+             scores.data(), p.bf16_products, kernel);
   // bf16 products without weights or dropout: the exps go to bf16 as they are computed and
   // the output rows are normalized instead (v_head_dim columns, not key_count).
   const bool exps_in_bf16 = p.bf16_products && weights == nullptr && options.dropout_p <= 0.0f &&
@@ -467,17 +473,18 @@ void AttendRows(const AttentionProblem& p, int64_t b, int64_t h, int64_t first_r
   const HeadRows value = RowsOf(p.value, p.value_bf16, p.value_layout, b, hk, 0);
   if (exps_in_bf16) {
     ValuesGemmBf16(exps_bf16.data(), rows, key_count, value, d.v_head_dim, /*accumulate=*/false,
-                   out, out_stride);
+                   out, out_stride, kernel);
     for (int64_t r = 0; r < rows; ++r)
       ScaleRow(out + r * out_stride, d.v_head_dim, inverse_sums[r]);
     return;
   }
   ValuesGemm(scores.data(), rows, key_count, value, d.v_head_dim, /*accumulate=*/false, out,
-             out_stride, p.bf16_products);
+             out_stride, p.bf16_products, kernel);
 }
 
 // One (sequence b, head h, query block) of a problem.
-void AttendBlock(const AttentionProblem& p, int64_t b, int64_t h, int64_t block) {
+void AttendBlock(const AttentionProblem& p, Bf16Kernel kernel, int64_t b, int64_t h,
+                 int64_t block) {
   const AttentionDims& d = p.dims;
   const int64_t block_rows = QueryBlockRows(d.kv_len);
   const int64_t first_row = block * block_rows;
@@ -485,13 +492,13 @@ void AttendBlock(const AttentionProblem& p, int64_t b, int64_t h, int64_t block)
   const int64_t offset = p.output_layout.Offset(b, h, first_row);
   const int64_t stride = p.output_layout.row_stride;
   if (p.output_bf16 == nullptr) {
-    AttendRows(p, b, h, first_row, rows, p.output + offset, stride);
+    AttendRows(p, kernel, b, h, first_row, rows, p.output + offset, stride);
     return;
   }
   // Rows answered in bf16: attended in float32 here, in cache, then rounded once.
   thread_local std::vector<float> attended;
   attended.resize(rows * d.v_head_dim);
-  AttendRows(p, b, h, first_row, rows, attended.data(), d.v_head_dim);
+  AttendRows(p, kernel, b, h, first_row, rows, attended.data(), d.v_head_dim);
   for (int64_t r = 0; r < rows; ++r) {
     RoundToBf16(attended.data() + r * d.v_head_dim, d.v_head_dim,
                 p.output_bf16 + offset + r * stride);
@@ -500,7 +507,8 @@ void AttendBlock(const AttentionProblem& p, int64_t b, int64_t h, int64_t block)
 
 }  // namespace
 
-void AttentionBlockedCpu(absl::Span<const AttentionProblem> problems, ThreadPool& pool) {
+void AttentionBlockedCpu(absl::Span<const AttentionProblem> problems, ThreadPool& pool,
+                         Bf16Kernel bf16_kernel) {
   std::vector<int64_t> first_task(problems.size() + 1, 0);
   for (size_t k = 0; k < problems.size(); ++k) {
     const AttentionDims& d = problems[k].dims;
@@ -512,8 +520,8 @@ void AttentionBlockedCpu(absl::Span<const AttentionProblem> problems, ThreadPool
     const AttentionProblem& p = problems[k];
     const int64_t blocks = QueryBlocks(p.dims);
     const int64_t local = task - first_task[k];
-    AttendBlock(p, local / (blocks * p.dims.num_heads), (local / blocks) % p.dims.num_heads,
-                local % blocks);
+    AttendBlock(p, bf16_kernel, local / (blocks * p.dims.num_heads),
+                (local / blocks) % p.dims.num_heads, local % blocks);
   };
   // A lone short request's attention is a few microseconds of work: waking the pool's
   // threads for it costs more than it saves.
@@ -530,5 +538,99 @@ void AttentionBlockedCpu(absl::Span<const AttentionProblem> problems, ThreadPool
   }
   pool.ParallelFor(first_task.back(), run_task);
 }
+
+const char* Bf16ProductsName(Bf16Kernel kernel) {
+  return kernel == Bf16Kernel::kPortable ? "float32" : Bf16KernelName(kernel);
+}
+
+absl::StatusOr<Bf16Kernel> ParseBf16Products(absl::string_view name) {
+  for (const Bf16Kernel kernel :
+       {Bf16Kernel::kAmx, Bf16Kernel::kAvx512Bf16, Bf16Kernel::kPortable}) {
+    if (name == Bf16ProductsName(kernel)) return kernel;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("bf16 attention kernel \"", name.substr(0, 64),
+                                                 "\" is not one of amx, avx512_bf16, float32"));
+}
+
+bool CpuSupportsBf16Products(Bf16Kernel kernel) {
+  // AMX hosts have AVX512-BF16 too (AmxTilesUsable checks): the softmax's bf16 exps use it.
+  return kernel == Bf16Kernel::kPortable || CpuSupports(kernel);
+}
+
+namespace {
+
+struct ProductsCalibration {
+  Bf16Kernel fastest = Bf16Kernel::kPortable;
+  std::string report;
+};
+
+// Times each kernel on one head of S2's shape as a BFLOAT16 layer attends it: bf16 Q, K and
+// V for bf16 products, float32 ones for float32 products.
+ProductsCalibration CalibrateProducts() {
+  SdpaInput input;
+  input.dims.q_len = 256;
+  input.dims.kv_len = 512;
+  input.dims.head_dim = input.dims.v_head_dim = 64;
+  input.options.need_weights = NeedWeights::kNone;
+  const AttentionDims& d = input.dims;
+  std::mt19937 rng(39);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  std::vector<float> q(d.q_len * d.head_dim), k(d.kv_len * d.head_dim), v(d.kv_len * d.head_dim);
+  for (std::vector<float>* x : {&q, &k, &v}) {
+    for (float& value : *x) value = uniform(rng);
+  }
+  std::vector<uint16_t> q16(q.size()), k16(k.size()), v16(v.size());
+  RoundToBf16(q.data(), static_cast<int64_t>(q.size()), q16.data(), Bf16Kernel::kPortable);
+  RoundToBf16(k.data(), static_cast<int64_t>(k.size()), k16.data(), Bf16Kernel::kPortable);
+  RoundToBf16(v.data(), static_cast<int64_t>(v.size()), v16.data(), Bf16Kernel::kPortable);
+  std::vector<float> out(d.q_len * d.v_head_dim);
+  ThreadPool one_thread(1);
+  ProductsCalibration calibration;
+  double best_gflops = 0;
+  for (const Bf16Kernel kernel :
+       {Bf16Kernel::kAmx, Bf16Kernel::kAvx512Bf16, Bf16Kernel::kPortable}) {
+    if (!CpuSupportsBf16Products(kernel)) continue;
+    AttentionProblem problem =
+        SdpaProblem<float>(input, q.data(), k.data(), v.data(), out.data(), nullptr);
+    if (kernel != Bf16Kernel::kPortable) {
+      problem.bf16_products = true;
+      problem.query = problem.key = problem.value = nullptr;
+      problem.query_bf16 = q16.data();
+      problem.key_bf16 = k16.data();
+      problem.value_bf16 = v16.data();
+    }
+    AttentionBlockedCpu({&problem, 1}, one_thread, kernel);  // buffers and pages
+    double seconds = std::numeric_limits<double>::max();
+    for (int run = 0; run < 3; ++run) {
+      const auto start = std::chrono::steady_clock::now();
+      AttentionBlockedCpu({&problem, 1}, one_thread, kernel);
+      seconds = std::min(
+          seconds, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+    const double gflops = 2.0 * d.q_len * d.kv_len * (d.head_dim + d.v_head_dim) / seconds / 1e9;
+    absl::StrAppend(&calibration.report, calibration.report.empty() ? "" : ", ",
+                    Bf16ProductsName(kernel), " ", static_cast<int64_t>(gflops),
+                    calibration.report.empty() ? " GFLOPS" : "");
+    if (gflops > best_gflops) {
+      best_gflops = gflops;
+      calibration.fastest = kernel;
+    }
+  }
+  if (!CpuSupports(Bf16Kernel::kAmx) && CpuSupports(Bf16Kernel::kAvx512Bf16)) {
+    absl::StrAppend(&calibration.report, "; no amx: ", AmxUnavailableReason());
+  }
+  return calibration;
+}
+
+const ProductsCalibration& ProductsMeasuredOnce() {
+  static const ProductsCalibration calibration = CalibrateProducts();
+  return calibration;
+}
+
+}  // namespace
+
+Bf16Kernel FastestBf16Products() { return ProductsMeasuredOnce().fastest; }
+
+std::string Bf16ProductsReport() { return ProductsMeasuredOnce().report; }
 
 }  // namespace attention::core

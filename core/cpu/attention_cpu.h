@@ -4,9 +4,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "core/attention_kernels.h"
+#include "core/cpu/gemm_bf16.h"
 #include "core/cpu/thread_pool.h"
 
 namespace attention::core {
@@ -19,8 +23,22 @@ namespace attention::core {
 // so extra memory is at most rows x 1024 floats per thread: no Nq x Nk matrix unless
 // weights are requested. All problems share one ParallelFor, so a batch of many small
 // requests keeps every thread busy. Writes each row's log-sum-exp when a problem asks
-// (the paged prefill path's, core/cpu/paged_prefill_cpu.h).
-void AttentionBlockedCpu(absl::Span<const AttentionProblem> problems, ThreadPool& pool);
+// (the paged prefill path's, core/cpu/paged_prefill_cpu.h). Problems with bf16_products
+// multiply on `bf16_kernel` (kAvx512Bf16 or kAmx).
+void AttentionBlockedCpu(absl::Span<const AttentionProblem> problems, ThreadPool& pool,
+                         Bf16Kernel bf16_kernel = Bf16Kernel::kAvx512Bf16);
+
+// How a BFLOAT16 layer's attention multiplies: bf16 products on AMX tiles or AVX512-BF16, or
+// float32 products (kPortable) of the same bf16 values. Named amx, avx512_bf16, float32.
+const char* Bf16ProductsName(Bf16Kernel kernel);
+absl::StatusOr<Bf16Kernel> ParseBf16Products(absl::string_view name);
+// Whether this CPU runs `kernel`'s products (float32 everywhere).
+bool CpuSupportsBf16Products(Bf16Kernel kernel);
+// The fastest of them on this host, measured once on one head's pass of the blocked kernel
+// over 512 keys (256 queries, head size 64, one thread, best of three), and what the
+// measurement found, for the start-up log.
+Bf16Kernel FastestBf16Products();
+std::string Bf16ProductsReport();
 
 // Query rows per block: as many as keep the block's scores within 1 MiB (half of a
 // 2 MiB L2, the rest for the K and V tiles), between 64 and 512. Taller blocks make the

@@ -155,7 +155,9 @@ void CpuBf16Layer::ProjectSelf(ThreadPool& pool, const uint16_t* x, int64_t rows
   v_->Forward(pool, x, rows, w.v_bias, v);
 }
 
-bool CpuBf16Layer::AttendsToBf16() const { return out_.has_value() && out_->WritesBf16(); }
+bool CpuBf16Layer::AttendsToBf16() const {
+  return kernel_ != Bf16Kernel::kPortable && out_.has_value() && out_->WritesBf16();
+}
 
 bool CpuBf16Layer::ProjectsToBf16(const ForwardPlan& plan,
                                   absl::Span<const MhaInput* const> inputs) const {
@@ -186,7 +188,7 @@ std::vector<AttentionResult> CpuBf16Layer::ProjectAndAttendInBf16(
     k_->Forward(pool, xk != nullptr ? xk : x, plan.kv_rows, w.k_bias, k);
     v_->Forward(pool, xv != nullptr ? xv : x, plan.kv_rows, w.v_bias, v);
   }
-  return AttendPlannedBf16(plan, inputs, q, k, v, attended, pool);
+  return AttendPlannedBf16(plan, inputs, q, k, v, attended, kernel_, pool);
 }
 
 void CpuBf16Layer::ProjectOutput(ThreadPool& pool, const float* attended, int64_t rows,
@@ -363,8 +365,12 @@ std::vector<AttentionResult> CpuBf16Layer::ProjectAndAttend(
     }
   }
   RotatePlanned(c, plan, q, k, pool);
-  if (attended_bf16 != nullptr) return AttendPlanned(plan, inputs, q, k, v, attended_bf16, pool);
-  return AttendPlanned(plan, inputs, q, k, v, attended, kernel_ == Bf16Kernel::kAvx512Bf16, pool);
+  if (attended_bf16 != nullptr) {
+    return AttendPlanned(plan, inputs, q, k, v, attended_bf16, kernel_, pool);
+  }
+  return AttendPlanned(
+      plan, inputs, q, k, v, attended,
+      kernel_ == Bf16Kernel::kPortable ? std::nullopt : std::optional<Bf16Kernel>(kernel_), pool);
 }
 
 absl::Status CpuBf16Layer::ProjectForDecode(const float* x, absl::Span<const int64_t> positions,

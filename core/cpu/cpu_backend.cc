@@ -133,7 +133,7 @@ absl::StatusOr<std::vector<AttentionResult>> CpuPreparedLayer::ForwardBatch(
   RotatePlanned(c, plan, q, k, pool_);
   float* attended = scratch.Get(ForwardScratch::kAttended, q_rows * c.AttentionWidth());
   std::vector<AttentionResult> results =
-      AttendPlanned(plan, inputs, q, k, v, attended, /*bf16_products=*/false, pool_);
+      AttendPlanned(plan, inputs, q, k, v, attended, /*bf16_products=*/std::nullopt, pool_);
   if (!c.output_projection) {
     DeliverPlanned(plan, inputs, attended, c.output_dim, results);
     return results;
@@ -266,7 +266,7 @@ std::string CpuBackend::BlasCore() { return openblas_get_corename(); }
 std::string CpuBackend::Bf16Path() const {
   return absl::StrCat("projections on ", Bf16ProjectionName(bf16_projection_),
                       " (measured: ", Bf16ProjectionReport(), "), attention products on ",
-                      bf16_kernel_ == Bf16Kernel::kAvx512Bf16 ? "avx512_bf16" : "float32");
+                      Bf16ProductsName(bf16_kernel_), " (measured: ", Bf16ProductsReport(), ")");
 }
 
 absl::StatusOr<std::unique_ptr<PreparedLayer>> CpuBackend::Prepare(

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/backend.h"
+#include "core/cpu/attention_cpu.h"
 #include "core/cpu/bf16_linear.h"
 #include "core/cpu/gemm_bf16.h"
 #include "core/cpu/thread_pool.h"
@@ -21,13 +22,13 @@ namespace attention::core {
 // compute threads per forward pass, OpenBLAS single-threaded inside them (see ThreadPool).
 class CpuBackend final : public Backend {
  public:
-  // num_threads >= 1. BFLOAT16 layers project with `bf16_projection` (the host's fastest
-  // unless forced: --bf16_kernels) and attend with `bf16_kernel` (tests pick the fallback of
-  // hosts without bf16 instructions).
-  explicit CpuBackend(int num_threads, Bf16Kernel bf16_kernel = BestBf16Kernel(),
+  // num_threads >= 1. BFLOAT16 layers project with `bf16_projection` and multiply attention's
+  // products on `bf16_products` (kPortable: in float32); each the host's fastest, measured,
+  // unless forced (--bf16_kernels, --bf16_attention_kernels; tests).
+  explicit CpuBackend(int num_threads, std::optional<Bf16Kernel> bf16_products = std::nullopt,
                       std::optional<Bf16Projection> bf16_projection = std::nullopt)
       : pool_(num_threads),
-        bf16_kernel_(bf16_kernel),
+        bf16_kernel_(bf16_products.value_or(FastestBf16Products())),
         bf16_projection_(bf16_projection.value_or(FastestBf16Projection())) {}
 
   const std::string& name() const override { return name_; }

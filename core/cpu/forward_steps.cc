@@ -35,7 +35,8 @@ namespace {
 // Runs `problems` (one per input) and gives each input its result, with its weights when it
 // asked for them.
 std::vector<AttentionResult> Attend(absl::Span<const MhaInput* const> inputs,
-                                    std::vector<AttentionProblem>& problems, ThreadPool& pool) {
+                                    std::vector<AttentionProblem>& problems, Bf16Kernel kernel,
+                                    ThreadPool& pool) {
   std::vector<AttentionResult> results(inputs.size());
   for (size_t n = 0; n < inputs.size(); ++n) {
     const AttentionDims& d = problems[n].dims;
@@ -44,7 +45,7 @@ std::vector<AttentionResult> Attend(absl::Span<const MhaInput* const> inputs,
       problems[n].weights = results[n].weights.data();
     }
   }
-  AttentionBlockedCpu(problems, pool);
+  AttentionBlockedCpu(problems, pool, kernel);
   for (size_t n = 0; n < inputs.size(); ++n) {
     FinishWeights(results[n], problems[n].dims, inputs[n]->options.need_weights);
   }
@@ -56,34 +57,35 @@ std::vector<AttentionResult> Attend(absl::Span<const MhaInput* const> inputs,
 std::vector<AttentionResult> AttendPlanned(const ForwardPlan& plan,
                                            absl::Span<const MhaInput* const> inputs, const float* q,
                                            const float* k, const float* v, float* attended,
-                                           bool bf16_products, ThreadPool& pool) {
+                                           std::optional<Bf16Kernel> bf16_products,
+                                           ThreadPool& pool) {
   std::vector<AttentionProblem> problems(inputs.size());
   for (size_t n = 0; n < inputs.size(); ++n) {
     problems[n] = plan.Attention(n, q, k, v, attended);
-    problems[n].bf16_products = bf16_products;
+    problems[n].bf16_products = bf16_products.has_value();
   }
-  return Attend(inputs, problems, pool);
+  return Attend(inputs, problems, bf16_products.value_or(Bf16Kernel::kPortable), pool);
 }
 
 std::vector<AttentionResult> AttendPlanned(const ForwardPlan& plan,
                                            absl::Span<const MhaInput* const> inputs, const float* q,
                                            const float* k, const float* v, uint16_t* attended,
-                                           ThreadPool& pool) {
+                                           Bf16Kernel kernel, ThreadPool& pool) {
   std::vector<AttentionProblem> problems(inputs.size());
   for (size_t n = 0; n < inputs.size(); ++n) problems[n] = plan.Attention(n, q, k, v, attended);
-  return Attend(inputs, problems, pool);
+  return Attend(inputs, problems, kernel, pool);
 }
 
 std::vector<AttentionResult> AttendPlannedBf16(const ForwardPlan& plan,
                                                absl::Span<const MhaInput* const> inputs,
                                                const uint16_t* q, const uint16_t* k,
                                                const uint16_t* v, uint16_t* attended,
-                                               ThreadPool& pool) {
+                                               Bf16Kernel kernel, ThreadPool& pool) {
   std::vector<AttentionProblem> problems(inputs.size());
   for (size_t n = 0; n < inputs.size(); ++n) {
     problems[n] = plan.AttentionBf16(n, q, k, v, attended);
   }
-  return Attend(inputs, problems, pool);
+  return Attend(inputs, problems, kernel, pool);
 }
 
 void DeliverPlanned(const ForwardPlan& plan, absl::Span<const MhaInput* const> inputs,

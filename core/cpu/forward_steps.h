@@ -4,9 +4,11 @@
 #define ATTENTION_CORE_CPU_FORWARD_STEPS_H_
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "absl/types/span.h"
+#include "core/cpu/gemm_bf16.h"
 #include "core/cpu/thread_pool.h"
 #include "core/forward_plan.h"
 #include "core/mha_types.h"
@@ -19,24 +21,26 @@ void RotatePlanned(const MhaConfig& config, const ForwardPlan& plan, float* q, f
                    ThreadPool& pool);
 
 // Every planned input's attention over projected `q`, `k`, `v` into `attended` ([q_rows,
-// H * dv]), scores and values multiplied in bf16 with `bf16_products`. One result per input,
+// H * dv]), scores and values multiplied in bf16 on `bf16_products`' kernel where it has one,
+// else in float32. One result per input,
 // holding its attention weights when it asked (averaged if so); outputs still to deliver.
 std::vector<AttentionResult> AttendPlanned(const ForwardPlan& plan,
                                            absl::Span<const MhaInput* const> inputs, const float* q,
                                            const float* k, const float* v, float* attended,
-                                           bool bf16_products, ThreadPool& pool);
-// The same with bf16 products, the attended rows rounded to bf16 into `attended`.
+                                           std::optional<Bf16Kernel> bf16_products,
+                                           ThreadPool& pool);
+// The same with bf16 products on `kernel`, the attended rows rounded to bf16 into `attended`.
 std::vector<AttentionResult> AttendPlanned(const ForwardPlan& plan,
                                            absl::Span<const MhaInput* const> inputs, const float* q,
                                            const float* k, const float* v, uint16_t* attended,
-                                           ThreadPool& pool);
+                                           Bf16Kernel kernel, ThreadPool& pool);
 // The same over Q, K and V already rounded to bf16 (bf16 products), into `attended` in
 // bf16, for inputs that ask for no attention weights.
 std::vector<AttentionResult> AttendPlannedBf16(const ForwardPlan& plan,
                                                absl::Span<const MhaInput* const> inputs,
                                                const uint16_t* q, const uint16_t* k,
                                                const uint16_t* v, uint16_t* attended,
-                                               ThreadPool& pool);
+                                               Bf16Kernel kernel, ThreadPool& pool);
 
 // Hands each input its rows of the batch's `output` ([q_rows, output_dim]).
 void DeliverPlanned(const ForwardPlan& plan, absl::Span<const MhaInput* const> inputs,

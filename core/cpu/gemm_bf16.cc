@@ -4,6 +4,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "core/cpu/amx_tiles.h"
 #include "core/cpu/transpose_avx512.h"
 #include "core/dtype.h"
 #include "core/half_bits.h"
@@ -273,15 +274,26 @@ __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void PackBf16Row
 #endif
 
 constexpr int kMaxTileRows = 12;
+// Up to this many rows, kAmx multiplies on AVX512-BF16 instead (GemmBf16PanelsInto).
+constexpr int64_t kAmxMinRows = 16;
 
 }  // namespace
 
 const char* Bf16KernelName(Bf16Kernel kernel) {
-  return kernel == Bf16Kernel::kAvx512Bf16 ? "avx512_bf16" : "portable";
+  switch (kernel) {
+    case Bf16Kernel::kAvx512Bf16:
+      return "avx512_bf16";
+    case Bf16Kernel::kAmx:
+      return "amx";
+    case Bf16Kernel::kPortable:
+      break;
+  }
+  return "portable";
 }
 
 bool CpuSupports(Bf16Kernel kernel) {
 #if defined(__x86_64__)
+  if (kernel == Bf16Kernel::kAmx) return AmxTilesUsable();
   if (kernel == Bf16Kernel::kAvx512Bf16) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
@@ -297,7 +309,7 @@ Bf16Kernel BestBf16Kernel() {
 }
 
 void RoundToBf16(const float* x, int64_t count, uint16_t* out, Bf16Kernel kernel) {
-  if (kernel == Bf16Kernel::kAvx512Bf16) {
+  if (kernel != Bf16Kernel::kPortable) {
     FloatsToBFloat16(x, count, out);  // the same instructions, where the CPU has them
     return;
   }
@@ -318,11 +330,11 @@ void PackBf16PanelsOf(const Source* b, int64_t depth, int64_t columns, int64_t d
 #if defined(__x86_64__)
   // Attention packs every head's keys and values so: a scalar loop would cost as much as
   // the products.
-  if (kernel == Bf16Kernel::kAvx512Bf16 && depth_stride == 1) {
+  if (kernel != Bf16Kernel::kPortable && depth_stride == 1) {
     PackBf16TransposedAvx512(b, depth, columns, column_stride, panels);
     return;
   }
-  if (kernel == Bf16Kernel::kAvx512Bf16 && column_stride == 1) {
+  if (kernel != Bf16Kernel::kPortable && column_stride == 1) {
     PackBf16RowsAvx512(b, depth, columns, depth_stride, panels);
     return;
   }
@@ -365,6 +377,14 @@ void GemmBf16PanelsInto(Bf16Kernel kernel, const uint16_t* a, int64_t lda, int64
                         const uint16_t* panels, int64_t depth, int64_t columns, int64_t first_panel,
                         int64_t end_panel, float alpha, const float* bias, float* c,
                         uint16_t* c_bf16, int64_t ldc, bool accumulate) {
+  // A block of tiles is 32 rows: 16 or fewer would leave half of it multiplying zeros and pay
+  // for staging their edges, and every AMX host has AVX512-BF16 (AmxTilesUsable checks).
+  if (kernel == Bf16Kernel::kAmx && rows > kAmxMinRows) {
+    GemmBf16Amx({a, lda, rows, panels, depth, columns, first_panel, end_panel, alpha, bias, c,
+                 c_bf16, ldc, accumulate});
+    return;
+  }
+  if (kernel == Bf16Kernel::kAmx) kernel = Bf16Kernel::kAvx512Bf16;
   const int64_t panel_stride = (depth + 1) / 2 * kPairRow;
   for (int64_t chunk = 0; chunk < rows; chunk += kRowChunk) {
     const int64_t chunk_rows = std::min(kRowChunk, rows - chunk);

@@ -2,7 +2,8 @@
 // accumulation and output, on weights packed once in pairs of depths for AVX512-BF16's
 // `vdpbf16ps` (two bf16 products summed into each float32 lane). Hosts without it run a
 // portable kernel with the same packing and float32 products of the same bf16 values (the
-// CPU backend prefers its float32 microkernel there; see Bf16Kernel).
+// CPU backend prefers its float32 microkernel there; see Bf16Kernel). Intel's Xeons since
+// Sapphire Rapids multiply the same panels on AMX tiles (core/cpu/amx_tiles.h).
 #ifndef ATTENTION_CORE_CPU_GEMM_BF16_H_
 #define ATTENTION_CORE_CPU_GEMM_BF16_H_
 
@@ -16,12 +17,14 @@
 
 namespace attention::core {
 
-enum class Bf16Kernel { kPortable, kAvx512Bf16 };
+// kAmx: the products on AMX tiles; rounding and packing with AVX512-BF16, as kAvx512Bf16.
+enum class Bf16Kernel { kPortable, kAvx512Bf16, kAmx };
 
 const char* Bf16KernelName(Bf16Kernel kernel);
 // Whether this CPU runs `kernel` (kPortable: always).
 bool CpuSupports(Bf16Kernel kernel);
-// kAvx512Bf16 where the CPU has it, detected once.
+// kAvx512Bf16 where the CPU has it, detected once (never kAmx: which multiplies faster is
+// measured, see FastestBf16AttentionKernel).
 Bf16Kernel BestBf16Kernel();
 
 // bf16 elements of B [depth, columns] in bf16 panel layout: panel p holds columns

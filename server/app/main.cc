@@ -136,6 +136,10 @@ ABSL_FLAG(std::string, bf16_kernels, "auto",
           "how BFLOAT16 layers multiply their projections on the CPU: auto (the fastest of this "
           "host's kernels, measured at start-up and logged), onednn (oneDNN's matmul: AMX "
           "tiles where the CPU has them), avx512_bf16, or float32 (the bf16 values widened)");
+ABSL_FLAG(std::string, bf16_attention_kernels, "auto",
+          "how BFLOAT16 layers multiply attention's scores and values on the CPU: auto (the "
+          "fastest of this host's kernels, measured at start-up and logged), amx (AMX tiles), "
+          "avx512_bf16, or float32 (the bf16 values widened)");
 ABSL_FLAG(int64_t, prefill_chunk_tokens, 256,
           "a session step's attention runs in turns of at most this many query tokens per "
           "entry, so that other sessions' decode steps run between a long prefill's chunks");
@@ -276,6 +280,18 @@ int main(int argc, char** argv) {
       return 1;
     }
     options.bf16_projection = *projection;
+  }
+  if (const std::string kernels = absl::GetFlag(FLAGS_bf16_attention_kernels); kernels != "auto") {
+    const absl::StatusOr<attention::core::Bf16Kernel> products =
+        attention::core::ParseBf16Products(kernels);
+    if (!products.ok() || !attention::core::CpuSupportsBf16Products(*products)) {
+      std::cerr << "attention-service: --bf16_attention_kernels: "
+                << (products.ok() ? "this CPU cannot run " + kernels
+                                  : std::string(products.status().message()))
+                << std::endl;
+      return 1;
+    }
+    options.bf16_products = *products;
   }
   options.sessions.replica = absl::GetFlag(FLAGS_replica_name);
   options.replica_address = absl::GetFlag(FLAGS_replica_address);

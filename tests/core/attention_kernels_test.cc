@@ -3,7 +3,9 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
 
+#include "core/cpu/amx_tiles.h"
 #include "core/cpu/attention_cpu.h"
 #include "core/cpu/gemm_bf16.h"
 #include "core/mha_layer.h"
@@ -151,10 +153,19 @@ TEST(AttentionCpuTest, LongKeysTakeShortQueryBlocks) {
 // its answer in bf16: the kernel must give the bits it gives when it rounds float32 rows
 // itself, on every path (short and online key ranges, several query blocks, masks, causal,
 // dropout, GQA, odd head sizes).
-TEST(AttentionCpuTest, Bf16SourcesGiveTheBitsOfFloat32RowsRoundedInTheKernel) {
-  if (!CpuSupports(Bf16Kernel::kAvx512Bf16)) {
-    GTEST_SKIP() << "this CPU has no avx512_bf16 instructions (bf16 products need them)";
+// Each bf16 kernel the CPU runs: AVX512-BF16, and AMX's tiles.
+class AttentionBf16ProductsTest : public ::testing::TestWithParam<Bf16Kernel> {
+ protected:
+  void SetUp() override {
+    if (!CpuSupports(GetParam())) {
+      GTEST_SKIP() << "this CPU cannot run " << Bf16KernelName(GetParam())
+                   << (GetParam() == Bf16Kernel::kAmx ? ": " + AmxUnavailableReason() : "");
+    }
   }
+};
+
+TEST_P(AttentionBf16ProductsTest, Bf16SourcesGiveTheBitsOfFloat32RowsRoundedInTheKernel) {
+  const Bf16Kernel kernel = GetParam();
   const uint64_t seed = TestSeed(2611);
   SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
   std::mt19937_64 rng(seed);
@@ -193,19 +204,19 @@ TEST(AttentionCpuTest, Bf16SourcesGiveTheBitsOfFloat32RowsRoundedInTheKernel) {
     AttentionProblem problem =
         SdpaProblem<float>(input, q.data(), k.data(), v.data(), from_float32.data(), nullptr);
     problem.bf16_products = true;
-    AttentionBlockedCpu({&problem, 1}, pool);
+    AttentionBlockedCpu({&problem, 1}, pool, kernel);
     problem.query = problem.key = problem.value = nullptr;
     problem.query_bf16 = q16.data();
     problem.key_bf16 = k16.data();
     problem.value_bf16 = v16.data();
     problem.output = from_bf16.data();
-    AttentionBlockedCpu({&problem, 1}, pool);
+    AttentionBlockedCpu({&problem, 1}, pool, kernel);
     ASSERT_EQ(std::memcmp(from_float32.data(), from_bf16.data(), outputs * sizeof(float)), 0);
     // Answered in bf16 (what the output projection reads): the float32 answer rounded.
     std::vector<uint16_t> answered_bf16(outputs, 0x7777);
     problem.output = nullptr;
     problem.output_bf16 = answered_bf16.data();
-    AttentionBlockedCpu({&problem, 1}, pool);
+    AttentionBlockedCpu({&problem, 1}, pool, kernel);
     ASSERT_EQ(answered_bf16, rounded(from_float32));
     // And from float32 rows (a RoPE layer's, rotated in float32), answered in bf16.
     std::fill(answered_bf16.begin(), answered_bf16.end(), uint16_t{0x7777});
@@ -213,9 +224,33 @@ TEST(AttentionCpuTest, Bf16SourcesGiveTheBitsOfFloat32RowsRoundedInTheKernel) {
     problem.query = q.data();
     problem.key = k.data();
     problem.value = v.data();
-    AttentionBlockedCpu({&problem, 1}, pool);
+    AttentionBlockedCpu({&problem, 1}, pool, kernel);
     ASSERT_EQ(answered_bf16, rounded(from_float32));
   }
+}
+
+INSTANTIATE_TEST_SUITE_P(Kernels, AttentionBf16ProductsTest,
+                         ::testing::Values(Bf16Kernel::kAvx512Bf16, Bf16Kernel::kAmx),
+                         [](const ::testing::TestParamInfo<Bf16Kernel>& info) {
+                           return std::string(Bf16KernelName(info.param));
+                         });
+
+// The measured choice of attention's bf16 products runs here, and the report names each
+// kernel this host runs.
+TEST(AttentionCpuTest, MeasuredBf16ProductsRunHereAndTheReportNamesEachCandidate) {
+  EXPECT_TRUE(CpuSupportsBf16Products(FastestBf16Products()));
+  const std::string report = Bf16ProductsReport();
+  for (const Bf16Kernel kernel :
+       {Bf16Kernel::kAmx, Bf16Kernel::kAvx512Bf16, Bf16Kernel::kPortable}) {
+    EXPECT_EQ(report.find(std::string(Bf16ProductsName(kernel)) + " ") != std::string::npos,
+              CpuSupportsBf16Products(kernel))
+        << report;
+    EXPECT_EQ(*ParseBf16Products(Bf16ProductsName(kernel)), kernel);
+  }
+  const absl::StatusOr<Bf16Kernel> unknown = ParseBf16Products("onednn");
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(unknown.status().message(),
+            "bf16 attention kernel \"onednn\" is not one of amx, avx512_bf16, float32");
 }
 
 TEST(AttentionKernelsTest, DropoutDependsOnlyOnSeedAndPosition) {

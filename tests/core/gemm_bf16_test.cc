@@ -227,7 +227,8 @@ TEST_P(GemmBf16Test, RoundsToNearestEvenAsTheWireDoes) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Kernels, GemmBf16Test,
-                         ::testing::Values(Bf16Kernel::kPortable, Bf16Kernel::kAvx512Bf16),
+                         ::testing::Values(Bf16Kernel::kPortable, Bf16Kernel::kAvx512Bf16,
+                                           Bf16Kernel::kAmx),
                          [](const ::testing::TestParamInfo<Bf16Kernel>& info) {
                            return std::string(Bf16KernelName(info.param));
                          });

@@ -9,7 +9,8 @@ bound is 5 * 0.5e-4 plus float slack); with --causal --dtype=bfloat16 the rows a
 lower-triangular (and sum to 1 within bfloat16 precision); an unknown layer is NOT_FOUND.
 `--health` (the image's HEALTHCHECK) prints SERVING and exits 0 against the server, and
 exits 1 naming UNAVAILABLE against a closed port; --lb_policy other than pick_first or
-round_robin exits 2 naming the flag. `--version` of both binaries prints
+round_robin exits 2 naming the flag; the server refuses to start on an unknown
+--bf16_kernels or --bf16_attention_kernels name. `--version` of both binaries prints
 "<program> <version> (revision <rev>)", the version and revision CMake configured
 ($ATTENTION_EXPECTED_VERSION, "0.1.0 (revision abc1234)").
 """
@@ -101,6 +102,14 @@ def check_version_health_flags(t, server_bin, cli, target):
     t.check(result.returncode == 2 and "--lb_policy=random" in result.stderr
             and "INVALID_ARGUMENT" in result.stderr,
             "--lb_policy=random: exit %d, stderr %r" % (result.returncode, result.stderr))
+    # A kernel name the server does not know stops it at start-up, naming the flag and the
+    # names it takes.
+    for flag, names in (("--bf16_kernels", "onednn, avx512_bf16, float32"),
+                        ("--bf16_attention_kernels", "amx, avx512_bf16, float32")):
+        result = run(server_bin, flag + "=tpu", "--listen=127.0.0.1:0")
+        t.check(result.returncode == 1 and flag + ":" in result.stderr
+                and '"tpu" is not one of ' + names in result.stderr,
+                "%s=tpu: exit %d, stderr %r" % (flag, result.returncode, result.stderr[-300:]))
 
 
 def main():
