@@ -92,10 +92,10 @@ void BM_OwnF32(benchmark::State& state) {
   SetGflops(state, 2.0 * m * n * k);
 }
 
-void BM_OwnBf16(benchmark::State& state) {
-  using attention::core::Bf16Kernel;
-  if (attention::core::BestBf16Kernel() != Bf16Kernel::kAvx512Bf16) {
-    state.SkipWithError("no AVX512-BF16 on this CPU");
+// The project's bf16 panels on `kernel`: AVX512-BF16 dot products or AMX tiles.
+void OwnBf16(benchmark::State& state, attention::core::Bf16Kernel kernel) {
+  if (!attention::core::CpuSupports(kernel)) {
+    state.SkipWithError("this CPU cannot run the kernel");
     return;
   }
   const int64_t m = state.range(0), n = state.range(1), k = state.range(2);
@@ -107,11 +107,15 @@ void BM_OwnBf16(benchmark::State& state) {
   const attention::core::PackedBf16Weight packed(w_bf16, n, k);
   std::vector<float> y(m * n);
   for (auto _ : state) {
-    attention::core::LinearForwardBf16(pool, x_bf16.data(), m, k, packed, {}, n, y.data());
+    attention::core::LinearForwardBf16(pool, x_bf16.data(), m, k, packed, {}, n, y.data(), kernel);
     benchmark::DoNotOptimize(y.data());
   }
   SetGflops(state, 2.0 * m * n * k);
 }
+void BM_OwnBf16(benchmark::State& state) {
+  OwnBf16(state, attention::core::Bf16Kernel::kAvx512Bf16);
+}
+void BM_OwnAmx(benchmark::State& state) { OwnBf16(state, attention::core::Bf16Kernel::kAmx); }
 
 void BM_OneDnnF32(benchmark::State& state) { OneDnnMatmul(state, memory::data_type::f32); }
 void BM_OneDnnBf16(benchmark::State& state) { OneDnnMatmul(state, memory::data_type::bf16); }
@@ -125,7 +129,11 @@ void Shapes(benchmark::internal::Benchmark* b) {
       ->Args({4096, 768, 768, 2})
       ->Args({16, 2304, 768, 2})
       ->Args({1024, 2304, 768, 1})
-      ->Args({1024, 768, 768, 1});
+      ->Args({1024, 768, 768, 1})
+      // One head's products in the flash loop at S2 (256 queries, 512 keys of 64): scores
+      // and values.
+      ->Args({256, 512, 64, 1})
+      ->Args({256, 64, 512, 1});
   b->UseRealTime();
 }
 BENCHMARK(BM_Sgemm)->Apply(Shapes);
@@ -133,6 +141,7 @@ BENCHMARK(BM_OneDnnF32)->Apply(Shapes);
 BENCHMARK(BM_OneDnnBf16)->Apply(Shapes);
 BENCHMARK(BM_OwnF32)->Apply(Shapes);
 BENCHMARK(BM_OwnBf16)->Apply(Shapes);
+BENCHMARK(BM_OwnAmx)->Apply(Shapes);
 
 }  // namespace
 
