@@ -41,7 +41,8 @@ void TileBf16Portable(const uint16_t* a, int64_t lda, int rows, const uint16_t* 
     for (int p = 0; p < panels; ++p) {
       const uint16_t* b = panel + p * panel_stride;
       const int64_t width = p + 1 == panels ? out.width : kPanelWidth;
-      float* row = out.c + r * out.ldc + p * kPanelWidth;
+      // (No row of C when the sums go to bf16: null plus an offset is undefined.)
+      float* row = out.c == nullptr ? nullptr : out.c + r * out.ldc + p * kPanelWidth;
       for (int64_t j = 0; j < width; ++j) {
         float sum = 0.0f;
         for (int64_t k = 0; k < depth; ++k) {
