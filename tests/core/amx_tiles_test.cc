@@ -23,13 +23,7 @@ namespace {
 
 using testing::FidelityStats;
 using testing::TestSeed;
-
-std::vector<uint16_t> UniformBf16(std::mt19937_64& rng, int64_t count) {
-  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
-  std::vector<uint16_t> values(count);
-  for (uint16_t& v : values) v = FloatToBFloat16(uniform(rng));
-  return values;
-}
+using testing::UniformBf16;
 
 // One GEMM of every block edge: rows around the 16-row tile and the 32-row block, depths
 // around the 32-depth step (odd ones pair their last depth with zero), columns around the

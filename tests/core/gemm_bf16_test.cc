@@ -21,13 +21,7 @@ namespace {
 
 using testing::FidelityStats;
 using testing::TestSeed;
-
-std::vector<uint16_t> UniformBf16(std::mt19937_64& rng, int64_t count) {
-  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
-  std::vector<uint16_t> values(count);
-  for (uint16_t& v : values) v = FloatToBFloat16(uniform(rng));
-  return values;
-}
+using testing::UniformBf16;
 
 float Widen(uint16_t bits) { return BFloat16ToFloat(bits); }
 

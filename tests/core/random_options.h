@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/attention_options.h"
+#include "core/dtype.h"
 
 namespace attention::core::testing {
 
@@ -15,6 +16,14 @@ inline std::vector<float> RandomFloats(std::mt19937_64& rng, size_t count) {
   std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
   std::vector<float> values(count);
   for (float& v : values) v = uniform(rng);
+  return values;
+}
+
+// `count` values uniform in [-1, 1), rounded to bf16 bits.
+inline std::vector<uint16_t> UniformBf16(std::mt19937_64& rng, int64_t count) {
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  std::vector<uint16_t> values(count);
+  for (uint16_t& v : values) v = FloatToBFloat16(uniform(rng));
   return values;
 }
 
