@@ -22,6 +22,7 @@ using testing::FidelityStats;
 using testing::RandomFloats;
 using testing::RandomOptions;
 using testing::TestSeed;
+using testing::TrialsForThisBuild;
 
 // The backend's answer to `input` against the float64 oracle, within FlashAttention's rule
 // (tests/core/fidelity.h).
@@ -51,7 +52,7 @@ TEST_P(SdpaBackendTest, SdpaMatchesReferenceOnRandomGrid) {
   };
   FidelityStats outputs("SDPA grid output (" + GetParam() + ")"),
       weights("SDPA grid weights (" + GetParam() + ")");
-  for (int trial = 0; trial < 300 && !HasFailure(); ++trial) {
+  for (int trial = 0; trial < TrialsForThisBuild(300) && !HasFailure(); ++trial) {
     AttentionDims dims;
     dims.batch = std::uniform_int_distribution<int64_t>(1, 3)(rng);
     std::tie(dims.num_heads, dims.num_kv_heads) = pick(heads);

@@ -23,6 +23,7 @@ using testing::FidelityStats;
 using testing::RandomFloats;
 using testing::RandomOptions;
 using testing::TestSeed;
+using testing::TrialsForThisBuild;
 
 class FidelityTest : public testing::BackendTest {};
 
@@ -107,7 +108,7 @@ TEST_P(FidelityTest, MhaKernelPathsHoldTheRule) {
   const int64_t row_counts[] = {1, 5, 16, 40, 130, 2048};
   const int64_t head_dims[] = {1, 2, 3, 8, 17, 32, 64, 65, 96, 128, 255, 256};
   FidelityStats outputs("MHA output (" + GetParam() + ")"), weights("MHA weights (" + GetParam() + ")");
-  for (int trial = 0; trial < 300; ++trial) {
+  for (int trial = 0; trial < TrialsForThisBuild(300); ++trial) {
     const Shape shape = ShapeFor(row_counts[trial % std::size(row_counts)], rng);
     const int64_t rows = shape.batch * std::max(shape.q_len, shape.kv_len);
     MhaConfig config;

@@ -26,6 +26,7 @@ using testing::FidelityStats;
 using testing::RandomFloats;
 using testing::RandomOptions;
 using testing::TestSeed;
+using testing::TrialsForThisBuild;
 
 // How a bf16 layer multiplies: attention's products and the projections' kernel.
 struct Bf16Path {
@@ -71,7 +72,7 @@ void ExpectBf16RuleOnRandomConfigs(const std::shared_ptr<const Backend>& backend
   auto coin = [&rng](double p) { return std::bernoulli_distribution(p)(rng); };
   FidelityStats outputs("bf16 layer output (" + name + "), fast/bf16-reference"),
       weights("bf16 layer weights (" + name + "), fast/bf16-reference");
-  for (int trial = 0; trial < 40 && !::testing::Test::HasFailure(); ++trial) {
+  for (int trial = 0; trial < TrialsForThisBuild(40) && !::testing::Test::HasFailure(); ++trial) {
     MhaConfig config;
     config.num_kv_heads = uniform(1, 3);
     config.num_heads = config.num_kv_heads * uniform(1, 3);

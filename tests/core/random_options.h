@@ -2,6 +2,7 @@
 #ifndef ATTENTION_TESTS_CORE_RANDOM_OPTIONS_H_
 #define ATTENTION_TESTS_CORE_RANDOM_OPTIONS_H_
 
+#include <algorithm>
 #include <random>
 #include <sstream>
 #include <string>
@@ -10,7 +11,28 @@
 #include "core/attention_options.h"
 #include "core/dtype.h"
 
+// Whether this build runs under AddressSanitizer or ThreadSanitizer (gcc says so with a
+// macro, clang with __has_feature).
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define ATTENTION_TESTS_SANITIZED 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define ATTENTION_TESTS_SANITIZED 1
+#endif
+#endif
+
 namespace attention::core::testing {
+
+// `trials` of a seeded random grid, or the first quarter of them (at least 1) in a sanitizer
+// build, whose instrumentation makes each trial several times slower (clang's ASan checks
+// every intrinsic load): the Release build runs the whole grid, the sanitizers its prefix.
+inline int TrialsForThisBuild(int trials) {
+#if defined(ATTENTION_TESTS_SANITIZED)
+  return std::max(1, trials / 4);
+#else
+  return trials;
+#endif
+}
 
 inline std::vector<float> RandomFloats(std::mt19937_64& rng, size_t count) {
   std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
