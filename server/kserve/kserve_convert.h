@@ -41,6 +41,14 @@
 
 namespace attention::server::kserve {
 
+// The inputs' names.
+inline constexpr char kQuery[] = "query";
+inline constexpr char kKey[] = "key";
+inline constexpr char kValue[] = "value";
+inline constexpr char kKeyPaddingMask[] = "key_padding_mask";
+inline constexpr char kAttnMask[] = "attn_mask";
+// The input or output parameter naming a registered shared memory region (Triton's).
+inline constexpr char kRegionParameter[] = "shared_memory_region";
 inline constexpr char kOutputName[] = "output";
 inline constexpr char kWeightsName[] = "attention_weights";
 
