@@ -146,7 +146,10 @@ grpc::ChannelArguments ChannelArgumentsFor(const ClientOptions& options) {
 }
 
 AttentionClient::AttentionClient(const std::string& target, const ClientOptions& options)
-    : admin_token_(options.admin_token), options_(options) {
+    : admin_token_(options.admin_token),
+      // The admin token reaches every session, where the client has no session token.
+      session_token_(options.session_token.empty() ? options.admin_token : options.session_token),
+      options_(options) {
   grpc::ChannelArguments arguments = ChannelArgumentsFor(options);
   auto credentials = ChannelCredentials(options);
   channel_status_ = credentials.status();
@@ -260,7 +263,7 @@ absl::StatusOr<v1::SessionInfo> AttentionClient::CreateSession(
     const v1::CreateSessionRequest& request, absl::Duration timeout) {
   auto response = Call<v1::CreateSessionResponse>(
       [this](auto* c, const auto& q, auto* r) { return stub_->CreateSession(c, q, r); }, request,
-      timeout, channel_status_);
+      timeout, channel_status_, session_token_);
   if (!response.ok()) return response.status();
   Pin(response->session());
   return response->session();
@@ -281,7 +284,7 @@ absl::StatusOr<v1::SessionStepResponse> AttentionClient::SessionStep(
     v1::AttentionService::Stub* stub = groups.empty() ? stub_.get() : groups[0].first;
     return Call<v1::SessionStepResponse>(
         [stub](auto* c, const auto& q, auto* r) { return stub->SessionStep(c, q, r); }, request,
-        timeout, channel_status_);
+        timeout, channel_status_, session_token_);
   }
   v1::SessionStepResponse merged;
   merged.set_request_id(request.request_id());
@@ -294,7 +297,7 @@ absl::StatusOr<v1::SessionStepResponse> AttentionClient::SessionStep(
     for (const int i : indices) *part.add_entries() = request.entries(i);
     auto answer = Call<v1::SessionStepResponse>(
         [stub](auto* c, const auto& q, auto* r) { return stub->SessionStep(c, q, r); }, part,
-        timeout, channel_status_);
+        timeout, channel_status_, session_token_);
     if (!answer.ok()) {
       return WithMessage(
           answer.status(),
@@ -314,7 +317,7 @@ absl::StatusOr<v1::SessionInfo> AttentionClient::ForkSession(const v1::ForkSessi
   v1::AttentionService::Stub* stub = StubFor(request.session_id());
   auto response = Call<v1::ForkSessionResponse>(
       [stub](auto* c, const auto& q, auto* r) { return stub->ForkSession(c, q, r); }, request,
-      timeout, channel_status_);
+      timeout, channel_status_, session_token_);
   if (!response.ok()) return response.status();
   Pin(response->session());
   return response->session();
@@ -329,7 +332,7 @@ absl::StatusOr<v1::SessionInfo> AttentionClient::TruncateSession(const std::stri
   v1::AttentionService::Stub* stub = StubFor(session_id);
   auto response = Call<v1::TruncateSessionResponse>(
       [stub](auto* c, const auto& q, auto* r) { return stub->TruncateSession(c, q, r); }, request,
-      timeout, channel_status_);
+      timeout, channel_status_, session_token_);
   if (!response.ok()) return response.status();
   return response->session();
 }
@@ -341,7 +344,7 @@ absl::Status AttentionClient::DropSession(const std::string& session_id, absl::D
   absl::Status status =
       Call<v1::DropSessionResponse>(
           [stub](auto* c, const auto& q, auto* r) { return stub->DropSession(c, q, r); }, request,
-          timeout, channel_status_)
+          timeout, channel_status_, session_token_)
           .status();
   if (status.ok()) PinSession(session_id, "");
   return status;
@@ -354,7 +357,7 @@ absl::StatusOr<v1::SessionInfo> AttentionClient::GetSession(const std::string& s
   v1::AttentionService::Stub* stub = StubFor(session_id);
   auto response = Call<v1::GetSessionResponse>(
       [stub](auto* c, const auto& q, auto* r) { return stub->GetSession(c, q, r); }, request,
-      timeout, channel_status_);
+      timeout, channel_status_, session_token_);
   if (!response.ok()) return response.status();
   return response->session();
 }

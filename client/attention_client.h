@@ -28,6 +28,10 @@ struct ClientOptions {
   // When non-empty, sent as "authorization: Bearer <admin_token>" with LoadLayer,
   // UnloadLayer and InspectCheckpoint (for a server started with --admin_token_file).
   std::string admin_token;
+  // When non-empty, sent the same way with every session call (for a server started with
+  // --session_tokens_file): the sessions this client creates are its identity's alone.
+  // When empty, session calls carry admin_token, which reaches every session.
+  std::string session_token;
   // TLS: the PEM CA bundle that signed the server's certificate; empty = plaintext. With
   // mutual TLS also this client's PEM certificate chain and key.
   std::string tls_ca_file;
@@ -57,7 +61,9 @@ grpc::ChannelArguments ChannelArgumentsFor(const ClientOptions& options);
 struct SessionRefusal {
   // "SESSION_EXPIRED", "SESSION_DROPPED", "SESSION_UNKNOWN", "WRONG_REPLICA", "MAX_SESSIONS",
   // "MAX_SESSION_TOKENS", "KV_POOL_EXHAUSTED", "POSITION_GAP", "POSITION_CONFLICT",
-  // "PAST_RESERVATION", "PAST_LENGTH", "SESSION_BUSY", "SESSIONS_OFF", or another the server
+  // "PAST_RESERVATION", "PAST_LENGTH", "SESSION_BUSY", "SESSIONS_OFF", "CREDENTIAL_MISSING",
+  // "CREDENTIAL_UNKNOWN", "SESSION_OF_ANOTHER_IDENTITY", "MAX_SESSIONS_PER_IDENTITY",
+  // "MAX_RESERVED_TOKENS_PER_IDENTITY", or another the server
   // adds.
   std::string reason;
   // For WRONG_REPLICA, the replica that holds the session, as the server's message names it
@@ -129,6 +135,7 @@ class AttentionClient {
   }
 
   const std::string admin_token_;
+  const std::string session_token_;
   const ClientOptions options_;
   absl::Status channel_status_;  // why the channel could not be set up
   std::shared_ptr<grpc::Channel> channel_;

@@ -20,6 +20,7 @@
 #include "absl/strings/strip.h"
 #include "attention_version.h"
 #include "core/kv_cache/block_pool.h"
+#include "core/status_macros.h"
 #include "server/app/malloc_tuning.h"
 #include "server/app/server.h"
 
@@ -71,6 +72,19 @@ ABSL_FLAG(std::string, admin_token_file, "",
 ABSL_FLAG(bool, allow_list_sessions, false,
           "answer ListSessions on a server without --admin_token_file (it hands out every "
           "live session id, the only key to a session)");
+ABSL_FLAG(std::string, session_tokens_file, "",
+          "file of 'IDENTITY TOKEN' lines: every session call must then send one of the tokens "
+          "as 'authorization: Bearer <token>' metadata, and a session is its creator's "
+          "identity's alone; empty = any caller with a session's id may use it");
+ABSL_FLAG(bool, session_identity_from_client_certificate, false,
+          "under mutual TLS (--tls_client_ca_file), a session call's identity is its client "
+          "certificate's (first subject alternative name, else common name), as with "
+          "--session_tokens_file");
+ABSL_FLAG(int64_t, max_sessions_per_identity, 0,
+          "live sessions one identity (--session_tokens_file, "
+          "--session_identity_from_client_certificate) may hold, forks included; 0 = no limit");
+ABSL_FLAG(int64_t, max_session_tokens_per_identity, 0,
+          "tokens one identity's sessions may reserve in all; 0 = no limit");
 ABSL_FLAG(bool, allow_inline_layers, true,
           "accept MultiHeadAttention requests carrying an inline_layer (built per request)");
 ABSL_FLAG(bool, reflection, true, "offer the gRPC server reflection service");
@@ -181,20 +195,31 @@ pthread_t main_thread;
 // once the drain has begun). pthread_kill is async-signal-safe.
 void ForwardToMainThread(int signal_number) { pthread_kill(main_thread, signal_number); }
 
-// The admin token: the file's contents without surrounding whitespace (a Kubernetes Secret
-// or `echo` adds a newline). At least 16 bytes, so that it cannot be guessed.
-absl::StatusOr<std::string> ReadAdminToken(const std::string& path) {
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
   std::ifstream file(path);
   if (!file) return absl::NotFoundError(absl::StrCat("cannot read ", path));
   std::stringstream contents;
   contents << file.rdbuf();
-  const std::string token(absl::StripAsciiWhitespace(contents.str()));
-  constexpr size_t kMinTokenBytes = 16;
-  if (token.size() < kMinTokenBytes) {
+  return contents.str();
+}
+
+// The admin token: the file's contents without surrounding whitespace (a Kubernetes Secret
+// or `echo` adds a newline), long enough that it cannot be guessed.
+absl::StatusOr<std::string> ReadAdminToken(const std::string& path) {
+  ASSIGN_OR_RETURN(const std::string contents, ReadFile(path));
+  const std::string token(absl::StripAsciiWhitespace(contents));
+  if (token.size() < attention::server::kMinTokenBytes) {
     return absl::InvalidArgumentError(absl::StrCat(path, " holds a token of ", token.size(),
-                                                   " bytes; use at least ", kMinTokenBytes));
+                                                   " bytes; use at least ",
+                                                   attention::server::kMinTokenBytes));
   }
   return token;
+}
+
+absl::StatusOr<std::vector<attention::server::SessionToken>> ReadSessionTokens(
+    const std::string& path) {
+  ASSIGN_OR_RETURN(const std::string contents, ReadFile(path));
+  return attention::server::ParseSessionTokens(contents);
 }
 
 }  // namespace
@@ -265,6 +290,9 @@ int main(int argc, char** argv) {
   options.kv_cache_device = absl::GetFlag(FLAGS_kv_cache_device);
   options.sessions.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   options.sessions.max_session_tokens = absl::GetFlag(FLAGS_max_session_tokens);
+  options.sessions.max_sessions_per_owner = absl::GetFlag(FLAGS_max_sessions_per_identity);
+  options.sessions.max_reserved_tokens_per_owner =
+      absl::GetFlag(FLAGS_max_session_tokens_per_identity);
   options.sessions.default_ttl = absl::GetFlag(FLAGS_session_ttl);
   options.sessions.max_ttl = absl::GetFlag(FLAGS_max_session_ttl);
   options.session_sweep_interval = absl::GetFlag(FLAGS_session_sweep_interval);
@@ -318,6 +346,17 @@ int main(int argc, char** argv) {
     }
     options.access.admin_token = *std::move(token);
   }
+  if (const std::string path = absl::GetFlag(FLAGS_session_tokens_file); !path.empty()) {
+    auto tokens = ReadSessionTokens(path);
+    if (!tokens.ok()) {
+      std::cerr << "attention-service: --session_tokens_file " << path << ": " << tokens.status()
+                << std::endl;
+      return 1;
+    }
+    options.access.session_tokens = *std::move(tokens);
+  }
+  options.access.session_identity_from_client_certificate =
+      absl::GetFlag(FLAGS_session_identity_from_client_certificate);
   auto server = attention::server::AttentionServer::Start(options);
   if (!server.ok()) {
     std::cerr << "attention-service: " << server.status() << std::endl;

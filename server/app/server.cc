@@ -130,6 +130,10 @@ absl::Status ServerOptions::Validate() const {
   }
   RETURN_IF_ERROR(RequestBudgetWithMessageLimit().Validate());
   RETURN_IF_ERROR(tls.Validate());
+  if (access.session_identity_from_client_certificate && tls.client_ca_file.empty()) {
+    return absl::InvalidArgumentError(
+        "session_identity_from_client_certificate needs mutual TLS (tls_client_ca_file)");
+  }
   RETURN_IF_ERROR(registry.Validate());
   RETURN_IF_ERROR(request_log.Validate());
   if (sessions.kv_cache_bytes != 0) RETURN_IF_ERROR(sessions.Validate());

@@ -83,7 +83,8 @@ struct ServerOptions {
   // default 256 MiB.
   int64_t inline_layer_cache_bytes = kDefaultInlineLayerCacheBytes;
   // KV-cache sessions: the pool (--kv_cache_bytes, 0 turns sessions off) and their limits
-  // (--max_sessions, --max_session_tokens, --session_ttl, --max_session_ttl, --replica_name).
+  // (--max_sessions, --max_session_tokens, --session_ttl, --max_session_ttl, --replica_name,
+  // --max_sessions_per_identity, --max_session_tokens_per_identity).
   SessionTableOptions sessions;
   // How often a thread ends the sessions idle past their TTL and refreshes the session and
   // weight gauges (--session_sweep_interval), so both are true without a call coming. > 0;
@@ -107,8 +108,9 @@ struct ServerOptions {
   // TLS or mutual TLS on the gRPC port (--tls_cert_file, --tls_key_file,
   // --tls_client_ca_file); plaintext by default.
   TlsOptions tls;
-  // Restricted layer management and inline layers (--admin_token_file,
-  // --allow_inline_layers).
+  // Restricted layer management, inline layers and session credentials (--admin_token_file,
+  // --allow_inline_layers, --session_tokens_file,
+  // --session_identity_from_client_certificate).
   AccessPolicy access;
   // Offer the gRPC reflection service (--reflection); default on.
   bool reflection = true;

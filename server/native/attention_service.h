@@ -14,6 +14,7 @@
 #include "server/batching/loader_pool.h"
 #include "server/models/inline_layer_cache.h"
 #include "server/models/layer_registry.h"
+#include "server/native/access_policy.h"
 #include "server/observability/metrics.h"
 #include "server/observability/request_log.h"
 #include "server/rpc/call.h"
@@ -29,19 +30,6 @@ class SessionStepStreamReactor;
 
 // The call's deadline (infinite when the caller set none).
 absl::Time Deadline(const grpc::CallbackServerContext* context);
-
-// Who may do what (issue 13's restricted management, as Triton's restricted protocols).
-struct AccessPolicy {
-  // When non-empty, LoadLayer, UnloadLayer and InspectCheckpoint need "authorization: Bearer <admin_token>"
-  // metadata: UNAUTHENTICATED without it, PERMISSION_DENIED for another token.
-  std::string admin_token;
-  // Whether MultiHeadAttention may carry an inline_layer (built per request); when not,
-  // such requests are PERMISSION_DENIED.
-  bool allow_inline_layers = true;
-  // Whether ListSessions answers on a server without an admin token: it hands out every
-  // live id, the only key to a session. With a token it needs the token either way.
-  bool allow_list_sessions = false;
-};
 
 // Thread-safe.
 class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
@@ -146,8 +134,8 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
       std::function<bool()> is_cancelled, v1::ScaledDotProductAttentionResponse* response,
       std::function<void(const absl::Status&)> finish);
   // Validates a SessionStep and queues it as SubmitMultiHeadAttention does.
-  absl::Status SubmitSessionStep(const v1::SessionStepRequest& request, absl::Time deadline,
-                                 std::function<bool()> is_cancelled,
+  absl::Status SubmitSessionStep(const v1::SessionStepRequest& request, const SessionCaller& caller,
+                                 absl::Time deadline, std::function<bool()> is_cancelled,
                                  v1::SessionStepResponse* response,
                                  std::function<void(const absl::Status&)> finish);
   // Builds and publishes a layer, on the calling thread (the handler runs it on the loader
@@ -170,11 +158,14 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   // FAILED_PRECONDITION when the server holds no sessions.
   absl::Status SessionsEnabled() const;
   // Answers a session call that completes on the gRPC thread: the known-fields and
-  // sessions-on checks, then `handle`.
+  // sessions-on checks, who calls, then `handle`.
   template <typename Request>
-  grpc::ServerUnaryReactor* AnswerSessionCall(grpc::CallbackServerContext* context,
-                                              absl::string_view method, const Request& request,
-                                              const std::function<absl::Status()>& handle);
+  grpc::ServerUnaryReactor* AnswerSessionCall(
+      grpc::CallbackServerContext* context, absl::string_view method, const Request& request,
+      const std::function<absl::Status(const SessionCaller&)>& handle);
+  // Whether `caller` may use session `id` (read without renewing its TTL).
+  absl::Status CheckOwnsSession(const SessionCaller& caller, const std::string& id,
+                                absl::Time now) const;
   // A unary call of `method` (a string literal) starting now.
   UnaryCall StartCall(grpc::CallbackServerContext* context, absl::string_view method);
 

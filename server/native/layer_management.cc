@@ -88,19 +88,14 @@ absl::Status AttentionServiceImpl::DoInspectCheckpoint(const v1::InspectCheckpoi
 absl::Status AttentionServiceImpl::CheckAdmin(const grpc::CallbackServerContext& context,
                                               absl::string_view method) const {
   if (access_.admin_token.empty()) return absl::OkStatus();
-  const auto& metadata = context.client_metadata();
-  const auto found = metadata.find("authorization");
-  if (found == metadata.end()) {
+  ASSIGN_OR_RETURN(const std::optional<absl::string_view> token, BearerToken(context));
+  if (!token.has_value()) {
     return absl::UnauthenticatedError(
         absl::StrCat(method,
                      " needs \"authorization: Bearer <token>\" metadata: this server restricts "
                      "layer management (--admin_token_file)"));
   }
-  absl::string_view token(found->second.data(), found->second.size());
-  if (!absl::ConsumePrefix(&token, "Bearer ")) {
-    return absl::UnauthenticatedError("the authorization metadata must be \"Bearer <token>\"");
-  }
-  if (!ConstantTimeEquals(token, access_.admin_token)) {
+  if (!ConstantTimeEquals(*token, access_.admin_token)) {
     return absl::PermissionDeniedError(
         absl::StrCat(method, ": the bearer token is not this server's admin token"));
   }

@@ -44,6 +44,13 @@ absl::StatusOr<SessionShape> ShapeOf(const v1::SessionConfig& config,
                    " must be >= 0 (0 for none)");
   }
   shape.sliding_window = config.sliding_window();
+  // Bounded before copying: CheckShape wants one per layer.
+  if (config.layer_sliding_windows_size() > kMaxSessionLayers) {
+    return Invalid("config.layer_sliding_windows has ", config.layer_sliding_windows_size(),
+                   " windows; at most ", kMaxSessionLayers, " (one per layer)");
+  }
+  shape.layer_sliding_windows.assign(config.layer_sliding_windows().begin(),
+                                     config.layer_sliding_windows().end());
   if (config.layers().empty()) return shape;
   std::vector<std::shared_ptr<const core::MhaLayer>> layers;
   std::vector<std::string> names;
@@ -75,6 +82,7 @@ v1::SessionConfig ConfigOf(const SessionShape& shape) {
   config.set_kv_dtype(wire::WireDType(shape.kv_dtype));
   if (shape.scale > 0) config.set_scale(shape.scale);
   config.set_sliding_window(shape.sliding_window);
+  for (const int64_t window : shape.layer_sliding_windows) config.add_layer_sliding_windows(window);
   if (shape.layers != nullptr) {
     for (const std::string& name : shape.layers->names) config.add_layers(name);
   }
@@ -160,95 +168,127 @@ absl::Status AttentionServiceImpl::SessionsEnabled() const {
 template <typename Request>
 grpc::ServerUnaryReactor* AttentionServiceImpl::AnswerSessionCall(
     grpc::CallbackServerContext* context, absl::string_view method, const Request& request,
-    const std::function<absl::Status()>& handle) {
+    const std::function<absl::Status(const SessionCaller&)>& handle) {
   const UnaryCall call = StartCall(context, method);
   absl::Status status = CheckKnownFields(request);
   if (status.ok()) status = SessionsEnabled();
-  if (status.ok()) status = CatchExceptions(method, handle);
+  absl::StatusOr<SessionCaller> caller;
+  if (status.ok()) {
+    caller = IdentifySessionCaller(*context, access_, method);
+    status = caller.status();
+  }
+  if (status.ok()) status = CatchExceptions(method, [&] { return handle(*caller); });
   RefreshSessionMetrics();
   CountSessionRefusal(status);
   call.Answer(status);
   return call.reactor();
 }
 
+absl::Status AttentionServiceImpl::CheckOwnsSession(const SessionCaller& caller,
+                                                    const std::string& id, absl::Time now) const {
+  if (caller.admin || !access_.SessionsNeedCredentials()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(const SessionInfo info, sessions_->Get(id, now, /*renew_ttl=*/false));
+  return CheckSessionOwner(caller, info);
+}
+
 grpc::ServerUnaryReactor* AttentionServiceImpl::CreateSession(
     grpc::CallbackServerContext* context, const v1::CreateSessionRequest* request,
     v1::CreateSessionResponse* response) {
-  return AnswerSessionCall(context, "CreateSession", *request, [&]() -> absl::Status {
-    ASSIGN_OR_RETURN(const SessionShape shape, ShapeOf(request->config(), registry_));
-    ASSIGN_OR_RETURN(const absl::Duration ttl, TtlOf(request->ttl_ms()));
-    const absl::Time now = absl::Now();
-    sessions_->ExpireIdle(now);  // idle sessions give their blocks back first
-    ASSIGN_OR_RETURN(const SessionInfo info,
-                     sessions_->CreateSession(shape, request->reserved_tokens(), ttl, now));
-    Describe(info, now, sessions_->replica(), ReplicaAddress(), response->mutable_session());
-    return absl::OkStatus();
-  });
+  return AnswerSessionCall(
+      context, "CreateSession", *request, [&](const SessionCaller& caller) -> absl::Status {
+        ASSIGN_OR_RETURN(const SessionShape shape, ShapeOf(request->config(), registry_));
+        ASSIGN_OR_RETURN(const absl::Duration ttl, TtlOf(request->ttl_ms()));
+        const absl::Time now = absl::Now();
+        sessions_->ExpireIdle(now);  // idle sessions give their blocks back first
+        ASSIGN_OR_RETURN(const SessionInfo info,
+                         sessions_->CreateSession(shape, request->reserved_tokens(), ttl, now,
+                                                  /*owner=*/caller.identity));
+        Describe(info, now, sessions_->replica(), ReplicaAddress(), response->mutable_session());
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::ForkSession(grpc::CallbackServerContext* context,
                                                             const v1::ForkSessionRequest* request,
                                                             v1::ForkSessionResponse* response) {
-  return AnswerSessionCall(context, "ForkSession", *request, [&]() -> absl::Status {
-    ASSIGN_OR_RETURN(const absl::Duration ttl, TtlOf(request->ttl_ms()));
-    const absl::Time now = absl::Now();
-    sessions_->ExpireIdle(now);
-    ASSIGN_OR_RETURN(const SessionInfo info,
-                     sessions_->Fork(request->session_id(), request->tokens(),
-                                     request->reserved_tokens(), ttl, now));
-    Describe(info, now, sessions_->replica(), ReplicaAddress(), response->mutable_session());
-    return absl::OkStatus();
-  });
+  return AnswerSessionCall(
+      context, "ForkSession", *request, [&](const SessionCaller& caller) -> absl::Status {
+        ASSIGN_OR_RETURN(const absl::Duration ttl, TtlOf(request->ttl_ms()));
+        const absl::Time now = absl::Now();
+        sessions_->ExpireIdle(now);
+        RETURN_IF_ERROR(CheckOwnsSession(caller, request->session_id(), now));
+        ASSIGN_OR_RETURN(const SessionInfo info,
+                         sessions_->Fork(request->session_id(), request->tokens(),
+                                         request->reserved_tokens(), ttl, now));
+        Describe(info, now, sessions_->replica(), ReplicaAddress(), response->mutable_session());
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::TruncateSession(
     grpc::CallbackServerContext* context, const v1::TruncateSessionRequest* request,
     v1::TruncateSessionResponse* response) {
-  return AnswerSessionCall(context, "TruncateSession", *request, [&]() -> absl::Status {
-    const absl::Time now = absl::Now();
-    ASSIGN_OR_RETURN(const SessionInfo info,
-                     sessions_->Truncate(request->session_id(), request->tokens(), now));
-    Describe(info, now, sessions_->replica(), ReplicaAddress(), response->mutable_session());
-    return absl::OkStatus();
-  });
+  return AnswerSessionCall(
+      context, "TruncateSession", *request, [&](const SessionCaller& caller) -> absl::Status {
+        const absl::Time now = absl::Now();
+        RETURN_IF_ERROR(CheckOwnsSession(caller, request->session_id(), now));
+        ASSIGN_OR_RETURN(const SessionInfo info,
+                         sessions_->Truncate(request->session_id(), request->tokens(), now));
+        Describe(info, now, sessions_->replica(), ReplicaAddress(), response->mutable_session());
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::DropSession(grpc::CallbackServerContext* context,
                                                             const v1::DropSessionRequest* request,
                                                             v1::DropSessionResponse* /*response*/) {
   return AnswerSessionCall(context, "DropSession", *request,
-                           [&] { return sessions_->Drop(request->session_id(), absl::Now()); });
+                           [&](const SessionCaller& caller) -> absl::Status {
+                             const absl::Time now = absl::Now();
+                             RETURN_IF_ERROR(CheckOwnsSession(caller, request->session_id(), now));
+                             return sessions_->Drop(request->session_id(), now);
+                           });
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::GetSession(grpc::CallbackServerContext* context,
                                                            const v1::GetSessionRequest* request,
                                                            v1::GetSessionResponse* response) {
-  return AnswerSessionCall(context, "GetSession", *request, [&]() -> absl::Status {
-    const absl::Time now = absl::Now();
-    ASSIGN_OR_RETURN(const SessionInfo info, sessions_->Get(request->session_id(), now,
-                                                            /*renew_ttl=*/!request->keep_idle()));
-    Describe(info, now, sessions_->replica(), ReplicaAddress(), response->mutable_session());
-    return absl::OkStatus();
-  });
+  return AnswerSessionCall(
+      context, "GetSession", *request, [&](const SessionCaller& caller) -> absl::Status {
+        const absl::Time now = absl::Now();
+        RETURN_IF_ERROR(CheckOwnsSession(caller, request->session_id(), now));
+        ASSIGN_OR_RETURN(const SessionInfo info,
+                         sessions_->Get(request->session_id(), now,
+                                        /*renew_ttl=*/!request->keep_idle()));
+        Describe(info, now, sessions_->replica(), ReplicaAddress(), response->mutable_session());
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::ListSessions(grpc::CallbackServerContext* context,
                                                              const v1::ListSessionsRequest* request,
                                                              v1::ListSessionsResponse* response) {
-  return AnswerSessionCall(context, "ListSessions", *request, [&]() -> absl::Status {
-    // Ids are the only key to a session, so listing them all is layer management's to do.
-    if (access_.admin_token.empty() && !access_.allow_list_sessions) {
-      return absl::PermissionDeniedError(
-          "ListSessions hands out every session id, the only key to a session: start the "
-          "server with --admin_token_file (and send the token), or --allow_list_sessions");
-    }
-    RETURN_IF_ERROR(CheckAdmin(*context, "ListSessions"));
-    const absl::Time now = absl::Now();
-    for (const SessionInfo& info : sessions_->List(now)) {
-      Describe(info, now, sessions_->replica(), ReplicaAddress(), response->add_sessions());
-    }
-    return absl::OkStatus();
-  });
+  return AnswerSessionCall(
+      context, "ListSessions", *request, [&](const SessionCaller& caller) -> absl::Status {
+        // An identity lists its own sessions. Without identities, ids are the only key to a
+        // session, so listing them all is layer management's to do.
+        const bool own_only = !caller.admin && !caller.identity.empty();
+        if (!own_only) {
+          if (access_.admin_token.empty() && !access_.allow_list_sessions) {
+            return absl::PermissionDeniedError(
+                "ListSessions hands out every session id, the only key to a session: start the "
+                "server with --admin_token_file (and send the token), --session_tokens_file (each "
+                "identity lists its own), or --allow_list_sessions");
+          }
+          RETURN_IF_ERROR(CheckAdmin(*context, "ListSessions"));
+        }
+        const absl::Time now = absl::Now();
+        for (const SessionInfo& info : sessions_->List(now)) {
+          if (own_only && info.owner != caller.identity) continue;
+          Describe(info, now, sessions_->replica(), ReplicaAddress(), response->add_sessions());
+        }
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::SessionStep(grpc::CallbackServerContext* context,
@@ -259,16 +299,19 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::SessionStep(grpc::CallbackServer
     CountSessionRefusal(status);
     call.Answer(status, request->request_id());
   };
-  const absl::Status status = CatchExceptions("SessionStep", [&] {
-    return SubmitSessionStep(*request, call.deadline(), call.cancelled(), response, answer);
+  const absl::Status status = CatchExceptions("SessionStep", [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(const SessionCaller caller,
+                     IdentifySessionCaller(*context, access_, "SessionStep"));
+    return SubmitSessionStep(*request, caller, call.deadline(), call.cancelled(), response, answer);
   });
   if (!status.ok()) answer(status);
   return call.reactor();
 }
 
 absl::Status AttentionServiceImpl::SubmitSessionStep(
-    const v1::SessionStepRequest& request, absl::Time deadline, std::function<bool()> is_cancelled,
-    v1::SessionStepResponse* response, std::function<void(const absl::Status&)> finish) {
+    const v1::SessionStepRequest& request, const SessionCaller& caller, absl::Time deadline,
+    std::function<bool()> is_cancelled, v1::SessionStepResponse* response,
+    std::function<void(const absl::Status&)> finish) {
   RETURN_IF_ERROR(CheckKnownFields(request));
   RETURN_IF_ERROR(CheckRequestId(request.request_id()));
   RETURN_IF_ERROR(SessionsEnabled());
@@ -304,6 +347,7 @@ absl::Status AttentionServiceImpl::SubmitSessionStep(
     if (!info.ok()) {
       return Prefixed(info.status(), field);
     }
+    RETURN_IF_ERROR(Prefixed(CheckSessionOwner(caller, *info), field));
     const SessionShape& shape = info->shape;
     const int64_t dv = shape.v_head_dim > 0 ? shape.v_head_dim : shape.head_dim;
     StepEntry entry;

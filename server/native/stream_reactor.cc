@@ -161,9 +161,11 @@ class SessionStepStreamReactor final
       service_.CountSessionRefusal(result);
       Answer(answer, record, result);
     };
-    const absl::Status status = CatchExceptions("SessionStepStream", [&] {
+    const absl::Status status = CatchExceptions("SessionStepStream", [&]() -> absl::Status {
+      ASSIGN_OR_RETURN(const SessionCaller caller,
+                       IdentifySessionCaller(*context_, service_.access_, "SessionStepStream"));
       return service_.SubmitSessionStep(
-          request, Deadline(context_), [this] { return context_->IsCancelled(); },
+          request, caller, Deadline(context_), [this] { return context_->IsCancelled(); },
           answer->mutable_response(), finish);
     });
     if (!status.ok()) finish(status);

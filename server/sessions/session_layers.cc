@@ -43,35 +43,48 @@ absl::StatusOr<SessionShape> ShapeOverLayers(
     std::vector<std::string> names) {
   if (layers.empty()) return Invalid("config.layers is empty");
   const SessionShape first = HeadsOf(layers[0]->config());
+  std::vector<int64_t> windows;  // each layer's
   for (size_t l = 0; l < layers.size(); ++l) {
     const std::string field = absl::StrCat("config.layers[", l, "] ('", names[l], "')");
     RETURN_IF_ERROR(Prefixed(layers[l]->DecodeSupport(), field));
     const SessionShape heads = HeadsOf(layers[l]->config());
     if (heads.num_heads != first.num_heads || heads.num_kv_heads != first.num_kv_heads ||
-        heads.head_dim != first.head_dim || heads.v_head_dim != first.v_head_dim ||
-        heads.sliding_window != first.sliding_window) {
+        heads.head_dim != first.head_dim || heads.v_head_dim != first.v_head_dim) {
       return Invalid(field, " has ", heads.num_heads, " heads, ", heads.num_kv_heads,
-                     " KV heads, head sizes ", heads.head_dim, "/", heads.v_head_dim,
-                     " and sliding window ", heads.sliding_window, "; config.layers[0] has ",
-                     first.num_heads, ", ", first.num_kv_heads, ", ", first.head_dim, "/",
-                     first.v_head_dim, " and ", first.sliding_window,
+                     " KV heads and head sizes ", heads.head_dim, "/", heads.v_head_dim,
+                     "; config.layers[0] has ", first.num_heads, ", ", first.num_kv_heads, " and ",
+                     first.head_dim, "/", first.v_head_dim,
                      ": one session's layers share their heads (use a session per kind)");
     }
+    windows.push_back(heads.sliding_window);
   }
+  const bool one_window = std::all_of(windows.begin(), windows.end(),
+                                      [&](int64_t window) { return window == windows[0]; });
   RETURN_IF_ERROR(
       CheckFromLayers("num_layers", requested.num_layers, static_cast<int64_t>(layers.size())));
   RETURN_IF_ERROR(CheckFromLayers("num_heads", requested.num_heads, first.num_heads));
   RETURN_IF_ERROR(CheckFromLayers("num_kv_heads", requested.num_kv_heads, first.num_kv_heads));
   RETURN_IF_ERROR(CheckFromLayers("head_dim", requested.head_dim, first.head_dim));
   RETURN_IF_ERROR(CheckFromLayers("v_head_dim", requested.v_head_dim, first.v_head_dim));
-  RETURN_IF_ERROR(
-      CheckFromLayers("sliding_window", requested.sliding_window, first.sliding_window));
+  if (one_window) {
+    RETURN_IF_ERROR(CheckFromLayers("sliding_window", requested.sliding_window, windows[0]));
+  } else if (requested.sliding_window != 0) {
+    return Invalid("config.sliding_window = ", requested.sliding_window,
+                   " but config.layers have different windows: leave it 0");
+  }
+  if (!requested.layer_sliding_windows.empty() && requested.layer_sliding_windows != windows) {
+    return Invalid(
+        "config.layer_sliding_windows differ from config.layers' windows: leave "
+        "them empty");
+  }
   if (requested.scale != 0) {
     return Invalid("config.scale = ", requested.scale,
                    " is for sessions without layers; served layers scale by 1/sqrt(head_dim)");
   }
   SessionShape shape = first;
   shape.num_layers = static_cast<int64_t>(layers.size());
+  shape.sliding_window = one_window ? windows[0] : 0;
+  if (!one_window) shape.layer_sliding_windows = std::move(windows);
   shape.kv_dtype = requested.kv_dtype;
   shape.layers =
       std::make_shared<const ServedLayers>(ServedLayers{std::move(layers), std::move(names)});

@@ -19,11 +19,12 @@
 
 namespace attention::server {
 
-// The shape of a session over `layers` (loaded as `names`): heads, head sizes and sliding
-// window come from the layers, which must agree on them and support decode
-// (MhaLayer::DecodeSupport). `requested` is the caller's config: its num_layers, heads, head
-// sizes and window must each be 0 or the layers' value, its scale unset; its KV dtype is
-// kept. Errors name config.layers[i] or the config field.
+// The shape of a session over `layers` (loaded as `names`): heads and head sizes come from
+// the layers, which must agree on them and support decode (MhaLayer::DecodeSupport), and
+// each layer keeps its own sliding window (layer_sliding_windows where they differ).
+// `requested` is the caller's config: its num_layers, heads, head sizes and windows must
+// each be 0 (empty) or the layers' value, its scale unset; its KV dtype is kept. Errors name
+// config.layers[i] or the config field.
 absl::StatusOr<SessionShape> ShapeOverLayers(
     const SessionShape& requested, std::vector<std::shared_ptr<const core::MhaLayer>> layers,
     std::vector<std::string> names);

@@ -98,6 +98,23 @@ absl::Status CheckShape(const SessionShape& shape) {
   if (shape.sliding_window < 0) {
     return Invalid("sliding_window = ", shape.sliding_window, " must be >= 0 (0 for none)");
   }
+  if (!shape.layer_sliding_windows.empty()) {
+    if (static_cast<int64_t>(shape.layer_sliding_windows.size()) != shape.num_layers) {
+      return Invalid("layer_sliding_windows has ", shape.layer_sliding_windows.size(),
+                     " windows for num_layers = ", shape.num_layers);
+    }
+    if (shape.sliding_window != 0) {
+      return Invalid("sliding_window = ", shape.sliding_window,
+                     " and layer_sliding_windows go one or the other: give one window per "
+                     "layer, or one for all");
+    }
+    for (size_t l = 0; l < shape.layer_sliding_windows.size(); ++l) {
+      if (shape.layer_sliding_windows[l] < 0) {
+        return Invalid("layer_sliding_windows[", l, "] = ", shape.layer_sliding_windows[l],
+                       " must be >= 0 (0 for none)");
+      }
+    }
+  }
   if (shape.layers != nullptr &&
       static_cast<int64_t>(shape.layers->layers.size()) != shape.num_layers) {
     return Invalid("layers has ", shape.layers->layers.size(),
@@ -168,6 +185,11 @@ absl::Status SessionTableOptions::Validate() const {
   if (prefill_chunk_tokens < 1) {
     return Invalid("prefill_chunk_tokens = ", prefill_chunk_tokens, " must be >= 1");
   }
+  if (max_sessions_per_owner < 0 || max_reserved_tokens_per_owner < 0) {
+    return Invalid("max_sessions_per_owner = ", max_sessions_per_owner,
+                   " and max_reserved_tokens_per_owner = ", max_reserved_tokens_per_owner,
+                   " must be >= 0 (0 for no limit)");
+  }
   return absl::OkStatus();
 }
 
@@ -233,6 +255,40 @@ absl::Status SessionTable::CheckReservation(int64_t reserved_tokens) const {
   return absl::OkStatus();
 }
 
+absl::Status SessionTable::CheckOwnerLimitsLocked(const std::string& owner,
+                                                  int64_t reserved_tokens) const {
+  if (owner.empty()) return absl::OkStatus();
+  OwnerUsage usage;
+  if (const auto found = owner_usage_.find(owner); found != owner_usage_.end()) {
+    usage = found->second;
+  }
+  if (options_.max_sessions_per_owner > 0 && usage.sessions >= options_.max_sessions_per_owner) {
+    return WithReason(absl::ResourceExhaustedError(absl::StrCat(
+                          Quoted(owner), " holds ", usage.sessions,
+                          " sessions, the most one "
+                          "identity may (--max_sessions_per_identity); drop one first")),
+                      "MAX_SESSIONS_PER_IDENTITY");
+  }
+  if (options_.max_reserved_tokens_per_owner > 0 &&
+      usage.reserved_tokens + reserved_tokens > options_.max_reserved_tokens_per_owner) {
+    return WithReason(
+        absl::ResourceExhaustedError(absl::StrCat(
+            Quoted(owner), "'s sessions reserve ", usage.reserved_tokens, " tokens; ",
+            reserved_tokens, " more would pass the ", options_.max_reserved_tokens_per_owner,
+            " one identity may reserve (--max_session_tokens_per_identity)")),
+        "MAX_RESERVED_TOKENS_PER_IDENTITY");
+  }
+  return absl::OkStatus();
+}
+
+void SessionTable::CountOwnerLocked(const std::string& owner, int64_t reserved_tokens, int sign) {
+  if (owner.empty()) return;
+  OwnerUsage& usage = owner_usage_[owner];
+  usage.sessions += sign;
+  usage.reserved_tokens += sign * reserved_tokens;
+  if (usage.sessions == 0) owner_usage_.erase(owner);
+}
+
 std::string SessionTable::NewIdLocked() {
   while (true) {
     unsigned char random[16];
@@ -249,7 +305,7 @@ std::string SessionTable::NewIdLocked() {
 
 absl::StatusOr<SessionInfo> SessionTable::CreateSession(const SessionShape& shape,
                                                         int64_t reserved_tokens, absl::Duration ttl,
-                                                        absl::Time now) {
+                                                        absl::Time now, const std::string& owner) {
   RETURN_IF_ERROR(CheckShape(shape));
   RETURN_IF_ERROR(CheckReservation(reserved_tokens));
   ASSIGN_OR_RETURN(const absl::Duration session_ttl, TtlFor(ttl));
@@ -260,10 +316,12 @@ absl::StatusOr<SessionInfo> SessionTable::CreateSession(const SessionShape& shap
                           " sessions, its max_sessions; drop one or wait for one to expire")),
                       "MAX_SESSIONS");
   }
+  RETURN_IF_ERROR(CheckOwnerLimitsLocked(owner, reserved_tokens));
   ASSIGN_OR_RETURN(
       const core::kv_cache::SequenceId sequence,
       WithPoolReason(block_pool_.Reserve(LayoutOf(shape), shape.num_layers, reserved_tokens)));
   Session session;
+  session.owner = owner;
   session.shape = shape;
   session.sequence = sequence;
   session.layer_lengths.assign(shape.num_layers, 0);
@@ -271,6 +329,7 @@ absl::StatusOr<SessionInfo> SessionTable::CreateSession(const SessionShape& shap
   session.last_used = now;
   const std::string id = NewIdLocked();
   const Session& stored = sessions_[id] = std::move(session);
+  CountOwnerLocked(owner, reserved_tokens, +1);
   ++totals_.created;
   return InfoLocked(id, stored);
 }
@@ -317,6 +376,7 @@ absl::StatusOr<SessionTable::Session*> SessionTable::FindLocked(const std::strin
 SessionInfo SessionTable::InfoLocked(const std::string& id, const Session& session) const {
   SessionInfo info;
   info.id = id;
+  info.owner = session.owner;
   info.shape = session.shape;
   info.length = *std::min_element(session.layer_lengths.begin(), session.layer_lengths.end());
   info.layer_lengths = session.layer_lengths;
@@ -366,9 +426,11 @@ absl::StatusOr<SessionInfo> SessionTable::Fork(const std::string& id, int64_t to
                                                   " sessions, its max_sessions; drop one first")),
         "MAX_SESSIONS");
   }
+  RETURN_IF_ERROR(CheckOwnerLimitsLocked(source->owner, reserved_tokens));
   ASSIGN_OR_RETURN(const core::kv_cache::SequenceId sequence,
                    WithPoolReason(block_pool_.Fork(source->sequence, tokens, reserved_tokens)));
   Session fork;
+  fork.owner = source->owner;
   fork.shape = source->shape;
   fork.sequence = sequence;
   fork.layer_lengths.assign(fork.shape.num_layers, tokens);
@@ -376,6 +438,7 @@ absl::StatusOr<SessionInfo> SessionTable::Fork(const std::string& id, int64_t to
   fork.last_used = now;
   const std::string fork_id = NewIdLocked();
   const Session& stored = sessions_[fork_id] = std::move(fork);
+  CountOwnerLocked(stored.owner, reserved_tokens, +1);
   ++totals_.forked;
   return InfoLocked(fork_id, stored);
 }
@@ -445,6 +508,8 @@ int64_t SessionTable::ExpireIdle(absl::Time now) {
 void SessionTable::EndLocked(const std::string& id, Ending ending, absl::Time now) {
   ++(ending == Ending::kExpired ? totals_.expired : totals_.dropped);
   const auto found = sessions_.find(id);
+  CountOwnerLocked(found->second.owner,
+                   (*block_pool_.Find(found->second.sequence))->reserved_tokens, -1);
   ReleaseLocked(found->second.sequence);
   sessions_.erase(found);
   if (options_.max_tombstones == 0) return;
@@ -612,7 +677,7 @@ std::vector<SessionTable::AttendPass> SessionTable::PlanStepLocked(
     const SessionShape& shape = sessions[i]->shape;
     const KvLayout layout = LayoutOf(shape);
     groups[{layout.num_kv_heads, layout.key_dim, layout.value_dim, static_cast<int>(layout.dtype),
-            shape.num_heads, ScaleOf(shape), shape.sliding_window}]
+            shape.num_heads, ScaleOf(shape), shape.WindowOf(entries[i].layer)}]
         .push_back(i);
   }
   // Every group's first chunks (all of a decode entry) first, then the second chunks, ...
@@ -648,7 +713,7 @@ std::vector<SessionTable::AttendPass> SessionTable::PlanStepLocked(
       pass.batch.layout = LayoutOf(shape);
       pass.batch.num_heads = shape.num_heads;
       pass.batch.scale = ScaleOf(shape);
-      pass.batch.sliding_window = shape.sliding_window;
+      pass.batch.sliding_window = std::get<6>(key);  // the group's window
       passes.push_back(std::move(pass));
     }
     if (passes.size() == before) break;

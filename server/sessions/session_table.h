@@ -71,9 +71,17 @@ struct SessionShape {
   float scale = 0;  // softmax scale; 0 means 1/sqrt(dk)
   // Keys each query sees, its own included (Mistral's and Qwen2's sliding window); 0: all.
   int64_t sliding_window = 0;
+  // One window per layer where layers differ (Gemma 2/3, Qwen2's max_window_layers); empty:
+  // sliding_window for every layer. CheckShape allows one or the other.
+  std::vector<int64_t> layer_sliding_windows;
   // A session over served layers (see session_layers.h), or null for a session whose caller
   // projects Q, K and V itself. Shared and immutable, so copying a shape stays cheap.
   std::shared_ptr<const ServedLayers> layers;
+
+  // The window of `layer` (0: none).
+  int64_t WindowOf(int64_t layer) const {
+    return layer_sliding_windows.empty() ? sliding_window : layer_sliding_windows[layer];
+  }
 };
 
 struct SessionTableOptions {
@@ -100,6 +108,11 @@ struct SessionTableOptions {
   int64_t prefill_chunk_tokens = 256;
   // Fill freed blocks with NaN, so that a read outside a block table shows (tests).
   bool poison_freed_blocks = false;
+  // What one identity's sessions may hold at once (sessions and reserved tokens, forks
+  // included); 0 for no limit. Sessions without an owner (a server without session
+  // credentials) are not counted.
+  int64_t max_sessions_per_owner = 0;
+  int64_t max_reserved_tokens_per_owner = 0;
   // Prefix of every session id, naming the replica that holds it ("" for none).
   std::string replica;
 
@@ -108,6 +121,7 @@ struct SessionTableOptions {
 
 struct SessionInfo {
   std::string id;
+  std::string owner;  // the identity that created it; "" for none
   SessionShape shape;
   int64_t length = 0;                  // tokens written in every layer
   std::vector<int64_t> layer_lengths;  // tokens written, per layer
@@ -169,12 +183,14 @@ class SessionTable {
   static absl::StatusOr<std::unique_ptr<SessionTable>> Create(
       const SessionTableOptions& options, std::unique_ptr<core::kv_cache::KvStorage> storage);
 
-  // A new session of `shape` that may grow to `reserved_tokens`; `ttl` zero means the
-  // default.
+  // A new session of `shape` that may grow to `reserved_tokens`, owned by `owner` ("" for
+  // none); `ttl` zero means the default.
   absl::StatusOr<SessionInfo> CreateSession(const SessionShape& shape, int64_t reserved_tokens,
-                                            absl::Duration ttl, absl::Time now);
-  // A new session sharing the first `tokens` tokens of `id` (copy-on-write by block);
-  // `reserved_tokens` zero means the source's reservation, and `ttl` zero the source's TTL.
+                                            absl::Duration ttl, absl::Time now,
+                                            const std::string& owner = "");
+  // A new session sharing the first `tokens` tokens of `id` (copy-on-write by block), owned
+  // by its owner; `reserved_tokens` zero means the source's reservation, and `ttl` zero the
+  // source's TTL.
   absl::StatusOr<SessionInfo> Fork(const std::string& id, int64_t tokens, int64_t reserved_tokens,
                                    absl::Duration ttl, absl::Time now);
   // Back to `tokens` tokens in every layer (rejected speculative tokens).
@@ -207,6 +223,7 @@ class SessionTable {
 
  private:
   struct Session {
+    std::string owner;
     SessionShape shape;
     core::kv_cache::SequenceId sequence = 0;
     std::vector<int64_t> layer_lengths;  // tokens written, per layer
@@ -235,6 +252,11 @@ class SessionTable {
     uint64_t next_ticket_ = 0, serving_ = 0;
   };
   struct AttendPass;
+  // What one owner's sessions hold.
+  struct OwnerUsage {
+    int64_t sessions = 0;
+    int64_t reserved_tokens = 0;
+  };
   enum class Ending { kDropped, kExpired };
   struct Tombstone {
     Ending ending;
@@ -248,6 +270,13 @@ class SessionTable {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<absl::Duration> TtlFor(absl::Duration ttl) const;
   absl::Status CheckReservation(int64_t reserved_tokens) const;
+  // RESOURCE_EXHAUSTED when one more session of `reserved_tokens` would take `owner` past
+  // its limits (MAX_SESSIONS_PER_IDENTITY, MAX_RESERVED_TOKENS_PER_IDENTITY).
+  absl::Status CheckOwnerLimitsLocked(const std::string& owner, int64_t reserved_tokens) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Adds (sign +1) or takes away (-1) one session of `reserved_tokens` to `owner`'s usage.
+  void CountOwnerLocked(const std::string& owner, int64_t reserved_tokens, int sign)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string NewIdLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   SessionInfo InfoLocked(const std::string& id, const Session& session) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -284,6 +313,7 @@ class SessionTable {
   absl::flat_hash_map<std::string, Tombstone> tombstones_ ABSL_GUARDED_BY(mu_);
   std::deque<std::string> tombstone_order_ ABSL_GUARDED_BY(mu_);  // oldest first
   SessionCounters totals_ ABSL_GUARDED_BY(mu_);                   // the "since start" fields
+  absl::flat_hash_map<std::string, OwnerUsage> owner_usage_ ABSL_GUARDED_BY(mu_);
   // Steps in flight per sequence, and the sequences whose session ended meanwhile.
   absl::flat_hash_map<core::kv_cache::SequenceId, int> pins_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<core::kv_cache::SequenceId> release_when_unpinned_ ABSL_GUARDED_BY(mu_);

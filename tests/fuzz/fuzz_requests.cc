@@ -151,8 +151,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       }
       v1::SessionStepResponse response;
       server::RunAndWait([&](auto finish) {
-        return service->service->SubmitSessionStep(request, deadline, never_cancelled, &response,
-                                                   finish);
+        return service->service->SubmitSessionStep(request, SessionCaller{}, deadline,
+                                                   never_cancelled, &response, finish);
       });
       // Back to empty, so the next input's positions start from 0 again.
       if (!service->sessions->Truncate(service->session_id, 0, absl::Now()).ok()) {

@@ -13,7 +13,8 @@ random-initialised float32 decoders (2 layers, hidden 64), the same weights in a
    with GQA, MQA (1 KV head), head_dim != hidden / heads with a softmax scale that is not
    head_dim^-0.5, llama3 RoPE scaling, Qwen2 (q/k/v biases), Qwen3 (q/k norms), and when
    the server applies SessionConfig.sliding_window, Mistral and Qwen2 (sliding and full
-   layers mixed) with a window shorter than the generation; a chunked prefill; beam search
+   layers mixed: one session per prompt, each layer with its window) with a window shorter
+   than the generation; a chunked prefill; beam search
    (reorder_cache).
 2. Continuing from a cache and from its fork (ServiceCache.fork), on two different next
    tokens: each gives the tokens local generate() gives from the same prefix.
@@ -23,8 +24,8 @@ random-initialised float32 decoders (2 layers, hidden 64), the same weights in a
    5.0), where newer releases refuse one.
 4. Right padding (which the sessions cannot reproduce) raises ValueError; a forward
    without a ServiceCache raises; Gemma 2's logit soft-capping raises NotImplementedError;
-   a sliding-window model whose sessions come back without the window (as from an older
-   server) raises NotImplementedError; closed caches leave no session on the server. Every served generation is one SessionStep per layer per
+   a sliding-window model (one window, or windows per layer) whose sessions come back
+   without them (as from an older server) raises NotImplementedError; closed caches leave no session on the server. Every served generation is one SessionStep per layer per
    forward, with one entry per prompt.
 
 On failure the seed is printed; the exit code is 1.
@@ -306,21 +307,25 @@ def main():
 
 class WindowlessServer(CountingClient):
     """A client whose sessions get no sliding window, as from a server older than
-    SessionConfig.sliding_window (which ignores the field)."""
+    SessionConfig.sliding_window and layer_sliding_windows (which ignores the fields)."""
 
     def create_session(self, *args, **kwargs):
         kwargs["sliding_window"] = 0
+        kwargs["layer_sliding_windows"] = ()
         return self.client.create_session(*args, **kwargs)
 
 
 def check_sliding_refused(t, client):
     """A server that does not apply the window gets a sliding-window model refused, not
     served as full attention."""
-    _, served = model_pair(tiny("mistral", sliding_window=4), 0)
     ids, mask = left_padded([6], 0)
-    with hf.ServiceCache(WindowlessServer(client), served.config, max_tokens=16) as cache:
-        expect_raise(t, "sliding window on a server without it", NotImplementedError,
-                     lambda: greedy(served, ids, mask, 2, cache=cache))
+    for name, config in (("sliding window", tiny("mistral", sliding_window=4)),
+                         ("windows per layer", tiny("qwen2", use_sliding_window=True,
+                                                    sliding_window=4, max_window_layers=1))):
+        _, served = model_pair(config, 0)
+        with hf.ServiceCache(WindowlessServer(client), served.config, max_tokens=16) as cache:
+            expect_raise(t, "%s on a server without it" % name, NotImplementedError,
+                         lambda: greedy(served, ids, mask, 2, cache=cache))
 
 
 if __name__ == "__main__":

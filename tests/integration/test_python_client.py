@@ -11,6 +11,7 @@ reason (and the holder replica of WRONG_REPLICA), unary and streamed; the server
 SIGTERM.
 """
 
+import asyncio
 import tempfile
 
 import grpc
@@ -188,6 +189,55 @@ def check_sessions(t, client):
         client.drop_session(id_)
     expect_error(t, "dropped session", grpc.StatusCode.NOT_FOUND,
                  lambda: client.get_session(session.session_id))
+
+
+def check_async_client(t, client, target):
+    """AsyncAttentionClient against the blocking client on the same server: the same bits
+    for attention and for every session call, and the same SessionError."""
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(2, 5, 768)).astype(np.float32)
+    h, hkv, dk, length = 2, 1, 8, 6
+    q = rng.normal(size=(length, h, dk)).astype(np.float32)
+    k = rng.normal(size=(length, hkv, dk)).astype(np.float32)
+    v = rng.normal(size=(length, hkv, dk)).astype(np.float32)
+    blocking = client.create_session(1, h, hkv, dk, 16)
+    want = [client.session_step([(blocking.session_id, 0, p, q[p:p + 1], k[p:p + 1],
+                                  v[p:p + 1])])[0] for p in range(length)]
+    client.drop_session(blocking.session_id)
+
+    async def run():
+        async with ac.AsyncAttentionClient(target) as aio:
+            mha = await aio.multi_head_attention(x, layer="demo-bert-base")
+            t.check(np.array_equal(mha.output,
+                                   client.multi_head_attention(x, layer="demo-bert-base").output),
+                    "async multi_head_attention answers the blocking client's bits")
+            a, b = await asyncio.gather(aio.create_session(1, h, hkv, dk, 16),
+                                        aio.create_session(1, h, hkv, dk, 16))
+            got = await aio.session_step([(a.session_id, 0, 0, q[:1], k[:1], v[:1]),
+                                          (b.session_id, 0, 0, q[:1], k[:1], v[:1])])
+            t.check(np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[0]),
+                    "async session_step answers the blocking client's bits")
+            steps = [("s%d" % p, [(a.session_id, 0, p, q[p:p + 1], k[p:p + 1], v[p:p + 1])])
+                     for p in range(1, length)]
+            streamed = {request_id: outputs async for request_id, outputs in
+                        aio.session_step_stream(steps)}
+            t.check(all(np.array_equal(streamed["s%d" % p][0], want[p])
+                        for p in range(1, length)), "async session_step_stream's bits")
+            fork = await aio.fork_session(a.session_id, 3)
+            t.check((fork.length, fork.reserved_tokens) == (3, 16), "async fork %s" % fork)
+            info = await aio.get_session(a.session_id, keep_idle=True)
+            t.check(info.length == length, "async get_session length %d" % info.length)
+            t.check((await aio.truncate_session(a.session_id, 2)).length == 2, "async truncate")
+            t.check(len(await aio.list_sessions()) == 3, "async list_sessions")
+            for session in (a, b, fork):
+                await aio.drop_session(session.session_id)
+            try:
+                await aio.get_session(a.session_id)
+                t.check(False, "async get_session of a dropped session succeeded")
+            except SessionError as err:
+                t.check(err.reason == "SESSION_DROPPED", "async SessionError %r" % err)
+
+    asyncio.run(run())
 
 
 def decoder_layer(x, w, heads, kv_heads, theta, dtype):
@@ -474,6 +524,31 @@ def check_errors(t, client):
     t.check(client.health() == "SERVING", "still SERVING after malformed requests")
 
 
+def check_session_tokens(t, target, session_tokens, admin_token, tls):
+    """Sessions of a server with --session_tokens_file: each identity's own."""
+    with AttentionClient(target, session_token=session_tokens["alice"], **tls) as alice, \
+            AttentionClient(target, session_token=session_tokens["bob"], **tls) as bob, \
+            AttentionClient(target, **tls) as anonymous, \
+            AttentionClient(target, admin_token=admin_token, **tls) as admin:
+        session = alice.create_session(1, 2, 1, 8, 16)
+        q, k, v = (np.full(shape, 0.5, np.float32) for shape in ((1, 2, 8), (1, 1, 8), (1, 1, 8)))
+        alice.session_step([(session.session_id, 0, 0, q, k, v)])
+        expect_refusal(t, "a session call without a token", grpc.StatusCode.UNAUTHENTICATED,
+                       "CREDENTIAL_MISSING", lambda: anonymous.create_session(1, 2, 1, 8, 16))
+        expect_refusal(t, "another identity's session", grpc.StatusCode.PERMISSION_DENIED,
+                       "SESSION_OF_ANOTHER_IDENTITY", lambda: bob.get_session(session.session_id))
+        # A fork without reserved_tokens takes the source's 16; keep_idle reads without a use.
+        fork = alice.fork_session(session.session_id, 1)
+        t.check(fork.reserved_tokens == 16, "fork reservation %d" % fork.reserved_tokens)
+        t.check(alice.get_session(fork.session_id, keep_idle=True).length == 1, "fork length")
+        t.check(sorted(s.session_id for s in alice.list_sessions())
+                == sorted([session.session_id, fork.session_id]), "alice lists her own")
+        t.check(bob.list_sessions() == [], "bob lists none")
+        t.check(len(admin.list_sessions()) == 2, "the admin lists every session")
+        admin.drop_session(fork.session_id)
+        alice.drop_session(session.session_id)
+
+
 def check_tls_and_admin_token(t, binary):
     """Mutual TLS and a restricted LoadLayer through the Python client's options."""
     with tempfile.TemporaryDirectory() as directory:
@@ -481,10 +556,14 @@ def check_tls_and_admin_token(t, binary):
         token = "python-client-admin-token-0123"
         with open(path("token"), "w") as f:
             f.write(token + "\n")
+        session_tokens = {"alice": "alice-session-token-0123", "bob": "bob-session-token-01234"}
+        with open(path("session_tokens"), "w") as f:
+            f.writelines("%s %s\n" % pair for pair in session_tokens.items())
         server = harness.ServerProcess(
             binary, "--compute_threads=1", "--tls_cert_file=" + path("server.pem"),
             "--tls_key_file=" + path("server.key"), "--tls_client_ca_file=" + path("ca.pem"),
-            "--admin_token_file=" + path("token")).start()
+            "--admin_token_file=" + path("token"),
+            "--session_tokens_file=" + path("session_tokens")).start()
         try:
             tls = dict(tls_ca_file=path("ca.pem"), tls_cert_file=path("client.pem"),
                        tls_key_file=path("client.key"))
@@ -498,6 +577,7 @@ def check_tls_and_admin_token(t, binary):
                 info = admin.load_layer("x", {"embed_dim": 8, "num_heads": 2}, random_seed=1)
                 t.check(info.name == "x", "load with the admin token: %s" % info)
                 admin.unload_layer("x")
+            check_session_tokens(t, server.target, session_tokens, token, tls)
             with AttentionClient(server.target, tls_ca_file=path("ca.pem")) as no_cert:
                 expect_error(t, "mutual TLS without a client certificate",
                              grpc.StatusCode.UNAVAILABLE, lambda: no_cert.list_layers())
@@ -525,6 +605,7 @@ def main():
             t.run("layers", check_layers, t, client)
             t.run("errors", check_errors, t, client)
             t.run("sessions", check_sessions, t, client)
+            t.run("async client", check_async_client, t, client, server.target)
             t.run("session errors", check_session_errors, t, client)
             t.run("layer sessions", check_layer_sessions, t, client)
     except BaseException:

@@ -101,12 +101,13 @@ TEST_F(SessionLayersTest, IncrementalDecodeIsTheOneShotCausalForward) {
   Load(DecoderLayer("llama", 1));
   Load(DecoderLayer("qwen", 2));
   Load(DecoderLayer("mistral", 3, /*window=*/8));
-  // Two sessions over the same two layers (a batch of two sequences), one over the windowed
-  // layer; all three decode in the same steps.
+  // Two sessions over the same two layers (a batch of two sequences), one over a windowed
+  // and an unwindowed layer (each keeps its own window, as Gemma's alternate); all three
+  // decode in the same steps.
   v1::SessionInfo a, b, windowed;
   ASSERT_TRUE(Create(OverLayers({"llama", "qwen"}), &a).ok());
   ASSERT_TRUE(Create(OverLayers({"llama", "qwen"}), &b).ok());
-  grpc::Status created = Create(OverLayers({"mistral"}), &windowed);
+  grpc::Status created = Create(OverLayers({"mistral", "llama"}), &windowed);
   ASSERT_TRUE(created.ok()) << created.error_message();
   // The heads come from the layers.
   EXPECT_EQ(a.config().num_layers(), 2);
@@ -115,7 +116,12 @@ TEST_F(SessionLayersTest, IncrementalDecodeIsTheOneShotCausalForward) {
   EXPECT_EQ(a.config().head_dim(), 16);
   ASSERT_EQ(a.config().layers_size(), 2);
   EXPECT_EQ(a.config().layers(1), "qwen");
-  EXPECT_EQ(windowed.config().sliding_window(), 8);
+  EXPECT_EQ(a.config().sliding_window(), 0);
+  EXPECT_EQ(a.config().layer_sliding_windows_size(), 0) << "one window for all layers";
+  EXPECT_EQ(windowed.config().sliding_window(), 0);
+  EXPECT_EQ(std::vector<int64_t>(windowed.config().layer_sliding_windows().begin(),
+                                 windowed.config().layer_sliding_windows().end()),
+            (std::vector<int64_t>{8, 0}));
 
   constexpr int64_t kTokens = 29, kPrefill = 17;
   struct Sequence {
@@ -126,7 +132,7 @@ TEST_F(SessionLayersTest, IncrementalDecodeIsTheOneShotCausalForward) {
   };
   std::vector<Sequence> sequences = {{a.session_id(), {"llama", "qwen"}},
                                      {b.session_id(), {"llama", "qwen"}},
-                                     {windowed.session_id(), {"mistral"}}};
+                                     {windowed.session_id(), {"mistral", "llama"}}};
   for (Sequence& s : sequences) {
     s.x = RandomValues(rng, kTokens * kEmbed);
     s.output.assign(s.layers.size(), std::vector<float>(kTokens * kEmbed));
@@ -259,13 +265,21 @@ TEST_F(SessionLayersTest, EveryRefusalNamesItsField) {
        "config.layers[1]"},
       {"layers of other heads", OverLayers({"llama", "wider"}), grpc::StatusCode::INVALID_ARGUMENT,
        "config.layers[1] ('wider') has 8 heads"},
-      {"layers of other windows", OverLayers({"llama", "mistral"}),
-       grpc::StatusCode::INVALID_ARGUMENT, "sliding window 8"},
+      {"one window over layers of other windows", OverLayers({"llama", "mistral"}),
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "config.sliding_window = 8 but config.layers have different windows"},
       {"keys from another input", OverLayers({"cross"}), grpc::StatusCode::FAILED_PRECONDITION,
        "config.layers[0] ('cross'): a session projects keys and values from the hidden states"},
       {"dynamic RoPE", OverLayers({"dynamic"}), grpc::StatusCode::FAILED_PRECONDITION,
        "rope_scaling is dynamic"},
   };
+  cases[2].config.set_sliding_window(8);
+  Case windows{"windows that disagree", OverLayers({"llama", "mistral"}),
+               grpc::StatusCode::INVALID_ARGUMENT,
+               "config.layer_sliding_windows differ from config.layers' windows"};
+  windows.config.add_layer_sliding_windows(8);
+  windows.config.add_layer_sliding_windows(8);
+  cases.push_back(windows);
   Case heads{"heads that disagree", OverLayers({"llama"}), grpc::StatusCode::INVALID_ARGUMENT,
              "config.num_heads = 3 but config.layers have 4"};
   heads.config.set_num_heads(3);

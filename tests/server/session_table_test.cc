@@ -319,6 +319,66 @@ TEST_F(SessionTableTest, OptionsOutOfRangeAreRefusedNamingTheField) {
   EXPECT_TRUE(SessionTable::Create(small, pool_).ok());
 }
 
+TEST_F(SessionTableTest, EachLayerAttendsWithItsOwnWindow) {
+  auto table = Table();
+  SessionShape mixed{2, 2, 1, 8, 0, core::DType::kFloat32, 0};
+  mixed.layer_sliding_windows = {4, 0};
+  SessionShape windowed{1, 2, 1, 8, 0, core::DType::kFloat32, 0, /*sliding_window=*/4};
+  SessionShape full{1, 2, 1, 8, 0, core::DType::kFloat32, 0};
+  const SessionInfo session = *table->CreateSession(mixed, 16, {}, kT0);
+  EXPECT_EQ(session.shape.WindowOf(0), 4);
+  EXPECT_EQ(session.shape.WindowOf(1), 0);
+  const Tokens tokens = RandomTokens(mixed, 12, 7);
+  // Each layer answers bitwise as a session of one layer with that window: a prefill chunk
+  // and decode steps, the windowed layer past its window.
+  std::vector<float> layer0, layer1, alone0, alone1;
+  StepAll(*table, session, tokens, 0, 0, 12, 5, &layer0);
+  StepAll(*table, session, tokens, 1, 0, 12, 5, &layer1);
+  StepAll(*table, *table->CreateSession(windowed, 16, {}, kT0), tokens, 0, 0, 12, 5, &alone0);
+  StepAll(*table, *table->CreateSession(full, 16, {}, kT0), tokens, 0, 0, 12, 5, &alone1);
+  EXPECT_EQ(layer0, alone0);
+  EXPECT_EQ(layer1, alone1);
+  EXPECT_NE(layer0, layer1) << "the window made no difference";
+  // One window per layer, or one for all.
+  SessionShape refused = mixed;
+  refused.layer_sliding_windows = {4};
+  EXPECT_TRUE(absl::StrContains(table->CreateSession(refused, 8, {}, kT0).status().message(),
+                                "layer_sliding_windows has 1 windows for num_layers = 2"));
+  refused = mixed;
+  refused.sliding_window = 4;
+  EXPECT_TRUE(absl::StrContains(table->CreateSession(refused, 8, {}, kT0).status().message(),
+                                "go one or the other"));
+  refused = mixed;
+  refused.layer_sliding_windows = {4, -1};
+  EXPECT_TRUE(absl::StrContains(table->CreateSession(refused, 8, {}, kT0).status().message(),
+                                "layer_sliding_windows[1] = -1 must be >= 0"));
+}
+
+TEST_F(SessionTableTest, AnOwnersLimitsCountItsForksAndFreeWithExpiry) {
+  SessionTableOptions options = Options();
+  options.default_ttl = absl::Seconds(10);
+  options.max_sessions_per_owner = 2;
+  options.max_reserved_tokens_per_owner = 20;
+  auto table = Table(options);
+  const SessionShape shape{1, 2, 2, 8, 0, core::DType::kFloat32, 0};
+  const SessionInfo source = *table->CreateSession(shape, 8, {}, kT0, "alice");
+  EXPECT_EQ(source.owner, "alice");
+  // A fork is its source's owner's, and counts against it.
+  const SessionInfo fork = *table->Fork(source.id, 0, 0, {}, kT0);
+  EXPECT_EQ(fork.owner, "alice");
+  EXPECT_EQ(ReasonOf(table->CreateSession(shape, 1, {}, kT0, "alice").status()),
+            "MAX_SESSIONS_PER_IDENTITY");
+  // Sessions without an owner are not counted, nor held back.
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(table->CreateSession(shape, 8, {}, kT0).ok());
+  // Expiry gives an owner's share back: 8 + 8 reserved, then none.
+  EXPECT_EQ(table->ExpireIdle(kT0 + absl::Seconds(11)), 5);
+  EXPECT_TRUE(table->CreateSession(shape, 20, {}, kT0 + absl::Seconds(11), "alice").ok());
+  EXPECT_EQ(ReasonOf(table->CreateSession(shape, 1, {}, kT0 + absl::Seconds(11), "alice").status()),
+            "MAX_RESERVED_TOKENS_PER_IDENTITY");
+  options.max_sessions_per_owner = -1;
+  EXPECT_EQ(options.Validate().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(SessionTableTest, ExpiredDroppedAndUnknownAreToldApart) {
   SessionTableOptions options = Options();
   options.default_ttl = absl::Seconds(10);

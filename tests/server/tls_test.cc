@@ -1,6 +1,7 @@
 // TLS and mutual TLS on the gRPC port, with certificates made at test time by Debian's
 // openssl: the handshake, refusals (plaintext, another CA, no client certificate under
-// mTLS) and a rotated server certificate served without a restart.
+// mTLS), a rotated server certificate served without a restart, and sessions owned by the
+// identity of a client certificate.
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -15,8 +16,9 @@
 namespace attention::server::testing {
 namespace {
 
-// A CA, a server certificate (CN server-1, for localhost and 127.0.0.1) and a client
-// certificate it signed, and a second CA with a client certificate of its own.
+// A CA, a server certificate (CN server-1, for localhost and 127.0.0.1) and client
+// certificates it signed (alice's and bob's name them in their subject alternative name),
+// and a second CA with a client certificate of its own.
 class Certificates {
  public:
   Certificates() {
@@ -28,6 +30,10 @@ class Certificates {
     Sign("server", "server-1", "ca");
     Sign("client", "client", "ca");
     Sign("intruder", "intruder", "other-ca");
+    for (const std::string name : {"alice", "bob"}) {
+      Run("printf 'subjectAltName=DNS:" + name + "\\n' > " + name + ".ext");
+      Sign(name, name, "ca", name + ".ext");
+    }
   }
   ~Certificates() { std::filesystem::remove_all(dir_); }
 
@@ -48,11 +54,12 @@ class Certificates {
     Run("openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2 "
         "-subj /CN=" + name + " -keyout " + name + ".key -out " + name + ".pem");
   }
-  void Sign(const std::string& name, const std::string& common_name, const std::string& ca) {
+  void Sign(const std::string& name, const std::string& common_name, const std::string& ca,
+            const std::string& extensions = "san.ext") {
     Run("openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -subj /CN=" +
         common_name + " -keyout " + name + ".key -out " + name + ".csr && openssl x509 -req -in " +
-        name + ".csr -CA " + ca + ".pem -CAkey " + ca + ".key -CAcreateserial -days 2 -extfile "
-        "san.ext -out " + name + ".pem");
+        name + ".csr -CA " + ca + ".pem -CAkey " + ca + ".key -CAcreateserial -days 2 -extfile " +
+        extensions + " -out " + name + ".pem");
   }
 
   std::string dir_;
@@ -134,6 +141,36 @@ TEST_F(MutualTlsServerTest, ClientsNeedACertificateFromTheClientCa) {
       << "a client certificate from another CA must be refused";
 }
 
+class SessionIdentityFromCertificateTest : public MutualTlsServerTest {
+ protected:
+  ServerOptions Options() override {
+    ServerOptions options = MutualTlsServerTest::Options();
+    options.demo_layer = false;
+    options.access.session_identity_from_client_certificate = true;
+    return options;
+  }
+};
+
+TEST_F(SessionIdentityFromCertificateTest, ASessionIsItsCertificatesIdentitysAlone) {
+  client::AttentionClient alice(Target(), Trusting("ca", "alice"));
+  client::AttentionClient bob(Target(), Trusting("ca", "bob"));
+  v1::CreateSessionRequest request;
+  request.mutable_config()->set_num_layers(1);
+  request.mutable_config()->set_num_heads(1);
+  request.mutable_config()->set_num_kv_heads(1);
+  request.mutable_config()->set_head_dim(8);
+  request.set_reserved_tokens(8);
+  const absl::StatusOr<v1::SessionInfo> session = alice.CreateSession(request);
+  ASSERT_TRUE(session.ok()) << session.status();
+  EXPECT_TRUE(alice.GetSession(session->session_id()).ok());
+  const absl::Status refused = bob.GetSession(session->session_id()).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kPermissionDenied) << refused;
+  EXPECT_NE(refused.message().find("another identity than \"bob\""), std::string::npos) << refused;
+  const std::optional<client::SessionRefusal> refusal = client::SessionRefusalOf(refused);
+  ASSERT_TRUE(refusal.has_value());
+  EXPECT_EQ(refusal->reason, "SESSION_OF_ANOTHER_IDENTITY");
+}
+
 TEST(TlsOptionsTest, MisconfigurationsFailStartUp) {
   ServerOptions options;
   options.listen_address = "127.0.0.1:0";
@@ -149,6 +186,10 @@ TEST(TlsOptionsTest, MisconfigurationsFailStartUp) {
   options.tls.client_ca_file = "/nonexistent/ca.pem";
   EXPECT_EQ(AttentionServer::Start(options).status().message(),
             "tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file");
+  options.tls = {};
+  options.access.session_identity_from_client_certificate = true;
+  EXPECT_EQ(AttentionServer::Start(options).status().message(),
+            "session_identity_from_client_certificate needs mutual TLS (tls_client_ca_file)");
   client::ClientOptions client_options;
   client_options.tls_ca_file = "/nonexistent/ca.pem";
   EXPECT_EQ(client::AttentionClient("127.0.0.1:1", client_options).ListLayers().status().message(),

@@ -29,9 +29,12 @@ class ClientBase:
 
     def __init__(self, target, timeout=60.0, max_message_bytes=64 << 20, admin_token=None,
                  tls_ca_file=None, tls_cert_file=None, tls_key_file=None,
-                 tls_server_name=None, lb_policy=None):
+                 tls_server_name=None, lb_policy=None, session_token=None):
         """admin_token: sent as "authorization: Bearer <token>" with load_layer and
         unload_layer, for a server started with --admin_token_file.
+        session_token: sent the same way with every session call (the admin token is, where
+        there is none), for a server started with --session_tokens_file: the sessions this
+        client creates are its identity's alone.
         tls_ca_file: PEM CA bundle of the server's certificate; connects with TLS (plaintext
         without it). tls_cert_file / tls_key_file: this client's certificate, for mutual TLS.
         tls_server_name: the name checked against the server's certificate, when not the
@@ -39,7 +42,10 @@ class ClientBase:
         calls over every address the target resolves to (pick_first when None)."""
         self._pb2, pb2_grpc, _ = stubs.load()
         self.timeout = timeout
-        self._admin_metadata = messages.admin_metadata(admin_token)
+        self._admin_metadata = messages.bearer_metadata(admin_token)
+        # Session calls carry the session token, else the admin token (which reaches every
+        # session).
+        self._session_metadata = messages.bearer_metadata(session_token or admin_token)
         credentials, options = messages.channel_arguments(
             max_message_bytes, tls_ca_file, tls_cert_file, tls_key_file, tls_server_name)
         self._credentials, self._channel_options = credentials, options
@@ -48,6 +54,11 @@ class ClientBase:
         self._stub_class = pb2_grpc.AttentionServiceStub
         self._stub = pb2_grpc.AttentionServiceStub(self._channel)
         self._health_check = messages.health_method(self._channel)
+        # Sessions live in one replica's memory: each session's calls go to the address its
+        # create / fork answer gave, over a channel to that replica alone.
+        self._replicas_lock = threading.Lock()
+        self._pinned = {}  # session id -> replica address
+        self._replica_channels = {}  # replica address -> (channel, stub)
 
     def _open_channel(self, target, options):
         if self._credentials is None:
@@ -62,19 +73,104 @@ class ClientBase:
     def _timeout(self, timeout):
         return self.timeout if timeout is None else timeout
 
+    # Session requests and answers, alike for both clients.
+
+    def _create_session_request(self, num_layers, num_heads, num_kv_heads, head_dim,
+                                reserved_tokens, *, v_head_dim=0, kv_dtype="float32", scale=None,
+                                sliding_window=0, layer_sliding_windows=(), ttl_ms=0):
+        config = self._pb2.SessionConfig(num_layers=num_layers, num_heads=num_heads,
+                                         num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                         v_head_dim=v_head_dim,
+                                         kv_dtype=tensors.dtype_enum(kv_dtype),
+                                         sliding_window=sliding_window,
+                                         layer_sliding_windows=list(layer_sliding_windows))
+        if scale is not None:
+            config.scale = scale
+        return self._pb2.CreateSessionRequest(config=config, reserved_tokens=reserved_tokens,
+                                              ttl_ms=ttl_ms)
+
+    def _layer_session_request(self, layers, reserved_tokens, *, kv_dtype="float32", ttl_ms=0):
+        config = self._pb2.SessionConfig(layers=list(layers),
+                                         kv_dtype=tensors.dtype_enum(kv_dtype))
+        return self._pb2.CreateSessionRequest(config=config, reserved_tokens=reserved_tokens,
+                                              ttl_ms=ttl_ms)
+
+    def _step_request(self, return_log_sum_exp, output_dtype, request_id=""):
+        """A SessionStepRequest without entries."""
+        request = self._pb2.SessionStepRequest(return_log_sum_exp=return_log_sum_exp,
+                                               request_id=request_id)
+        if output_dtype is not None:
+            request.output_dtype = tensors.dtype_enum(output_dtype)
+        return request
+
+    def _fork_request(self, session_id, tokens, reserved_tokens=0, *, ttl_ms=0):
+        return self._pb2.ForkSessionRequest(session_id=session_id, tokens=tokens,
+                                            reserved_tokens=reserved_tokens, ttl_ms=ttl_ms)
+
+    @staticmethod
+    def _add_entry(request, entry):
+        """Adds one entries tuple of session_step to `request`."""
+        session_id, layer, position, *inputs = entry
+        added = request.entries.add(session_id=session_id, layer=layer, position=position)
+        if len(inputs) == 1:
+            tensors.encode(inputs[0], out=added.hidden_states)
+            return
+        query, key, value = inputs
+        tensors.encode(query, out=added.query)
+        tensors.encode(key, out=added.key)
+        tensors.encode(value, out=added.value)
+
+    def _step_requests(self, entries, request):
+        """{stub: (request with the entries of that stub's replica, their indices)}."""
+        parts = {}
+        for index, entry in enumerate(entries):
+            stub = self._session_stub(entry[0])
+            if stub not in parts:
+                part = self._pb2.SessionStepRequest()
+                part.CopyFrom(request)
+                parts[stub] = (part, [])
+            part, indices = parts[stub]
+            self._add_entry(part, entry)
+            indices.append(index)
+        if not parts:
+            parts[self._stub] = (request, [])
+        return parts
+
+    @staticmethod
+    def _step_outputs(results, return_log_sum_exp):
+        decode = tensors.decode
+        if return_log_sum_exp:
+            return [(decode(r.output), decode(r.log_sum_exp)) for r in results]
+        return [decode(r.output) for r in results]
+
+    def pin_session(self, session_id, replica_address):
+        """Sends `session_id`'s calls to `replica_address` (a session another client created:
+        its SessionInfo.replica_address); "" sends them to the target again."""
+        with self._replicas_lock:
+            if replica_address:
+                self._pinned[session_id] = replica_address
+            else:
+                self._pinned.pop(session_id, None)
+
+    def _pin(self, session):
+        self.pin_session(session.session_id, session.replica_address)
+        return session
+
+    def _session_stub(self, session_id):
+        with self._replicas_lock:
+            address = self._pinned.get(session_id)
+            if not address:
+                return self._stub
+            if address not in self._replica_channels:
+                channel = self._open_channel(address, self._channel_options)
+                self._replica_channels[address] = (channel, self._stub_class(channel))
+            return self._replica_channels[address][1]
+
 
 class AttentionClient(ClientBase):
     """Thread-safe (gRPC channels are); one channel per instance. Constructor arguments as
     ClientBase: target, timeout, max_message_bytes, admin_token, tls_ca_file,
-    tls_cert_file, tls_key_file, tls_server_name, lb_policy."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        # Sessions live in one replica's memory: each session's calls go to the address its
-        # create / fork answer gave, over a channel to that replica alone.
-        self._replicas_lock = threading.Lock()
-        self._pinned = {}  # session id -> replica address
-        self._replica_channels = {}  # replica address -> (channel, stub)
+    tls_cert_file, tls_key_file, tls_server_name, lb_policy, session_token."""
 
     def close(self):
         self._channel.close()
@@ -162,34 +258,26 @@ class AttentionClient(ClientBase):
     # sends only its new tokens. Q, K and V are projected and rotated (RoPE) by the caller.
 
     @raises_session_errors
-    def create_session(self, num_layers, num_heads, num_kv_heads, head_dim, reserved_tokens,
-                       *, v_head_dim=0, kv_dtype="float32", scale=None, sliding_window=0,
-                       ttl_ms=0, timeout=None):
-        """Returns the new session's attention.v1.SessionInfo (session_id, length, ...).
-        kv_dtype: "float32" or "bfloat16" (how K and V are stored). sliding_window: keys each
-        token attends to, its own included (0: all)."""
-        config = self._pb2.SessionConfig(num_layers=num_layers, num_heads=num_heads,
-                                         num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                         v_head_dim=v_head_dim,
-                                         kv_dtype=tensors.dtype_enum(kv_dtype),
-                                         sliding_window=sliding_window)
-        if scale is not None:
-            config.scale = scale
-        request = self._pb2.CreateSessionRequest(config=config, reserved_tokens=reserved_tokens,
-                                                 ttl_ms=ttl_ms)
-        return self._pin(self._stub.CreateSession(request, timeout=self._timeout(timeout)).session)
+    def create_session(self, *args, timeout=None, **kwargs):
+        """create_session(num_layers, num_heads, num_kv_heads, head_dim, reserved_tokens, *,
+        v_head_dim=0, kv_dtype="float32", scale=None, sliding_window=0,
+        layer_sliding_windows=(), ttl_ms=0): the new session's attention.v1.SessionInfo
+        (session_id, length, ...). kv_dtype: "float32" or "bfloat16" (how K and V are
+        stored). sliding_window: keys each token attends to, its own included (0: all);
+        layer_sliding_windows: one such window per layer instead, where layers differ."""
+        request = self._create_session_request(*args, **kwargs)
+        return self._pin(self._stub.CreateSession(request, timeout=self._timeout(timeout),
+                                                  metadata=self._session_metadata).session)
 
     @raises_session_errors
-    def create_layer_session(self, layers, reserved_tokens, *, kv_dtype="float32", ttl_ms=0,
-                             timeout=None):
-        """A session over layers loaded on the server (names, one per session layer): its steps
+    def create_layer_session(self, *args, timeout=None, **kwargs):
+        """create_layer_session(layers, reserved_tokens, *, kv_dtype="float32", ttl_ms=0): a
+        session over layers loaded on the server (names, one per session layer): its steps
         send hidden states, and the server projects, rotates, attends and projects out. The
         heads come from the layers. Returns the attention.v1.SessionInfo."""
-        config = self._pb2.SessionConfig(layers=list(layers),
-                                         kv_dtype=tensors.dtype_enum(kv_dtype))
-        request = self._pb2.CreateSessionRequest(config=config, reserved_tokens=reserved_tokens,
-                                                 ttl_ms=ttl_ms)
-        return self._pin(self._stub.CreateSession(request, timeout=self._timeout(timeout)).session)
+        request = self._layer_session_request(*args, **kwargs)
+        return self._pin(self._stub.CreateSession(request, timeout=self._timeout(timeout),
+                                                  metadata=self._session_metadata).session)
 
     @raises_session_errors
     def session_step(self, entries, *, return_log_sum_exp=False, output_dtype=None,
@@ -200,13 +288,11 @@ class AttentionClient(ClientBase):
         each entry's K/V at [position, position + n) and attends; returns one output per
         entry, [n, H, dv] (the layer's [n, output_dim] for hidden states); with log_sum_exp,
         (output, log_sum_exp [n, H]) pairs. Retrying a step is safe."""
-        request = self._pb2.SessionStepRequest(return_log_sum_exp=return_log_sum_exp)
-        if output_dtype is not None:
-            request.output_dtype = tensors.dtype_enum(output_dtype)
-        parts = self._step_requests(entries, request)
+        parts = self._step_requests(entries, self._step_request(return_log_sum_exp, output_dtype))
         results = [None] * len(entries)
         for stub, (part, indices) in parts.items():
-            response = stub.SessionStep(part, timeout=self._timeout(timeout))
+            response = stub.SessionStep(part, timeout=self._timeout(timeout),
+                                        metadata=self._session_metadata)
             for index, result in zip(indices, response.results):
                 results[index] = result
         return self._step_outputs(results, return_log_sum_exp)
@@ -228,108 +314,53 @@ class AttentionClient(ClientBase):
 
         def requests():
             for request_id, entries in itertools.chain([first], steps):
-                request = self._pb2.SessionStepRequest(return_log_sum_exp=return_log_sum_exp,
-                                                       request_id=request_id)
-                if output_dtype is not None:
-                    request.output_dtype = tensors.dtype_enum(output_dtype)
+                request = self._step_request(return_log_sum_exp, output_dtype, request_id)
                 for entry in entries:
                     self._add_entry(request, entry)
                 yield request
 
-        for answer in stub.SessionStepStream(requests(), timeout=self._timeout(timeout)):
+        for answer in stub.SessionStepStream(requests(), timeout=self._timeout(timeout),
+                                             metadata=self._session_metadata):
             if answer.error_code:
                 yield answer.request_id, errors.from_stream_answer(answer)
             else:
                 yield answer.request_id, self._step_outputs(answer.response.results,
                                                             return_log_sum_exp)
 
-    @staticmethod
-    def _add_entry(request, entry):
-        """Adds one entries tuple of session_step to `request`."""
-        session_id, layer, position, *inputs = entry
-        added = request.entries.add(session_id=session_id, layer=layer, position=position)
-        if len(inputs) == 1:
-            tensors.encode(inputs[0], out=added.hidden_states)
-            return
-        query, key, value = inputs
-        tensors.encode(query, out=added.query)
-        tensors.encode(key, out=added.key)
-        tensors.encode(value, out=added.value)
-
-    def _step_requests(self, entries, request):
-        """{stub: (request with the entries of that stub's replica, their indices)}."""
-        parts = {}
-        for index, entry in enumerate(entries):
-            stub = self._session_stub(entry[0])
-            if stub not in parts:
-                part = self._pb2.SessionStepRequest()
-                part.CopyFrom(request)
-                parts[stub] = (part, [])
-            part, indices = parts[stub]
-            self._add_entry(part, entry)
-            indices.append(index)
-        if not parts:
-            parts[self._stub] = (request, [])
-        return parts
-
-    @staticmethod
-    def _step_outputs(results, return_log_sum_exp):
-        decode = tensors.decode
-        if return_log_sum_exp:
-            return [(decode(r.output), decode(r.log_sum_exp)) for r in results]
-        return [decode(r.output) for r in results]
-
     @raises_session_errors
-    def fork_session(self, session_id, tokens, reserved_tokens, *, ttl_ms=0, timeout=None):
-        """A new session sharing the first `tokens` tokens (copy-on-write); its SessionInfo."""
-        request = self._pb2.ForkSessionRequest(session_id=session_id, tokens=tokens,
-                                               reserved_tokens=reserved_tokens, ttl_ms=ttl_ms)
+    def fork_session(self, session_id, tokens, reserved_tokens=0, *, ttl_ms=0, timeout=None):
+        """A new session sharing the first `tokens` tokens (copy-on-write); its SessionInfo.
+        reserved_tokens and ttl_ms 0 take the source's."""
+        request = self._fork_request(session_id, tokens, reserved_tokens, ttl_ms=ttl_ms)
         stub = self._session_stub(session_id)
-        return self._pin(stub.ForkSession(request, timeout=self._timeout(timeout)).session)
+        return self._pin(stub.ForkSession(request, timeout=self._timeout(timeout),
+                                          metadata=self._session_metadata).session)
 
     @raises_session_errors
     def truncate_session(self, session_id, tokens, timeout=None):
         request = self._pb2.TruncateSessionRequest(session_id=session_id, tokens=tokens)
         stub = self._session_stub(session_id)
-        return stub.TruncateSession(request, timeout=self._timeout(timeout)).session
+        return stub.TruncateSession(request, timeout=self._timeout(timeout),
+                                    metadata=self._session_metadata).session
 
     @raises_session_errors
     def drop_session(self, session_id, timeout=None):
         self._session_stub(session_id).DropSession(
-            self._pb2.DropSessionRequest(session_id=session_id), timeout=self._timeout(timeout))
+            self._pb2.DropSessionRequest(session_id=session_id), timeout=self._timeout(timeout),
+            metadata=self._session_metadata)
         self.pin_session(session_id, "")
 
     @raises_session_errors
-    def get_session(self, session_id, timeout=None):
+    def get_session(self, session_id, *, keep_idle=False, timeout=None):
+        """The session's SessionInfo; keep_idle reads it without renewing its TTL."""
         stub = self._session_stub(session_id)
-        return stub.GetSession(self._pb2.GetSessionRequest(session_id=session_id),
-                               timeout=self._timeout(timeout)).session
-
-    def pin_session(self, session_id, replica_address):
-        """Sends `session_id`'s calls to `replica_address` (a session another client created:
-        its SessionInfo.replica_address); "" sends them to the target again."""
-        with self._replicas_lock:
-            if replica_address:
-                self._pinned[session_id] = replica_address
-            else:
-                self._pinned.pop(session_id, None)
-
-    def _pin(self, session):
-        self.pin_session(session.session_id, session.replica_address)
-        return session
-
-    def _session_stub(self, session_id):
-        with self._replicas_lock:
-            address = self._pinned.get(session_id)
-            if not address:
-                return self._stub
-            if address not in self._replica_channels:
-                channel = self._open_channel(address, self._channel_options)
-                self._replica_channels[address] = (channel, self._stub_class(channel))
-            return self._replica_channels[address][1]
+        return stub.GetSession(
+            self._pb2.GetSessionRequest(session_id=session_id, keep_idle=keep_idle),
+            timeout=self._timeout(timeout), metadata=self._session_metadata).session
 
     @raises_session_errors
     def list_sessions(self, timeout=None):
-        return list(self._stub.ListSessions(self._pb2.ListSessionsRequest(),
-                                            timeout=self._timeout(timeout),
-                                            metadata=self._admin_metadata).sessions)
+        """Every live session with the admin token; an identity's own with a session token."""
+        return list(self._stub.ListSessions(
+            self._pb2.ListSessionsRequest(), timeout=self._timeout(timeout),
+            metadata=self._admin_metadata or self._session_metadata).sessions)

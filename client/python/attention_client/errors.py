@@ -28,7 +28,9 @@ class SessionError(grpc.RpcError):
     reason: the server's machine-readable reason ("SESSION_EXPIRED", "SESSION_DROPPED",
         "SESSION_UNKNOWN", "WRONG_REPLICA", "MAX_SESSIONS", "MAX_SESSION_TOKENS",
         "KV_POOL_EXHAUSTED", "POSITION_GAP", "POSITION_CONFLICT", "PAST_RESERVATION",
-        "PAST_LENGTH", "SESSION_BUSY", "SESSIONS_OFF", ...), or None where it gave none (a
+        "PAST_LENGTH", "SESSION_BUSY", "SESSIONS_OFF", "CREDENTIAL_MISSING",
+        "CREDENTIAL_UNKNOWN", "SESSION_OF_ANOTHER_IDENTITY", "MAX_SESSIONS_PER_IDENTITY",
+        "MAX_RESERVED_TOKENS_PER_IDENTITY", ...), or None where it gave none (a
         malformed request, a deadline, an unreachable server);
     holder: for WRONG_REPLICA the name of the replica holding the session (None when its
         message does not name it whole), else None.
@@ -92,7 +94,21 @@ def _converted():
 
 
 def raises_session_errors(method):
-    """Makes a session method (function or generator) raise SessionError for grpc.RpcError."""
+    """Makes a session method (function, generator, coroutine or async generator) raise
+    SessionError for grpc.RpcError."""
+    if inspect.iscoroutinefunction(method):
+        @functools.wraps(method)
+        async def coroutine(*args, **kwargs):
+            with _converted():
+                return await method(*args, **kwargs)
+        return coroutine
+    if inspect.isasyncgenfunction(method):
+        @functools.wraps(method)
+        async def async_generator(*args, **kwargs):
+            with _converted():
+                async for item in method(*args, **kwargs):
+                    yield item
+        return async_generator
     if inspect.isgeneratorfunction(method):
         @functools.wraps(method)
         def generator(*args, **kwargs):

@@ -20,7 +20,8 @@ applies RoPE as usual; ServiceCache.update() keeps no tensors, it only counts ea
 slots and hands the new K/V on to the attention function, which sends one SessionStep per
 layer per forward (one entry per batch row) and gets the attention output back.
 
-One server session per batch row (per sliding-window size the model's layers use). The server
+One server session per batch row, holding every layer (each with its own sliding window, as
+Gemma's and Qwen2's layers differ). The server
 attends causally over everything a session holds and has no mask, so a row's session gets
 only the row's real tokens (a slot is real when some query may attend to it); padding slots
 stay on the client as bookkeeping and their query rows get zeros. Before a forward is sent,
@@ -32,7 +33,8 @@ Supported: transformers >= 4.57, < 6 (SUPPORTED_TRANSFORMERS; tested at both end
 masks by the forward's cache_position and take crop(n > 0) as a length to keep; both are
 handled.) Not supported: attention dropout (training), output_attentions (no weights come
 back), layers with different head shapes or softmax scales in one model, chunked attention,
-sliding-window layers on a server without SessionConfig.sliding_window (refused),
+sliding-window layers on a server without SessionConfig.sliding_window, or layers of
+different windows on one without SessionConfig.layer_sliding_windows (refused),
 logit soft-capping, attention sinks, position biases and non-causal layers (refused:
 UNSUPPORTED_ARGUMENTS), torch.compile (the cache is not compileable).
 
@@ -178,12 +180,12 @@ class ServiceLayer(CacheLayerMixin):
 
 
 class SessionGroup:
-    """The layers that share a sliding window, and one server session per batch row holding
-    their keys and values (a session has one window for all its layers)."""
+    """The model's layers, and one server session per batch row holding their keys and
+    values, each layer with its own sliding window."""
 
-    def __init__(self, window, layers):
-        self.window = window
-        self.layers = layers  # model layer indices; a session's layer i is layers[i]
+    def __init__(self, windows):
+        self.windows = windows  # per layer: its sliding window, None for full attention
+        self.layers = list(range(len(windows)))  # a session's layer i is model layer i
         self.sessions = []  # session id per batch row
 
 
@@ -197,7 +199,7 @@ class ForwardPlan:
         self.real = real  # bool [B, start + length]: every slot so far
         self.new_slots = new_slots  # per row: LongTensor of real slots in [0, length)
         self.first_positions = first_positions  # per row: session position of new_slots[0]
-        self.checked_masks = []  # masks already compared with the sessions' semantics
+        self.checked_masks = []  # (mask, window) pairs compared with the sessions' semantics
 
 
 class ServiceCache(Cache):
@@ -222,9 +224,7 @@ class ServiceCache(Cache):
         self.kv_dtype = kv_dtype
         self.ttl_ms = ttl_ms
         self.timeout = timeout
-        windows = layer_windows(self.text_config)
-        self.groups = [SessionGroup(w, [i for i, wi in enumerate(windows) if wi == w])
-                       for w in sorted(set(windows), key=lambda w: -1 if w is None else w)]
+        self.groups = [SessionGroup(layer_windows(self.text_config))]
         self.group_of_layer = {layer: (group, index) for group in self.groups
                                for index, layer in enumerate(group.layers)}
         self.shape = None  # (H, Hkv, dk, dv, scale) the sessions were created with
@@ -327,20 +327,27 @@ class ServiceCache(Cache):
     def create_sessions(self, rows, shape):
         heads, kv_heads, head_dim, v_head_dim, scale = shape
         for group in self.groups:
+            windows = [window or 0 for window in group.windows]
+            one_window = len(set(windows)) == 1
             for _ in range(rows):
                 info = self.client.create_session(
                     len(group.layers), heads, kv_heads, head_dim, self.max_tokens,
                     v_head_dim=v_head_dim, kv_dtype=self.kv_dtype, scale=scale,
-                    sliding_window=group.window or 0, ttl_ms=self.ttl_ms, timeout=self.timeout)
+                    sliding_window=windows[0] if one_window else 0,
+                    layer_sliding_windows=() if one_window else windows, ttl_ms=self.ttl_ms,
+                    timeout=self.timeout)
                 group.sessions.append(info.session_id)
-                # A server older than SessionConfig.sliding_window ignores the field: its
-                # echo of the config then says so, and its answers would differ.
-                if (group.window or 0) != info.config.sliding_window:
+                # A server older than SessionConfig.sliding_window (or layer_sliding_windows)
+                # ignores the field: its echo of the config then says so, and its answers
+                # would differ.
+                applied = (list(info.config.layer_sliding_windows)
+                           or [info.config.sliding_window] * len(windows))
+                if applied != windows:
                     raise NotImplementedError(
-                        "the server does not apply sliding_window=%s (its session has "
-                        "%d); sliding-window models need a server that has "
-                        "SessionConfig.sliding_window"
-                        % (group.window, info.config.sliding_window))
+                        "the server does not apply the sliding windows %s (its session has "
+                        "%s); sliding-window models need a server that has "
+                        "SessionConfig.sliding_window, and layer_sliding_windows where "
+                        "layers differ" % (windows, applied))
         self.shape = shape
 
     def close(self):
@@ -373,15 +380,16 @@ class ServiceCache(Cache):
                                       "shape for all layers is supported"
                                       % (layer_idx, shape, self.shape))
         group, index = self.group_of_layer[layer_idx]
-        if (sliding_window or None) != group.window:
+        window = group.windows[index]
+        if (sliding_window or None) != window:
             raise ValueError("layer %d attends with sliding_window=%s, the config says %s"
-                             % (layer_idx, sliding_window, group.window))
+                             % (layer_idx, sliding_window, window))
         if rows != len(group.sessions):
             raise ValueError("this ServiceCache holds %d rows; the forward has %d"
                              % (len(group.sessions), rows))
         start = self.layers[layer_idx].slots - length
         plan = self.plan_for(start, length, attention_mask, rows, query.device)
-        self.check_mask(plan, attention_mask, group.window)
+        self.check_mask(plan, attention_mask, window)
 
         entries, row_slots = [], []
         for row in range(rows):
@@ -423,8 +431,9 @@ class ServiceCache(Cache):
 
     def check_mask(self, plan, attention_mask, window):
         """Compares the forward's mask with what the sessions compute (causal over a row's
-        real tokens, within the window), once per mask of the forward."""
-        if attention_mask is None or any(m is attention_mask for m in plan.checked_masks):
+        real tokens, within the window), once per mask and window of the forward."""
+        if attention_mask is None or any(m is attention_mask and w == window
+                                         for m, w in plan.checked_masks):
             return
         allowed = allowed_keys(attention_mask, plan.real.shape[0], plan.length,
                                plan.start + plan.length).cpu()
@@ -439,7 +448,7 @@ class ServiceCache(Cache):
                 % (plan.start + query, row, "attend" if allowed[row, query, slot] else
                    "not attend", slot, "" if window is None else ", window %d" % window,
                    "not" if allowed[row, query, slot] else "attend"))
-        plan.checked_masks.append(attention_mask)
+        plan.checked_masks.append((attention_mask, window))
 
 
 def tokens_of(states, row, slots):

@@ -171,9 +171,10 @@ def channel_arguments(max_message_bytes=64 << 20, tls_ca_file=None, tls_cert_fil
     return credentials, options
 
 
-def admin_metadata(admin_token):
-    """Metadata of load / unload calls for a server started with --admin_token_file."""
-    return (("authorization", "Bearer " + admin_token),) if admin_token else None
+def bearer_metadata(token):
+    """"authorization: Bearer <token>" metadata (the admin token of layer management, or a
+    session token), or None without a token."""
+    return (("authorization", "Bearer " + token),) if token else None
 
 
 def health_method(channel):
