@@ -10,6 +10,7 @@
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/auth_context.h>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "tests/server/test_server.h"
 
@@ -31,7 +32,7 @@ class Certificates {
     Sign("client", "client", "ca");
     Sign("intruder", "intruder", "other-ca");
     for (const std::string name : {"alice", "bob"}) {
-      Run("printf 'subjectAltName=DNS:" + name + "\\n' > " + name + ".ext");
+      Run(absl::StrCat("printf 'subjectAltName=DNS:", name, "\\n' > ", name, ".ext"));
       Sign(name, name, "ca", name + ".ext");
     }
   }
