@@ -217,12 +217,18 @@ def check_async_client(t, client, target):
                                           (b.session_id, 0, 0, q[:1], k[:1], v[:1])])
             t.check(np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[0]),
                     "async session_step answers the blocking client's bits")
+            for p in range(1, length):
+                got = await aio.session_step([(a.session_id, 0, p, q[p:p + 1], k[p:p + 1],
+                                               v[p:p + 1])])
+                t.check(np.array_equal(got[0], want[p]), "async step at %d's bits" % p)
+            # The same steps again on a stream, all in flight at once: rewrites of written
+            # positions answer the same bits in any order.
             steps = [("s%d" % p, [(a.session_id, 0, p, q[p:p + 1], k[p:p + 1], v[p:p + 1])])
-                     for p in range(1, length)]
+                     for p in range(length)]
             streamed = {request_id: outputs async for request_id, outputs in
                         aio.session_step_stream(steps)}
             t.check(all(np.array_equal(streamed["s%d" % p][0], want[p])
-                        for p in range(1, length)), "async session_step_stream's bits")
+                        for p in range(length)), "async session_step_stream's bits")
             fork = await aio.fork_session(a.session_id, 3)
             t.check((fork.length, fork.reserved_tokens) == (3, 16), "async fork %s" % fork)
             info = await aio.get_session(a.session_id, keep_idle=True)
