@@ -49,12 +49,16 @@ absl::StatusOr<std::optional<absl::string_view>> BearerToken(
 absl::StatusOr<SessionCaller> IdentifySessionCaller(const grpc::ServerContextBase& context,
                                                     const AccessPolicy& access,
                                                     absl::string_view method) {
-  ASSIGN_OR_RETURN(const std::optional<absl::string_view> token, BearerToken(context));
+  // Another kind of authorization metadata is no credential, and no refusal where the
+  // server needs none (session calls ignored it before credentials existed).
+  const absl::StatusOr<std::optional<absl::string_view>> bearer = BearerToken(context);
+  const std::optional<absl::string_view> token = bearer.ok() ? *bearer : std::nullopt;
   if (token.has_value() && !access.admin_token.empty() &&
       ConstantTimeEquals(*token, access.admin_token)) {
     return SessionCaller{"", /*admin=*/true};
   }
   if (!access.SessionsNeedCredentials()) return SessionCaller{};
+  if (!bearer.ok()) return WithReason(bearer.status(), "CREDENTIAL_UNKNOWN");
   if (token.has_value() && !access.session_tokens.empty()) {
     // Every token is compared, so the time taken does not say which one matched.
     const SessionToken* match = nullptr;

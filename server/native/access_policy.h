@@ -64,7 +64,8 @@ absl::StatusOr<std::optional<absl::string_view>> BearerToken(
     const grpc::ServerContextBase& context);
 
 // The caller of a session call named `method`: UNAUTHENTICATED (CREDENTIAL_MISSING or
-// CREDENTIAL_UNKNOWN) where the server needs a credential and the call has none it knows.
+// CREDENTIAL_UNKNOWN) where the server needs a credential and the call has none it knows;
+// on a server that needs none, anyone (the admin token still names the admin).
 absl::StatusOr<SessionCaller> IdentifySessionCaller(const grpc::ServerContextBase& context,
                                                     const AccessPolicy& access,
                                                     absl::string_view method);

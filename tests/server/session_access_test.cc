@@ -103,6 +103,16 @@ TEST_F(SessionAccessTest, SessionCallsWithoutAKnownTokenAreUnauthenticated) {
   EXPECT_FALSE(absl::StrContains(stranger.message(), "mallory"))
       << "echoes the token: " << stranger;
 
+  // Authorization metadata of another kind is no credential.
+  {
+    auto stub = v1::AttentionService::NewStub(client_->channel());
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", "Basic YWxpY2U6c2VjcmV0");
+    v1::CreateSessionResponse response;
+    const grpc::Status basic = stub->CreateSession(&context, CreateRequest(8), &response);
+    EXPECT_EQ(basic.error_code(), grpc::StatusCode::UNAUTHENTICATED) << basic.error_message();
+  }
+
   // Every session call, the step and GetSession included, not only CreateSession.
   const absl::StatusOr<v1::SessionInfo> session =
       ClientWith(kAliceToken)->CreateSession(CreateRequest(8));
