@@ -151,7 +151,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       }
       v1::SessionStepResponse response;
       server::RunAndWait([&](auto finish) {
-        return service->service->SubmitSessionStep(request, SessionCaller{}, deadline,
+        return service->service->SubmitSessionStep(request, server::SessionCaller{}, deadline,
                                                    never_cancelled, &response, finish);
       });
       // Back to empty, so the next input's positions start from 0 again.
