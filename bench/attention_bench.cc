@@ -391,6 +391,41 @@ BENCHMARK(BM_AttentionCpu)
     ->MeasureProcessCPUTime()
     ->Unit(benchmark::kMillisecond);
 
+// Scaled dot-product attention as a served SDPA request runs it (CpuBackend, its pool of
+// `threads`), on [B, 12, N, 64] float32 tensors, in float32 or with compute_dtype BFLOAT16
+// (bf16 products on the host's measured fastest kernel). bench/sdpa_compare.py sets these
+// beside PyTorch's F.scaled_dot_product_attention. Useful FLOPs: 4*N^2*768 per sequence
+// (half when causal).
+void BM_SdpaCpu(benchmark::State& state) {
+  const int64_t batch = state.range(0), tokens = state.range(1), heads = 12, head_dim = 64;
+  const bool causal = state.range(2) != 0, bf16 = state.range(3) != 0;
+  const CpuBackend backend(static_cast<int>(state.range(4)));
+  const int64_t elements = batch * heads * tokens * head_dim;
+  const auto q = RandomValues(elements, 1), k = RandomValues(elements, 2),
+             v = RandomValues(elements, 3);
+  SdpaInput input;
+  input.dims = {batch, heads, heads, tokens, tokens, head_dim, head_dim};
+  input.query = q;
+  input.key = k;
+  input.value = v;
+  input.options.causal = causal;
+  input.compute_dtype = bf16 ? DType::kBFloat16 : DType::kFloat32;
+  for (auto _ : state) {
+    absl::StatusOr<AttentionResult> result = backend.ScaledDotProductAttention(input);
+    if (!result.ok()) state.SkipWithError(std::string(result.status().message()).c_str());
+    benchmark::DoNotOptimize(result);
+  }
+  SetGflops(state, (causal ? 2.0 : 4.0) * batch * tokens * tokens * heads * head_dim);
+  state.SetLabel(bf16 ? Bf16ProductsName(FastestBf16Products()) : "float32");
+}
+BENCHMARK(BM_SdpaCpu)
+    ->ArgNames({"batch", "tokens", "causal", "bf16", "threads"})
+    ->ArgsProduct({{32}, {128}, {0}, {0, 1}, {2}})
+    ->ArgsProduct({{8}, {512}, {0}, {0, 1}, {2}})
+    ->ArgsProduct({{1}, {2048}, {1}, {0, 1}, {2}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
 // S5: one causal sequence of 65536 tokens, E=512, 8 heads (scores would need 128 GiB if
 // materialised). Run alone: --benchmark_filter=S5.
 void BM_MhaS5(benchmark::State& s) { RunMha(s, {65536}, 512, 8, true, s.range(0)); }

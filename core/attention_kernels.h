@@ -120,6 +120,7 @@ AttentionProblemOf<T> SdpaProblem(const SdpaInput& input, const T* query, const 
   p.output_layout = HeadLayout::BatchHeadRow(d.num_heads, d.q_len, d.v_head_dim);
   p.weights = weights;
   p.options = &input.options;
+  p.bf16_products = input.compute_dtype == DType::kBFloat16;
   return p;
 }
 

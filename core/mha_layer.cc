@@ -559,6 +559,10 @@ absl::Status ValidateSdpaInput(const SdpaInput& in) {
     if (value < 1) return Invalid(name, " = ", value, " must be >= 1");
   }
   RETURN_IF_ERROR(CheckHeadGroups(d.num_heads, d.num_kv_heads, "H", "Hkv"));
+  if (in.compute_dtype != DType::kFloat32 && in.compute_dtype != DType::kBFloat16) {
+    return Invalid("compute_dtype = ", DTypeName(in.compute_dtype),
+                   " is not a compute precision; expected FLOAT32 or BFLOAT16");
+  }
   return in.options.Validate(d);
 }
 
@@ -585,5 +589,23 @@ template TextbookResult<float> SdpaTextbook<float>(const SdpaInput&);
 template TextbookResult<double> SdpaTextbook<double>(const SdpaInput&);
 
 AttentionResult SdpaReference(const SdpaInput& in) { return Rounded(SdpaTextbook<double>(in)); }
+
+TextbookResult<float> SdpaBf16Textbook(const SdpaInput& in) {
+  const auto rounded = [](absl::Span<const float> values) {
+    std::vector<float> bf16(values.begin(), values.end());
+    for (float& value : bf16) value = BFloat16ToFloat(FloatToBFloat16(value));
+    return bf16;
+  };
+  const std::vector<float> query = rounded(in.query), key = rounded(in.key),
+                           value = rounded(in.value);
+  SdpaInput bf16_input = in;
+  bf16_input.query = query;
+  bf16_input.key = key;
+  bf16_input.value = value;
+  TextbookResult<float> result = SdpaTextbook<float>(bf16_input);
+  result.output = rounded(result.output);
+  result.weights = rounded(result.weights);
+  return result;
+}
 
 }  // namespace attention::core

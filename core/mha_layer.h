@@ -134,6 +134,9 @@ template <typename T>
 TextbookResult<T> SdpaTextbook(const SdpaInput& input);
 // The oracle for scaled dot-product attention: SdpaTextbook<double>, rounded once to float.
 AttentionResult SdpaReference(const SdpaInput& input);
+// What PyTorch's SDPA computes on bf16 tensors, for the bf16 rule's reference: the inputs
+// rounded to bf16, SdpaTextbook<float>, the output and weights rounded to bf16.
+TextbookResult<float> SdpaBf16Textbook(const SdpaInput& input);
 
 }  // namespace attention::core
 

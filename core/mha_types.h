@@ -141,6 +141,10 @@ struct SdpaInput {
   AttentionDims dims;
   absl::Span<const float> query, key, value;
   AttentionOptions options;
+  // kBFloat16: scores and values multiplied in bf16 (Q, K, probabilities and V rounded,
+  // float32 sums and softmax), as PyTorch's SDPA on bf16 tensors, where the backend has
+  // bf16 products faster than float32 ones; elsewhere computed in float32.
+  DType compute_dtype = DType::kFloat32;
 };
 }  // namespace attention::core
 

@@ -285,8 +285,11 @@ absl::StatusOr<AttentionResult> CpuBackend::ScaledDotProductAttention(
   if (in.options.need_weights != NeedWeights::kNone) {
     result.weights.resize(d.batch * d.num_heads * d.q_len * d.kv_len);
   }
-  const AttentionProblem problem = SdpaProblem(in, result);
-  AttentionBlockedCpu(absl::MakeConstSpan(&problem, 1), pool_);
+  AttentionProblem problem = SdpaProblem(in, result);
+  // Where float32 products are the host's fastest, bf16 compute is float32: as fast and
+  // more accurate.
+  if (bf16_kernel_ == Bf16Kernel::kPortable) problem.bf16_products = false;
+  AttentionBlockedCpu(absl::MakeConstSpan(&problem, 1), pool_, bf16_kernel_);
   FinishWeights(result, d, in.options.need_weights);
   return result;
 }

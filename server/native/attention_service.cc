@@ -436,6 +436,10 @@ absl::Status AttentionServiceImpl::SubmitScaledDotProductAttention(
   ASSIGN_OR_RETURN(const core::DType output_dtype,
                    OutputDType(request.output_dtype(), request.query().dtype(),
                                request.float_data_output()));
+  if (request.compute_dtype() != v1::DATA_TYPE_UNSPECIFIED) {
+    ASSIGN_OR_RETURN(input.compute_dtype,
+                     wire::ConvertDType(request.compute_dtype(), "compute_dtype"));
+  }
   RETURN_IF_ERROR(core::ValidateSdpaInput(input));
   const core::AttentionDims& d = input.dims;
   const RequestCost cost =

@@ -7,6 +7,7 @@
 
 #include "core/cpu/amx_tiles.h"
 #include "core/cpu/attention_cpu.h"
+#include "core/cpu/cpu_backend.h"
 #include "core/cpu/gemm_bf16.h"
 #include "core/mha_layer.h"
 #include "gtest/gtest.h"
@@ -35,8 +36,98 @@ void ExpectFaithful(const AttentionResult& actual, const SdpaInput& input,
       << what << " weights";
 }
 
+// `count` values uniform in [-1, 1) that bf16 holds exactly, as a bf16 tensor from the
+// wire decodes.
+std::vector<float> UniformBf16Floats(std::mt19937_64& rng, int64_t count) {
+  const std::vector<uint16_t> bits = testing::UniformBf16(rng, count);
+  std::vector<float> values(bits.size());
+  for (size_t i = 0; i < bits.size(); ++i) values[i] = BFloat16ToFloat(bits[i]);
+  return values;
+}
+
+// SDPA with compute_dtype BFLOAT16 on `backend` over a random grid of bf16 tensors, against
+// PyTorch's bf16 computation (SdpaBf16Textbook) by the bf16 rule (tests/core/fidelity.h).
+void ExpectSdpaBf16Rule(const Backend& backend, const std::string& name, uint64_t seed) {
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
+  std::mt19937_64 rng(seed);
+  // Up to 1100 keys: one pass, and the online softmax's two key blocks without weights.
+  const int64_t lengths[] = {1, 7, 64, 67, 131, 300, 1100};
+  const int64_t head_dims[] = {3, 16, 64, 70};
+  const std::pair<int64_t, int64_t> heads[] = {{1, 1}, {2, 1}, {4, 2}, {3, 3}};
+  auto pick = [&rng](const auto& values) {
+    return values[std::uniform_int_distribution<size_t>(0, std::size(values) - 1)(rng)];
+  };
+  FidelityStats outputs("SDPA bf16 output (" + name + ")"),
+      weights("SDPA bf16 weights (" + name + ")");
+  for (int trial = 0; trial < TrialsForThisBuild(80) && !::testing::Test::HasFailure(); ++trial) {
+    SdpaInput input;
+    AttentionDims& dims = input.dims;
+    dims.batch = std::uniform_int_distribution<int64_t>(1, 2)(rng);
+    std::tie(dims.num_heads, dims.num_kv_heads) = pick(heads);
+    dims.q_len = pick(lengths);
+    dims.kv_len = pick(lengths);
+    dims.head_dim = pick(head_dims);
+    dims.v_head_dim = pick(head_dims);
+    const auto q = UniformBf16Floats(rng, dims.batch * dims.num_heads * dims.q_len * dims.head_dim);
+    const auto k =
+        UniformBf16Floats(rng, dims.batch * dims.num_kv_heads * dims.kv_len * dims.head_dim);
+    const auto v =
+        UniformBf16Floats(rng, dims.batch * dims.num_kv_heads * dims.kv_len * dims.v_head_dim);
+    input.query = q;
+    input.key = k;
+    input.value = v;
+    input.options = RandomOptions(rng, dims);
+    input.compute_dtype = DType::kBFloat16;
+    ASSERT_TRUE(ValidateSdpaInput(input).ok()) << ValidateSdpaInput(input);
+    const std::string what =
+        "trial " + std::to_string(trial) + ": " + Describe(dims, input.options);
+    const absl::StatusOr<AttentionResult> forward = backend.ScaledDotProductAttention(input);
+    ASSERT_TRUE(forward.ok()) << forward.status();
+    const TextbookResult<float> reference = SdpaBf16Textbook(input);
+    const TextbookResult<double> oracle = SdpaTextbook<double>(input);
+    EXPECT_TRUE(outputs.CheckBf16(forward->output, reference.output, oracle.output))
+        << what << " output";
+    EXPECT_TRUE(weights.CheckBf16(forward->weights, reference.weights, oracle.weights))
+        << what << " weights";
+  }
+}
+
 // Runs on every backend compiled in (see test_backends.h).
 class SdpaBackendTest : public testing::BackendTest {};
+
+TEST_P(SdpaBackendTest, Bf16ComputeFollowsTheBf16Rule) {
+  ExpectSdpaBf16Rule(*backend_, GetParam(), TestSeed(2911));
+}
+
+// Where float32 products are the host's fastest (or forced), bf16 compute is float32's.
+TEST(AttentionCpuTest, SdpaInBf16OnFloat32ProductsIsTheFloat32Answer) {
+  const CpuBackend backend(2, Bf16Kernel::kPortable);
+  std::mt19937_64 rng(TestSeed(2914));
+  SdpaInput input;
+  input.dims = {1, 2, 1, 33, 70, 16, 8};
+  const auto q = UniformBf16Floats(rng, 2 * 33 * 16), k = UniformBf16Floats(rng, 70 * 16),
+             v = UniformBf16Floats(rng, 70 * 8);
+  input.query = q;
+  input.key = k;
+  input.value = v;
+  const absl::StatusOr<AttentionResult> float32 = backend.ScaledDotProductAttention(input);
+  input.compute_dtype = DType::kBFloat16;
+  const absl::StatusOr<AttentionResult> bf16 = backend.ScaledDotProductAttention(input);
+  ASSERT_TRUE(float32.ok() && bf16.ok());
+  EXPECT_EQ(bf16->output, float32->output);
+}
+
+TEST(SdpaValidationTest, ComputeDTypeIsFloat32OrBf16) {
+  SdpaInput input;
+  input.dims = {1, 1, 1, 1, 1, 1, 1};
+  const float one = 1.0f;
+  input.query = input.key = input.value = absl::MakeConstSpan(&one, 1);
+  input.compute_dtype = DType::kFloat16;
+  const absl::Status status = ValidateSdpaInput(input);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(status.message(),
+            "compute_dtype = FLOAT16 is not a compute precision; expected FLOAT32 or BFLOAT16");
+}
 
 TEST_P(SdpaBackendTest, SdpaMatchesReferenceOnRandomGrid) {
   const uint64_t seed = TestSeed(20261121);
@@ -228,6 +319,30 @@ TEST_P(AttentionBf16ProductsTest, Bf16SourcesGiveTheBitsOfFloat32RowsRoundedInTh
     AttentionBlockedCpu({&problem, 1}, pool, kernel);
     ASSERT_EQ(answered_bf16, rounded(from_float32));
   }
+}
+
+// SDPA asked for bf16 compute multiplies on the backend's bf16 kernel (bit for bit the
+// kernel's answer, so the path is the one named), within the bf16 rule.
+TEST_P(AttentionBf16ProductsTest, SdpaInBf16RunsOnThisKernelWithinTheBf16Rule) {
+  const CpuBackend backend(2, GetParam());
+  ExpectSdpaBf16Rule(backend, Bf16KernelName(GetParam()), TestSeed(2912));
+  std::mt19937_64 rng(TestSeed(2913));
+  SdpaInput input;
+  input.dims = {2, 4, 2, 67, 300, 64, 64};
+  const auto q = UniformBf16Floats(rng, 2 * 4 * 67 * 64);
+  const auto kv = UniformBf16Floats(rng, 2 * 2 * 300 * 64);
+  input.query = q;
+  input.key = input.value = kv;
+  input.compute_dtype = DType::kBFloat16;
+  const absl::StatusOr<AttentionResult> answer = backend.ScaledDotProductAttention(input);
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  std::vector<float> expected(answer->output.size());
+  AttentionProblem problem =
+      SdpaProblem<float>(input, q.data(), kv.data(), kv.data(), expected.data(), nullptr);
+  ASSERT_TRUE(problem.bf16_products);
+  ThreadPool pool(2);
+  AttentionBlockedCpu({&problem, 1}, pool, GetParam());
+  EXPECT_EQ(answer->output, expected);
 }
 
 INSTANTIATE_TEST_SUITE_P(Kernels, AttentionBf16ProductsTest,

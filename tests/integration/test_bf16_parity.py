@@ -1,6 +1,7 @@
 #!/usr/bin/python3
-"""bfloat16 layers (LayerConfig.compute_dtype = BFLOAT16) over the wire against PyTorch 2.x
-computing the same layers in bfloat16, by issue 26's rule (FlashAttention's, with the
+"""bfloat16 layers (LayerConfig.compute_dtype = BFLOAT16) and SDPA in bfloat16
+(ScaledDotProductAttentionRequest.compute_dtype) over the wire against PyTorch 2.x computing
+the same in bfloat16, by issue 26's rule (FlashAttention's, with the
 same-dtype reference):
 
     max|service - float64| <= 2 * max|torch bf16 - float64| + 4e-3 * max|float64|
@@ -180,8 +181,50 @@ def torch_mha(rule, client, seed):
     return ok
 
 
+def sdpa_bf16(rule, client, seed):
+    """ScaledDotProductAttention with compute_dtype BFLOAT16 on bf16 tensors, answered in
+    bf16, against F.scaled_dot_product_attention on the same bf16 tensors (GQA, causal
+    bottom-right, head sizes of the usual models, one key block and several)."""
+    rng = np.random.default_rng(seed)
+    b, kv_heads, group = int(rng.integers(1, 3)), int(rng.choice([1, 2])), int(rng.choice([1, 4]))
+    heads = kv_heads * group
+    nk = int(rng.choice([1, 16, 100, 300, 1100]))
+    nq = int(rng.choice([1, 7, 64, 130]))
+    dk = int(rng.choice([16, 64, 80, 128]))
+    causal = bool(rng.random() < 0.4)
+    if causal:
+        nq = min(nq, nk)  # PyTorch answers NaN for rows with no key
+    bf16 = lambda *shape: torch.from_numpy(rng.normal(size=shape).astype(np.float32)).bfloat16()
+    q, k, v = bf16(b, heads, nq, dk), bf16(b, kv_heads, nk, dk), bf16(b, kv_heads, nk, dk)
+    allowed = torch.from_numpy(causal_allowed(nq, nk) if causal else np.ones((nq, nk), bool))
+
+    def forward(dt):
+        return F.scaled_dot_product_attention(q.to(dt), k.to(dt), v.to(dt), attn_mask=allowed,
+                                              enable_gqa=True).double().numpy()
+
+    r = client.scaled_dot_product_attention(q, k, v, causal=causal, compute_dtype="bfloat16")
+    ok = rule.t.check(r.output.dtype == torch.bfloat16,
+                      "sdpa[seed=%d]: answered in %s, not bfloat16" % (seed, r.output.dtype))
+    cfg = dict(seed=seed, b=b, heads=heads, kv_heads=kv_heads, nq=nq, nk=nk, dk=dk,
+               causal=causal)
+    return ok & rule.compare("sdpa[seed=%d]" % seed, r.output.double().numpy(),
+                             forward(torch.bfloat16), forward(torch.float64), cfg)
+
+
 def refusals(rule, client):
-    """compute_dtype FLOAT16 is INVALID_ARGUMENT naming the field."""
+    """compute_dtype FLOAT16 is INVALID_ARGUMENT naming the field, for layers and SDPA."""
+    x = np.ones((1, 1, 2, 4), np.float32)
+    try:
+        client.scaled_dot_product_attention(x, x, x, compute_dtype="float16")
+        ok = rule.t.check(False, "SDPA compute_dtype FLOAT16 was accepted")
+    except Exception as error:  # grpc.RpcError
+        ok = rule.t.check(error.code().name == "INVALID_ARGUMENT"
+                          and "compute_dtype = FLOAT16" in error.details(),
+                          "SDPA FLOAT16 compute: %s %s" % (error.code(), error.details()))
+    return ok & layer_refusal(rule, client)
+
+
+def layer_refusal(rule, client):
     try:
         client.load_layer("bf16-refused", dict(embed_dim=8, num_heads=2,
                                                compute_dtype="float16"), random_seed=1)
@@ -212,6 +255,9 @@ def main():
             for i in range(6):
                 t.run("mha[seed=%d]" % (args.seed + 1000 + i), torch_mha, rule, client,
                       args.seed + 1000 + i)
+            for i in range(args.configs):
+                t.run("sdpa[seed=%d]" % (args.seed + 2000 + i), sdpa_bf16, rule, client,
+                      args.seed + 2000 + i)
             t.run("refusals", refusals, rule, client)
     except BaseException:
         server.kill()

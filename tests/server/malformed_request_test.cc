@@ -226,8 +226,7 @@ TEST_F(ServerTest, MalformedScaledDotProductAttentionRequestsAreRejected) {
        },
        "query.shape [2, 12, 8] has rank 3; expected [B, H, Nq, dk]"},
       {"missing value", [](auto& r) { r.clear_value(); }, "value is missing"},
-      {"negative queue timeout",
-       [](auto& r) { r.mutable_options()->set_queue_timeout_us(-1); },
+      {"negative queue timeout", [](auto& r) { r.mutable_options()->set_queue_timeout_us(-1); },
        "options.queue_timeout_us = -1 must be >= 0"},
       {"causal with lengths beyond Nk",
        [](auto& r) {
@@ -236,6 +235,10 @@ TEST_F(ServerTest, MalformedScaledDotProductAttentionRequestsAreRejected) {
          r.mutable_options()->add_key_lengths(1);
        },
        "options.key_lengths[0] = 6 is outside [0, 5] (Nk)"},
+      {"float16 compute", [](auto& r) { r.set_compute_dtype(v1::FLOAT16); },
+       "compute_dtype = FLOAT16 is not a compute precision; expected FLOAT32 or BFLOAT16"},
+      {"unknown compute dtype", [](auto& r) { r.set_compute_dtype(static_cast<v1::DataType>(77)); },
+       "compute_dtype = 77 is not a known DataType"},
   };
   for (const Case& test_case : cases) {
     v1::ScaledDotProductAttentionRequest request = valid;

@@ -104,7 +104,8 @@ def mha_request(query, key=None, value=None, layer=None, layer_spec=None, dtype=
     return request
 
 
-def sdpa_request(query, key, value, dtype=None, output_dtype=None, request_id="", **options):
+def sdpa_request(query, key, value, dtype=None, output_dtype=None, compute_dtype=None,
+                 request_id="", **options):
     pb2 = stubs.load()[0]
     request = pb2.ScaledDotProductAttentionRequest(request_id=request_id)
     dtype = tensors.natural_dtype(query) if dtype is None else dtype
@@ -113,6 +114,8 @@ def sdpa_request(query, key, value, dtype=None, output_dtype=None, request_id=""
     tensors.encode(value, dtype, out=request.value)
     if output_dtype is not None:
         request.output_dtype = tensors.dtype_enum(output_dtype)
+    if compute_dtype is not None:
+        request.compute_dtype = tensors.dtype_enum(compute_dtype)
     fill_options(request.options, **options)
     return request
 

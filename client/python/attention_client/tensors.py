@@ -18,7 +18,10 @@ _NAMES = {"float32": FLOAT32, "float16": FLOAT16, "bfloat16": BFLOAT16, "bool": 
 
 
 def dtype_enum(dtype):
-    """'float32' | 'float16' | 'bfloat16' | 'bool' | wire enum value -> wire enum value."""
+    """'float32' | 'float16' | 'bfloat16' | 'bool' | torch dtype | wire enum value -> wire
+    enum value."""
+    if is_torch(dtype):
+        dtype = str(dtype).rsplit(".", 1)[-1]
     if isinstance(dtype, str):
         try:
             return _NAMES[dtype.lower()]
