@@ -75,6 +75,11 @@ class EmulatedTileUnit {
     }
   }
   void Store(float* sums) const { std::copy(std::begin(sums_), std::end(sums_), sums); }
+  void StoreTo(float* c, int64_t ldc) const {
+    for (int64_t r = 0; r < kBlockRows; ++r) {
+      std::copy_n(sums_ + r * kBlockColumns, kBlockColumns, c + r * ldc);
+    }
+  }
   void Write(const Bf16PanelGemm& g, const float* sums, int64_t first_row, int64_t rows,
              int64_t first_column, int64_t width) const {
     WriteBlock(g, sums, first_row, rows, first_column, width);
@@ -115,6 +120,9 @@ void GemmTiled(Unit& unit, const Bf16PanelGemm& g) {
   alignas(64) uint16_t b_tail[2][kTileRows * kPairRow];
   alignas(64) static constexpr uint16_t kZeroPanel[kTileRows * kPairRow] = {};
   alignas(64) float sums[kBlockRows * kBlockColumns];
+  // Float32 C that takes the sums as they are: whole blocks go from the tiles straight there.
+  const bool plain_sums =
+      g.alpha == 1.0f && g.bias == nullptr && !g.accumulate && g.c_bf16 == nullptr;
   unit.Begin();
   for (int64_t first_row = 0; first_row < g.rows; first_row += kBlockRows) {
     const int64_t rows = std::min(kBlockRows, g.rows - first_row);
@@ -159,10 +167,14 @@ void GemmTiled(Unit& unit, const Bf16PanelGemm& g) {
         }
         unit.Step({a_last, a_last_stride, b_tail[0], b_tail[1]});
       }
-      unit.Store(sums);
       const int64_t first_column = p * kPanelWidth;
       const int64_t width =
           std::min(two_panels ? kBlockColumns : kPanelWidth, g.columns - first_column);
+      if (plain_sums && rows == kBlockRows && width == kBlockColumns) {
+        unit.StoreTo(g.c + first_row * g.ldc + first_column, g.ldc);  // 1 * sum + 0 is sum
+        continue;
+      }
+      unit.Store(sums);
       unit.Write(g, sums, first_row, rows, first_column, width);
     }
   }
@@ -218,6 +230,14 @@ class AmxTileUnit {
     _tile_stored(1, sums + kPanelWidth, kStride);
     _tile_stored(2, sums + kTileRows * kBlockColumns, kStride);
     _tile_stored(3, sums + kTileRows * kBlockColumns + kPanelWidth, kStride);
+    CompilerMemoryBarrier();
+  }
+  ATTENTION_AMX_TARGET void StoreTo(float* c, int64_t ldc) const {
+    const int64_t stride = ldc * static_cast<int64_t>(sizeof(float));
+    _tile_stored(0, c, stride);
+    _tile_stored(1, c + kPanelWidth, stride);
+    _tile_stored(2, c + kTileRows * ldc, stride);
+    _tile_stored(3, c + kTileRows * ldc + kPanelWidth, stride);
     CompilerMemoryBarrier();
   }
   // WriteBlock in AVX-512, the same arithmetic (a product, then a sum; no FMA).

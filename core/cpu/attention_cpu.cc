@@ -112,23 +112,25 @@ __attribute__((target("avx512f"))) float ExpAndSumAvx512(float* values, int64_t 
   return _mm512_reduce_add_ps(sum);
 }
 
-// exp(x - shift) of `count` scores rounded to bf16 into `out` (zeros up to `width`), for the
-// values product of a bf16 layer; returns the float32 sum of the exps. One pass where
-// ExpAndSum, normalizing and rounding would take three.
+// exp(scale * x - shift) of `count` scores (one rounding; scale 1 is x - shift) rounded to
+// bf16 into `out` (zeros up to `width`), for the values product of a bf16 layer; returns the
+// float32 sum of the exps. One pass where ExpAndSum, normalizing and rounding would take three.
 __attribute__((target("avx512f,avx512bf16"))) float ExpToBf16AndSumAvx512(
-    const float* values, int64_t count, int64_t width, float shift, uint16_t* out) {
+    const float* values, int64_t count, int64_t width, float scale, float shift, uint16_t* out) {
   const __m512 shift_v = _mm512_set1_ps(shift);
+  const __m512 scale_v = _mm512_set1_ps(scale);
   __m512 sum = _mm512_setzero_ps();
   int64_t j = 0;
   for (; j + 16 <= count; j += 16) {
-    const __m512 e = ExpAvx512(_mm512_sub_ps(_mm512_loadu_ps(values + j), shift_v));
+    const __m512 e = ExpAvx512(_mm512_fmsub_ps(_mm512_loadu_ps(values + j), scale_v, shift_v));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), (__m256i)_mm512_cvtneps_pbh(e));
     sum = _mm512_add_ps(sum, e);
   }
   if (j < count) {
     const __mmask16 live = static_cast<__mmask16>((1u << (count - j)) - 1);
     const __m512 e = _mm512_maskz_mov_ps(
-        live, ExpAvx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, values + j), shift_v)));
+        live,
+        ExpAvx512(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(live, values + j), scale_v, shift_v)));
     alignas(32) uint16_t last[16];
     _mm256_store_si256(reinterpret_cast<__m256i*>(last), (__m256i)_mm512_cvtneps_pbh(e));
     std::copy_n(last, count - j, out + j);
@@ -173,7 +175,9 @@ constexpr bool kHasAvx2Fma = false;
 float ExpAndSumAvx2(float*, int64_t, float) { return 0.0f; }
 float RowMaxAvx2(const float*, int64_t) { return 0.0f; }
 float ExpAndSumAvx512(float*, int64_t, float) { return 0.0f; }
-float ExpToBf16AndSumAvx512(const float*, int64_t, int64_t, float, uint16_t*) { return 0.0f; }
+float ExpToBf16AndSumAvx512(const float*, int64_t, int64_t, float, float, uint16_t*) {
+  return 0.0f;
+}
 float RowMaxAvx512(const float*, int64_t) { return 0.0f; }
 #endif
 
@@ -433,13 +437,17 @@ void AttendRows(const AttentionProblem& p, Bf16Kernel kernel, int64_t b, int64_t
   // and short rows need no second pass anyway.
   thread_local std::vector<float> scores;
   scores.resize(rows * key_count);
-  ScoresGemm(RowsOf(p.query, p.query_bf16, p.query_layout, b, h, first_row), rows,
-             RowsOf(p.key, p.key_bf16, p.key_layout, b, hk, 0), key_count, d.head_dim, scale,
-             scores.data(), p.bf16_products, kernel);
   // bf16 products without weights or dropout: the exps go to bf16 as they are computed and
   // the output rows are normalized instead (v_head_dim columns, not key_count).
   const bool exps_in_bf16 = p.bf16_products && weights == nullptr && options.dropout_p <= 0.0f &&
                             key_count <= kTinyHeadKeys;
+  // Unscaled scores where no mask adds to them: the exp scales them, and the products'
+  // sums go to `scores` as they are (AMX stores its tiles there, no pass of its own).
+  const float exp_scale =
+      exps_in_bf16 && scale > 0.0f && !options.View(d).HasElementMasks() ? scale : 1.0f;
+  ScoresGemm(RowsOf(p.query, p.query_bf16, p.query_layout, b, h, first_row), rows,
+             RowsOf(p.key, p.key_bf16, p.key_layout, b, hk, 0), key_count, d.head_dim,
+             scale / exp_scale, scores.data(), p.bf16_products, kernel);
   thread_local std::vector<uint16_t> exps_bf16;
   thread_local std::vector<float> inverse_sums;
   if (exps_in_bf16) {
@@ -458,9 +466,10 @@ void AttendRows(const AttentionProblem& p, Bf16Kernel kernel, int64_t b, int64_t
       continue;
     }
     if (exps_in_bf16) {
-      const float sum =
-          ExpToBf16AndSumAvx512(row, limit, key_count, max_score, exps_bf16.data() + r * key_count);
-      if (p.log_sum_exp != nullptr) *LogSumExpAt(p, b, h, i) = max_score + std::log(sum);
+      const float shift = exp_scale * max_score;  // the scaled maximum: exp_scale > 0
+      const float sum = ExpToBf16AndSumAvx512(row, limit, key_count, exp_scale, shift,
+                                              exps_bf16.data() + r * key_count);
+      if (p.log_sum_exp != nullptr) *LogSumExpAt(p, b, h, i) = shift + std::log(sum);
       inverse_sums[r] = 1.0f / sum;
       continue;
     }
