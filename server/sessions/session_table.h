@@ -73,10 +73,10 @@ struct SessionShape {
   int64_t sliding_window = 0;
   // One window per layer where layers differ (Gemma 2/3, Qwen2's max_window_layers); empty:
   // sliding_window for every layer. CheckShape allows one or the other.
-  std::vector<int64_t> layer_sliding_windows;
+  std::vector<int64_t> layer_sliding_windows{};
   // A session over served layers (see session_layers.h), or null for a session whose caller
   // projects Q, K and V itself. Shared and immutable, so copying a shape stays cheap.
-  std::shared_ptr<const ServedLayers> layers;
+  std::shared_ptr<const ServedLayers> layers{};
 
   // The window of `layer` (0: none).
   int64_t WindowOf(int64_t layer) const {

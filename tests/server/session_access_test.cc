@@ -42,14 +42,7 @@ class SessionAccessTest : public ServerTest {
   }
 
   static v1::CreateSessionRequest CreateRequest(int64_t reserved_tokens) {
-    v1::CreateSessionRequest request;
-    v1::SessionConfig& config = *request.mutable_config();
-    config.set_num_layers(1);
-    config.set_num_heads(2);
-    config.set_num_kv_heads(1);
-    config.set_head_dim(8);
-    request.set_reserved_tokens(reserved_tokens);
-    return request;
+    return OneLayerSessionRequest(/*num_heads=*/2, reserved_tokens);
   }
 
   // One token of layer 0 at `position`.

@@ -572,12 +572,8 @@ class SessionsWithAdminTokenTest : public ServerTest {
 // the admin token, as they did before credentials existed.
 TEST_F(SessionsWithAdminTokenTest, SessionCallsIgnoreOtherAuthorizationMetadata) {
   auto stub = v1::AttentionService::NewStub(client_->channel());
-  v1::CreateSessionRequest request;
-  request.mutable_config()->set_num_layers(1);
-  request.mutable_config()->set_num_heads(1);
-  request.mutable_config()->set_num_kv_heads(1);
-  request.mutable_config()->set_head_dim(8);
-  request.set_reserved_tokens(8);
+  const v1::CreateSessionRequest request =
+      OneLayerSessionRequest(/*num_heads=*/1, /*reserved_tokens=*/8);
   for (const char* authorization : {"Basic YWxpY2U6c2VjcmV0", "Bearer not-the-admin-token"}) {
     grpc::ClientContext context;
     context.AddMetadata("authorization", authorization);

@@ -72,6 +72,19 @@ inline v1::MultiHeadAttentionRequest DemoRequest(std::mt19937_64& rng, int64_t b
   return request;
 }
 
+// A one-layer session over one KV head of 8 dims, shared by `num_heads` query heads, with
+// `reserved_tokens` reserved: the smallest session a test of the session calls needs.
+inline v1::CreateSessionRequest OneLayerSessionRequest(int64_t num_heads, int64_t reserved_tokens) {
+  v1::CreateSessionRequest request;
+  v1::SessionConfig& config = *request.mutable_config();
+  config.set_num_layers(1);
+  config.set_num_heads(num_heads);
+  config.set_num_kv_heads(1);
+  config.set_head_dim(8);
+  request.set_reserved_tokens(reserved_tokens);
+  return request;
+}
+
 }  // namespace attention::server::testing
 
 #endif  // ATTENTION_TESTS_SERVER_TEST_SERVER_H_

@@ -155,12 +155,8 @@ class SessionIdentityFromCertificateTest : public MutualTlsServerTest {
 TEST_F(SessionIdentityFromCertificateTest, ASessionIsItsCertificatesIdentitysAlone) {
   client::AttentionClient alice(Target(), Trusting("ca", "alice"));
   client::AttentionClient bob(Target(), Trusting("ca", "bob"));
-  v1::CreateSessionRequest request;
-  request.mutable_config()->set_num_layers(1);
-  request.mutable_config()->set_num_heads(1);
-  request.mutable_config()->set_num_kv_heads(1);
-  request.mutable_config()->set_head_dim(8);
-  request.set_reserved_tokens(8);
+  const v1::CreateSessionRequest request =
+      OneLayerSessionRequest(/*num_heads=*/1, /*reserved_tokens=*/8);
   const absl::StatusOr<v1::SessionInfo> session = alice.CreateSession(request);
   ASSERT_TRUE(session.ok()) << session.status();
   EXPECT_TRUE(alice.GetSession(session->session_id()).ok());
