@@ -61,6 +61,8 @@ class MhaLayer {
 
   // Checks shapes and options of `input`; errors name the request fields.
   absl::Status ValidateInput(const MhaInput& input) const;
+  // The attention shape of `input` through this layer.
+  AttentionDims Dims(const MhaInput& input) const;
 
   // Naive loops on the host weights with every product and sum in T (float and double
   // are compiled): projections, rotary positions, attention, output projection.
@@ -107,7 +109,6 @@ class MhaLayer {
   void FuseQkv();
   // A BFLOAT16 layer: the weight matrices to bf16, the biases to bf16 values.
   void HoldBf16();
-  AttentionDims Dims(const MhaInput& input) const;
   MhaWeightsView WeightsView() const;
 
   MhaConfig config_;

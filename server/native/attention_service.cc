@@ -1,46 +1,18 @@
 #include "server/native/attention_service.h"
 
-#include <cstring>
 #include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "core/half_bits.h"
 #include "core/input_shapes.h"
 #include "core/status_macros.h"
 #include "server/common/status_util.h"
 #include "server/models/layer_builder.h"
+#include "server/validation/input_decoding.h"
 #include "server/validation/wire_convert.h"
 
 namespace attention::server {
 namespace {
-
-// A query, key or value: float32 values, or, for a layer whose backend converts 16-bit
-// inputs on its device, the FLOAT16 / BFLOAT16 bits as sent (half the bytes to copy); or
-// either read in place from raw_data (`borrowed`, `borrowed_half`: no copy).
-struct InputTensor {
-  std::vector<int64_t> shape;
-  std::vector<float> values;
-  std::vector<uint16_t> half;
-  absl::Span<const float> borrowed;
-  absl::Span<const uint16_t> borrowed_half;
-
-  // The float32 values, wherever they are; `values` once moved to `stored`.
-  absl::Span<const float> Floats(const std::vector<float>& stored) const {
-    return borrowed.data() != nullptr ? borrowed : absl::Span<const float>(stored);
-  }
-  // The same for 16-bit values; `half` once moved to `stored`.
-  absl::Span<const uint16_t> HalfBits(const std::vector<uint16_t>& stored) const {
-    return borrowed_half.data() != nullptr ? borrowed_half : absl::Span<const uint16_t>(stored);
-  }
-};
-
-// FLOAT32 raw_data that can be read in place: 4-byte aligned, and nothing else to decode.
-bool CanBorrow(const v1::Tensor& tensor) {
-  const std::string& raw = tensor.raw_data();
-  return tensor.dtype() == v1::FLOAT32 && tensor.float_data_size() == 0 && !raw.empty() &&
-         reinterpret_cast<uintptr_t>(raw.data()) % alignof(float) == 0;
-}
 
 // The converted options, with an additive mask refused when it holds NaN or +inf (and the
 // budget asks for checking; -inf masks).
@@ -53,56 +25,6 @@ absl::StatusOr<core::AttentionOptions> ConvertCheckedOptions(const v1::Attention
                                 "options.attn_mask", /*allow_negative_infinity=*/true));
   }
   return converted;
-}
-
-// The 16-bit dtype `tensor` is sent in, or kFloat32 when it is not sent as 16-bit raw data.
-core::DType HalfDType(const v1::Tensor& tensor) {
-  if (tensor.float_data_size() > 0) return core::DType::kFloat32;
-  if (tensor.dtype() == v1::FLOAT16) return core::DType::kFloat16;
-  if (tensor.dtype() == v1::BFLOAT16) return core::DType::kBFloat16;
-  return core::DType::kFloat32;
-}
-
-// `tensor` kept as its 16-bit bits when `keep_half` (it is then FLOAT16 or BFLOAT16 raw
-// data), else decoded to float32; read in place with `borrow` where it can be; refused when
-// non-finite and the budget asks for checking.
-absl::StatusOr<InputTensor> DecodeMhaInput(const v1::Tensor& tensor, absl::string_view field,
-                                           const RequestBudget& budget, bool keep_half,
-                                           bool borrow) {
-  InputTensor input;
-  if (!keep_half && borrow && CanBorrow(tensor)) {
-    // The checks DecodeFloatTensor makes, without its copy.
-    ASSIGN_OR_RETURN(const int64_t count, wire::CheckFloatTensor(tensor, field));
-    input.shape.assign(tensor.shape().begin(), tensor.shape().end());
-    input.borrowed = absl::MakeConstSpan(
-        reinterpret_cast<const float*>(tensor.raw_data().data()), static_cast<size_t>(count));
-    if (budget.reject_non_finite) RETURN_IF_ERROR(CheckFinite(input.borrowed, input.shape, field));
-    return input;
-  }
-  if (!keep_half) {
-    ASSIGN_OR_RETURN(FloatTensor decoded, DecodeInput(tensor, field, budget));
-    input.shape = std::move(decoded.shape);
-    input.values = std::move(decoded.values);
-    return input;
-  }
-  const core::DType dtype = HalfDType(tensor);
-  ASSIGN_OR_RETURN(const int64_t count, wire::CheckFloatTensor(tensor, field));
-  input.shape.assign(tensor.shape().begin(), tensor.shape().end());
-  const std::string& raw = tensor.raw_data();
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(raw.data());
-  if (borrow && reinterpret_cast<uintptr_t>(bits) % alignof(uint16_t) == 0) {
-    input.borrowed_half = absl::MakeConstSpan(bits, static_cast<size_t>(count));
-  } else {
-    input.half.resize(count);
-    std::memcpy(input.half.data(), raw.data(), count * sizeof(uint16_t));
-    bits = input.half.data();
-  }
-  if (budget.reject_non_finite &&
-      core::AnyHalfBitsNonFinite(bits, count, dtype == core::DType::kBFloat16)) {
-    // Decoded, the same check names the index and the value.
-    return DecodeInput(tensor, field, budget).status();
-  }
-  return input;
 }
 
 // The answer's tensors in float_data (float_data_output).
@@ -244,8 +166,7 @@ absl::StatusOr<std::shared_ptr<const LayerSnapshot>> AttentionServiceImpl::Build
     inline_snapshot->name = "(inline)";
     // An inline layer's weights are this request's memory.
     auto admit = [this](int64_t bytes) { return CheckInlineLayerBytes(bytes, budget_); };
-    auto built =
-        BuildLayer(spec, "inline_layer", default_backend_, registry_.repository(), admit);
+    auto built = BuildLayer(spec, "inline_layer", default_backend_, registry_.repository(), admit);
     // A shape the default device cannot compute falls back to the CPU.
     if (built.status().code() == absl::StatusCode::kUnimplemented &&
         default_backend_ != devices_.cpu()) {
@@ -260,21 +181,23 @@ absl::StatusOr<std::shared_ptr<const LayerSnapshot>> AttentionServiceImpl::Build
 
 namespace {
 
-// Decodes a MultiHeadAttention request's query, key and value into `item`'s input for
-// `layer`, under the shape rules of core/input_shapes.h. 16-bit inputs stay as sent when
-// the layer takes them so (MhaLayer::TakesHalfInputs) and all three share one 16-bit dtype;
-// with `borrow`, FLOAT32 and 16-bit raw_data are read in place.
+// Decodes a MultiHeadAttention request's inputs into `item`'s input for `layer`: query, key
+// and value under the shape rules of core/input_shapes.h, then the options' masks. 16-bit
+// inputs stay as sent when the layer takes them so (MhaLayer::TakesHalfInputs) and all three
+// share one 16-bit dtype; with `borrow`, FLOAT32 and 16-bit raw_data are read in place.
 absl::Status DecodeMhaInputs(const v1::MultiHeadAttentionRequest& request,
                              const core::MhaLayer& layer, const RequestBudget& budget, bool borrow,
                              LayerWorkItem* item) {
   const core::MhaConfig& config = layer.config();
   const bool has_key = request.has_key(), has_value = request.has_value();
   const core::DType half_dtype = HalfDType(request.query());
-  const bool keep_half = layer.TakesHalfInputs() && half_dtype != core::DType::kFloat32 &&
-                         (!has_key || (HalfDType(request.key()) == half_dtype &&
-                                       HalfDType(request.value()) == half_dtype));
-  ASSIGN_OR_RETURN(InputTensor query,
-                   DecodeMhaInput(request.query(), "query", budget, keep_half, borrow));
+  TensorDecoding how;
+  how.keep_half = layer.TakesHalfInputs() && half_dtype != core::DType::kFloat32 &&
+                  (!has_key || (HalfDType(request.key()) == half_dtype &&
+                                HalfDType(request.value()) == half_dtype));
+  how.borrow = borrow;
+  how.reject_non_finite = budget.reject_non_finite;
+  ASSIGN_OR_RETURN(DecodedTensor query, DecodeTensor(request.query(), "query", how));
   RETURN_IF_ERROR(core::CheckMhaQueryShape(config, query.shape));
   core::MhaInput& input = item->input;
   input.batch = query.shape[0];
@@ -285,10 +208,8 @@ absl::Status DecodeMhaInputs(const v1::MultiHeadAttentionRequest& request,
   absl::Span<const float> key_values, value_values;
   absl::Span<const uint16_t> key_half, value_half;
   if (has_key) {
-    ASSIGN_OR_RETURN(InputTensor key,
-                     DecodeMhaInput(request.key(), "key", budget, keep_half, borrow));
-    ASSIGN_OR_RETURN(InputTensor value,
-                     DecodeMhaInput(request.value(), "value", budget, keep_half, borrow));
+    ASSIGN_OR_RETURN(DecodedTensor key, DecodeTensor(request.key(), "key", how));
+    ASSIGN_OR_RETURN(DecodedTensor value, DecodeTensor(request.value(), "value", how));
     RETURN_IF_ERROR(core::CheckMhaKeyValueShapes(config, input.batch, key.shape, value.shape));
     input.kv_len = key.shape[1];
     item->storage.push_back(std::move(key.values));
@@ -302,7 +223,7 @@ absl::Status DecodeMhaInputs(const v1::MultiHeadAttentionRequest& request,
   }
   item->storage.push_back(std::move(query.values));
   item->half_storage.push_back(std::move(query.half));
-  if (keep_half) {
+  if (how.keep_half) {
     input.half_dtype = half_dtype;
     input.query_half = query.HalfBits(item->half_storage.back());
     input.key_half = key_half;
@@ -312,32 +233,80 @@ absl::Status DecodeMhaInputs(const v1::MultiHeadAttentionRequest& request,
     input.key = key_values;
     input.value = value_values;
   }
+  ASSIGN_OR_RETURN(input.options,
+                   ConvertCheckedOptions(request.options(), layer.Dims(input), budget));
   return absl::OkStatus();
+}
+
+// What a MultiHeadAttention answer holds, fixed when its task is built.
+struct MhaAnswerShape {
+  core::AttentionDims dims;
+  int64_t output_dim = 0;
+  core::NeedWeights need = core::NeedWeights::kNone;
+  core::DType output_dtype = core::DType::kFloat32;
+  // The output was computed into the response (a FLOAT32 or BFLOAT16 raw_data answer).
+  bool output_in_response = false;
+  uint64_t layer_version = 0;
+};
+
+// Makes `item` a task of `snapshot`'s layer over its decoded input: the answer's dtype, the
+// request's cost against `budget`, the layer's own checks, queue fields, and the output
+// computed straight into `response` where its dtype allows.
+absl::StatusOr<MhaAnswerShape> BuildMhaTask(const v1::MultiHeadAttentionRequest& request,
+                                            const LayerSnapshot& snapshot,
+                                            const RequestBudget& budget, absl::Time deadline,
+                                            std::function<bool()> is_cancelled,
+                                            v1::MultiHeadAttentionResponse* response,
+                                            LayerWorkItem* item) {
+  const core::MhaLayer& layer = *snapshot.layer;
+  core::MhaInput& input = item->input;
+  MhaAnswerShape answer;
+  answer.dims = layer.Dims(input);
+  answer.output_dim = layer.config().output_dim;
+  answer.need = input.options.need_weights;
+  answer.layer_version = snapshot.version;
+  ASSIGN_OR_RETURN(answer.output_dtype, OutputDType(request.output_dtype(), request.query().dtype(),
+                                                    request.float_data_output()));
+  const RequestCost cost =
+      MultiHeadAttentionCost(layer.config(), answer.dims, answer.need, answer.output_dtype);
+  RETURN_IF_ERROR(CheckRequestBudget(cost, budget));
+  RETURN_IF_ERROR(layer.ValidateInput(input));
+  RETURN_IF_ERROR(SetQueueFields(request, input.batch * input.q_len, cost, deadline,
+                                 std::move(is_cancelled), item));
+  answer.output_in_response = (answer.output_dtype == core::DType::kFloat32 ||
+                               answer.output_dtype == core::DType::kBFloat16) &&
+                              !request.float_data_output();
+  if (answer.output_in_response) {
+    const int64_t shape[] = {answer.dims.batch, answer.dims.q_len, answer.output_dim};
+    if (answer.output_dtype == core::DType::kFloat32) {
+      input.output_destination = wire::ResizeFloat32Tensor(shape, response->mutable_output());
+    } else {
+      input.output_destination_bf16 = wire::ResizeBFloat16Tensor(shape, response->mutable_output());
+    }
+  }
+  return answer;
 }
 
 // What a batch worker does with a MultiHeadAttention result: encodes it into `response`
 // (unless the output was computed into it already), then calls `finish`.
 std::function<void(absl::StatusOr<core::AttentionResult>)> MhaAnswer(
     const v1::MultiHeadAttentionRequest& request, v1::MultiHeadAttentionResponse* response,
-    std::function<void(const absl::Status&)> finish, const core::AttentionDims& dims,
-    int64_t output_dim, core::NeedWeights need, core::DType output_dtype, bool output_in_response,
-    uint64_t layer_version) {
-  return [finish = std::move(finish), response, dims, output_dim, need, output_dtype,
-          output_in_response, layer_version, float_data = request.float_data_output(),
+    std::function<void(const absl::Status&)> finish, const MhaAnswerShape& shape) {
+  return [finish = std::move(finish), response, shape, float_data = request.float_data_output(),
           request_id = request.request_id()](absl::StatusOr<core::AttentionResult> result) {
     if (!result.ok()) {
       response->clear_output();
       finish(result.status());
       return;
     }
-    if (!output_in_response) {
-      EncodeTensor(result->output, {dims.batch, dims.q_len, output_dim}, output_dtype,
-                   response->mutable_output());
+    if (!shape.output_in_response) {
+      EncodeTensor(result->output, {shape.dims.batch, shape.dims.q_len, shape.output_dim},
+                   shape.output_dtype, response->mutable_output());
     }
-    EncodeWeights(*result, dims, need, output_dtype, response);
+    EncodeWeights(*result, shape.dims, shape.need, shape.output_dtype, response);
     if (float_data) UseFloatData(response);
     response->set_request_id(request_id);
-    response->set_layer_version(layer_version);
+    response->set_layer_version(shape.layer_version);
     finish(absl::OkStatus());
   };
 }
@@ -367,37 +336,12 @@ absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
   RETURN_IF_ERROR(CheckMultiHeadAttentionRequest(request));
   ASSIGN_OR_RETURN(std::shared_ptr<const LayerSnapshot> snapshot,
                    ResolveLayer(request, std::move(inline_layer)));
-  const core::MhaConfig& config = snapshot->layer->config();
   auto item = std::make_unique<LayerWorkItem>();
   RETURN_IF_ERROR(DecodeMhaInputs(request, *snapshot->layer, budget_, borrow_inputs, item.get()));
-  core::MhaInput& input = item->input;
-  const core::AttentionDims dims{input.batch,  config.num_heads, config.num_kv_heads, input.q_len,
-                                 input.kv_len, config.head_dim,  config.v_head_dim};
-  ASSIGN_OR_RETURN(input.options, ConvertCheckedOptions(request.options(), dims, budget_));
-  ASSIGN_OR_RETURN(
-      const core::DType output_dtype,
-      OutputDType(request.output_dtype(), request.query().dtype(), request.float_data_output()));
-  const RequestCost cost =
-      MultiHeadAttentionCost(config, dims, input.options.need_weights, output_dtype);
-  RETURN_IF_ERROR(CheckRequestBudget(cost, budget_));
-  RETURN_IF_ERROR(snapshot->layer->ValidateInput(input));
-  RETURN_IF_ERROR(SetQueueFields(request, input.batch * input.q_len, cost, deadline,
-                                 std::move(is_cancelled), item.get()));
-  // A FLOAT32 or BFLOAT16 answer in raw_data is computed straight into the response.
-  const bool output_in_response =
-      (output_dtype == core::DType::kFloat32 || output_dtype == core::DType::kBFloat16) &&
-      !request.float_data_output();
-  item->done =
-      MhaAnswer(request, response, std::move(finish), dims, config.output_dim,
-                input.options.need_weights, output_dtype, output_in_response, snapshot->version);
-  if (output_in_response) {
-    const int64_t shape[] = {dims.batch, dims.q_len, config.output_dim};
-    if (output_dtype == core::DType::kFloat32) {
-      input.output_destination = wire::ResizeFloat32Tensor(shape, response->mutable_output());
-    } else {
-      input.output_destination_bf16 = wire::ResizeBFloat16Tensor(shape, response->mutable_output());
-    }
-  }
+  ASSIGN_OR_RETURN(const MhaAnswerShape answer,
+                   BuildMhaTask(request, *snapshot, budget_, deadline, std::move(is_cancelled),
+                                response, item.get()));
+  item->done = MhaAnswer(request, response, std::move(finish), answer);
   item->snapshot = std::move(snapshot);
   absl::Status submitted = batcher_.Submit(std::move(item));
   if (!submitted.ok()) response->clear_output();
@@ -425,17 +369,18 @@ absl::Status AttentionServiceImpl::SubmitScaledDotProductAttention(
     std::function<void(const absl::Status&)> finish) {
   RETURN_IF_ERROR(CheckKnownFields(request));
   RETURN_IF_ERROR(CheckRequestId(request.request_id()));
-  ASSIGN_OR_RETURN(FloatTensor query, DecodeInput(request.query(), "query", budget_));
-  ASSIGN_OR_RETURN(FloatTensor key, DecodeInput(request.key(), "key", budget_));
-  ASSIGN_OR_RETURN(FloatTensor value, DecodeInput(request.value(), "value", budget_));
+  TensorDecoding how;  // copied: the task may outlive the request's bytes
+  how.reject_non_finite = budget_.reject_non_finite;
+  ASSIGN_OR_RETURN(DecodedTensor query, DecodeTensor(request.query(), "query", how));
+  ASSIGN_OR_RETURN(DecodedTensor key, DecodeTensor(request.key(), "key", how));
+  ASSIGN_OR_RETURN(DecodedTensor value, DecodeTensor(request.value(), "value", how));
   auto item = std::make_unique<SoloWorkItem>();
   core::SdpaInput input;
   ASSIGN_OR_RETURN(input.dims, core::SdpaDimsOf(query.shape, key.shape, value.shape));
-  ASSIGN_OR_RETURN(input.options,
-                   ConvertCheckedOptions(request.options(), input.dims, budget_));
-  ASSIGN_OR_RETURN(const core::DType output_dtype,
-                   OutputDType(request.output_dtype(), request.query().dtype(),
-                               request.float_data_output()));
+  ASSIGN_OR_RETURN(input.options, ConvertCheckedOptions(request.options(), input.dims, budget_));
+  ASSIGN_OR_RETURN(
+      const core::DType output_dtype,
+      OutputDType(request.output_dtype(), request.query().dtype(), request.float_data_output()));
   if (request.compute_dtype() != v1::DATA_TYPE_UNSPECIFIED) {
     ASSIGN_OR_RETURN(input.compute_dtype,
                      wire::ConvertDType(request.compute_dtype(), "compute_dtype"));
@@ -464,7 +409,8 @@ absl::Status AttentionServiceImpl::SubmitScaledDotProductAttention(
     return backend->ScaledDotProductAttention(input);
   };
   item->done = [finish = std::move(finish), response, dims, need, output_dtype,
-                float_data = request.float_data_output(), request_id = request.request_id()](absl::StatusOr<core::AttentionResult> result) {
+                float_data = request.float_data_output(),
+                request_id = request.request_id()](absl::StatusOr<core::AttentionResult> result) {
     if (!result.ok()) {
       finish(result.status());
       return;

@@ -14,6 +14,7 @@
 #include "server/common/status_util.h"
 #include "server/native/attention_service.h"
 #include "server/sessions/session_step.h"
+#include "server/validation/input_decoding.h"
 #include "server/validation/wire_convert.h"
 
 namespace attention::server {
@@ -108,8 +109,8 @@ absl::StatusOr<absl::Duration> TtlOf(int64_t ttl_ms) {
 }
 
 // One tensor of a step entry: [n, heads, dim] with the entry's n.
-absl::Status CheckStepTensor(const wire::FloatTensor& tensor, absl::string_view field,
-                             int64_t tokens, int64_t heads, int64_t dim, absl::string_view layout) {
+absl::Status CheckStepTensor(const DecodedTensor& tensor, absl::string_view field, int64_t tokens,
+                             int64_t heads, int64_t dim, absl::string_view layout) {
   const std::vector<int64_t> expected = {tokens, heads, dim};
   if (tensor.shape != expected) {
     return Invalid(field, ".shape ", wire::ShapeString(tensor.shape), " must be ", layout, " = ",
@@ -340,6 +341,8 @@ absl::Status AttentionServiceImpl::SubmitSessionStep(
   std::vector<SessionInfo> infos;
   std::map<std::pair<std::string, int64_t>, int64_t> tokens_of;
   const absl::Time now = absl::Now();
+  TensorDecoding decoding;  // copied: the step may outlive the request's bytes
+  decoding.reject_non_finite = budget_.reject_non_finite;
   for (int i = 0; i < request.entries_size(); ++i) {
     const v1::SessionStepEntry& wire_entry = request.entries(i);
     const std::string field = absl::StrCat("entries[", i, "]");
@@ -366,8 +369,8 @@ absl::Status AttentionServiceImpl::SubmitSessionStep(
       }
       const std::shared_ptr<const core::MhaLayer>& layer = shape.layers->layers[entry.layer];
       const core::MhaConfig& c = layer->config();
-      ASSIGN_OR_RETURN(wire::FloatTensor hidden,
-                       DecodeInput(wire_entry.hidden_states(), field + ".hidden_states", budget_));
+      ASSIGN_OR_RETURN(DecodedTensor hidden, DecodeTensor(wire_entry.hidden_states(),
+                                                          field + ".hidden_states", decoding));
       if (hidden.shape.size() != 2 || hidden.shape[1] != c.embed_dim) {
         return Invalid(field, ".hidden_states.shape ", wire::ShapeString(hidden.shape),
                        " must be [n, embed_dim] = [n, ", c.embed_dim, "] for layer '",
@@ -385,12 +388,11 @@ absl::Status AttentionServiceImpl::SubmitSessionStep(
         return Invalid(field, ".hidden_states is for sessions over served layers ",
                        "(config.layers); this session takes query, key and value");
       }
-      ASSIGN_OR_RETURN(wire::FloatTensor query,
-                       DecodeInput(wire_entry.query(), field + ".query", budget_));
-      ASSIGN_OR_RETURN(wire::FloatTensor key,
-                       DecodeInput(wire_entry.key(), field + ".key", budget_));
-      ASSIGN_OR_RETURN(wire::FloatTensor value,
-                       DecodeInput(wire_entry.value(), field + ".value", budget_));
+      ASSIGN_OR_RETURN(DecodedTensor query,
+                       DecodeTensor(wire_entry.query(), field + ".query", decoding));
+      ASSIGN_OR_RETURN(DecodedTensor key, DecodeTensor(wire_entry.key(), field + ".key", decoding));
+      ASSIGN_OR_RETURN(DecodedTensor value,
+                       DecodeTensor(wire_entry.value(), field + ".value", decoding));
       const int64_t n = query.shape.empty() ? 0 : query.shape[0];
       RETURN_IF_ERROR(CheckStepTensor(query, field + ".query", n, shape.num_heads, shape.head_dim,
                                       "[n, num_heads, head_dim]"));

@@ -326,11 +326,4 @@ absl::Status CheckRequestId(const std::string& request_id) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<wire::FloatTensor> DecodeInput(const v1::Tensor& tensor, absl::string_view field,
-                                              const RequestBudget& budget) {
-  ASSIGN_OR_RETURN(wire::FloatTensor decoded, wire::DecodeFloatTensor(tensor, field));
-  if (budget.reject_non_finite) RETURN_IF_ERROR(CheckFinite(decoded.values, decoded.shape, field));
-  return decoded;
-}
-
 }  // namespace attention::server

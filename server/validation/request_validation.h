@@ -100,11 +100,6 @@ absl::Status CheckKnownFields(const google::protobuf::Message& request);
 // INVALID_ARGUMENT when a request_id is longer than 256 bytes.
 absl::Status CheckRequestId(const std::string& request_id);
 
-// A float tensor of a request, refused when it holds NaN or infinities and the budget asks
-// for checking.
-absl::StatusOr<wire::FloatTensor> DecodeInput(const v1::Tensor& tensor, absl::string_view field,
-                                              const RequestBudget& budget);
-
 // Whether `given` equals `expected`, in time that depends only on expected's length (for
 // secrets such as the admin token).
 bool ConstantTimeEquals(absl::string_view given, absl::string_view expected);

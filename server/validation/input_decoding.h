@@ -1,0 +1,62 @@
+// The one stage that decodes a request's float tensors (query, key, value, hidden states)
+// from the wire: presence, shape, dtype, byte count, borrow or copy, 16-bit bits kept or
+// widened, and the non-finite check, in one call per tensor. Every front-end calls it with
+// its field names (the KServe front-end through its native request).
+#ifndef ATTENTION_SERVER_VALIDATION_INPUT_DECODING_H_
+#define ATTENTION_SERVER_VALIDATION_INPUT_DECODING_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "attention/v1/attention.pb.h"
+#include "core/dtype.h"
+
+namespace attention::server {
+
+// How a tensor is decoded.
+struct TensorDecoding {
+  // FLOAT16 / BFLOAT16 raw_data kept as its bits (for a backend that widens them on its
+  // device: half the bytes to copy); anything else is widened to float32.
+  bool keep_half = false;
+  // raw_data read in place where its alignment allows (no copy): the request must then
+  // outlive every use of the decoded spans.
+  bool borrow = false;
+  // NaN and infinities refused, naming the index (RequestBudget::reject_non_finite).
+  bool reject_non_finite = true;
+};
+
+// A decoded tensor: float32 values, or the 16-bit bits as sent (`keep_half`), each either
+// owned (`values`, `half`) or read in place from the request (`borrowed`, `borrowed_half`).
+struct DecodedTensor {
+  std::vector<int64_t> shape;
+  std::vector<float> values;
+  std::vector<uint16_t> half;
+  absl::Span<const float> borrowed;
+  absl::Span<const uint16_t> borrowed_half;
+
+  // The float32 values, wherever they are; `values` once moved to `stored`.
+  absl::Span<const float> Floats(const std::vector<float>& stored) const {
+    return borrowed.data() != nullptr ? borrowed : absl::Span<const float>(stored);
+  }
+  // The same for 16-bit values; `half` once moved to `stored`.
+  absl::Span<const uint16_t> HalfBits(const std::vector<uint16_t>& stored) const {
+    return borrowed_half.data() != nullptr ? borrowed_half : absl::Span<const uint16_t>(stored);
+  }
+};
+
+// The 16-bit dtype `tensor` is sent in as raw data, or kFloat32 when it is not.
+core::DType HalfDType(const v1::Tensor& tensor);
+
+// `tensor` decoded as `how` says, or INVALID_ARGUMENT naming `field` (e.g. "query",
+// "steps[2].hidden_states") and the values at fault. With `keep_half`, a FLOAT16 or
+// BFLOAT16 tensor keeps its bits; the caller keeps half only when every tensor it pairs
+// shares that dtype.
+absl::StatusOr<DecodedTensor> DecodeTensor(const v1::Tensor& tensor, absl::string_view field,
+                                           const TensorDecoding& how);
+
+}  // namespace attention::server
+
+#endif  // ATTENTION_SERVER_VALIDATION_INPUT_DECODING_H_
