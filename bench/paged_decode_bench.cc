@@ -6,7 +6,10 @@
 // BM_PagedDecode also reads its own KV bytes with every thread after each step
 // (same_memory_read/s) and reports of_same_memory_roof: the ratio against the very memory
 // the kernel reads, alternated with it, steadier on a host whose bandwidth differs from
-// one buffer (or process) to the next.
+// one buffer (or process) to the next. BM_SharedPrefixDecode (issue 41): sessions forked
+// from one 4,096-token prefix, decoding one token a step, with the prefix read once for all
+// of them, read once per fork (share_prefixes off: the step before sharing), and held as
+// private copies; BM_SgemmCeiling is OpenBLAS at the shared part's product shape.
 //
 //   build/bench/paged_decode_bench --benchmark_counters_tabular=true
 #if defined(__x86_64__)
@@ -24,6 +27,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <cblas.h>
 
 #include "benchmark/benchmark.h"
 #include "core/cpu/gemm.h"
@@ -198,6 +203,101 @@ BENCHMARK(BM_PagedDecode)
     ->ArgsProduct({{4096, 32768}, {1, 8}, {0, 1}})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
+
+// Mode of BM_SharedPrefixDecode.
+enum PrefixMode { kShared = 0, kForksUnshared = 1, kPrivateCopies = 2 };
+
+// One layer-step of `sessions` sessions over one 4,096-token prefix, each with 1-256 tokens
+// of its own (the new one included), n = 1, Llama-3-8B heads, KV float32 or bfloat16. The
+// forks' tables share the prefix's blocks; private copies hold the same values in blocks of
+// their own. GFLOPS counts each session's attention (4 * H * L * d), as if nothing were shared.
+void BM_SharedPrefixDecode(benchmark::State& state) {
+  const int64_t sessions = state.range(0);
+  const auto mode = static_cast<PrefixMode>(state.range(1));
+  const kv_cache::KvLayout layout{8, 128, 128,
+                                  state.range(2) == 0 ? DType::kFloat32 : DType::kBFloat16};
+  constexpr int64_t kHeads = 32, kPrefix = 4096;
+  const int64_t tokens_per_block = *kv_cache::TokensPerBlock(layout, kv_cache::kDefaultBlockBytes);
+  const int64_t prefix_blocks = kPrefix / tokens_per_block;
+  std::vector<int64_t> lengths;
+  int64_t blocks = mode == kPrivateCopies ? 0 : prefix_blocks;
+  for (int64_t b = 0; b < sessions; ++b) {
+    lengths.push_back(kPrefix + 1 + (b * 37) % 256);  // 1-256 own tokens
+    const int64_t own_blocks = (lengths.back() - kPrefix + tokens_per_block - 1) / tokens_per_block;
+    blocks += own_blocks + (mode == kPrivateCopies ? prefix_blocks : 0);
+  }
+  HugePageBytes storage(blocks * kv_cache::kDefaultBlockBytes);
+  const int64_t elements = blocks * kv_cache::kDefaultBlockBytes / layout.ElementBytes();
+  for (int64_t i = 0; i < elements; ++i) {  // the kernel's speed does not depend on the values
+    const float x = 0.01f * static_cast<float>(i % 101) - 0.5f;
+    if (layout.dtype == DType::kBFloat16) {
+      const uint16_t bits = FloatToBFloat16(x);
+      std::memcpy(storage.data + 2 * i, &bits, 2);
+    } else {
+      std::memcpy(storage.data + 4 * i, &x, 4);
+    }
+  }
+  std::vector<std::vector<kv_cache::BlockId>> tables(sessions);
+  kv_cache::BlockId next = mode == kPrivateCopies ? 0 : prefix_blocks;
+  for (int64_t b = 0; b < sessions; ++b) {
+    for (int64_t k = 0; k < prefix_blocks; ++k) {
+      tables[b].push_back(mode == kPrivateCopies ? next++ : k);
+    }
+    while (static_cast<int64_t>(tables[b].size()) * tokens_per_block < lengths[b]) {
+      tables[b].push_back(next++);
+    }
+  }
+  std::vector<float> queries(sessions * kHeads * layout.key_dim, 0.03f);
+  std::vector<float> outputs(sessions * kHeads * layout.value_dim);
+  std::vector<PagedDecodeSequence> batch_sequences;
+  double flops = 0;
+  for (int64_t b = 0; b < sessions; ++b) {
+    batch_sequences.push_back({tables[b], lengths[b], 1,
+                               queries.data() + b * kHeads * layout.key_dim,
+                               outputs.data() + b * kHeads * layout.value_dim, nullptr});
+    flops += 4.0 * kHeads * static_cast<double>(lengths[b]) * 128;
+  }
+  PagedDecodeBatch batch;
+  batch.storage = {storage.data, kv_cache::kDefaultBlockBytes, blocks};
+  batch.layout = layout;
+  batch.tokens_per_block = tokens_per_block;
+  batch.num_heads = kHeads;
+  batch.scale = 1.0f / std::sqrt(128.0f);
+  batch.sequences = batch_sequences;
+  ThreadPool threads(ComputeThreads());
+  for (auto _ : state) {
+    if (!PagedDecodeCpu(batch, threads, BestSimdLevel(), mode == kShared).ok()) {
+      state.SkipWithError("PagedDecodeCpu failed");
+    }
+    benchmark::DoNotOptimize(outputs.data());
+  }
+  state.counters["GFLOPS"] =
+      benchmark::Counter(flops * state.iterations() / 1e9, benchmark::Counter::kIsRate);
+  state.counters["layer_steps/s"] =
+      benchmark::Counter(static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
+  static const char* const kModes[] = {"shared", "forks, read per fork", "private copies"};
+  state.SetLabel(std::string(kModes[mode]) + ", " + std::string(DTypeName(layout.dtype)));
+}
+BENCHMARK(BM_SharedPrefixDecode)
+    ->ArgNames({"sessions", "mode", "bf16"})
+    ->ArgsProduct({{8, 16, 64}, {kShared, kForksUnshared, kPrivateCopies}, {0, 1}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
+// The GEMM ceiling of the shared part: 256 query rows (64 sessions x a GQA group of 4)
+// against 4,096 keys of 128 dims, OpenBLAS sgemm with its own threads.
+void BM_SgemmCeiling(benchmark::State& state) {
+  constexpr int64_t kRows = 256, kKeys = 4096, kDim = 128;
+  std::vector<float> a(kRows * kDim, 0.01f), b(kDim * kKeys, 0.02f), c(kRows * kKeys);
+  for (auto _ : state) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, kRows, kKeys, kDim, 1.0f, a.data(), kDim,
+                b.data(), kKeys, 0.0f, c.data(), kKeys);
+    benchmark::DoNotOptimize(c.data());
+  }
+  state.counters["GFLOPS"] = benchmark::Counter(
+      2.0 * kRows * kKeys * kDim * state.iterations() / 1e9, benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_SgemmCeiling)->UseRealTime()->Unit(benchmark::kMillisecond);
 
 }  // namespace
 }  // namespace attention::core

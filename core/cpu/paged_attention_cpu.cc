@@ -331,9 +331,31 @@ void MergeSplits(const PagedDecodeBatch& batch, const HeadWork& work, const floa
   }
 }
 
+// A group of forks' query rows as one sequence for the splits they share: every member's
+// queries in group order, placed so that each sees every shared key. A split over these
+// rows computes each row as the member's own split would (rows are independent and the
+// tiles the same), so the results do not depend on whether a sequence was grouped.
+struct SharedPrefix {
+  SharedPrefix(const PagedDecodeBatch& batch, SharedPrefixGroup group) : found(std::move(group)) {
+    const int64_t row_floats = batch.num_heads * batch.layout.key_dim;
+    for (const int64_t b : found.sequences) {
+      const PagedDecodeSequence& member = batch.sequences[b];
+      queries.insert(queries.end(), member.query, member.query + member.num_queries * row_floats);
+      rows.num_queries += member.num_queries;
+    }
+    rows.block_table = batch.sequences[found.sequences.front()].block_table;
+    rows.query = queries.data();
+    rows.length = found.shared_keys - 1 + rows.num_queries;  // the first row sits at key S - 1
+  }
+  SharedPrefixGroup found;
+  std::vector<float> queries;
+  PagedDecodeSequence rows;
+};
+
 }  // namespace
 
-absl::Status PagedDecodeCpu(const PagedDecodeBatch& batch, ThreadPool& pool, SimdLevel level) {
+absl::Status PagedDecodeCpu(const PagedDecodeBatch& batch, ThreadPool& pool, SimdLevel level,
+                            bool share_prefixes) {
   if (absl::Status status = ValidatePagedDecodeBatch(batch, /*check_block_ids=*/true);
       !status.ok()) {
     return status;
@@ -347,7 +369,24 @@ absl::Status PagedDecodeCpu(const PagedDecodeBatch& batch, ThreadPool& pool, Sim
   const bool avx512 = level == SimdLevel::kAvx512 && paged_decode::CpuSupportsAvx512Bw();
 #endif
   const int64_t group = batch.num_heads / batch.layout.num_kv_heads;
+  const int64_t num_kv_heads = batch.layout.num_kv_heads;
   const int64_t state_floats = StateFloats(batch.layout);
+  // Forks of one prefix: each of its splits is attended once for every query row of the
+  // group (SharedPrefix below), so each sequence starts its own splits after it.
+  std::vector<SharedPrefix> shared;
+  std::vector<int64_t> own_keys_from(batch.sequences.size(), 0);
+  if (share_prefixes) {
+    for (SharedPrefixGroup& found : FindSharedPrefixes(batch, kPagedSplitKeys)) {
+      for (const int64_t b : found.sequences) own_keys_from[b] = found.shared_keys;
+      if (batch.stats != nullptr) {
+        batch.stats->shared_blocks +=
+            (found.shared_keys + batch.tokens_per_block - 1) / batch.tokens_per_block;
+        batch.stats->keys_not_reread +=
+            found.shared_keys * static_cast<int64_t>(found.sequences.size() - 1);
+      }
+      shared.push_back(SharedPrefix(batch, std::move(found)));
+    }
+  }
   // Units of work: (sequence, KV head, split of kPagedSplitKeys keys), in that order.
   std::vector<HeadWork> heads;
   struct Split {
@@ -359,12 +398,14 @@ absl::Status PagedDecodeCpu(const PagedDecodeBatch& batch, ThreadPool& pool, Sim
     const PagedDecodeSequence& sequence = batch.sequences[b];
     const int64_t num_splits = (sequence.length + kPagedSplitKeys - 1) / kPagedSplitKeys;
     const int64_t rows = sequence.num_queries * group;
-    for (int64_t h = 0; h < batch.layout.num_kv_heads; ++h) {
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
       heads.push_back({static_cast<int64_t>(b), h, num_splits, state_total});
       // Splits wholly before the first query's window are not run; their states stay empty
       // (a sum of 0 is skipped by the merge).
       const int64_t first_split =
-          FirstVisibleKey(batch, sequence.length - sequence.num_queries) / kPagedSplitKeys;
+          std::max(FirstVisibleKey(batch, sequence.length - sequence.num_queries),
+                   own_keys_from[b]) /
+          kPagedSplitKeys;
       for (int64_t s = first_split; s < num_splits; ++s) {
         splits.push_back({static_cast<int64_t>(heads.size()) - 1, s * kPagedSplitKeys,
                           std::min(sequence.length, (s + 1) * kPagedSplitKeys)});
@@ -372,23 +413,58 @@ absl::Status PagedDecodeCpu(const PagedDecodeBatch& batch, ThreadPool& pool, Sim
       state_total += num_splits * rows * state_floats;
     }
   }
+  // The shared units: (group, KV head, split), run first as the largest.
+  struct SharedSplit {
+    int64_t group, kv_head, key_begin;
+  };
+  std::vector<SharedSplit> shared_splits;
+  for (size_t g = 0; g < shared.size(); ++g) {
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      for (int64_t key = 0; key < shared[g].found.shared_keys; key += kPagedSplitKeys) {
+        shared_splits.push_back({static_cast<int64_t>(g), h, key});
+      }
+    }
+  }
   std::vector<float> states(state_total);
-  pool.ParallelFor(static_cast<int64_t>(splits.size()), [&](int64_t index) {
-    const Split& split = splits[index];
+  // One split of `sequence` (a batch sequence, or a group's rows) into `split_states`.
+  const auto attend_split = [&](const PagedDecodeSequence& sequence, int64_t kv_head,
+                                int64_t key_begin, int64_t key_end, float* split_states) {
+#if defined(__x86_64__)
+    if (avx512) {
+      paged_decode::AttendSplitAvx512(batch, sequence, kv_head, key_begin, key_end, split_states);
+      return;
+    }
+#endif
+    AttendSplit(kernels, batch, sequence, kv_head, key_begin, key_end, split_states);
+  };
+  const int64_t num_shared = static_cast<int64_t>(shared_splits.size());
+  pool.ParallelFor(num_shared + static_cast<int64_t>(splits.size()), [&](int64_t index) {
+    if (index < num_shared) {
+      const SharedSplit& unit = shared_splits[index];
+      const SharedPrefix& prefix = shared[unit.group];
+      thread_local std::vector<float> group_states;
+      group_states.resize(prefix.rows.num_queries * group * state_floats);
+      attend_split(prefix.rows, unit.kv_head, unit.key_begin, unit.key_begin + kPagedSplitKeys,
+                   group_states.data());
+      // Each member's rows, into its own states of this split.
+      const int64_t split_index = unit.key_begin / kPagedSplitKeys;
+      const float* member_states = group_states.data();
+      for (const int64_t b : prefix.found.sequences) {
+        const HeadWork& work = heads[b * num_kv_heads + unit.kv_head];
+        const int64_t rows = batch.sequences[b].num_queries * group;
+        std::copy_n(member_states, rows * state_floats,
+                    states.data() + work.states_offset + split_index * rows * state_floats);
+        member_states += rows * state_floats;
+      }
+      return;
+    }
+    const Split& split = splits[index - num_shared];
     const HeadWork& work = heads[split.head_work];
     const PagedDecodeSequence& sequence = batch.sequences[work.sequence];
     const int64_t rows = sequence.num_queries * group;
     const int64_t split_index = split.key_begin / kPagedSplitKeys;
-    float* split_states = states.data() + work.states_offset + split_index * rows * state_floats;
-#if defined(__x86_64__)
-    if (avx512) {
-      paged_decode::AttendSplitAvx512(batch, sequence, work.kv_head, split.key_begin, split.key_end,
-                                      split_states);
-      return;
-    }
-#endif
-    AttendSplit(kernels, batch, sequence, work.kv_head, split.key_begin, split.key_end,
-                split_states);
+    attend_split(sequence, work.kv_head, split.key_begin, split.key_end,
+                 states.data() + work.states_offset + split_index * rows * state_floats);
   });
   pool.ParallelFor(static_cast<int64_t>(heads.size()), [&](int64_t index) {
     MergeSplits(batch, heads[index], states.data() + heads[index].states_offset);

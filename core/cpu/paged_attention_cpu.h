@@ -4,7 +4,8 @@
 // the last W of them, p - W + 1..p, under a sliding window of W keys).
 //
 // Bandwidth-bound by design: each KV head is read once for all query heads of its GQA
-// group, and long contexts are split across threads at fixed absolute key boundaries
+// group (and once for a whole group of forks over the splits of a prefix they share), and
+// long contexts are split across threads at fixed absolute key boundaries
 // (kPagedSplitKeys) whose partial softmax states merge in a fixed order, so results are
 // bitwise the same for any thread count and any batch composition.
 //
@@ -30,9 +31,11 @@ inline constexpr int64_t kPagedSplitKeys = 1024;
 // INVALID_ARGUMENT naming the field when the batch is malformed (n < 1, n > L, a block
 // table too short or naming a block outside the storage, heads not a multiple of the KV
 // heads, a negative window); otherwise computes every sequence's output. `level` picks the SIMD
-// code (tests run each level the CPU supports).
+// code (tests run each level the CPU supports). With `share_prefixes`, forks of one prefix
+// (FindSharedPrefixes over whole splits) read each shared split once for all their query
+// rows; the results are bitwise those without (a benchmark turns it off to compare).
 absl::Status PagedDecodeCpu(const PagedDecodeBatch& batch, ThreadPool& pool,
-                            SimdLevel level = BestSimdLevel());
+                            SimdLevel level = BestSimdLevel(), bool share_prefixes = true);
 
 }  // namespace attention::core
 

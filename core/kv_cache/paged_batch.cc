@@ -1,6 +1,8 @@
 #include "core/kv_cache/paged_batch.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <map>
 
 #include "absl/strings/str_cat.h"
 
@@ -69,6 +71,49 @@ absl::Status ValidatePagedDecodeBatch(const PagedDecodeBatch& batch, bool check_
     }
   }
   return absl::OkStatus();
+}
+
+std::vector<SharedPrefixGroup> FindSharedPrefixes(const PagedDecodeBatch& batch,
+                                                  int64_t unit_keys) {
+  std::vector<SharedPrefixGroup> groups;
+  if (batch.sliding_window > 0 || unit_keys < 1 || batch.tokens_per_block < 1) return groups;
+  const int64_t tokens_per_block = batch.tokens_per_block;
+  // Whole units every query of sequence b sees: its first query, at L - n, sees keys 0..L - n.
+  const auto visible_units = [&](int64_t b) {
+    const PagedDecodeSequence& sequence = batch.sequences[b];
+    return (sequence.length - sequence.num_queries + 1) / unit_keys;
+  };
+  std::map<BlockId, std::vector<int64_t>> by_first_block;
+  for (size_t b = 0; b < batch.sequences.size(); ++b) {
+    if (visible_units(b) > 0) by_first_block[batch.sequences[b].block_table[0]].push_back(b);
+  }
+  for (const auto& [block, members] : by_first_block) {
+    if (members.size() < 2) continue;
+    const int64_t leader = members.front();
+    const absl::Span<const BlockId> leader_table = batch.sequences[leader].block_table;
+    SharedPrefixGroup group;
+    group.sequences.push_back(leader);
+    int64_t units = visible_units(leader);
+    for (size_t m = 1; m < members.size(); ++m) {
+      const absl::Span<const BlockId> table = batch.sequences[members[m]].block_table;
+      // Blocks the first `wanted` units of both need, and how many of them are the same.
+      const int64_t wanted = std::min(visible_units(leader), visible_units(members[m]));
+      const int64_t blocks = std::min<int64_t>(
+          {(wanted * unit_keys + tokens_per_block - 1) / tokens_per_block,
+           static_cast<int64_t>(table.size()), static_cast<int64_t>(leader_table.size())});
+      const int64_t same =
+          std::mismatch(table.begin(), table.begin() + blocks, leader_table.begin()).first -
+          table.begin();
+      const int64_t common = std::min(wanted, same * tokens_per_block / unit_keys);
+      if (common == 0) continue;
+      group.sequences.push_back(members[m]);
+      units = std::min(units, common);
+    }
+    if (group.sequences.size() < 2) continue;
+    group.shared_keys = units * unit_keys;
+    groups.push_back(std::move(group));
+  }
+  return groups;
 }
 
 }  // namespace attention::core

@@ -5,6 +5,7 @@
 #define ATTENTION_CORE_KV_CACHE_PAGED_BATCH_H_
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
@@ -29,6 +30,12 @@ struct PagedDecodeSequence {
   float* log_sum_exp = nullptr;  // [n][H] (natural log of the scaled scores), or null
 };
 
+// What a kernel shared while attending a batch (see FindSharedPrefixes); it adds to these.
+struct PagedAttendStats {
+  int64_t shared_blocks = 0;    // blocks of shared prefixes, each read once for its group
+  int64_t keys_not_reread = 0;  // keys a group's other members would have read again
+};
+
 // Sequences sharing one KV layout, one storage and one head count.
 struct PagedDecodeBatch {
   PagedKvStorage storage;
@@ -38,12 +45,28 @@ struct PagedDecodeBatch {
   float scale = 1.0f;
   int64_t sliding_window = 0;  // W keys seen by each query, its own included; 0: all
   absl::Span<const PagedDecodeSequence> sequences;
+  PagedAttendStats* stats = nullptr;  // when set, what the kernel shared is added to it
 };
 
 // The checks of a batch every backend makes on the host: INVALID_ARGUMENT naming the field
 // when it is malformed (see PagedDecodeCpu). `check_block_ids`: the block tables are host
 // memory, so each id is checked against the storage (a GPU's live on the device).
 absl::Status ValidatePagedDecodeBatch(const PagedDecodeBatch& batch, bool check_block_ids);
+
+// Sequences of a batch whose leading keys sit in the same physical blocks (forks of one
+// prefix) and are seen whole by every query of each: a kernel reads those keys once for the
+// whole group instead of once per sequence.
+struct SharedPrefixGroup {
+  std::vector<int64_t> sequences;  // indices into batch.sequences, at least 2, ascending
+  int64_t shared_keys = 0;         // keys [0, shared_keys): a positive multiple of unit_keys
+};
+
+// The groups of `batch` sharing whole units of `unit_keys` keys (a kernel's split, so that
+// each unit is computed as it would be for one sequence): sequences are grouped by their
+// first block, and a group shares the units that every member holds in the same blocks as
+// its first member and that each member's first query sees whole. A sequence is in at most
+// one group; a tree of forks shares what all its members share. None under a sliding window.
+std::vector<SharedPrefixGroup> FindSharedPrefixes(const PagedDecodeBatch& batch, int64_t unit_keys);
 
 }  // namespace attention::core
 

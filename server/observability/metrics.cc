@@ -126,11 +126,18 @@ Metrics::Metrics(absl::string_view default_device, absl::string_view blas_core)
                                .Register(*registry_)),
       kv_read_bytes_(prometheus::BuildCounter()
                          .Name("attention_kv_read_bytes_total")
-                         .Help("Bytes of keys and values read by session steps; over "
+                         .Help("Bytes of keys and values read by session steps, a prefix "
+                               "that batched forks share once a step; over "
                                "attention_kv_step_compute_seconds_total, the achieved KV "
                                "read bandwidth")
                          .Register(*registry_)
                          .Add({})),
+      kv_shared_blocks_read_(prometheus::BuildCounter()
+                                 .Name("attention_kv_shared_blocks_read_total")
+                                 .Help("KV blocks of prefixes that forks share, read once "
+                                       "for all the forks a session step batched")
+                                 .Register(*registry_)
+                                 .Add({})),
       kv_step_compute_seconds_(prometheus::BuildCounter()
                                    .Name("attention_kv_step_compute_seconds_total")
                                    .Help("Time session steps spent in the decode kernel")
@@ -235,6 +242,7 @@ void Metrics::SetKvCache(const KvCacheSnapshot& s) {
   follow(kv_session_events_.Add({{"event", "dropped"}}), static_cast<double>(s.dropped));
   follow(kv_session_events_.Add({{"event", "expired"}}), static_cast<double>(s.expired));
   follow(kv_read_bytes_, static_cast<double>(s.kv_bytes_read));
+  follow(kv_shared_blocks_read_, static_cast<double>(s.shared_blocks_read));
   follow(kv_step_compute_seconds_, s.step_compute_seconds);
 }
 

@@ -67,7 +67,8 @@ class Metrics {
     int64_t total_bytes = 0, held_bytes = 0, promised_bytes = 0, shared_bytes = 0;
     int64_t written_tokens = 0, reserved_tokens = 0;  // of live sessions
     int64_t created = 0, forked = 0, dropped = 0, expired = 0;
-    int64_t kv_bytes_read = 0;  // by the steps' kernels
+    int64_t kv_bytes_read = 0;       // by the steps' kernels, a shared prefix once a step
+    int64_t shared_blocks_read = 0;  // blocks of prefixes read once for a step's forks
     double step_compute_seconds = 0;
   };
   void SetKvCache(const KvCacheSnapshot& snapshot);
@@ -119,6 +120,7 @@ class Metrics {
   prometheus::Family<prometheus::Counter>& kv_session_events_;
   prometheus::Family<prometheus::Counter>& kv_session_refusals_;
   prometheus::Counter& kv_read_bytes_;
+  prometheus::Counter& kv_shared_blocks_read_;
   prometheus::Counter& kv_step_compute_seconds_;
   core::Mutex kv_totals_mutex_;  // counters follow the table's totals one refresh at a time
   prometheus::Family<prometheus::Gauge>& device_memory_used_;

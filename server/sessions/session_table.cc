@@ -752,9 +752,11 @@ std::vector<absl::Status> SessionTable::Step(absl::Span<const StepEntry> entries
   std::vector<core::kv_cache::SequenceId> pinned;
   std::vector<AttendPass> passes;
   absl::Duration compute;
-  int64_t kv_bytes_read = 0;
+  int64_t kv_bytes_read = 0, shared_blocks_read = 0;
   const auto attend = [&](AttendPass& pass) {
     pass.batch.sequences = pass.sequences;
+    core::PagedAttendStats shared;
+    pass.batch.stats = &shared;
     const absl::Time start = absl::Now();
     const absl::Status computed =
         CatchExceptions("the KV attention", [&] { return storage_->Attend(pass.batch); });
@@ -773,6 +775,9 @@ std::vector<absl::Status> SessionTable::Step(absl::Span<const StepEntry> entries
               : sequence.length;
       kv_bytes_read += keys * pass.batch.layout.TokenBytes();
     }
+    // A prefix forks share is read once for all of them.
+    kv_bytes_read -= shared.keys_not_reread * pass.batch.layout.TokenBytes();
+    shared_blocks_read += shared.shared_blocks;
   };
   if (storage_->attends_concurrently()) {
     // Writes under the lock, then attention beside other steps': blocks being read are
@@ -803,6 +808,7 @@ std::vector<absl::Status> SessionTable::Step(absl::Span<const StepEntry> entries
   UnpinLocked(pinned);
   totals_.step_compute += compute;
   totals_.kv_bytes_read += kv_bytes_read;
+  totals_.shared_blocks_read += shared_blocks_read;
   return statuses;
 }
 
@@ -822,6 +828,7 @@ SessionCounters SessionTable::Counters() const {
   counters.dropped = totals_.dropped;
   counters.expired = totals_.expired;
   counters.kv_bytes_read = totals_.kv_bytes_read;
+  counters.shared_blocks_read = totals_.shared_blocks_read;
   counters.step_compute = totals_.step_compute;
   return counters;
 }

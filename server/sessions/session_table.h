@@ -160,10 +160,13 @@ struct SessionCounters {
   // Live sessions' tokens: written (in every layer) and reserved.
   int64_t written_tokens = 0, reserved_tokens = 0;
   // Since start: sessions created (forks not included), forked, dropped and expired; bytes
-  // of K and V the steps' kernels read, and their compute time (for decode steps their
-  // ratio is the achieved KV read bandwidth; prefill chunks are compute-bound).
+  // of K and V the steps' kernels read (a prefix forks share counted once per step), and
+  // their compute time (for decode steps their ratio is the achieved KV read bandwidth;
+  // prefill chunks are compute-bound); blocks of shared prefixes read once for all the forks
+  // a step batched (core::FindSharedPrefixes).
   int64_t created = 0, forked = 0, dropped = 0, expired = 0;
   int64_t kv_bytes_read = 0;
+  int64_t shared_blocks_read = 0;
   absl::Duration step_compute;
 };
 

@@ -2,7 +2,8 @@
 // fidelity rule (tests/core/fidelity.h) over a seeded grid of lengths, query counts, GQA
 // groups, head sizes, block sizes and KV dtypes; block tables are random permutations of a
 // pool three times too large whose other blocks hold NaN, so a read outside the table
-// shows. Results must be bitwise the same for any thread count and batch composition.
+// shows. Results must be bitwise the same for any thread count and batch composition, forks
+// of one prefix read once for the group included.
 #include "core/cpu/paged_attention_cpu.h"
 
 #include <algorithm>
@@ -32,9 +33,9 @@ using PagedPool = testing::HostPagedPool;
 
 // The CPU kernel over `indices` of the pool's sequences, as one batch.
 absl::Status RunCpu(PagedPool& pool, const std::vector<size_t>& indices, ThreadPool& threads,
-                    SimdLevel level = BestSimdLevel()) {
+                    SimdLevel level = BestSimdLevel(), bool share_prefixes = true) {
   std::vector<PagedDecodeSequence> entries;
-  return PagedDecodeCpu(pool.Batch(indices, entries), threads, level);
+  return PagedDecodeCpu(pool.Batch(indices, entries), threads, level, share_prefixes);
 }
 
 // Every SIMD level this CPU runs; the others are skipped.
@@ -213,6 +214,79 @@ TEST(PagedDecodeCpuTest, RefusesMalformedBatches) {
   status = RunCpu(pool, {0}, threads);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(status.message(), ::testing::HasSubstr("sliding_window -1 must be >= 0"));
+}
+
+// A source of 2,600 tokens and forks of it: two sharing its first 2,048 keys (two whole
+// splits), one sharing 1,120 (one split and a part), one sharing 640 (no whole split), and
+// a sequence of its own. Block ids are shared as a session fork shares them.
+struct Forks {
+  explicit Forks(DType dtype) : pool(Shape{8, 2, 64, 48, 16, dtype}, {{2600, 1}, {1500, 2}}, 41) {
+    pool.AddFork(0, /*shared_blocks=*/128, /*length=*/2100, /*queries=*/1, 42);
+    pool.AddFork(0, 128, 2300, 3, 43);
+    pool.AddFork(0, 70, 3000, 2, 44);
+    pool.AddFork(0, 40, 1200, 1, 45);
+  }
+  PagedPool pool;
+  const std::vector<size_t> all = {0, 1, 2, 3, 4, 5};
+};
+
+TEST(SharedPrefixTest, GroupsTheForksOverTheWholeSplitsAllOfThemHold) {
+  Forks forks(DType::kFloat32);
+  std::vector<PagedDecodeSequence> entries;
+  const std::vector<SharedPrefixGroup> groups =
+      FindSharedPrefixes(forks.pool.Batch(forks.all, entries), kPagedSplitKeys);
+  ASSERT_EQ(groups.size(), 1u);
+  // Sequence 1 is not a fork; 5 shares no whole split; 4 shares one, so the group does.
+  EXPECT_EQ(groups[0].sequences, (std::vector<int64_t>{0, 2, 3, 4}));
+  EXPECT_EQ(groups[0].shared_keys, 1024);
+  // Without sequence 4 the forks share two splits.
+  const std::vector<SharedPrefixGroup> two =
+      FindSharedPrefixes(forks.pool.Batch({0, 2, 3}, entries), kPagedSplitKeys);
+  ASSERT_EQ(two.size(), 1u);
+  EXPECT_EQ(two[0].shared_keys, 2048);
+  // A split a fork's first query does not see whole is not shared: 3 queries at the end of
+  // 1,026 keys leave its first query 1,024.
+  forks.pool.sequences()[3].length = 1026;
+  const std::vector<SharedPrefixGroup> one =
+      FindSharedPrefixes(forks.pool.Batch({0, 3}, entries), kPagedSplitKeys);
+  ASSERT_EQ(one.size(), 1u);
+  EXPECT_EQ(one[0].shared_keys, 1024);
+  forks.pool.sequences()[3].length = 1025;
+  EXPECT_TRUE(FindSharedPrefixes(forks.pool.Batch({0, 3}, entries), kPagedSplitKeys).empty());
+  // Nothing is shared under a sliding window, nor by one sequence.
+  forks.pool.sliding_window = 4096;
+  EXPECT_TRUE(FindSharedPrefixes(forks.pool.Batch(forks.all, entries), kPagedSplitKeys).empty());
+  forks.pool.sliding_window = 0;
+  EXPECT_TRUE(FindSharedPrefixes(forks.pool.Batch({2}, entries), kPagedSplitKeys).empty());
+}
+
+// Forks batched together read their shared splits once, and every answer is bitwise the
+// one each fork gets alone or with sharing off (and within the rule of the references).
+TEST_P(PagedDecodeLevelTest, ForksSharingAPrefixAreBitwiseTheirAnswersAlone) {
+  for (const DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    Forks forks(dtype);
+    PagedPool& pool = forks.pool;
+    ThreadPool threads(2);
+    ASSERT_TRUE(RunCpu(pool, forks.all, threads, GetParam()).ok());
+    const std::vector<Sequence> shared = pool.sequences();
+    ASSERT_TRUE(RunCpu(pool, forks.all, threads, GetParam(), /*share_prefixes=*/false).ok());
+    const std::string level = SimdLevelName(GetParam());
+    FidelityStats outputs("forks " + level), lses("forks lse " + level);
+    for (size_t i = 0; i < forks.all.size(); ++i) {
+      EXPECT_EQ(shared[i].output, pool.sequences()[i].output) << "sequence " << i;
+      EXPECT_EQ(shared[i].log_sum_exp, pool.sequences()[i].log_sum_exp) << "sequence " << i;
+      EXPECT_TRUE(testing::PagedMatchesReferences(pool, i, outputs, lses)) << "sequence " << i;
+      std::fill(pool.sequences()[i].output.begin(), pool.sequences()[i].output.end(), 0.0f);
+      ASSERT_TRUE(RunCpu(pool, {i}, threads, GetParam()).ok());
+      EXPECT_EQ(shared[i].output, pool.sequences()[i].output) << "sequence " << i << " alone";
+    }
+    // Two forks sharing two whole splits, without the others.
+    ASSERT_TRUE(RunCpu(pool, {0, 2, 3}, threads, GetParam()).ok());
+    for (const size_t i : {0, 2, 3}) {
+      EXPECT_EQ(shared[i].output, pool.sequences()[i].output) << "sequence " << i << " of 3";
+    }
+  }
 }
 
 }  // namespace

@@ -56,7 +56,8 @@ class HostPagedPool {
     std::iota(permutation.begin(), permutation.end(), 0);
     std::shuffle(permutation.begin(), permutation.end(), rng);
     std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
-    size_t next_block = 0;
+    permutation_ = permutation;
+    size_t& next_block = next_block_;
     for (const auto& [length, queries] : lengths_and_queries) {
       PagedSequence s;
       s.length = length;
@@ -78,6 +79,45 @@ class HostPagedPool {
   }
 
   std::vector<PagedSequence>& sequences() { return sequences_; }
+
+  // A fork of sequence `source`, as a session fork is: its first `shared_blocks` blocks are
+  // the source's (the same block ids, so the same keys and values), then blocks of its own
+  // with random keys and values up to `length`, and `queries` random queries. Returns its
+  // index. The pool's unused blocks must hold it.
+  size_t AddFork(size_t source, int64_t shared_blocks, int64_t length, int64_t queries,
+                 uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+    const PagedSequence& from = sequences_[source];
+    const int64_t tpb = shape_.tokens_per_block;
+    const int64_t shared_tokens = std::min(shared_blocks * tpb, from.length);
+    PagedSequence s;
+    s.length = length;
+    s.queries = queries;
+    s.keys.assign(from.keys.begin(),
+                  from.keys.begin() + shared_tokens * shape_.kv_heads * shape_.key_dim);
+    s.values.assign(from.values.begin(),
+                    from.values.begin() + shared_tokens * shape_.kv_heads * shape_.value_dim);
+    s.keys.resize(length * shape_.kv_heads * shape_.key_dim);
+    s.values.resize(length * shape_.kv_heads * shape_.value_dim);
+    for (size_t x = shared_tokens * shape_.kv_heads * shape_.key_dim; x < s.keys.size(); ++x) {
+      s.keys[x] = Stored(uniform(rng) * 2.0f);
+    }
+    for (size_t x = shared_tokens * shape_.kv_heads * shape_.value_dim; x < s.values.size(); ++x) {
+      s.values[x] = Stored(uniform(rng));
+    }
+    s.query.resize(queries * shape_.heads * shape_.key_dim);
+    for (float& x : s.query) x = uniform(rng) * 2.0f;
+    s.table.assign(from.table.begin(), from.table.begin() + shared_blocks);
+    const int64_t blocks = (length + tpb - 1) / tpb;
+    EXPECT_LE(next_block_ + (blocks - shared_blocks), permutation_.size()) << "pool too small";
+    for (int64_t b = shared_blocks; b < blocks; ++b) s.table.push_back(permutation_[next_block_++]);
+    Write(s);  // rewrites the shared blocks with the values they hold
+    s.output.assign(queries * shape_.heads * shape_.value_dim, -7.0f);
+    s.log_sum_exp.assign(queries * shape_.heads, -7.0f);
+    sequences_.push_back(std::move(s));
+    return sequences_.size() - 1;
+  }
 
   // The sequences `indices` as one kernel batch over this pool; `entries` holds the batch's
   // sequences and must outlive it. Without log-sum-exps when `with_log_sum_exp` is false.
@@ -141,6 +181,8 @@ class HostPagedPool {
   kv_cache::KvLayout layout_;
   int64_t block_bytes_ = 0, num_blocks_ = 0;
   std::vector<uint8_t> bytes_;
+  std::vector<kv_cache::BlockId> permutation_;  // blocks in the order sequences take them
+  size_t next_block_ = 0;
   std::vector<PagedSequence> sequences_;
 };
 

@@ -556,6 +556,46 @@ TEST_F(SessionTableTest, AnEntryAnswersTheSameBitsAloneOrInABatch) {
   }
 }
 
+// Two forks of one 1,100-token prefix stepped together read its first 1,024 keys (one whole
+// split of the CPU kernel) once, count those bytes once, and answer the bits a replay of
+// the same tokens in blocks of its own answers alone.
+TEST_F(SessionTableTest, ForksSteppedTogetherReadTheirPrefixOnceAndAnswerTheirOwnBits) {
+  const SessionShape shape{1, 8, 2, 32, 0, core::DType::kFloat32, 0};
+  auto table = Table();
+  constexpr int64_t kPrefix = 1100;
+  const SessionInfo source = *table->CreateSession(shape, kPrefix + 1, {}, kT0);
+  Tokens tokens[2] = {RandomTokens(shape, kPrefix + 1, 21), RandomTokens(shape, kPrefix + 1, 22)};
+  // The second fork's tokens differ from the first's after the shared prefix only.
+  const auto share_prefix = [](const std::vector<float>& from, std::vector<float>& to) {
+    std::copy(from.begin(), from.begin() + from.size() / (kPrefix + 1) * kPrefix, to.begin());
+  };
+  share_prefix(tokens[0].q, tokens[1].q);
+  share_prefix(tokens[0].k, tokens[1].k);
+  share_prefix(tokens[0].v, tokens[1].v);
+  std::vector<float> outputs;
+  StepAll(*table, source, tokens[0], 0, 0, kPrefix, 275, &outputs);
+  const SessionInfo forks[2] = {*table->Fork(source.id, kPrefix, kPrefix + 1, {}, kT0),
+                                *table->Fork(source.id, kPrefix, kPrefix + 1, {}, kT0)};
+  const SessionCounters before = table->Counters();
+  std::vector<float> fork_outputs[2];
+  const StepEntry entries[] = {Entry(forks[0], tokens[0], 0, kPrefix, 1, &fork_outputs[0]),
+                               Entry(forks[1], tokens[1], 0, kPrefix, 1, &fork_outputs[1])};
+  for (const absl::Status& status : table->Step(entries, kT0)) ASSERT_TRUE(status.ok()) << status;
+  const SessionCounters after = table->Counters();
+  // 64 KiB blocks of 512-byte tokens: 1,024 keys are 8 blocks.
+  const int64_t token_bytes = 2 * (32 + 32) * 4;
+  EXPECT_EQ(after.shared_blocks_read - before.shared_blocks_read, 8);
+  EXPECT_EQ(after.kv_bytes_read - before.kv_bytes_read, (2 * (kPrefix + 1) - 1024) * token_bytes);
+  for (int f = 0; f < 2; ++f) {
+    const SessionInfo replay = *table->CreateSession(shape, kPrefix + 1, {}, kT0);
+    std::vector<float> replayed;
+    StepAll(*table, replay, tokens[f], 0, 0, kPrefix + 1, 275, &replayed);
+    EXPECT_EQ(fork_outputs[f], std::vector<float>(replayed.end() - 8 * 32, replayed.end()))
+        << "fork " << f;
+    ASSERT_TRUE(table->Drop(replay.id, kT0).ok());
+  }
+}
+
 TEST_F(SessionTableTest, EntriesOfOneSessionApplyInPositionOrder) {
   const SessionShape shape{1, 2, 1, 8, 0, core::DType::kFloat32, 0};
   auto table = Table();
