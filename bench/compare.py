@@ -142,9 +142,11 @@ def main():
                             torch2["mha_gflops"], torch2["sdpa_bf16_gflops"],
                             torch2["mha_bf16_gflops"], ours / torch2["sdpa_bf16_gflops"]]
                 bf16_key = f"BM_MhaBf16{name}/threads:{threads}/real_time"
-                if bf16_key in results and "GFLOPS" in results.get("BM_Bf16DotPeak/real_time", {}):
+                if "GFLOPS" in results.get(bf16_key, {}):
                     bf16 = results[bf16_key]["GFLOPS"]
-                    ceiling = threads * results["BM_Bf16DotPeak/real_time"]["GFLOPS"]
+                    # No bf16 dot product on this host (AVX2 only): no dot ceiling.
+                    peak = results.get("BM_Bf16DotPeak/real_time", {}).get("GFLOPS")
+                    ceiling = threads * peak if peak else float("nan")
                     row += [bf16, bf16 / ours, bf16 / ceiling]
                     if with_torch2:
                         row += [bf16 / torch2["sdpa_bf16_gflops"],
