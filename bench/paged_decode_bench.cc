@@ -126,46 +126,62 @@ void BM_ReadBandwidth(benchmark::State& state) {
 }
 BENCHMARK(BM_ReadBandwidth)->UseRealTime()->Unit(benchmark::kMillisecond);
 
-// One layer-step of B sequences of `context` tokens, n = 1, Llama-3-8B shapes, KV float32
-// (dtype 0) or bfloat16 (dtype 1) in a pool of 256 KiB blocks.
-void BM_PagedDecode(benchmark::State& state) {
-  const int64_t context = state.range(0), sequences = state.range(1);
-  const kv_cache::KvLayout layout{8, 128, 128,
-                                  state.range(2) == 0 ? DType::kFloat32 : DType::kBFloat16};
-  constexpr int64_t kHeads = 32;
-  const int64_t tokens_per_block = *kv_cache::TokensPerBlock(layout, kv_cache::kDefaultBlockBytes);
-  const int64_t blocks = sequences * ((context + tokens_per_block - 1) / tokens_per_block);
-  kv_cache::KvBlockPool pool =
-      *kv_cache::KvBlockPool::Create(blocks * kv_cache::kDefaultBlockBytes);
-  HugePageBytes storage(blocks * kv_cache::kDefaultBlockBytes);
-  // Small finite values: the kernel's speed does not depend on them.
-  const int64_t elements = blocks * kv_cache::kDefaultBlockBytes / layout.ElementBytes();
+// Small finite KV values of `dtype` in every byte of `storage`: the kernel's speed does not
+// depend on them.
+void FillKv(HugePageBytes& storage, DType dtype) {
+  const int64_t elements = static_cast<int64_t>(storage.size) / ElementSize(dtype);
   for (int64_t i = 0; i < elements; ++i) {
     const float x = 0.01f * static_cast<float>(i % 101) - 0.5f;
-    if (layout.dtype == DType::kBFloat16) {
+    if (dtype == DType::kBFloat16) {
       const uint16_t bits = FloatToBFloat16(x);
       std::memcpy(storage.data + 2 * i, &bits, 2);
     } else {
       std::memcpy(storage.data + 4 * i, &x, 4);
     }
   }
-  std::vector<float> queries(sequences * kHeads * layout.key_dim, 0.03f);
-  std::vector<float> outputs(sequences * kHeads * layout.value_dim);
+}
+
+// Llama-3-8B's query heads (its KV heads are the layouts' 8, of 128 dims).
+constexpr int64_t kLlamaHeads = 32;
+
+// A batch of Llama-3-8B's query heads over `blocks` default-sized blocks of `storage`.
+PagedDecodeBatch LlamaBatch(const HugePageBytes& storage, int64_t blocks,
+                            const kv_cache::KvLayout& layout, int64_t tokens_per_block,
+                            absl::Span<const PagedDecodeSequence> sequences) {
+  PagedDecodeBatch batch;
+  batch.storage = {storage.data, kv_cache::kDefaultBlockBytes, blocks};
+  batch.layout = layout;
+  batch.tokens_per_block = tokens_per_block;
+  batch.num_heads = kLlamaHeads;
+  batch.scale = 1.0f / std::sqrt(128.0f);
+  batch.sequences = sequences;
+  return batch;
+}
+
+// One layer-step of B sequences of `context` tokens, n = 1, Llama-3-8B shapes, KV float32
+// (dtype 0) or bfloat16 (dtype 1) in a pool of 256 KiB blocks.
+void BM_PagedDecode(benchmark::State& state) {
+  const int64_t context = state.range(0), sequences = state.range(1);
+  const kv_cache::KvLayout layout{8, 128, 128,
+                                  state.range(2) == 0 ? DType::kFloat32 : DType::kBFloat16};
+  const int64_t tokens_per_block = *kv_cache::TokensPerBlock(layout, kv_cache::kDefaultBlockBytes);
+  const int64_t blocks = sequences * ((context + tokens_per_block - 1) / tokens_per_block);
+  kv_cache::KvBlockPool pool =
+      *kv_cache::KvBlockPool::Create(blocks * kv_cache::kDefaultBlockBytes);
+  HugePageBytes storage(blocks * kv_cache::kDefaultBlockBytes);
+  FillKv(storage, layout.dtype);
+  std::vector<float> queries(sequences * kLlamaHeads * layout.key_dim, 0.03f);
+  std::vector<float> outputs(sequences * kLlamaHeads * layout.value_dim);
   std::vector<PagedDecodeSequence> batch_sequences;
   for (int64_t b = 0; b < sequences; ++b) {
     const kv_cache::SequenceId id = *pool.Reserve(layout, 1, context);
     (void)pool.EnsureCapacity(id, context);
     batch_sequences.push_back({(*pool.Find(id))->block_tables[0], context, 1,
-                               queries.data() + b * kHeads * layout.key_dim,
-                               outputs.data() + b * kHeads * layout.value_dim, nullptr});
+                               queries.data() + b * kLlamaHeads * layout.key_dim,
+                               outputs.data() + b * kLlamaHeads * layout.value_dim, nullptr});
   }
-  PagedDecodeBatch batch;
-  batch.storage = {storage.data, kv_cache::kDefaultBlockBytes, blocks};
-  batch.layout = layout;
-  batch.tokens_per_block = tokens_per_block;
-  batch.num_heads = kHeads;
-  batch.scale = 1.0f / std::sqrt(128.0f);
-  batch.sequences = batch_sequences;
+  const PagedDecodeBatch batch =
+      LlamaBatch(storage, blocks, layout, tokens_per_block, batch_sequences);
   ThreadPool threads(ComputeThreads());
   // Each step is followed by a plain read of the same KV bytes with every thread: a roof
   // over the very memory the kernel reads, alternated with it (on this shared host a
@@ -216,7 +232,7 @@ void BM_SharedPrefixDecode(benchmark::State& state) {
   const auto mode = static_cast<PrefixMode>(state.range(1));
   const kv_cache::KvLayout layout{8, 128, 128,
                                   state.range(2) == 0 ? DType::kFloat32 : DType::kBFloat16};
-  constexpr int64_t kHeads = 32, kPrefix = 4096;
+  constexpr int64_t kPrefix = 4096;
   const int64_t tokens_per_block = *kv_cache::TokensPerBlock(layout, kv_cache::kDefaultBlockBytes);
   const int64_t prefix_blocks = kPrefix / tokens_per_block;
   std::vector<int64_t> lengths;
@@ -227,16 +243,7 @@ void BM_SharedPrefixDecode(benchmark::State& state) {
     blocks += own_blocks + (mode == kPrivateCopies ? prefix_blocks : 0);
   }
   HugePageBytes storage(blocks * kv_cache::kDefaultBlockBytes);
-  const int64_t elements = blocks * kv_cache::kDefaultBlockBytes / layout.ElementBytes();
-  for (int64_t i = 0; i < elements; ++i) {  // the kernel's speed does not depend on the values
-    const float x = 0.01f * static_cast<float>(i % 101) - 0.5f;
-    if (layout.dtype == DType::kBFloat16) {
-      const uint16_t bits = FloatToBFloat16(x);
-      std::memcpy(storage.data + 2 * i, &bits, 2);
-    } else {
-      std::memcpy(storage.data + 4 * i, &x, 4);
-    }
-  }
+  FillKv(storage, layout.dtype);
   std::vector<std::vector<kv_cache::BlockId>> tables(sessions);
   kv_cache::BlockId next = mode == kPrivateCopies ? 0 : prefix_blocks;
   for (int64_t b = 0; b < sessions; ++b) {
@@ -247,23 +254,18 @@ void BM_SharedPrefixDecode(benchmark::State& state) {
       tables[b].push_back(next++);
     }
   }
-  std::vector<float> queries(sessions * kHeads * layout.key_dim, 0.03f);
-  std::vector<float> outputs(sessions * kHeads * layout.value_dim);
+  std::vector<float> queries(sessions * kLlamaHeads * layout.key_dim, 0.03f);
+  std::vector<float> outputs(sessions * kLlamaHeads * layout.value_dim);
   std::vector<PagedDecodeSequence> batch_sequences;
   double flops = 0;
   for (int64_t b = 0; b < sessions; ++b) {
     batch_sequences.push_back({tables[b], lengths[b], 1,
-                               queries.data() + b * kHeads * layout.key_dim,
-                               outputs.data() + b * kHeads * layout.value_dim, nullptr});
-    flops += 4.0 * kHeads * static_cast<double>(lengths[b]) * 128;
+                               queries.data() + b * kLlamaHeads * layout.key_dim,
+                               outputs.data() + b * kLlamaHeads * layout.value_dim, nullptr});
+    flops += 4.0 * kLlamaHeads * static_cast<double>(lengths[b]) * 128;
   }
-  PagedDecodeBatch batch;
-  batch.storage = {storage.data, kv_cache::kDefaultBlockBytes, blocks};
-  batch.layout = layout;
-  batch.tokens_per_block = tokens_per_block;
-  batch.num_heads = kHeads;
-  batch.scale = 1.0f / std::sqrt(128.0f);
-  batch.sequences = batch_sequences;
+  const PagedDecodeBatch batch =
+      LlamaBatch(storage, blocks, layout, tokens_per_block, batch_sequences);
   ThreadPool threads(ComputeThreads());
   for (auto _ : state) {
     if (!PagedDecodeCpu(batch, threads, BestSimdLevel(), mode == kShared).ok()) {
