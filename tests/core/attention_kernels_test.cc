@@ -4,7 +4,10 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <tuple>
+#include <utility>
 
+#include "absl/types/span.h"
 #include "core/cpu/amx_tiles.h"
 #include "core/cpu/attention_cpu.h"
 #include "core/cpu/cpu_backend.h"
@@ -45,6 +48,26 @@ std::vector<float> UniformBf16Floats(std::mt19937_64& rng, int64_t count) {
   return values;
 }
 
+// Random SDPA dims: a batch of 1..max_batch, a (heads, KV heads) pair from `heads`, query
+// and key lengths from `q_lengths` and `kv_lengths`, head sizes from `head_dims`.
+AttentionDims RandomSdpaDims(std::mt19937_64& rng, int64_t max_batch,
+                             absl::Span<const int64_t> q_lengths,
+                             absl::Span<const int64_t> kv_lengths,
+                             absl::Span<const int64_t> head_dims,
+                             absl::Span<const std::pair<int64_t, int64_t>> heads) {
+  auto pick = [&rng](auto values) {
+    return values[std::uniform_int_distribution<size_t>(0, values.size() - 1)(rng)];
+  };
+  AttentionDims dims;
+  dims.batch = std::uniform_int_distribution<int64_t>(1, max_batch)(rng);
+  std::tie(dims.num_heads, dims.num_kv_heads) = pick(heads);
+  dims.q_len = pick(q_lengths);
+  dims.kv_len = pick(kv_lengths);
+  dims.head_dim = pick(head_dims);
+  dims.v_head_dim = pick(head_dims);
+  return dims;
+}
+
 // SDPA with compute_dtype BFLOAT16 on `backend` over a random grid of bf16 tensors, against
 // PyTorch's bf16 computation (SdpaBf16Textbook) by the bf16 rule (tests/core/fidelity.h).
 void ExpectSdpaBf16Rule(const Backend& backend, const std::string& name, uint64_t seed) {
@@ -54,20 +77,12 @@ void ExpectSdpaBf16Rule(const Backend& backend, const std::string& name, uint64_
   const int64_t lengths[] = {1, 7, 64, 67, 131, 300, 1100};
   const int64_t head_dims[] = {3, 16, 64, 70};
   const std::pair<int64_t, int64_t> heads[] = {{1, 1}, {2, 1}, {4, 2}, {3, 3}};
-  auto pick = [&rng](const auto& values) {
-    return values[std::uniform_int_distribution<size_t>(0, std::size(values) - 1)(rng)];
-  };
   FidelityStats outputs("SDPA bf16 output (" + name + ")"),
       weights("SDPA bf16 weights (" + name + ")");
   for (int trial = 0; trial < TrialsForThisBuild(80) && !::testing::Test::HasFailure(); ++trial) {
     SdpaInput input;
     AttentionDims& dims = input.dims;
-    dims.batch = std::uniform_int_distribution<int64_t>(1, 2)(rng);
-    std::tie(dims.num_heads, dims.num_kv_heads) = pick(heads);
-    dims.q_len = pick(lengths);
-    dims.kv_len = pick(lengths);
-    dims.head_dim = pick(head_dims);
-    dims.v_head_dim = pick(head_dims);
+    dims = RandomSdpaDims(rng, 2, lengths, lengths, head_dims, heads);
     const auto q = UniformBf16Floats(rng, dims.batch * dims.num_heads * dims.q_len * dims.head_dim);
     const auto k =
         UniformBf16Floats(rng, dims.batch * dims.num_kv_heads * dims.kv_len * dims.head_dim);
@@ -138,19 +153,10 @@ TEST_P(SdpaBackendTest, SdpaMatchesReferenceOnRandomGrid) {
   const int64_t lengths[] = {1, 2, 7, 63, 64, 67, 131, 257, 300};
   const int64_t head_dims[] = {1, 3, 8, 17};
   const std::pair<int64_t, int64_t> heads[] = {{1, 1}, {2, 1}, {4, 2}, {3, 3}, {6, 2}};
-  auto pick = [&rng](const auto& values) {
-    return values[std::uniform_int_distribution<size_t>(0, std::size(values) - 1)(rng)];
-  };
   FidelityStats outputs("SDPA grid output (" + GetParam() + ")"),
       weights("SDPA grid weights (" + GetParam() + ")");
   for (int trial = 0; trial < TrialsForThisBuild(300) && !HasFailure(); ++trial) {
-    AttentionDims dims;
-    dims.batch = std::uniform_int_distribution<int64_t>(1, 3)(rng);
-    std::tie(dims.num_heads, dims.num_kv_heads) = pick(heads);
-    dims.q_len = pick(lengths);
-    dims.kv_len = pick(lengths);
-    dims.head_dim = pick(head_dims);
-    dims.v_head_dim = pick(head_dims);
+    const AttentionDims dims = RandomSdpaDims(rng, 3, lengths, lengths, head_dims, heads);
     SdpaInput input;
     input.dims = dims;
     const auto q = RandomFloats(rng, dims.batch * dims.num_heads * dims.q_len * dims.head_dim);
@@ -265,19 +271,11 @@ TEST_P(AttentionBf16ProductsTest, Bf16SourcesGiveTheBitsOfFloat32RowsRoundedInTh
   const int64_t kv_lengths[] = {1, 16, 67, 513, 1500};
   const int64_t head_dims[] = {3, 16, 64, 70};
   const std::pair<int64_t, int64_t> heads[] = {{1, 1}, {2, 1}, {4, 2}};
-  auto pick = [&rng](const auto& values) {
-    return values[std::uniform_int_distribution<size_t>(0, std::size(values) - 1)(rng)];
-  };
   ThreadPool pool(2);
   for (int trial = 0; trial < 60 && !HasFailure(); ++trial) {
     SdpaInput input;
     AttentionDims& dims = input.dims;
-    dims.batch = std::uniform_int_distribution<int64_t>(1, 2)(rng);
-    std::tie(dims.num_heads, dims.num_kv_heads) = pick(heads);
-    dims.q_len = pick(q_lengths);
-    dims.kv_len = pick(kv_lengths);
-    dims.head_dim = pick(head_dims);
-    dims.v_head_dim = pick(head_dims);
+    dims = RandomSdpaDims(rng, 2, q_lengths, kv_lengths, head_dims, heads);
     input.options = RandomOptions(rng, dims);
     input.options.need_weights = NeedWeights::kNone;  // bf16 sources are never asked for them
     SCOPED_TRACE("trial " + std::to_string(trial) + ": " + Describe(dims, input.options));
