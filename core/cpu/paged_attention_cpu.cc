@@ -242,7 +242,7 @@ PAGED_AVX2 void ScoresPairAvx2(const float* q0, const float* q1, const float* ke
   ScoresGeneric(q1, keys + j * key_stride, key_stride, count - j, dim, scale, s1 + j);
 }
 
-// AccumulateAvx2 for two rows, each value chunk loaded once for both: 16 columns of each
+// AccumulateAvx2 for two rows, each value chunk loaded once for both: 32 columns of each
 // row in registers across the keys; per column the same products in the same order.
 PAGED_AVX2 void AccumulatePairAvx2(float* __restrict acc0, float* __restrict acc1,
                                    const float* __restrict w0, const float* __restrict w1,
