@@ -238,6 +238,31 @@ absl::Status DecodeMhaInputs(const v1::MultiHeadAttentionRequest& request,
   return absl::OkStatus();
 }
 
+// A ScaledDotProductAttention request's inputs: query, key and value copied (the task may
+// outlive the request's bytes; the input's spans are set once they can no longer move),
+// the attention's dims from their shapes, and the options' masks.
+struct SdpaInputs {
+  core::SdpaInput input;
+  std::vector<float> query, key, value;
+};
+
+absl::StatusOr<SdpaInputs> DecodeSdpaInputs(const v1::ScaledDotProductAttentionRequest& request,
+                                            const RequestBudget& budget) {
+  TensorDecoding how;
+  how.reject_non_finite = budget.reject_non_finite;
+  ASSIGN_OR_RETURN(DecodedTensor query, DecodeTensor(request.query(), "query", how));
+  ASSIGN_OR_RETURN(DecodedTensor key, DecodeTensor(request.key(), "key", how));
+  ASSIGN_OR_RETURN(DecodedTensor value, DecodeTensor(request.value(), "value", how));
+  SdpaInputs decoded;
+  ASSIGN_OR_RETURN(decoded.input.dims, core::SdpaDimsOf(query.shape, key.shape, value.shape));
+  ASSIGN_OR_RETURN(decoded.input.options,
+                   ConvertCheckedOptions(request.options(), decoded.input.dims, budget));
+  decoded.query = std::move(query.values);
+  decoded.key = std::move(key.values);
+  decoded.value = std::move(value.values);
+  return decoded;
+}
+
 // What a MultiHeadAttention answer holds, fixed when its task is built.
 struct MhaAnswerShape {
   core::AttentionDims dims;
@@ -369,15 +394,9 @@ absl::Status AttentionServiceImpl::SubmitScaledDotProductAttention(
     std::function<void(const absl::Status&)> finish) {
   RETURN_IF_ERROR(CheckKnownFields(request));
   RETURN_IF_ERROR(CheckRequestId(request.request_id()));
-  TensorDecoding how;  // copied: the task may outlive the request's bytes
-  how.reject_non_finite = budget_.reject_non_finite;
-  ASSIGN_OR_RETURN(DecodedTensor query, DecodeTensor(request.query(), "query", how));
-  ASSIGN_OR_RETURN(DecodedTensor key, DecodeTensor(request.key(), "key", how));
-  ASSIGN_OR_RETURN(DecodedTensor value, DecodeTensor(request.value(), "value", how));
+  ASSIGN_OR_RETURN(SdpaInputs decoded, DecodeSdpaInputs(request, budget_));
   auto item = std::make_unique<SoloWorkItem>();
-  core::SdpaInput input;
-  ASSIGN_OR_RETURN(input.dims, core::SdpaDimsOf(query.shape, key.shape, value.shape));
-  ASSIGN_OR_RETURN(input.options, ConvertCheckedOptions(request.options(), input.dims, budget_));
+  core::SdpaInput& input = decoded.input;
   ASSIGN_OR_RETURN(
       const core::DType output_dtype,
       OutputDType(request.output_dtype(), request.query().dtype(), request.float_data_output()));
@@ -401,12 +420,11 @@ absl::Status AttentionServiceImpl::SubmitScaledDotProductAttention(
   }
   item->device_name = backend->name();
   // The closure owns the decoded tensors; spans are set where they can no longer move.
-  item->run = [backend = std::move(backend), input = std::move(input), q = std::move(query.values),
-               k = std::move(key.values), v = std::move(value.values)]() mutable {
-    input.query = q;
-    input.key = k;
-    input.value = v;
-    return backend->ScaledDotProductAttention(input);
+  item->run = [backend = std::move(backend), decoded = std::move(decoded)]() mutable {
+    decoded.input.query = decoded.query;
+    decoded.input.key = decoded.key;
+    decoded.input.value = decoded.value;
+    return backend->ScaledDotProductAttention(decoded.input);
   };
   item->done = [finish = std::move(finish), response, dims, need, output_dtype,
                 float_data = request.float_data_output(),
