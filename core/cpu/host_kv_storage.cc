@@ -61,6 +61,16 @@ absl::Status HostKvStorage::ReadTokens(BlockId block, const KvLayout& layout,
   return absl::OkStatus();
 }
 
+absl::Status HostKvStorage::ReadBlock(BlockId block, void* bytes) const {
+  std::memcpy(bytes, Block(block), block_bytes());
+  return absl::OkStatus();
+}
+
+absl::Status HostKvStorage::WriteBlock(BlockId block, const void* bytes) {
+  std::memcpy(Block(block), bytes, block_bytes());
+  return absl::OkStatus();
+}
+
 absl::Status HostKvStorage::CopyBlock(BlockId from, BlockId to) {
   std::memcpy(Block(to), Block(from), block_bytes());
   return absl::OkStatus();

@@ -82,6 +82,23 @@ absl::Status CudaKvStorage::ReadTokens(BlockId block, const KvLayout& layout,
                     static_cast<char*>(values), cudaMemcpyDeviceToHost);
 }
 
+absl::Status CudaKvStorage::ReadBlock(BlockId block, void* bytes) const {
+  RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
+  RETURN_IF_ERROR(CudaStatus(
+      cudaMemcpyAsync(bytes, Block(block), block_bytes(), cudaMemcpyDeviceToHost, stream_),
+      "cudaMemcpyAsync of a KV block to the host"));
+  return CudaStatus(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+}
+
+absl::Status CudaKvStorage::WriteBlock(BlockId block, const void* bytes) {
+  RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
+  RETURN_IF_ERROR(CudaStatus(
+      cudaMemcpyAsync(Block(block), bytes, block_bytes(), cudaMemcpyHostToDevice, stream_),
+      "cudaMemcpyAsync of a KV block to the device"));
+  // The bytes are the caller's, reused when this returns.
+  return CudaStatus(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+}
+
 absl::Status CudaKvStorage::CopyBlock(BlockId from, BlockId to) {
   RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
   RETURN_IF_ERROR(CudaStatus(

@@ -29,6 +29,8 @@ class CudaKvStorage final : public kv_cache::KvStorage {
   absl::Status ReadTokens(kv_cache::BlockId block, const kv_cache::KvLayout& layout,
                           int64_t tokens_per_block, int64_t slot, int64_t tokens, void* keys,
                           void* values) const override;
+  absl::Status ReadBlock(kv_cache::BlockId block, void* bytes) const override;
+  absl::Status WriteBlock(kv_cache::BlockId block, const void* bytes) override;
   absl::Status CopyBlock(kv_cache::BlockId from, kv_cache::BlockId to) override;
   absl::Status Poison(kv_cache::BlockId block) override;
   absl::Status Attend(const PagedDecodeBatch& batch) override;

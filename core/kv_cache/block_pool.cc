@@ -255,6 +255,71 @@ absl::StatusOr<SequenceId> KvBlockPool::Fork(SequenceId source_id, int64_t token
   return id;
 }
 
+absl::StatusOr<SequenceId> KvBlockPool::Adopt(const KvSequence& sequence,
+                                              absl::flat_hash_map<int64_t, BlockId>& placed) {
+  absl::StatusOr<int64_t> tokens_per_block = TokensPerBlock(sequence.layout, block_bytes_);
+  if (!tokens_per_block.ok()) return tokens_per_block.status();
+  const int64_t total = static_cast<int64_t>(blocks_.size());
+  if (sequence.tokens_per_block != *tokens_per_block || sequence.num_layers < 1 ||
+      sequence.length < 0 || sequence.reserved_tokens < std::max<int64_t>(sequence.length, 1) ||
+      static_cast<int64_t>(sequence.block_tables.size()) != sequence.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a KV sequence of ", sequence.num_layers, " layers (",
+                     sequence.block_tables.size(), " block tables), ", sequence.length, " of ",
+                     sequence.reserved_tokens, " reserved tokens at ", sequence.tokens_per_block,
+                     " tokens per block does not fit a pool of ", block_bytes_,
+                     "-byte blocks holding ", *tokens_per_block, " tokens of its layout"));
+  }
+  if (sequence.num_layers > total ||
+      BlocksFor(sequence.reserved_tokens, sequence.tokens_per_block) > total) {
+    return Exhausted(absl::StrCat("a restored sequence of ", sequence.num_layers, " layers x ",
+                                  sequence.reserved_tokens, " reserved tokens"),
+                     total + 1, sequence.tokens_per_block);
+  }
+  const int64_t blocks_per_layer = BlocksFor(sequence.length, sequence.tokens_per_block);
+  // Free blocks for the snapshot blocks not yet placed, taken from the top of the free list.
+  absl::flat_hash_map<int64_t, BlockId> fresh;
+  for (const std::vector<BlockId>& table : sequence.block_tables) {
+    if (static_cast<int64_t>(table.size()) != blocks_per_layer) {
+      return absl::InvalidArgumentError(absl::StrCat("a KV block table of ", table.size(),
+                                                     " blocks for ", sequence.length, " tokens at ",
+                                                     sequence.tokens_per_block, " per block"));
+    }
+    for (const BlockId block : table) {
+      if (block < 0) return absl::InvalidArgumentError(absl::StrCat("KV block ", block));
+      if (placed.contains(block) || fresh.contains(block)) continue;
+      const int64_t taken = static_cast<int64_t>(fresh.size());
+      if (taken == static_cast<int64_t>(free_list_.size())) {
+        return Exhausted("a restored sequence", taken + 1, sequence.tokens_per_block);
+      }
+      fresh.emplace(block, free_list_[free_list_.size() - 1 - taken]);
+    }
+  }
+  KvSequence adopted = sequence;
+  const bool partial_tail = sequence.length % sequence.tokens_per_block != 0;
+  std::vector<BlockDelta> deltas;
+  for (std::vector<BlockId>& table : adopted.block_tables) {
+    for (int64_t b = 0; b < blocks_per_layer; ++b) {
+      const auto here = placed.find(table[b]);
+      table[b] = here != placed.end() ? here->second : fresh.at(table[b]);
+      deltas.push_back({table[b], 1, partial_tail && b == blocks_per_layer - 1 ? 1 : 0});
+    }
+  }
+  const int64_t growth = GrowthOwed(adopted);
+  if (Committed() + CommittedChange(deltas) + growth > total) {
+    return Exhausted(absl::StrCat("a restored sequence of ", sequence.length, " tokens reserving ",
+                                  sequence.reserved_tokens),
+                     CommittedChange(deltas) + growth, sequence.tokens_per_block);
+  }
+  free_list_.resize(free_list_.size() - fresh.size());
+  placed.insert(fresh.begin(), fresh.end());
+  for (const BlockDelta& delta : deltas) Apply(delta, nullptr);
+  growth_owed_ += growth;
+  const SequenceId id = next_id_++;
+  sequences_.emplace(id, std::move(adopted));
+  return id;
+}
+
 absl::Status KvBlockPool::Truncate(SequenceId id, int64_t tokens, std::vector<BlockId>* freed) {
   absl::StatusOr<KvSequence*> found = FindMutable(id);
   if (!found.ok()) return found.status();

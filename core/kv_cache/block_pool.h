@@ -24,6 +24,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -127,6 +128,14 @@ class KvBlockPool {
 
   // Ends the sequence; blocks no longer held are appended to `freed`.
   absl::Status Release(SequenceId id, std::vector<BlockId>* freed);
+
+  // A sequence as a snapshot held it (server/sessions/session_snapshot.h): its block tables
+  // name the snapshot's blocks, which `placed` maps to this pool's. A snapshot block not yet
+  // placed takes a free block, added to `placed` for the storage to fill. INVALID_ARGUMENT
+  // when the tables do not fit its layout and length, RESOURCE_EXHAUSTED (nothing changed)
+  // when the pool cannot promise its blocks and growth.
+  absl::StatusOr<SequenceId> Adopt(const KvSequence& sequence,
+                                   absl::flat_hash_map<int64_t, BlockId>& placed);
 
   // NOT_FOUND for an unknown id. The pointer is valid until the next call that changes the
   // pool.

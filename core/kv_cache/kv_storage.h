@@ -35,6 +35,10 @@ class KvStorage {
                                    const void* values) = 0;
   virtual absl::Status ReadTokens(BlockId block, const KvLayout& layout, int64_t tokens_per_block,
                                   int64_t slot, int64_t tokens, void* keys, void* values) const = 0;
+  // Every byte of one block, from or to `bytes` (block_bytes of host memory): a session
+  // snapshot's copy.
+  virtual absl::Status ReadBlock(BlockId block, void* bytes) const = 0;
+  virtual absl::Status WriteBlock(BlockId block, const void* bytes) = 0;
   // Every byte of block `from` to block `to` (a copy-on-write).
   virtual absl::Status CopyBlock(BlockId from, BlockId to) = 0;
   // Fills a freed block with all-ones bytes, a NaN in float32 and bfloat16 alike, so that a

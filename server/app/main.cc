@@ -160,6 +160,11 @@ ABSL_FLAG(int64_t, prefill_chunk_tokens, 256,
 ABSL_FLAG(std::string, replica_name, "",
           "prefix of session ids naming this replica (e.g. the pod name from the Downward "
           "API), so that callers pin a session's calls to the replica that holds it");
+ABSL_FLAG(std::string, session_snapshot_dir, "",
+          "where sessions survive a restart: on SIGTERM, once calls have drained, every live "
+          "session is written to <dir>/<replica_name>.kvsnap, and the next server with this "
+          "replica name restores it at start-up (a persistent volume; see the statefulset "
+          "overlay). Empty: sessions end with the process");
 ABSL_FLAG(std::string, replica_address, "",
           "where callers reach this replica, told in every session's answer so that clients "
           "pin its calls here: host or host:port (without a port, the listening port), e.g. "
@@ -322,6 +327,7 @@ int main(int argc, char** argv) {
     options.bf16_products = *products;
   }
   options.sessions.replica = absl::GetFlag(FLAGS_replica_name);
+  options.session_snapshot_dir = absl::GetFlag(FLAGS_session_snapshot_dir);
   options.replica_address = absl::GetFlag(FLAGS_replica_address);
   options.keepalive_min_ping_interval = absl::GetFlag(FLAGS_keepalive_min_ping_interval);
   options.max_connection_age = absl::GetFlag(FLAGS_max_connection_age);

@@ -3,8 +3,11 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <cstdio>
 #include <iostream>
 #include <thread>
+
+#include <unistd.h>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -12,6 +15,7 @@
 #include <grpcpp/server_builder.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "core/status_macros.h"
 #include "grpc/health/v1/health.pb.h"
 
@@ -74,6 +78,14 @@ std::string WithPort(const std::string& address, int port) {
   const bool bracketed = !address.empty() && address.front() == '[';
   const bool has_port = bracketed ? address.back() != ']' : address.find(':') != std::string::npos;
   return has_port ? address : absl::StrCat(address, ":", port);
+}
+
+// Where this replica's sessions are snapshot, or "" when snapshots are off.
+std::string SnapshotPath(const ServerOptions& options) {
+  if (options.session_snapshot_dir.empty() || options.sessions.kv_cache_bytes == 0) return "";
+  const std::string& replica = options.sessions.replica;
+  return absl::StrCat(options.session_snapshot_dir, "/", replica.empty() ? "sessions" : replica,
+                      ".kvsnap");
 }
 
 }  // namespace
@@ -158,6 +170,7 @@ AttentionServer::AttentionServer(const ServerOptions& options,
       batcher_(options.batcher, &metrics_),
       loader_({options.max_concurrent_loads, options.max_queued_loads}, &batcher_, &metrics_),
       sessions_(std::move(sessions)),
+      session_snapshot_path_(SnapshotPath(options)),
       service_(registry_, batcher_, metrics_, request_log_, options.RequestBudgetWithMessageLimit(),
                *devices_, default_backend_, options.access, loader_,
                options.inline_layer_cache_bytes, sessions_.get()),
@@ -239,6 +252,8 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
   for (const std::string& problem : server->startup_problems_) {
     std::cerr << "attention-service: " << problem << std::endl;
   }
+  // After the layers, which restored sessions over served layers find by name.
+  server->RestoreSessions();
   server->service_.RefreshLayerMetrics();
   server->service_.RefreshSessionMetrics();
   health->SetServingStatus(true);
@@ -290,6 +305,66 @@ void AttentionServer::Shutdown(absl::Duration grace) {
   }
   loader_.Shutdown();  // builds taken before the drain finish; their calls are answered
   batcher_.Shutdown();
+  // Every step has ended: the snapshot holds what callers were answered.
+  SnapshotSessions();
+}
+
+void AttentionServer::RestoreSessions() {
+  if (session_snapshot_path_.empty()) return;
+  // From here the table is what the file held, or all that is left of it.
+  snapshot_on_shutdown_ = true;
+  const std::string& path = session_snapshot_path_;
+  if (access(path.c_str(), F_OK) != 0) {
+    std::cerr << "attention-service: no session snapshot at " << path << "; starting empty"
+              << std::endl;
+    return;
+  }
+  const absl::Time start = absl::Now();
+  absl::StatusOr<SnapshotReport> restored = sessions_->RestoreSnapshot(
+      path,
+      [this](const std::string& name) -> absl::StatusOr<std::shared_ptr<const core::MhaLayer>> {
+        ASSIGN_OR_RETURN(std::shared_ptr<const LayerSnapshot> loaded, registry_.Get(name));
+        return loaded->layer;
+      },
+      absl::Now());
+  if (!restored.ok()) {
+    // Kept for a post-mortem, never read again: the next drain writes a new snapshot.
+    const std::string refused = path + ".refused";
+    std::rename(path.c_str(), refused.c_str());
+    std::cerr << "attention-service: session snapshot " << path << " refused ("
+              << absl::StatusCodeToString(restored.status().code()) << ": "
+              << restored.status().message() << "); its sessions are lost, the file is kept as "
+              << refused << std::endl;
+    return;
+  }
+  // Restored once: a later start (after a SIGKILL) must not bring back older state.
+  std::remove(path.c_str());
+  std::cerr << "attention-service: restored " << restored->sessions << " sessions ("
+            << restored->blocks << " KV blocks, " << restored->bytes << " bytes) from " << path
+            << " in " << absl::FormatDuration(absl::Now() - start) << "; "
+            << restored->refused_sessions << " left out" << std::endl;
+  for (const std::string& refusal : restored->refused) {
+    std::cerr << "attention-service: session " << refusal << "; left out" << std::endl;
+  }
+}
+
+void AttentionServer::SnapshotSessions() {
+  if (!snapshot_on_shutdown_) return;
+  const absl::Time start = absl::Now();
+  absl::StatusOr<SnapshotReport> written =
+      sessions_->WriteSnapshot(session_snapshot_path_, absl::Now());
+  if (!written.ok()) {
+    std::cerr << "attention-service: could not write the session snapshot "
+              << session_snapshot_path_ << ": " << written.status().message()
+              << "; its sessions are lost" << std::endl;
+    return;
+  }
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  std::cerr << "attention-service: wrote " << written->sessions << " sessions (" << written->blocks
+            << " KV blocks, " << written->bytes << " bytes) to " << session_snapshot_path_ << " in "
+            << absl::StrFormat("%.3f", seconds) << " s ("
+            << absl::StrFormat("%.2f", seconds / (static_cast<double>(written->bytes) / (1 << 30)))
+            << " s/GiB)" << std::endl;
 }
 
 }  // namespace attention::server

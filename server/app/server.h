@@ -86,6 +86,10 @@ struct ServerOptions {
   // (--max_sessions, --max_session_tokens, --session_ttl, --max_session_ttl, --replica_name,
   // --max_sessions_per_identity, --max_session_tokens_per_identity).
   SessionTableOptions sessions;
+  // Where sessions survive a restart (--session_snapshot_dir): Shutdown writes every live
+  // session to <dir>/<replica or "sessions">.kvsnap once calls have drained, and Start
+  // restores that file, then removes it. "" (default): sessions end with the process.
+  std::string session_snapshot_dir;
   // How often a thread ends the sessions idle past their TTL and refreshes the session and
   // weight gauges (--session_sweep_interval), so both are true without a call coming. > 0;
   // default 1 s.
@@ -147,6 +151,8 @@ class AttentionServer {
   const InlineLayerCache& inline_layer_cache() const { return service_.inline_layer_cache(); }
   // Null when sessions are off.
   const SessionTable* sessions() const { return sessions_.get(); }
+  // The snapshot file of this replica's sessions; "" when snapshots are off.
+  const std::string& session_snapshot_path() const { return session_snapshot_path_; }
   // Files skipped while loading persisted layers at start-up (also printed to stderr).
   const std::vector<std::string>& startup_problems() const { return startup_problems_; }
 
@@ -162,6 +168,11 @@ class AttentionServer {
   // The sweeper thread: every `interval` until Shutdown, expires idle sessions and refreshes
   // the gauges they change.
   void SweepSessions(absl::Duration interval);
+  // Restores the sessions of session_snapshot_path_, if there is one, and logs what came
+  // back and what did not; a refused file is kept beside as <path>.refused.
+  void RestoreSessions();
+  // Writes the live sessions to session_snapshot_path_ and logs it (on Shutdown).
+  void SnapshotSessions();
 
   const std::unique_ptr<core::Devices> devices_;
   const std::shared_ptr<const core::Backend> default_backend_;
@@ -172,6 +183,10 @@ class AttentionServer {
   LayerRegistry registry_;
   LoaderPool loader_;
   const std::unique_ptr<SessionTable> sessions_;
+  const std::string session_snapshot_path_;
+  // Set once Start has restored the snapshot: a server that failed to start before then
+  // must not overwrite a snapshot it never read.
+  bool snapshot_on_shutdown_ = false;
   AttentionServiceImpl service_;
   // What the health service says, for the Open Inference Protocol's ServerReady.
   std::atomic<bool> ready_{false};

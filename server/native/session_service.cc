@@ -138,6 +138,7 @@ void AttentionServiceImpl::RefreshSessionMetrics() {
   snapshot.forked = counters.forked;
   snapshot.dropped = counters.dropped;
   snapshot.expired = counters.expired;
+  snapshot.restored = counters.restored;
   snapshot.kv_bytes_read = counters.kv_bytes_read;
   snapshot.shared_blocks_read = counters.shared_blocks_read;
   snapshot.step_compute_seconds = absl::ToDoubleSeconds(counters.step_compute);

@@ -117,7 +117,8 @@ Metrics::Metrics(absl::string_view default_device, absl::string_view blas_core)
                              .Register(*registry_)),
       kv_session_events_(prometheus::BuildCounter()
                              .Name("attention_kv_session_events_total")
-                             .Help("KV-cache sessions created, forked, dropped and expired")
+                             .Help("KV-cache sessions created, forked, dropped, expired and "
+                                   "restored from a snapshot at start-up")
                              .Register(*registry_)),
       kv_session_refusals_(prometheus::BuildCounter()
                                .Name("attention_kv_session_refusals_total")
@@ -241,6 +242,7 @@ void Metrics::SetKvCache(const KvCacheSnapshot& s) {
   follow(kv_session_events_.Add({{"event", "forked"}}), static_cast<double>(s.forked));
   follow(kv_session_events_.Add({{"event", "dropped"}}), static_cast<double>(s.dropped));
   follow(kv_session_events_.Add({{"event", "expired"}}), static_cast<double>(s.expired));
+  follow(kv_session_events_.Add({{"event", "restored"}}), static_cast<double>(s.restored));
   follow(kv_read_bytes_, static_cast<double>(s.kv_bytes_read));
   follow(kv_shared_blocks_read_, static_cast<double>(s.shared_blocks_read));
   follow(kv_step_compute_seconds_, s.step_compute_seconds);

@@ -67,6 +67,7 @@ class Metrics {
     int64_t total_bytes = 0, held_bytes = 0, promised_bytes = 0, shared_bytes = 0;
     int64_t written_tokens = 0, reserved_tokens = 0;  // of live sessions
     int64_t created = 0, forked = 0, dropped = 0, expired = 0;
+    int64_t restored = 0;            // from a snapshot at start-up
     int64_t kv_bytes_read = 0;       // by the steps' kernels, a shared prefix once a step
     int64_t shared_blocks_read = 0;  // blocks of prefixes read once for a step's forks
     double step_compute_seconds = 0;

@@ -13,11 +13,13 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/attention_options.h"
 #include "core/cpu/host_kv_storage.h"
 #include "core/status_macros.h"
 #include "server/common/status_util.h"
+#include "server/sessions/session_snapshot.h"
 
 namespace attention::server {
 namespace {
@@ -812,6 +814,224 @@ std::vector<absl::Status> SessionTable::Step(absl::Span<const StepEntry> entries
   return statuses;
 }
 
+absl::StatusOr<SnapshotReport> SessionTable::WriteSnapshot(const std::string& path,
+                                                           absl::Time now) {
+  const StorageTurns::Turn turn(storage_turns_);
+  core::MutexLock lock(mu_);
+  snapshot::SnapshotIndex index;
+  index.set_replica(options_.replica);
+  index.set_block_bytes(options_.block_bytes);
+  index.set_written_unix_ms(absl::ToUnixMillis(now));
+  // The pool's blocks in the order the snapshot numbers them; forks' shared blocks once.
+  absl::flat_hash_map<BlockId, int32_t> numbered;
+  std::vector<BlockId> order;
+  absl::flat_hash_map<const core::MhaLayer*, std::string> digests;
+  for (const auto& [id, session] : sessions_) {
+    const SessionShape& shape = session.shape;
+    snapshot::SnapshotSession& saved = *index.add_sessions();
+    saved.set_id(id);
+    saved.set_owner(session.owner);
+    saved.set_num_layers(shape.num_layers);
+    saved.set_num_heads(shape.num_heads);
+    saved.set_num_kv_heads(shape.num_kv_heads);
+    saved.set_head_dim(shape.head_dim);
+    saved.set_v_head_dim(shape.v_head_dim);
+    saved.set_kv_dtype(static_cast<int32_t>(shape.kv_dtype));
+    saved.set_scale(shape.scale);
+    saved.set_sliding_window(shape.sliding_window);
+    saved.mutable_layer_sliding_windows()->Add(shape.layer_sliding_windows.begin(),
+                                               shape.layer_sliding_windows.end());
+    if (shape.layers != nullptr) {
+      for (size_t l = 0; l < shape.layers->layers.size(); ++l) {
+        const core::MhaLayer* layer = shape.layers->layers[l].get();
+        auto [digest, added] = digests.try_emplace(layer);
+        if (added) digest->second = LayerDigest(*layer);
+        snapshot::SnapshotLayer& saved_layer = *saved.add_layers();
+        saved_layer.set_name(shape.layers->names[l]);
+        saved_layer.set_sha256(digest->second);
+      }
+    }
+    saved.mutable_layer_lengths()->Add(session.layer_lengths.begin(), session.layer_lengths.end());
+    const core::kv_cache::KvSequence& sequence = **block_pool_.Find(session.sequence);
+    saved.set_length(sequence.length);
+    saved.set_reserved_tokens(sequence.reserved_tokens);
+    for (const std::vector<BlockId>& table : sequence.block_tables) {
+      snapshot::SnapshotBlockTable& saved_table = *saved.add_block_tables();
+      for (const BlockId block : table) {
+        const auto [number, added] =
+            numbered.try_emplace(block, static_cast<int32_t>(order.size()));
+        if (added) order.push_back(block);
+        saved_table.add_blocks(number->second);
+      }
+    }
+    saved.set_ttl_ms(absl::ToInt64Milliseconds(session.ttl));
+    saved.set_idle_ms(std::max<int64_t>(0, absl::ToInt64Milliseconds(now - session.last_used)));
+  }
+  index.set_num_blocks(static_cast<int64_t>(order.size()));
+  ASSIGN_OR_RETURN(std::unique_ptr<SnapshotWriter> writer, SnapshotWriter::Open(path, index));
+  std::vector<std::byte> bytes(options_.block_bytes);
+  for (const BlockId block : order) {
+    RETURN_IF_ERROR(storage_->ReadBlock(block, bytes.data()));
+    RETURN_IF_ERROR(writer->AddBlock(bytes.data()));
+  }
+  RETURN_IF_ERROR(writer->Commit());
+  SnapshotReport report;
+  report.sessions = index.sessions_size();
+  report.blocks = index.num_blocks();
+  report.bytes = writer->bytes();
+  return report;
+}
+
+absl::StatusOr<SessionTable::Session> SessionTable::RestoredSessionLocked(
+    const snapshot::SnapshotSession& saved, const LayerLookup& find_layer, absl::Time now) {
+  const std::string prefix = options_.replica.empty() ? "" : options_.replica + "/";
+  if (!IsWellFormedId(saved.id()) || !absl::StartsWith(saved.id(), prefix)) {
+    return Invalid("its id is not one of replica \"", options_.replica, "\"");
+  }
+  if (sessions_.contains(saved.id())) return Invalid("its id is in the snapshot twice");
+  if (saved.kv_dtype() != static_cast<int32_t>(core::DType::kFloat32) &&
+      saved.kv_dtype() != static_cast<int32_t>(core::DType::kBFloat16)) {
+    return Invalid("kv_dtype ", saved.kv_dtype(), " is not FLOAT32 or BFLOAT16");
+  }
+  Session session;
+  session.owner = saved.owner();
+  SessionShape& shape = session.shape;
+  shape.num_layers = saved.num_layers();
+  shape.num_heads = saved.num_heads();
+  shape.num_kv_heads = saved.num_kv_heads();
+  shape.head_dim = saved.head_dim();
+  shape.v_head_dim = saved.v_head_dim();
+  shape.kv_dtype = static_cast<core::DType>(saved.kv_dtype());
+  shape.scale = saved.scale();
+  shape.sliding_window = saved.sliding_window();
+  shape.layer_sliding_windows.assign(saved.layer_sliding_windows().begin(),
+                                     saved.layer_sliding_windows().end());
+  if (saved.layers_size() > 0) {
+    auto served = std::make_shared<ServedLayers>();
+    for (const snapshot::SnapshotLayer& saved_layer : saved.layers()) {
+      absl::StatusOr<std::shared_ptr<const core::MhaLayer>> layer = find_layer(saved_layer.name());
+      if (!layer.ok()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "its layer \"", saved_layer.name(), "\" is not loaded: ", layer.status().message()));
+      }
+      if (LayerDigest(**layer) != saved_layer.sha256()) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("its layer \"", saved_layer.name(),
+                         "\" is not the one it was created over (other weights or config)"));
+      }
+      served->layers.push_back(*std::move(layer));
+      served->names.push_back(saved_layer.name());
+    }
+    shape.layers = std::move(served);
+  }
+  RETURN_IF_ERROR(CheckShape(shape));
+  RETURN_IF_ERROR(CheckReservation(saved.reserved_tokens()));
+  const absl::Duration ttl = absl::Milliseconds(saved.ttl_ms());
+  if (ttl <= absl::ZeroDuration() || ttl > options_.max_ttl) {
+    return Invalid("its ttl ", absl::FormatDuration(ttl), " is past this server's max_ttl ",
+                   absl::FormatDuration(options_.max_ttl));
+  }
+  session.ttl = ttl;
+  session.last_used = now - absl::Milliseconds(std::max<int64_t>(0, saved.idle_ms()));
+  session.layer_lengths.assign(saved.layer_lengths().begin(), saved.layer_lengths().end());
+  if (static_cast<int64_t>(session.layer_lengths.size()) != shape.num_layers ||
+      saved.block_tables_size() != shape.num_layers) {
+    return Invalid("it has ", session.layer_lengths.size(), " layer lengths and ",
+                   saved.block_tables_size(), " block tables for ", shape.num_layers, " layers");
+  }
+  for (const int64_t length : session.layer_lengths) {
+    if (length < 0 || length > saved.length()) {
+      return Invalid("a layer length ", length, " is outside its KV length ", saved.length());
+    }
+  }
+  return session;
+}
+
+absl::StatusOr<SnapshotReport> SessionTable::RestoreSnapshot(const std::string& path,
+                                                             const LayerLookup& find_layer,
+                                                             absl::Time now) {
+  ASSIGN_OR_RETURN(std::unique_ptr<SnapshotReader> reader, SnapshotReader::Open(path));
+  const snapshot::SnapshotIndex& index = reader->index();
+  if (index.replica() != options_.replica || index.block_bytes() != options_.block_bytes) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("session snapshot of replica \"", index.replica(), "\" with KV blocks of ",
+                     index.block_bytes(), " bytes; this server is replica \"", options_.replica,
+                     "\" (--replica_name) with blocks of ", options_.block_bytes));
+  }
+  const StorageTurns::Turn turn(storage_turns_);
+  core::MutexLock lock(mu_);
+  if (!sessions_.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "a snapshot restores into an empty table; this one holds ", sessions_.size(), " sessions"));
+  }
+  SnapshotReport report;
+  absl::flat_hash_map<int64_t, BlockId> placed;  // snapshot block -> pool block
+  std::vector<std::string> restored;
+  for (const snapshot::SnapshotSession& saved : index.sessions()) {
+    absl::StatusOr<Session> session = RestoredSessionLocked(saved, find_layer, now);
+    if (session.ok() && static_cast<int64_t>(sessions_.size()) >= options_.max_sessions) {
+      session = absl::ResourceExhaustedError(
+          absl::StrCat("this server's max_sessions is ", options_.max_sessions));
+    }
+    core::kv_cache::KvSequence sequence;
+    if (session.ok()) {
+      sequence.layout = LayoutOf(session->shape);
+      sequence.tokens_per_block =
+          core::kv_cache::TokensPerBlock(sequence.layout, options_.block_bytes).value_or(0);
+      sequence.num_layers = session->shape.num_layers;
+      sequence.length = saved.length();
+      sequence.reserved_tokens = saved.reserved_tokens();
+      for (const snapshot::SnapshotBlockTable& table : saved.block_tables()) {
+        sequence.block_tables.emplace_back(table.blocks().begin(), table.blocks().end());
+        for (const BlockId block : table.blocks()) {
+          if (block >= index.num_blocks()) {
+            session = Invalid("its block table names block ", block, " of ", index.num_blocks());
+          }
+        }
+      }
+    }
+    absl::StatusOr<core::kv_cache::SequenceId> adopted =
+        session.ok() ? block_pool_.Adopt(sequence, placed) : session.status();
+    if (!adopted.ok()) {
+      if (report.refused_sessions++ < kMaxRefusalsTold) {
+        report.refused.push_back(absl::StrCat(saved.id().substr(0, 300), ": ",
+                                              adopted.status().message().substr(0, 500)));
+      }
+      continue;
+    }
+    session->sequence = *adopted;
+    sessions_[saved.id()] = *std::move(session);
+    restored.push_back(saved.id());
+  }
+  // Every block is checked, those of sessions left out too: a torn file restores nothing.
+  std::vector<std::byte> bytes(options_.block_bytes);
+  absl::Status read;
+  for (int64_t block = 0; read.ok() && block < index.num_blocks(); ++block) {
+    read = reader->ReadBlock(bytes.data());
+    const auto here = placed.find(block);
+    if (read.ok() && here != placed.end()) read = storage_->WriteBlock(here->second, bytes.data());
+  }
+  if (read.ok()) read = reader->Finish();
+  if (!read.ok()) {
+    for (const std::string& id : restored) {
+      std::vector<BlockId> freed;
+      block_pool_.Release(sessions_[id].sequence, &freed).IgnoreError();  // adopted above
+      FreeBlocksLocked(freed);
+      sessions_.erase(id);
+    }
+    return read;
+  }
+  for (const std::string& id : restored) {
+    const Session& session = sessions_[id];
+    CountOwnerLocked(session.owner, (*block_pool_.Find(session.sequence))->reserved_tokens, +1);
+  }
+  totals_.restored += static_cast<int64_t>(restored.size());
+  report.sessions = static_cast<int64_t>(restored.size());
+  report.blocks = static_cast<int64_t>(placed.size());
+  report.bytes = reader->bytes();
+  return report;
+}
+
 SessionCounters SessionTable::Counters() const {
   core::MutexLock lock(mu_);
   SessionCounters counters;
@@ -825,6 +1045,7 @@ SessionCounters SessionTable::Counters() const {
   }
   counters.created = totals_.created;
   counters.forked = totals_.forked;
+  counters.restored = totals_.restored;
   counters.dropped = totals_.dropped;
   counters.expired = totals_.expired;
   counters.kv_bytes_read = totals_.kv_bytes_read;

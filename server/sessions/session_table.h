@@ -21,6 +21,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -41,6 +42,7 @@
 #include "core/kv_cache/kv_storage.h"
 #include "core/mha_layer.h"
 #include "core/mutex.h"
+#include "session_snapshot.pb.h"
 
 namespace attention::server {
 
@@ -153,6 +155,18 @@ struct StepEntry {
 absl::Status CheckPlacement(const StepEntry& entry, absl::Span<const int64_t> layer_lengths,
                             int64_t other_tokens, int64_t reserved_tokens);
 
+// What a snapshot carried (SessionTable::WriteSnapshot, RestoreSnapshot).
+struct SnapshotReport {
+  int64_t sessions = 0;  // written, or restored
+  int64_t blocks = 0;    // distinct KV blocks (forks' shared blocks once)
+  int64_t bytes = 0;     // of the file
+  // Restoring: each session left out, "<id>: <why>" (its layer gone or changed, a limit
+  // of this server), at most kMaxRefusalsTold of them; `refused_sessions` counts them all.
+  std::vector<std::string> refused;
+  int64_t refused_sessions = 0;
+};
+inline constexpr int64_t kMaxRefusalsTold = 16;
+
 struct SessionCounters {
   int64_t sessions = 0;
   int64_t tombstones = 0;
@@ -165,6 +179,7 @@ struct SessionCounters {
   // prefill chunks are compute-bound); blocks of shared prefixes read once for all the forks
   // a step batched (core::FindSharedPrefixes).
   int64_t created = 0, forked = 0, dropped = 0, expired = 0;
+  int64_t restored = 0;  // from a snapshot at start-up
   int64_t kv_bytes_read = 0;
   int64_t shared_blocks_read = 0;
   absl::Duration step_compute;
@@ -214,6 +229,21 @@ class SessionTable {
 
   // Ends the sessions idle past their TTL (tombstoned "expired"); returns how many.
   int64_t ExpireIdle(absl::Time now);
+
+  // Writes every live session (shape, owner, positions, reservation, TTL, layer names with
+  // their LayerDigest, block tables, and each distinct KV block once) to `path`, a file in
+  // session_snapshot.h's format, replacing it only once complete. For a drained server:
+  // every other call waits until it is written.
+  absl::StatusOr<SnapshotReport> WriteSnapshot(const std::string& path, absl::Time now);
+  // Fills this table, which must hold no session, from a snapshot of a table with the same
+  // replica name and block size. A session whose served layers `find_layer` does not give
+  // with the same LayerDigest, or that this table's limits or pool refuse, is left out and
+  // its reason told; its idle time goes on from where it was. A torn or corrupt file
+  // restores nothing: DATA_LOSS or FAILED_PRECONDITION naming the part.
+  using LayerLookup =
+      std::function<absl::StatusOr<std::shared_ptr<const core::MhaLayer>>(const std::string&)>;
+  absl::StatusOr<SnapshotReport> RestoreSnapshot(const std::string& path,
+                                                 const LayerLookup& find_layer, absl::Time now);
 
   SessionCounters Counters() const;
   // Steps waiting for their turn on the storage behind another step's writes or chunk.
@@ -304,6 +334,10 @@ class SessionTable {
   // Gives a sequence's blocks back to the pool, or once its last step ends when one is in
   // flight.
   void ReleaseLocked(core::kv_cache::SequenceId sequence) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A snapshot's session as this table holds it, its layers found and checked, or why not.
+  absl::StatusOr<Session> RestoredSessionLocked(const snapshot::SnapshotSession& saved,
+                                                const LayerLookup& find_layer, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const SessionTableOptions options_;
   const std::string device_;  // the storage's

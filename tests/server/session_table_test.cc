@@ -22,32 +22,18 @@
 #include "gtest/gtest.h"
 #include "server/common/status_util.h"
 #include "tests/core/fidelity.h"
+#include "tests/server/session_tokens.h"
 
 namespace attention::server {
 namespace {
 
 using core::testing::FidelityStats;
+using testing::Entry;
+using testing::Options;
+using testing::RandomTokens;
+using testing::Tokens;
 
 const absl::Time kT0 = absl::FromUnixSeconds(1'000'000);
-
-// A sequence's tokens as the caller holds them: q [L][H][dk], k [L][Hkv][dk], v [L][Hkv][dv].
-struct Tokens {
-  std::vector<float> q, k, v;
-};
-
-Tokens RandomTokens(const SessionShape& shape, int64_t length, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  const int64_t dv = shape.v_head_dim > 0 ? shape.v_head_dim : shape.head_dim;
-  Tokens tokens;
-  tokens.q.resize(length * shape.num_heads * shape.head_dim);
-  tokens.k.resize(length * shape.num_kv_heads * shape.head_dim);
-  tokens.v.resize(length * shape.num_kv_heads * dv);
-  for (auto* values : {&tokens.q, &tokens.k, &tokens.v}) {
-    for (float& x : *values) x = normal(rng);
-  }
-  return tokens;
-}
 
 // [L][heads][d] -> [heads][L][d], as SdpaInput wants.
 std::vector<float> HeadMajor(const std::vector<float>& rows, int64_t length, int64_t heads,
@@ -96,32 +82,6 @@ std::vector<T> OneShot(const SessionShape& shape, const Tokens& tokens, int64_t 
     }
   }
   return rows;
-}
-
-// A step entry for tokens [position, position + n) of `tokens`, answering into `output`.
-StepEntry Entry(const SessionInfo& session, const Tokens& tokens, int64_t layer, int64_t position,
-                int64_t n, std::vector<float>* output) {
-  const SessionShape& shape = session.shape;
-  const int64_t dv = shape.v_head_dim > 0 ? shape.v_head_dim : shape.head_dim;
-  output->assign(n * shape.num_heads * dv, 0.0f);
-  StepEntry entry;
-  entry.session_id = session.id;
-  entry.layer = layer;
-  entry.position = position;
-  entry.num_tokens = n;
-  entry.query = tokens.q.data() + position * shape.num_heads * shape.head_dim;
-  entry.key = tokens.k.data() + position * shape.num_kv_heads * shape.head_dim;
-  entry.value = tokens.v.data() + position * shape.num_kv_heads * dv;
-  entry.output = output->data();
-  return entry;
-}
-
-// A pool of `kv_cache_bytes` in blocks of `block_bytes`.
-SessionTableOptions Options(int64_t kv_cache_bytes = 16 << 20, int64_t block_bytes = 64 << 10) {
-  SessionTableOptions options;
-  options.kv_cache_bytes = kv_cache_bytes;
-  options.block_bytes = block_bytes;
-  return options;
 }
 
 class SessionTableTest : public ::testing::Test {
@@ -633,6 +593,12 @@ class HeldStorage final : public core::kv_cache::KvStorage {
                           int64_t tokens_per_block, int64_t slot, int64_t tokens, void* keys,
                           void* values) const override {
     return host_.ReadTokens(block, layout, tokens_per_block, slot, tokens, keys, values);
+  }
+  absl::Status ReadBlock(core::kv_cache::BlockId block, void* bytes) const override {
+    return host_.ReadBlock(block, bytes);
+  }
+  absl::Status WriteBlock(core::kv_cache::BlockId block, const void* bytes) override {
+    return host_.WriteBlock(block, bytes);
   }
   absl::Status CopyBlock(core::kv_cache::BlockId from, core::kv_cache::BlockId to) override {
     return host_.CopyBlock(from, to);
