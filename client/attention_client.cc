@@ -134,8 +134,27 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(
 AttentionClient::AttentionClient(const std::string& target, int64_t max_message_bytes)
     : AttentionClient(target, PlaintextWithMessageLimit(max_message_bytes)) {}
 
+// Session calls that are safe to repeat (a step names its positions; a read or truncation
+// changes nothing twice) wait for the server through a restart or a rolling update, which
+// keeps sessions with --session_snapshot_dir: a caller sees latency, not UNAVAILABLE.
+// Create and fork are not repeated: a second attempt would make a second session. A server
+// shutting down answers calls that reach it after its drain began CANCELLED; gRPC never
+// repeats a call the caller cancelled itself.
+constexpr char kSessionRetryServiceConfig[] = R"json({"methodConfig": [{
+  "name": [{"service": "attention.v1.AttentionService", "method": "SessionStep"},
+           {"service": "attention.v1.AttentionService", "method": "GetSession"},
+           {"service": "attention.v1.AttentionService", "method": "TruncateSession"},
+           {"service": "attention.v1.AttentionService", "method": "ListSessions"}],
+  "waitForReady": true,
+  "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.2s", "maxBackoff": "5s",
+                  "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE", "CANCELLED"]}}]})json";
+
 grpc::ChannelArguments ChannelArgumentsFor(const ClientOptions& options) {
   grpc::ChannelArguments arguments;
+  arguments.SetInt(GRPC_ARG_ENABLE_RETRIES, 1);
+  arguments.SetServiceConfigJSON(kSessionRetryServiceConfig);
+  // A restarted server is found within 5 s of listening again, not gRPC's 120 s.
+  arguments.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 5000);
   arguments.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   arguments.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   if (!options.tls_server_name.empty()) {

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -14,6 +15,7 @@
 #include <iterator>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -238,6 +240,133 @@ TEST_F(SessionSnapshotTest, ATornOrCorruptSnapshotRestoresNothingAndTheTableServ
   EXPECT_EQ(foreign.status().code(), absl::StatusCode::kFailedPrecondition) << foreign.status();
   EXPECT_TRUE(absl::StrContains(foreign.status().message(), "replica \"attention-0\""))
       << foreign.status();
+}
+
+// Through real servers in this process: one drains its sessions to the snapshot directory,
+// the next with the same replica name restores them on the same port. The C++ client steps
+// through the restart without an error (its retry policy); a session whose layer changed
+// meanwhile is left out with its reason while the other comes back.
+class SessionSnapshotServerTest : public ::testing::Test {
+ protected:
+  ServerOptions Options(const std::string& repository, const std::string& listen) {
+    ServerOptions options;
+    options.listen_address = listen;
+    options.metrics_address = "";
+    options.compute_threads = 2;
+    options.sessions.kv_cache_bytes = 16 << 20;
+    options.sessions.replica = "attention-0";
+    options.registry.model_repository = repository;
+    options.session_snapshot_dir = snapshots_;
+    return options;
+  }
+
+  std::unique_ptr<AttentionServer> Start(const ServerOptions& options) {
+    auto started = AttentionServer::Start(options);
+    EXPECT_TRUE(started.ok()) << started.status();
+    return started.ok() ? *std::move(started) : nullptr;
+  }
+
+  const std::string snapshots_ = FreshDirectory("snapshots");
+};
+
+// Q, K and V of n random tokens of a 4-head (2 KV heads) session at `position`.
+v1::SessionStepRequest PlainStep(const std::string& session, int64_t position,
+                                 std::mt19937_64& rng) {
+  v1::SessionStepRequest request;
+  v1::SessionStepEntry& entry = *request.add_entries();
+  entry.set_session_id(session);
+  entry.set_position(position);
+  wire::EncodeTensor(RandomValues(rng, 4 * 16), {1, 4, 16}, core::DType::kFloat32,
+                     entry.mutable_query());
+  wire::EncodeTensor(RandomValues(rng, 2 * 16), {1, 2, 16}, core::DType::kFloat32,
+                     entry.mutable_key());
+  wire::EncodeTensor(RandomValues(rng, 2 * 16), {1, 2, 16}, core::DType::kFloat32,
+                     entry.mutable_value());
+  return request;
+}
+
+TEST_F(SessionSnapshotServerTest, StepsGoOnThroughARestartAndASessionWhoseLayerChangedIsLeftOut) {
+  const uint64_t seed = 4103;
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  const std::string repository = FreshDirectory("repository");
+  auto server = Start(Options(repository, "127.0.0.1:0"));
+  ASSERT_NE(server, nullptr);
+  const std::string target = absl::StrCat("127.0.0.1:", server->port());
+  client::AttentionClient client(target);
+  v1::LoadLayerRequest layer = RandomLayerRequest("decoder", 32, /*seed=*/1);
+  layer.set_persist(true);
+  const absl::StatusOr<v1::LayerInfo> loaded = client.LoadLayer(layer);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  v1::CreateSessionRequest over_layer;
+  over_layer.mutable_config()->add_layers("decoder");
+  over_layer.set_reserved_tokens(16);
+  const absl::StatusOr<v1::SessionInfo> layered = client.CreateSession(over_layer);
+  ASSERT_TRUE(layered.ok()) << layered.status();
+  v1::CreateSessionRequest plain;
+  plain.mutable_config()->set_num_layers(1);
+  plain.mutable_config()->set_num_heads(4);
+  plain.mutable_config()->set_num_kv_heads(2);
+  plain.mutable_config()->set_head_dim(16);
+  constexpr int64_t kTokens = 200;
+  plain.set_reserved_tokens(kTokens);
+  const absl::StatusOr<v1::SessionInfo> session = client.CreateSession(plain);
+  ASSERT_TRUE(session.ok()) << session.status();
+  std::vector<v1::SessionStepRequest> steps;
+  for (int64_t position = 0; position < kTokens; ++position) {
+    steps.push_back(PlainStep(session->session_id(), position, rng));
+  }
+
+  // A thread steps while the server restarts under it.
+  std::atomic<int64_t> answered{0};
+  std::atomic<bool> stopped{false};
+  std::vector<std::string> failures;  // read once the thread has ended
+  const auto step_all = [&] {
+    for (const v1::SessionStepRequest& step : steps) {
+      const absl::StatusOr<v1::SessionStepResponse> stepped =
+          client.SessionStep(step, absl::Seconds(60));
+      if (!stepped.ok()) {
+        failures.push_back(absl::StrCat("position ", step.entries(0).position(), ": ",
+                                        stepped.status().ToString()));
+        return;
+      }
+      ++answered;
+    }
+  };
+  std::thread stepper([&] {
+    step_all();
+    stopped = true;
+  });
+  while (answered < kTokens / 4 && !stopped) std::this_thread::yield();
+  const int port = server->port();
+  server->Shutdown(absl::Seconds(10));
+  const std::string path = snapshots_ + "/attention-0.kvsnap";
+  EXPECT_TRUE(std::filesystem::exists(path));
+  server.reset();
+  // The layer's weights change while the server is down: another seed under its name.
+  {
+    ServerOptions other = Options(repository, "127.0.0.1:0");
+    other.session_snapshot_dir = "";
+    auto loader = Start(other);
+    ASSERT_NE(loader, nullptr);
+    v1::LoadLayerRequest changed = RandomLayerRequest("decoder", 32, /*seed=*/2);
+    changed.set_persist(true);
+    ASSERT_TRUE(client::AttentionClient(absl::StrCat("127.0.0.1:", loader->port()))
+                    .LoadLayer(changed)
+                    .ok());
+  }
+  server = Start(Options(repository, absl::StrCat("127.0.0.1:", port)));
+  ASSERT_NE(server, nullptr);
+  stepper.join();
+  EXPECT_TRUE(failures.empty()) << failures[0];
+  EXPECT_EQ(answered, kTokens);
+  EXPECT_EQ(server->sessions()->Counters().restored, 1);
+  EXPECT_FALSE(std::filesystem::exists(path)) << "a restored snapshot is not restored twice";
+  const absl::StatusOr<v1::SessionInfo> after = client.GetSession(session->session_id());
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->length(), kTokens);
+  const absl::StatusOr<v1::SessionInfo> gone = client.GetSession(layered->session_id());
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound) << gone.status();
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 AsyncAttentionClient (grpc.aio): everything but the call itself lives here."""
 
 import collections
+import json
 
 import grpc
 
@@ -150,11 +151,38 @@ def health_status(response):
     return stubs.load()[2].HealthCheckResponse.ServingStatus.Name(response.status)
 
 
+# Session calls that are safe to repeat (a step names its positions; a read or truncation
+# changes nothing twice) wait for the server through a restart or a rolling update, which
+# keeps sessions with --session_snapshot_dir: a caller sees latency, not UNAVAILABLE.
+# Create and fork are not repeated: a second attempt would make a second session. A server
+# shutting down answers calls that reach it after its drain began CANCELLED; gRPC never
+# repeats a call the caller cancelled itself.
+SESSION_RETRY_SERVICE_CONFIG = {
+    "methodConfig": [{
+        "name": [{"service": "attention.v1.AttentionService", "method": method}
+                 for method in ("SessionStep", "GetSession", "TruncateSession",
+                                "ListSessions")],
+        "waitForReady": True,
+        "retryPolicy": {
+            "maxAttempts": 5,
+            "initialBackoff": "0.2s",
+            "maxBackoff": "5s",
+            "backoffMultiplier": 2,
+            "retryableStatusCodes": ["UNAVAILABLE", "CANCELLED"],
+        },
+    }]
+}
+
+
 def channel_arguments(max_message_bytes=64 << 20, tls_ca_file=None, tls_cert_file=None,
                       tls_key_file=None, tls_server_name=None):
     """-> (channel credentials, or None for plaintext; channel options)."""
     options = [("grpc.max_send_message_length", max_message_bytes),
-               ("grpc.max_receive_message_length", max_message_bytes)]
+               ("grpc.max_receive_message_length", max_message_bytes),
+               ("grpc.enable_retries", 1),
+               ("grpc.service_config", json.dumps(SESSION_RETRY_SERVICE_CONFIG)),
+               # A restarted server is found within 5 s of listening again, not gRPC's 120 s.
+               ("grpc.max_reconnect_backoff_ms", 5000)]
     if not tls_ca_file:
         if tls_cert_file or tls_key_file or tls_server_name:
             raise ValueError("tls_cert_file, tls_key_file and tls_server_name need tls_ca_file")
