@@ -36,6 +36,9 @@ std::string LayerDigest(const core::MhaLayer& layer);
 // Writes one snapshot: the index, then index.num_blocks() blocks, then Commit.
 class SnapshotWriter {
  public:
+  // Written bytes are handed to the disk in runs of this many.
+  static constexpr int64_t kWritebackBytes = int64_t{32} << 20;
+
   static absl::StatusOr<std::unique_ptr<SnapshotWriter>> Open(const std::string& path,
                                                               const snapshot::SnapshotIndex& index);
   ~SnapshotWriter();  // an uncommitted snapshot's temporary file is removed
@@ -57,6 +60,7 @@ class SnapshotWriter {
   std::string index_digest_;
   int64_t blocks_written_ = 0;
   int64_t bytes_ = 0;
+  int64_t bytes_flushed_ = 0;  // handed to the disk's writeback
   bool committed_ = false;
 };
 
