@@ -58,8 +58,8 @@ GIB = 1 << 30
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 # Overlays whose workload is not the base's Deployment.
 EXPECTED_WORKLOAD = {os.path.join("overlays", "statefulset"): "StatefulSet"}
-# Disk budget for writing a session snapshot, seconds per GiB of --kv_cache_bytes: the same
-# placeholder as deploy/overlays/statefulset's arithmetic (README: the measured figure).
+# Disk budget for writing a session snapshot, seconds per GiB of --kv_cache_bytes, as
+# deploy/overlays/statefulset's arithmetic (measured 2.8-3.4: docs/benchmarks.md).
 SNAPSHOT_SECONDS_PER_GIB = 5
 # server/app/main.cc's defaults, for a workload that does not set these flags.
 DEFAULT_SHUTDOWN_GRACE_SECONDS = 10.0
