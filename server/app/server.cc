@@ -1,9 +1,11 @@
 #include "server/app/server.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <climits>
 #include <cstdio>
+#include <cstring>
 #include <iostream>
 #include <thread>
 
@@ -139,6 +141,12 @@ absl::Status ServerOptions::Validate() const {
   if (drain_delay < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
         absl::StrCat("drain_delay = ", absl::FormatDuration(drain_delay), " must be >= 0"));
+  }
+  // Found at start-up, not when a drain writes to it and its sessions are lost.
+  if (!session_snapshot_dir.empty() && ::access(session_snapshot_dir.c_str(), W_OK | X_OK) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("session_snapshot_dir = \"", session_snapshot_dir.substr(0, 256),
+                     "\" is not a directory this server may write: ", std::strerror(errno)));
   }
   RETURN_IF_ERROR(RequestBudgetWithMessageLimit().Validate());
   RETURN_IF_ERROR(tls.Validate());

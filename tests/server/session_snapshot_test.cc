@@ -12,6 +12,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <memory>
 #include <string>
@@ -22,6 +23,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/cpu/thread_pool.h"
+#include "core/devices.h"
 #include "gtest/gtest.h"
 #include "server/sessions/session_table.h"
 #include "tests/server/session_tokens.h"
@@ -53,11 +55,16 @@ class SessionSnapshotTest : public ::testing::Test {
  protected:
   SessionSnapshotTest() : pool_(2) {}
 
-  std::unique_ptr<SessionTable> Table(const std::string& replica = "attention-0") {
+  static SessionTableOptions TableOptions(const std::string& replica) {
     SessionTableOptions options = Options(/*kv_cache_bytes=*/8 << 20, /*block_bytes=*/16 << 10);
     options.poison_freed_blocks = true;  // a read outside a block table shows as NaN
     options.replica = replica;
-    auto table = SessionTable::Create(options, pool_);
+    return options;
+  }
+
+  // A table whose KV blocks live in host memory.
+  std::unique_ptr<SessionTable> Table(const std::string& replica = "attention-0") {
+    auto table = SessionTable::Create(TableOptions(replica), pool_);
     EXPECT_TRUE(table.ok()) << table.status();
     return *std::move(table);
   }
@@ -76,6 +83,9 @@ class SessionSnapshotTest : public ::testing::Test {
       }
     }
   }
+
+  void ExpectTheSameBitsAfterARestore(
+      const std::function<std::unique_ptr<SessionTable>()>& make_table);
 
   core::ThreadPool pool_;
 };
@@ -100,10 +110,13 @@ SessionShape Bf16WindowShape() {
   return shape;
 }
 
-TEST_F(SessionSnapshotTest, ARestoredTableAnswersItsNextStepsWithTheSameBits) {
+// Sessions of two shapes, a fork sharing blocks among them, written from one table of
+// `make_table` and restored into another: the same sessions, pool and next answers' bits.
+void SessionSnapshotTest::ExpectTheSameBitsAfterARestore(
+    const std::function<std::unique_ptr<SessionTable>()>& make_table) {
   const uint64_t seed = 4101;
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
-  auto before = Table();
+  auto before = make_table();
   const SessionShape gqa = GqaShape(), bf16 = Bf16WindowShape();
   // 2 layers x 64 tokens per 16 KiB block of GQA: a fork of 100 tokens shares 1 whole and 1
   // partial block per layer.
@@ -133,7 +146,7 @@ TEST_F(SessionSnapshotTest, ARestoredTableAnswersItsNextStepsWithTheSameBits) {
       << "each held block once, the forks' shared ones included";
   EXPECT_GT(pool_before.blocks_shared, 0);
 
-  auto after = Table();
+  auto after = make_table();
   const absl::StatusOr<SnapshotReport> restored = after->RestoreSnapshot(
       path, [](const std::string& name) { return absl::NotFoundError(name); },
       kT0 + absl::Hours(1));
@@ -170,6 +183,25 @@ TEST_F(SessionSnapshotTest, ARestoredTableAnswersItsNextStepsWithTheSameBits) {
   Step(*after, windowed, windowed_tokens, 30, 64, &got);
   ASSERT_EQ(got.size(), expected.size());
   EXPECT_EQ(0, std::memcmp(got.data(), expected.data(), got.size() * sizeof(float)));
+}
+
+TEST_F(SessionSnapshotTest, ARestoredTableAnswersItsNextStepsWithTheSameBits) {
+  ExpectTheSameBitsAfterARestore([this] { return Table(); });
+}
+
+TEST_F(SessionSnapshotTest, OnCudaStorageARestoredTableAnswersItsNextStepsWithTheSameBits) {
+  core::Devices devices(1);
+  std::string why_none;
+  if (devices.GpuCount(&why_none) == 0) GTEST_SKIP() << "no GPU: " << why_none;
+  ExpectTheSameBitsAfterARestore([&] {
+    const SessionTableOptions options = TableOptions("attention-0");
+    auto storage = devices.CreateKvStorage("cuda:0", options.kv_cache_bytes / options.block_bytes,
+                                           options.block_bytes);
+    EXPECT_TRUE(storage.ok()) << storage.status();
+    auto table = SessionTable::Create(options, *std::move(storage));
+    EXPECT_TRUE(table.ok()) << table.status();
+    return *std::move(table);
+  });
 }
 
 TEST_F(SessionSnapshotTest, ATornOrCorruptSnapshotRestoresNothingAndTheTableServes) {
@@ -367,6 +399,20 @@ TEST_F(SessionSnapshotServerTest, StepsGoOnThroughARestartAndASessionWhoseLayerC
   EXPECT_EQ(after->length(), kTokens);
   const absl::StatusOr<v1::SessionInfo> gone = client.GetSession(layered->session_id());
   EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound) << gone.status();
+}
+
+TEST(SessionSnapshotOptionsTest, ASnapshotDirectoryTheServerCannotWriteIsRefusedAtStart) {
+  ServerOptions options;
+  options.listen_address = "127.0.0.1:0";
+  options.metrics_address = "";
+  options.session_snapshot_dir = FreshDirectory("missing") + "/not-there";
+  const auto started = AttentionServer::Start(options);
+  ASSERT_FALSE(started.ok());
+  EXPECT_EQ(started.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(started.status().message(), "session_snapshot_dir = \""))
+      << started.status();
+  EXPECT_TRUE(absl::StrContains(started.status().message(), "No such file or directory"))
+      << started.status();
 }
 
 }  // namespace
