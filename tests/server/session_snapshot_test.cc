@@ -45,7 +45,7 @@ void WriteAll(const std::string& path, const std::string& bytes) {
 
 // A fresh directory under the test's temporary directory.
 std::string FreshDirectory(const std::string& name) {
-  const std::string path = absl::StrCat(::testing::TempDir(), "/", name, "-", getpid());
+  std::string path = absl::StrCat(::testing::TempDir(), "/", name, "-", getpid());
   std::filesystem::remove_all(path);
   std::filesystem::create_directories(path);
   return path;
