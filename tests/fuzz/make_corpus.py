@@ -118,6 +118,32 @@ def requests():
     yield "session_step", 4, step
 
 
+def snapshot_indexes():
+    """Session snapshot indexes (server/sessions/session_snapshot.proto): a session, a fork
+    sharing its first block, and a session over a served layer."""
+    out = tempfile.mkdtemp(prefix="snapshot-stubs-")
+    sessions_dir = os.path.join(HERE, "..", "..", "server", "sessions")
+    subprocess.run(["protoc", "-I", sessions_dir, "--python_out=" + out,
+                    "session_snapshot.proto"], check=True)
+    sys.path.insert(0, out)
+    import session_snapshot_pb2 as snapshot
+
+    def session(suffix, length, blocks, layers=()):
+        return snapshot.SnapshotSession(
+            id="fuzz-0/" + suffix * 32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
+            layer_lengths=[length], length=length, reserved_tokens=128,
+            block_tables=[snapshot.SnapshotBlockTable(blocks=blocks)], ttl_ms=60000,
+            idle_ms=5, layers=[snapshot.SnapshotLayer(name=n, sha256=bytes(32)) for n in layers])
+    yield "one_session", snapshot.SnapshotIndex(
+        replica="fuzz-0", block_bytes=4096, num_blocks=2, sessions=[session("a", 70, [0, 1])])
+    yield "fork", snapshot.SnapshotIndex(
+        replica="fuzz-0", block_bytes=4096, num_blocks=3,
+        sessions=[session("a", 70, [0, 1]), session("b", 100, [0, 2])])
+    yield "over_a_layer", snapshot.SnapshotIndex(
+        replica="fuzz-0", block_bytes=4096, num_blocks=1,
+        sessions=[session("c", 10, [0], layers=["decoder"])])
+
+
 def safetensors(tensors, metadata=None):
     header, data = {}, b""
     for name, array in tensors.items():
@@ -145,6 +171,8 @@ def main():
                                 max_queue_tokens=4096, queue_timeout_us=100000)
     write("batching", "all_fields", policy.SerializeToString())
     write("batching", "one_field", pb2.BatchingPolicy(max_queue_delay_us=5).SerializeToString())
+    for name, index in snapshot_indexes():
+        write("session_snapshot", name, index.SerializeToString())
 
 
 if __name__ == "__main__":
