@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <openssl/evp.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -205,6 +206,14 @@ absl::StatusOr<std::unique_ptr<SnapshotReader>> SnapshotReader::Open(const std::
   if (length > kMaxSnapshotIndexBytes) {
     return absl::DataLossError(absl::StrCat("session snapshot index of ", length, " bytes exceeds ",
                                             kMaxSnapshotIndexBytes));
+  }
+  // Nothing is allocated for more than the file holds.
+  struct stat file_status;
+  if (fstat(fileno(file), &file_status) != 0) return ErrnoError("cannot stat", path);
+  if (length > static_cast<uint64_t>(file_status.st_size - reader->offset_)) {
+    return absl::DataLossError(absl::StrCat("session snapshot ends inside its index: ", length,
+                                            " bytes from byte ", reader->offset_, " of a ",
+                                            file_status.st_size, "-byte file"));
   }
   std::string serialized(length, '\0');
   RETURN_IF_ERROR(reader->Read(serialized.data(), length, "index"));

@@ -226,6 +226,8 @@ TEST_F(SessionSnapshotTest, ATornOrCorruptSnapshotRestoresNothingAndTheTableServ
   };
   std::string older = good;
   older[8] = 0;  // format version 0
+  std::string long_index = good;  // an index length of 512 MiB, past the file's end
+  long_index[kHeader + 3] = 0x20;
   struct Corruption {
     std::string name, bytes;
     absl::StatusCode code;
@@ -236,6 +238,8 @@ TEST_F(SessionSnapshotTest, ATornOrCorruptSnapshotRestoresNothingAndTheTableServ
        absl::StatusCode::kDataLoss, "ends inside its block"},
       {"a write cut short in the index", good.substr(0, kHeader + 8 + 10),
        absl::StatusCode::kDataLoss, "ends inside its index"},
+      {"an index length past the file (nothing allocated for it)", long_index,
+       absl::StatusCode::kDataLoss, "ends inside its index: 5368"},
       {"a bit flipped in the index", flipped(kHeader + 8 + 3), absl::StatusCode::kDataLoss,
        "index does not match its SHA-256"},
       {"a bit flipped in a KV block", flipped(good.size() - kTrailer - kDigest - 7),
