@@ -19,6 +19,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "core/mha_layer.h"
@@ -32,6 +33,20 @@ inline constexpr uint64_t kMaxSnapshotIndexBytes = uint64_t{1} << 30;
 
 // SHA-256 of a layer's config and weights: a restored session's layers must be the same.
 std::string LayerDigest(const core::MhaLayer& layer);
+
+// LayerDigest of each layer once: sessions of one model share its layers, and hashing their
+// weights is most of the work of a snapshot's index.
+class LayerDigests {
+ public:
+  const std::string& Of(const core::MhaLayer& layer) {
+    auto [digest, added] = digests_.try_emplace(&layer);
+    if (added) digest->second = LayerDigest(layer);
+    return digest->second;
+  }
+
+ private:
+  absl::flat_hash_map<const core::MhaLayer*, std::string> digests_;
+};
 
 // Writes one snapshot: the index, then index.num_blocks() blocks, then Commit.
 class SnapshotWriter {

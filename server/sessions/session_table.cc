@@ -825,7 +825,7 @@ absl::StatusOr<SnapshotReport> SessionTable::WriteSnapshot(const std::string& pa
   // The pool's blocks in the order the snapshot numbers them; forks' shared blocks once.
   absl::flat_hash_map<BlockId, int32_t> numbered;
   std::vector<BlockId> order;
-  absl::flat_hash_map<const core::MhaLayer*, std::string> digests;
+  LayerDigests digests;
   for (const auto& [id, session] : sessions_) {
     const SessionShape& shape = session.shape;
     snapshot::SnapshotSession& saved = *index.add_sessions();
@@ -843,12 +843,9 @@ absl::StatusOr<SnapshotReport> SessionTable::WriteSnapshot(const std::string& pa
                                                shape.layer_sliding_windows.end());
     if (shape.layers != nullptr) {
       for (size_t l = 0; l < shape.layers->layers.size(); ++l) {
-        const core::MhaLayer* layer = shape.layers->layers[l].get();
-        auto [digest, added] = digests.try_emplace(layer);
-        if (added) digest->second = LayerDigest(*layer);
         snapshot::SnapshotLayer& saved_layer = *saved.add_layers();
         saved_layer.set_name(shape.layers->names[l]);
-        saved_layer.set_sha256(digest->second);
+        saved_layer.set_sha256(digests.Of(*shape.layers->layers[l]));
       }
     }
     saved.mutable_layer_lengths()->Add(session.layer_lengths.begin(), session.layer_lengths.end());
@@ -883,7 +880,8 @@ absl::StatusOr<SnapshotReport> SessionTable::WriteSnapshot(const std::string& pa
 }
 
 absl::StatusOr<SessionTable::Session> SessionTable::RestoredSessionLocked(
-    const snapshot::SnapshotSession& saved, const LayerLookup& find_layer, absl::Time now) {
+    const snapshot::SnapshotSession& saved, const LayerLookup& find_layer, LayerDigests& digests,
+    absl::Time now) {
   const std::string prefix = options_.replica.empty() ? "" : options_.replica + "/";
   if (!IsWellFormedId(saved.id()) || !absl::StartsWith(saved.id(), prefix)) {
     return Invalid("its id is not one of replica \"", options_.replica, "\"");
@@ -914,7 +912,7 @@ absl::StatusOr<SessionTable::Session> SessionTable::RestoredSessionLocked(
         return absl::FailedPreconditionError(absl::StrCat(
             "its layer \"", saved_layer.name(), "\" is not loaded: ", layer.status().message()));
       }
-      if (LayerDigest(**layer) != saved_layer.sha256()) {
+      if (digests.Of(**layer) != saved_layer.sha256()) {
         return absl::FailedPreconditionError(
             absl::StrCat("its layer \"", saved_layer.name(),
                          "\" is not the one it was created over (other weights or config)"));
@@ -966,9 +964,10 @@ absl::StatusOr<SnapshotReport> SessionTable::RestoreSnapshot(const std::string& 
   }
   SnapshotReport report;
   absl::flat_hash_map<int64_t, BlockId> placed;  // snapshot block -> pool block
+  LayerDigests digests;
   std::vector<std::string> restored;
   for (const snapshot::SnapshotSession& saved : index.sessions()) {
-    absl::StatusOr<Session> session = RestoredSessionLocked(saved, find_layer, now);
+    absl::StatusOr<Session> session = RestoredSessionLocked(saved, find_layer, digests, now);
     if (session.ok() && static_cast<int64_t>(sessions_.size()) >= options_.max_sessions) {
       session = absl::ResourceExhaustedError(
           absl::StrCat("this server's max_sessions is ", options_.max_sessions));

@@ -42,6 +42,7 @@
 #include "core/kv_cache/kv_storage.h"
 #include "core/mha_layer.h"
 #include "core/mutex.h"
+#include "server/sessions/session_snapshot.h"
 #include "session_snapshot.pb.h"
 
 namespace attention::server {
@@ -336,7 +337,8 @@ class SessionTable {
   void ReleaseLocked(core::kv_cache::SequenceId sequence) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A snapshot's session as this table holds it, its layers found and checked, or why not.
   absl::StatusOr<Session> RestoredSessionLocked(const snapshot::SnapshotSession& saved,
-                                                const LayerLookup& find_layer, absl::Time now)
+                                                const LayerLookup& find_layer,
+                                                LayerDigests& digests, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const SessionTableOptions options_;
