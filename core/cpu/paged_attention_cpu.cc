@@ -407,6 +407,81 @@ void AttendSplit(const RowKernels& kernels, const PagedDecodeBatch& batch,
   }
 }
 
+// A split every row of `sequence` sees whole (a shared prefix's), as the matrix products it
+// is once many rows read it: the split's keys and values of `kv_head` packed from their
+// blocks into panels (bfloat16 widened), S = scale * Q K^T and the unnormalized P V on
+// `level`'s GEMM microkernel, the softmax between them on the row kernels. Writes one state
+// per row to `states` as AttendSplit does, within FlashAttention's rule of it (not bitwise).
+void AttendWholeSplitAsGemm(const RowKernels& kernels, SimdLevel level,
+                            const PagedDecodeBatch& batch, const PagedDecodeSequence& sequence,
+                            int64_t kv_head, int64_t key_begin, int64_t key_end, float* states) {
+  const KvLayout& layout = batch.layout;
+  const int64_t key_dim = layout.key_dim, value_dim = layout.value_dim;
+  const int64_t group = batch.num_heads / layout.num_kv_heads;
+  const int64_t n = sequence.num_queries, rows = n * group, keys = key_end - key_begin;
+  const int64_t tokens_per_block = batch.tokens_per_block;
+  const int64_t element_bytes = layout.ElementBytes();
+  thread_local std::vector<float> scratch;
+  constexpr int64_t kChunk = kPanelWidth;  // keys gathered at a time: one panel of K^T
+  scratch.resize(PanelFloats(key_dim, keys) + PanelFloats(keys, value_dim) + kChunk * key_dim +
+                 rows * (key_dim + keys));
+  float* key_panels = scratch.data();
+  float* value_panels = key_panels + PanelFloats(key_dim, keys);
+  float* chunk_keys = value_panels + PanelFloats(keys, value_dim);
+  float* queries = chunk_keys + kChunk * key_dim;
+  float* scores = queries + rows * key_dim;
+  const bool bfloat16 = layout.dtype == DType::kBFloat16;
+  float widened[kPanelWidth];
+  for (int64_t key = key_begin; key < key_end; ++key) {
+    const int64_t slot = key % tokens_per_block, index = key - key_begin;
+    const char* block = static_cast<const char*>(batch.storage.data) +
+                        sequence.block_table[key / tokens_per_block] * batch.storage.block_bytes;
+    const char* key_bytes =
+        block + kv_cache::KeyOffset(layout, tokens_per_block, slot, kv_head) * element_bytes;
+    const char* value_bytes =
+        block + kv_cache::ValueOffset(layout, tokens_per_block, slot, kv_head) * element_bytes;
+    float* key_row = chunk_keys + (index % kChunk) * key_dim;
+    if (bfloat16) {
+      kernels.widen_bfloat16(reinterpret_cast<const uint16_t*>(key_bytes), key_dim, key_row);
+    } else {
+      std::memcpy(key_row, key_bytes, key_dim * sizeof(float));
+    }
+    // The value row into each panel of V's columns.
+    for (int64_t column = 0; column < value_dim; column += kPanelWidth) {
+      const int64_t width = std::min(kPanelWidth, value_dim - column);
+      float* row = value_panels + (column * keys + index * kPanelWidth);
+      const char* source = value_bytes + column * element_bytes;
+      if (bfloat16) {
+        kernels.widen_bfloat16(reinterpret_cast<const uint16_t*>(source), width, widened);
+        source = reinterpret_cast<const char*>(widened);
+      }
+      std::memcpy(row, source, width * sizeof(float));
+      std::fill(row + width, row + kPanelWidth, 0.0f);
+    }
+    if (index % kChunk == kChunk - 1 || key + 1 == key_end) {
+      const int64_t first = index / kChunk * kChunk;
+      PackTransposed(chunk_keys, index - first + 1, key_dim, key_dim, key_panels + first * key_dim,
+                     level);
+    }
+  }
+  // Rows r = i * group + g: query i's heads of this KV head's group are contiguous.
+  for (int64_t i = 0; i < n; ++i) {
+    const float* query = sequence.query + (i * batch.num_heads + kv_head * group) * key_dim;
+    std::copy_n(query, group * key_dim, queries + i * group * key_dim);
+  }
+  GemmPanels(level, queries, key_dim, rows, key_panels, key_dim, keys, 0, PanelCount(keys),
+             batch.scale, nullptr, scores, keys);
+  const int64_t state_floats = StateFloats(layout);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row_scores = scores + r * keys;
+    float* state = states + r * state_floats;
+    state[kStateMax] = kernels.max(row_scores, keys);
+    state[kStateSum] = kernels.exp_and_sum(row_scores, keys, state[kStateMax]);
+  }
+  GemmPanels(level, scores, keys, rows, value_panels, keys, value_dim, 0, PanelCount(value_dim),
+             1.0f, nullptr, states + kStateAccumulator, state_floats);
+}
+
 // The splits of one (sequence, KV head): states [split][row][state], merged in split order.
 struct HeadWork {
   int64_t sequence, kv_head, num_splits, states_offset;
@@ -553,8 +628,13 @@ absl::Status PagedDecodeCpu(const PagedDecodeBatch& batch, ThreadPool& pool, Sim
       const SharedPrefix& prefix = shared[unit.group];
       thread_local std::vector<float> group_states;
       group_states.resize(prefix.rows.num_queries * group * state_floats);
-      attend_split(prefix.rows, unit.kv_head, unit.key_begin, unit.key_begin + kPagedSplitKeys,
-                   group_states.data());
+      if (prefix.rows.num_queries * group >= kSharedPrefixGemmRows) {
+        AttendWholeSplitAsGemm(kernels, level, batch, prefix.rows, unit.kv_head, unit.key_begin,
+                               unit.key_begin + kPagedSplitKeys, group_states.data());
+      } else {
+        attend_split(prefix.rows, unit.kv_head, unit.key_begin, unit.key_begin + kPagedSplitKeys,
+                     group_states.data());
+      }
       // Each member's rows, into its own states of this split.
       const int64_t split_index = unit.key_begin / kPagedSplitKeys;
       const float* member_states = group_states.data();

@@ -3,7 +3,8 @@
 // groups, head sizes, block sizes and KV dtypes; block tables are random permutations of a
 // pool three times too large whose other blocks hold NaN, so a read outside the table
 // shows. Results must be bitwise the same for any thread count and batch composition, forks
-// of one prefix read once for the group included.
+// of one prefix read once for the group included, up to the groups whose shared splits are
+// matrix products (kSharedPrefixGemmRows rows), which answer within the rule.
 #include "core/cpu/paged_attention_cpu.h"
 
 #include <algorithm>
@@ -15,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "core/dtype.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -285,6 +287,48 @@ TEST_P(PagedDecodeLevelTest, ForksSharingAPrefixAreBitwiseTheirAnswersAlone) {
     ASSERT_TRUE(RunCpu(pool, {0, 2, 3}, threads, GetParam()).ok());
     for (const size_t i : {0, 2, 3}) {
       EXPECT_EQ(shared[i].output, pool.sequences()[i].output) << "sequence " << i << " of 3";
+    }
+  }
+}
+
+// From kSharedPrefixGemmRows query rows, forks attend their shared splits as matrix
+// products: every answer within the rule against the references, and against the same
+// batch with sharing off (the plain path) as the rule's reference.
+TEST_P(PagedDecodeLevelTest, ManyForksShareTheirPrefixAsMatrixProductsWithinTheRule) {
+  constexpr uint64_t kSeed = 46;
+  for (const DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    SCOPED_TRACE(absl::StrCat(DTypeName(dtype), ", seed ", kSeed));
+    // GQA 4:1 and 1-3 queries per fork: 17 sequences of 2,100-2,400 keys sharing 2,048.
+    PagedPool pool(Shape{8, 2, 64, 48, 16, dtype}, {{2600, 1}}, kSeed);
+    std::vector<size_t> all = {0};
+    int64_t rows = 4;
+    for (int f = 0; f < 16; ++f) {
+      const int64_t queries = 1 + f % 3;
+      all.push_back(pool.AddFork(0, 128, 2100 + 19 * f, queries, kSeed + 1 + f));
+      rows += 4 * queries;
+    }
+    ASSERT_GE(rows, kSharedPrefixGemmRows);
+    ThreadPool threads(2);
+    PagedAttendStats stats;
+    std::vector<PagedDecodeSequence> entries;
+    PagedDecodeBatch batch = pool.Batch(all, entries);
+    batch.stats = &stats;
+    ASSERT_TRUE(PagedDecodeCpu(batch, threads, GetParam()).ok());
+    EXPECT_EQ(stats.shared_blocks, 128);  // 2,048 keys in blocks of 16
+    const std::vector<Sequence> shared = pool.sequences();
+    ASSERT_TRUE(RunCpu(pool, all, threads, GetParam(), /*share_prefixes=*/false).ok());
+    const std::string level = SimdLevelName(GetParam());
+    FidelityStats outputs("gemm forks " + level), lses("gemm forks lse " + level);
+    FidelityStats against_plain("gemm forks against the plain path " + level);
+    for (const size_t i : all) {
+      const Sequence& plain = pool.sequences()[i];
+      std::vector<double> oracle, oracle_lse;
+      testing::PagedReferenceDecode<double>(pool.shape(), shared[i], pool.scale(), 0, &oracle,
+                                            &oracle_lse);
+      EXPECT_TRUE(against_plain.Check(shared[i].output, plain.output, oracle)) << "sequence " << i;
+      pool.sequences()[i].output = shared[i].output;
+      pool.sequences()[i].log_sum_exp = shared[i].log_sum_exp;
+      EXPECT_TRUE(testing::PagedMatchesReferences(pool, i, outputs, lses)) << "sequence " << i;
     }
   }
 }
