@@ -30,7 +30,7 @@ namespace attention::core {
 inline constexpr int64_t kPagedSplitKeys = 1024;
 // Query rows (queries x GQA group) from which a group of forks attends the splits it shares
 // as matrix products (GEMM microkernel) instead of row by row: BM_SharedPrefixDecode on Zen 3,
-// GEMM / rows: float32 1.10-1.16 x the time at 32 rows, 0.98-1.03 at 64, 0.84 at 256.
+// GEMM / rows: float32 1.10-1.16 x the time at 32 rows, 0.98-1.03 at 64, 0.79 at 256.
 inline constexpr int64_t kSharedPrefixGemmRows = 64;
 
 // INVALID_ARGUMENT naming the field when the batch is malformed (n < 1, n > L, a block
