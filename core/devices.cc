@@ -131,4 +131,18 @@ absl::StatusOr<std::unique_ptr<kv_cache::KvStorage>> Devices::CreateKvStorage(
   return (*CudaPluginOnce())->create_kv_storage(index, num_blocks, block_bytes);
 }
 
+absl::StatusOr<std::unique_ptr<SharedDeviceMemory>> Devices::OpenIpcMemory(int64_t device,
+                                                                           absl::string_view handle,
+                                                                           uint64_t byte_size) {
+  std::string why_none;
+  const int gpus = GpuCount(&why_none);
+  if (device < 0 || device >= gpus) {
+    return absl::FailedPreconditionError(
+        gpus == 0 ? absl::StrCat("device_id = ", device, " is not available: ", why_none)
+                  : absl::StrCat("device_id = ", device, " is not available: ", gpus,
+                                 " GPU(s) visible (0 to ", gpus - 1, ")"));
+  }
+  return (*CudaPluginOnce())->open_ipc_memory(static_cast<int>(device), handle, byte_size);
+}
+
 }  // namespace attention::core

@@ -14,6 +14,7 @@
 #include "absl/strings/string_view.h"
 #include "core/backend.h"
 #include "core/cpu/cpu_backend.h"
+#include "core/cuda/cuda_backend.h"
 #include "core/kv_cache/kv_storage.h"
 #include "core/mutex.h"
 
@@ -49,6 +50,13 @@ class Devices {
   absl::StatusOr<std::unique_ptr<kv_cache::KvStorage>> CreateKvStorage(absl::string_view device,
                                                                        int64_t num_blocks,
                                                                        int64_t block_bytes);
+
+  // Memory another process on this host exported from GPU `device` with cudaIpcGetMemHandle
+  // (`handle`: kCudaIpcHandleBytes), as a region of `byte_size` bytes. FAILED_PRECONDITION
+  // naming device_id when this process cannot use that GPU; the plugin's refusals otherwise.
+  absl::StatusOr<std::unique_ptr<SharedDeviceMemory>> OpenIpcMemory(int64_t device,
+                                                                    absl::string_view handle,
+                                                                    uint64_t byte_size);
 
  private:
   const std::shared_ptr<const CpuBackend> cpu_;

@@ -1,4 +1,5 @@
-// The plugin's entry point: the device count, the backend of each GPU and KV-cache pools.
+// The plugin's entry point: the device count, the backend of each GPU, KV-cache pools and
+// other processes' exported memory.
 #include "core/cuda/cuda_backend.h"
 
 #include <cuda_runtime.h>
@@ -6,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/cuda/cuda_kv_storage.h"
 #include "core/cuda/device_backend.h"
+#include "core/cuda/ipc_memory.h"
 
 namespace attention::core {
 namespace {
@@ -37,8 +39,8 @@ absl::StatusOr<std::shared_ptr<const Backend>> OpenCudaBackend(int device) {
 
 extern "C" __attribute__((visibility("default"))) const attention::core::CudaPlugin*
 AttentionCudaPlugin() {
-  static const attention::core::CudaPlugin plugin = {&attention::core::CudaDeviceCount,
-                                                     &attention::core::OpenCudaBackend,
-                                                     &attention::core::cuda::CudaKvStorage::Create};
+  static const attention::core::CudaPlugin plugin = {
+      &attention::core::CudaDeviceCount, &attention::core::OpenCudaBackend,
+      &attention::core::cuda::CudaKvStorage::Create, &attention::core::cuda::OpenIpcMemory};
   return &plugin;
 }

@@ -16,10 +16,24 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "core/backend.h"
 #include "core/kv_cache/kv_storage.h"
 
 namespace attention::core {
+
+// GPU memory another process exported with cudaIpcGetMemHandle, opened in this one (Triton's
+// CUDA shared memory regions): copies between it and host memory. Closed when destroyed.
+class SharedDeviceMemory {
+ public:
+  virtual ~SharedDeviceMemory() = default;
+  // Bytes [offset, offset + bytes) of the region to `host`, or from it.
+  virtual absl::Status CopyToHost(uint64_t offset, uint64_t bytes, void* host) const = 0;
+  virtual absl::Status CopyFromHost(uint64_t offset, const void* host, uint64_t bytes) const = 0;
+};
+
+// The bytes of a cudaIpcMemHandle_t (CUDA_IPC_HANDLE_SIZE).
+inline constexpr size_t kCudaIpcHandleBytes = 64;
 
 // What the plugin offers; returned by its one exported C symbol, kCudaPluginEntry.
 struct CudaPlugin {
@@ -34,6 +48,12 @@ struct CudaPlugin {
   absl::StatusOr<std::unique_ptr<kv_cache::KvStorage>> (*create_kv_storage)(int device,
                                                                             int64_t num_blocks,
                                                                             int64_t block_bytes);
+  // Opens `handle` (kCudaIpcHandleBytes) on GPU `device` as a region of `byte_size` bytes:
+  // INVALID_ARGUMENT naming raw_handle when CUDA refuses it, or byte_size when the exported
+  // allocation is smaller.
+  absl::StatusOr<std::unique_ptr<SharedDeviceMemory>> (*open_ipc_memory)(int device,
+                                                                         absl::string_view handle,
+                                                                         uint64_t byte_size);
 };
 inline constexpr char kCudaPluginEntry[] = "AttentionCudaPlugin";
 using CudaPluginEntry = const CudaPlugin* (*)();

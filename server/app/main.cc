@@ -108,6 +108,10 @@ ABSL_FLAG(bool, kserve_system_shared_memory, false,
           "let KServe callers on this host register POSIX shared memory regions (Triton's "
           "system shared memory extension) and pass tensors through them; such a caller can "
           "read and write any shared memory object this server can open");
+ABSL_FLAG(bool, kserve_cuda_shared_memory, false,
+          "let KServe callers on this host register GPU buffers they exported with "
+          "cudaIpcGetMemHandle (Triton's CUDA shared memory extension) and pass tensors "
+          "through them; such a caller can have this server read and write that memory");
 ABSL_FLAG(int64_t, max_request_flops, attention::server::RequestBudget{}.max_request_flops,
           "most floating-point operations one request may ask for (projections plus "
           "attention); larger ones get RESOURCE_EXHAUSTED before they are queued");
@@ -281,6 +285,7 @@ int main(int argc, char** argv) {
   options.registry.max_device_weight_bytes = absl::GetFlag(FLAGS_max_device_weight_bytes);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.kserve_system_shared_memory = absl::GetFlag(FLAGS_kserve_system_shared_memory);
+  options.kserve_cuda_shared_memory = absl::GetFlag(FLAGS_kserve_cuda_shared_memory);
   options.request_budget.max_request_flops = absl::GetFlag(FLAGS_max_request_flops);
   options.request_budget.max_request_memory_bytes =
       absl::GetFlag(FLAGS_max_request_memory_bytes);

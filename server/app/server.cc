@@ -90,6 +90,15 @@ std::string SnapshotPath(const ServerOptions& options) {
                       ".kvsnap");
 }
 
+// What opens CUDA shared memory regions' buffers: none when the extension is off.
+kserve::DeviceMemoryOpener CudaMemoryOpener(const ServerOptions& options, core::Devices& devices) {
+  if (!options.kserve_cuda_shared_memory) return nullptr;
+  if (options.device_memory_opener != nullptr) return options.device_memory_opener;
+  return [&devices](int64_t device, absl::string_view handle, uint64_t byte_size) {
+    return devices.OpenIpcMemory(device, handle, byte_size);
+  };
+}
+
 }  // namespace
 
 absl::Status ServerOptions::Validate() const {
@@ -183,7 +192,7 @@ AttentionServer::AttentionServer(const ServerOptions& options,
                *devices_, default_backend_, options.access, loader_,
                options.inline_layer_cache_bytes, sessions_.get()),
       kserve_service_(service_, registry_, metrics_, loader_, ready_,
-                      options.kserve_system_shared_memory,
+                      options.kserve_system_shared_memory, CudaMemoryOpener(options, *devices_),
                       static_cast<uint64_t>(options.max_message_bytes)) {}
 
 absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(

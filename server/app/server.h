@@ -109,6 +109,13 @@ struct ServerOptions {
   // regions and pass tensors through them instead of the message. Off by default: a caller
   // that may register regions can read and write any shared memory object this server can.
   bool kserve_system_shared_memory = false;
+  // Triton's CUDA shared memory extension (--kserve_cuda_shared_memory): callers on this
+  // host register GPU buffers they exported with cudaIpcGetMemHandle; inputs are copied from
+  // them and outputs to them. Off by default, for the same reason.
+  bool kserve_cuda_shared_memory = false;
+  // Opens those buffers; unset, this process's GPUs (core::Devices::OpenIpcMemory). Tests
+  // give a twin over host memory.
+  kserve::DeviceMemoryOpener device_memory_opener;
   // TLS or mutual TLS on the gRPC port (--tls_cert_file, --tls_key_file,
   // --tls_client_ca_file); plaintext by default.
   TlsOptions tls;

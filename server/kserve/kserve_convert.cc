@@ -159,7 +159,7 @@ absl::StatusOr<uint64_t> SizeParameter(absl::string_view field, const char* key,
 // outputs["output"]), or none when they name no region.
 absl::StatusOr<std::optional<SharedMemorySlice>> SharedMemoryParameters(
     absl::string_view field, const google::protobuf::Map<std::string, Parameter>& parameters,
-    const SystemSharedMemory& shared_memory) {
+    const SharedMemory& shared_memory) {
   const auto region = parameters.find(kRegionParameter);
   if (region == parameters.end()) {
     for (const char* key : {kByteSizeParameter, kOffsetParameter}) {
@@ -353,7 +353,7 @@ absl::Status ConvertParameters(const inference::ModelInferRequest& request,
 }
 
 absl::Status PlanOutputs(const inference::ModelInferRequest& request,
-                         const SystemSharedMemory& shared_memory,
+                         const SharedMemory& shared_memory,
                          std::optional<v1::NeedWeights> need_weights, OutputPlan* plan,
                          v1::AttentionOptions* options) {
   bool weights_requested = false;
@@ -400,9 +400,9 @@ absl::Status PlanOutputs(const inference::ModelInferRequest& request,
 
 absl::Status ToNativeRequest(const inference::ModelInferRequest& request,
                              v1::MultiHeadAttentionRequest* native, OutputPlan* plan,
-                             const SystemSharedMemory* shared_memory) {
-  static const SystemSharedMemory kOff(/*enabled=*/false, 0);
-  const SystemSharedMemory& regions = shared_memory != nullptr ? *shared_memory : kOff;
+                             const SharedMemory* shared_memory) {
+  static const SharedMemory kOff(/*system_enabled=*/false, 0);
+  const SharedMemory& regions = shared_memory != nullptr ? *shared_memory : kOff;
   RETURN_IF_ERROR(CheckKnownFields(request));
   if (request.model_name().empty()) {
     return Invalid("model_name is empty: name a loaded layer (see RepositoryIndex)");

@@ -25,7 +25,7 @@
 //   input and output parameters
 //            binary_data_size (inputs; the KServe SDK sends it): the raw entry's size;
 //            shared_memory_region, shared_memory_byte_size, shared_memory_offset (Triton's
-//            system shared memory; see system_shared_memory.h).
+//            system and CUDA shared memory; see shared_memory.h).
 #ifndef ATTENTION_SERVER_KSERVE_KSERVE_CONVERT_H_
 #define ATTENTION_SERVER_KSERVE_KSERVE_CONVERT_H_
 
@@ -37,7 +37,7 @@
 #include "attention/v1/attention.pb.h"
 #include "core/mha_layer.h"
 #include "inference/grpc_service.pb.h"
-#include "server/kserve/system_shared_memory.h"
+#include "server/kserve/shared_memory.h"
 
 namespace attention::server::kserve {
 
@@ -65,7 +65,7 @@ struct OutputPlan {
 // parameter or output and its values otherwise (NOT_FOUND for an unknown region).
 absl::Status ToNativeRequest(const inference::ModelInferRequest& request,
                              v1::MultiHeadAttentionRequest* native, OutputPlan* plan,
-                             const SystemSharedMemory* shared_memory = nullptr);
+                             const SharedMemory* shared_memory = nullptr);
 
 // `status` of the native request ToNativeRequest made from `request`, its message in the
 // protocol's names: query.raw_data -> raw_input_contents[0] (inputs["query"]),

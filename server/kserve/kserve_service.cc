@@ -127,7 +127,8 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ServerMetadata(
   response->set_version(ATTENTION_VERSION);
   response->add_extensions("model_repository");
   response->add_extensions("statistics");
-  if (shared_memory_.enabled()) response->add_extensions("system_shared_memory");
+  if (shared_memory_.system_enabled()) response->add_extensions("system_shared_memory");
+  if (shared_memory_.cuda_enabled()) response->add_extensions("cuda_shared_memory");
   call.Answer(CheckKnownFields(*request));
   return call.reactor();
 }
@@ -296,7 +297,7 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::SystemSharedMemoryStatus(
     inference::SystemSharedMemoryStatusResponse* response) {
   const UnaryCall call = native_.StartCall(context, "SystemSharedMemoryStatus");
   absl::Status status = CheckKnownFields(*request);
-  if (status.ok()) status = shared_memory_.Describe(request->name(), response);
+  if (status.ok()) status = shared_memory_.DescribeSystem(request->name(), response);
   call.Answer(status);
   return call.reactor();
 }
@@ -307,7 +308,7 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::SystemSharedMemoryRegister(
     inference::SystemSharedMemoryRegisterResponse* response) {
   const UnaryCall call = native_.StartCall(context, "SystemSharedMemoryRegister");
   absl::Status status = CheckKnownFields(*request);
-  if (status.ok()) status = shared_memory_.Register(*request);
+  if (status.ok()) status = shared_memory_.RegisterSystem(*request);
   call.Answer(status);
   return call.reactor();
 }
@@ -318,7 +319,38 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::SystemSharedMemoryUnregister(
     inference::SystemSharedMemoryUnregisterResponse* response) {
   const UnaryCall call = native_.StartCall(context, "SystemSharedMemoryUnregister");
   absl::Status status = CheckKnownFields(*request);
-  if (status.ok()) status = shared_memory_.Unregister(request->name());
+  if (status.ok()) status = shared_memory_.UnregisterSystem(request->name());
+  call.Answer(status);
+  return call.reactor();
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::CudaSharedMemoryStatus(
+    grpc::CallbackServerContext* context, const inference::CudaSharedMemoryStatusRequest* request,
+    inference::CudaSharedMemoryStatusResponse* response) {
+  const UnaryCall call = native_.StartCall(context, "CudaSharedMemoryStatus");
+  absl::Status status = CheckKnownFields(*request);
+  if (status.ok()) status = shared_memory_.DescribeCuda(request->name(), response);
+  call.Answer(status);
+  return call.reactor();
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::CudaSharedMemoryRegister(
+    grpc::CallbackServerContext* context, const inference::CudaSharedMemoryRegisterRequest* request,
+    inference::CudaSharedMemoryRegisterResponse* response) {
+  const UnaryCall call = native_.StartCall(context, "CudaSharedMemoryRegister");
+  absl::Status status = CheckKnownFields(*request);
+  if (status.ok()) status = shared_memory_.RegisterCuda(*request);
+  call.Answer(status);
+  return call.reactor();
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::CudaSharedMemoryUnregister(
+    grpc::CallbackServerContext* context,
+    const inference::CudaSharedMemoryUnregisterRequest* request,
+    inference::CudaSharedMemoryUnregisterResponse* response) {
+  const UnaryCall call = native_.StartCall(context, "CudaSharedMemoryUnregister");
+  absl::Status status = CheckKnownFields(*request);
+  if (status.ok()) status = shared_memory_.UnregisterCuda(request->name());
   call.Answer(status);
   return call.reactor();
 }

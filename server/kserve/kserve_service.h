@@ -9,7 +9,7 @@
 #include <atomic>
 
 #include "inference/grpc_service.grpc.pb.h"
-#include "server/kserve/system_shared_memory.h"
+#include "server/kserve/shared_memory.h"
 #include "server/native/attention_service.h"
 
 namespace attention::server {
@@ -17,17 +17,19 @@ namespace attention::server {
 class InferenceServiceImpl final : public inference::GRPCInferenceService::CallbackService {
  public:
   // `ready` is what ServerReady answers: false while starting and draining.
-  // `shared_memory` says whether callers may register system shared memory regions and how
-  // many bytes one call may read from them.
+  // `system_shared_memory` says whether callers may register system shared memory regions,
+  // `cuda_shared_memory` opens the GPU buffers of CUDA shared memory regions (null: off),
+  // and one call reads at most `max_call_bytes` from regions.
   InferenceServiceImpl(AttentionServiceImpl& native, LayerRegistry& registry, Metrics& metrics,
-                       LoaderPool& loader, const std::atomic<bool>& ready, bool shared_memory,
+                       LoaderPool& loader, const std::atomic<bool>& ready,
+                       bool system_shared_memory, kserve::DeviceMemoryOpener cuda_shared_memory,
                        uint64_t max_call_bytes)
       : native_(native),
         registry_(registry),
         metrics_(metrics),
         loader_(loader),
         ready_(ready),
-        shared_memory_(shared_memory, max_call_bytes) {}
+        shared_memory_(system_shared_memory, max_call_bytes, std::move(cuda_shared_memory)) {}
 
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context,
                                        const inference::ServerLiveRequest* request,
@@ -71,6 +73,17 @@ class InferenceServiceImpl final : public inference::GRPCInferenceService::Callb
       grpc::CallbackServerContext* context,
       const inference::SystemSharedMemoryUnregisterRequest* request,
       inference::SystemSharedMemoryUnregisterResponse* response) override;
+  grpc::ServerUnaryReactor* CudaSharedMemoryStatus(
+      grpc::CallbackServerContext* context, const inference::CudaSharedMemoryStatusRequest* request,
+      inference::CudaSharedMemoryStatusResponse* response) override;
+  grpc::ServerUnaryReactor* CudaSharedMemoryRegister(
+      grpc::CallbackServerContext* context,
+      const inference::CudaSharedMemoryRegisterRequest* request,
+      inference::CudaSharedMemoryRegisterResponse* response) override;
+  grpc::ServerUnaryReactor* CudaSharedMemoryUnregister(
+      grpc::CallbackServerContext* context,
+      const inference::CudaSharedMemoryUnregisterRequest* request,
+      inference::CudaSharedMemoryUnregisterResponse* response) override;
 
  private:
   // The loaded layer `name` at `version` (empty: any); NOT_FOUND naming `field` (the
@@ -84,7 +97,7 @@ class InferenceServiceImpl final : public inference::GRPCInferenceService::Callb
   Metrics& metrics_;
   LoaderPool& loader_;
   const std::atomic<bool>& ready_;
-  kserve::SystemSharedMemory shared_memory_;
+  kserve::SharedMemory shared_memory_;
 };
 
 }  // namespace attention::server

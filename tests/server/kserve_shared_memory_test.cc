@@ -2,10 +2,6 @@
 // registration and of a slice with its status and message, reads that fail instead of
 // faulting when a caller shrinks its object, and calls through a real server whose inputs
 // and outputs pass through shared memory (answers equal the raw call's bitwise).
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstring>
 #include <functional>
@@ -14,7 +10,8 @@
 
 #include "inference/grpc_service.grpc.pb.h"
 #include "server/kserve/kserve_convert.h"
-#include "server/kserve/system_shared_memory.h"
+#include "server/kserve/shared_memory.h"
+#include "tests/server/shared_object.h"
 #include "tests/server/test_server.h"
 
 namespace attention::server::testing {
@@ -22,43 +19,10 @@ namespace {
 
 using inference::ModelInferRequest;
 using inference::SystemSharedMemoryRegisterRequest;
-using kserve::SystemSharedMemory;
+using kserve::SharedMemory;
 
 constexpr int64_t kTokens = 3;
 constexpr uint64_t kQueryBytes = kTokens * kDemoEmbedDim * sizeof(float);
-
-// A POSIX shared memory object of `bytes`, unlinked when it goes.
-class SharedObject {
- public:
-  explicit SharedObject(uint64_t bytes)
-      : key_("/attention-test-" + std::to_string(getpid()) + "-" + std::to_string(count_++)) {
-    const int fd = shm_open(key_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    EXPECT_GE(fd, 0) << key_ << ": " << std::strerror(errno);
-    EXPECT_EQ(ftruncate(fd, static_cast<off_t>(bytes)), 0);
-    fd_ = fd;
-  }
-  ~SharedObject() {
-    close(fd_);
-    shm_unlink(key_.c_str());
-  }
-  const std::string& key() const { return key_; }
-  void Write(uint64_t offset, const std::string& bytes) const {
-    ASSERT_EQ(pwrite(fd_, bytes.data(), bytes.size(), static_cast<off_t>(offset)),
-              static_cast<ssize_t>(bytes.size()));
-  }
-  std::string Read(uint64_t offset, uint64_t size) const {
-    std::string bytes(size, '\0');
-    EXPECT_EQ(pread(fd_, bytes.data(), size, static_cast<off_t>(offset)),
-              static_cast<ssize_t>(size));
-    return bytes;
-  }
-  void Resize(uint64_t bytes) const { ASSERT_EQ(ftruncate(fd_, static_cast<off_t>(bytes)), 0); }
-
- private:
-  static inline int count_ = 0;
-  std::string key_;
-  int fd_ = -1;
-};
 
 SystemSharedMemoryRegisterRequest Registration(const std::string& name, const std::string& key,
                                                uint64_t offset, uint64_t byte_size) {
@@ -79,74 +43,75 @@ void ExpectStatus(const absl::Status& status, absl::StatusCode code, const std::
 TEST(SystemSharedMemoryTest, EveryRegistrationRejectionNamesTheFieldAndValues) {
   using C = absl::StatusCode;
   SharedObject object(4096);
-  ExpectStatus(SystemSharedMemory(false, 1 << 20).Register(Registration("r", object.key(), 0, 8)),
+  ExpectStatus(SharedMemory(false, 1 << 20).RegisterSystem(Registration("r", object.key(), 0, 8)),
                C::kFailedPrecondition, "start it with --kserve_system_shared_memory");
-  SystemSharedMemory regions(true, 1 << 20);
-  ExpectStatus(regions.Register(Registration("", object.key(), 0, 8)), C::kInvalidArgument,
+  SharedMemory regions(true, 1 << 20);
+  ExpectStatus(regions.RegisterSystem(Registration("", object.key(), 0, 8)), C::kInvalidArgument,
                "name is empty");
   for (const std::string& key :
        {std::string(), std::string("/"), std::string("/a/b"), "/" + std::string(300, 'k')}) {
-    ExpectStatus(regions.Register(Registration("r", key, 0, 8)), C::kInvalidArgument,
+    ExpectStatus(regions.RegisterSystem(Registration("r", key, 0, 8)), C::kInvalidArgument,
                  "is not a shared memory object name");
   }
-  ExpectStatus(regions.Register(Registration("r", object.key(), 0, 0)), C::kInvalidArgument,
+  ExpectStatus(regions.RegisterSystem(Registration("r", object.key(), 0, 0)), C::kInvalidArgument,
                "byte_size is 0 for region \"r\"");
-  ExpectStatus(regions.Register(Registration("r", object.key(), UINT64_MAX - 3, 8)),
+  ExpectStatus(regions.RegisterSystem(Registration("r", object.key(), UINT64_MAX - 3, 8)),
                C::kInvalidArgument, "offset 18446744073709551612 + byte_size 8 is past");
-  ExpectStatus(regions.Register(Registration("r", "/attention-test-absent", 0, 8)), C::kNotFound,
-               "key = \"/attention-test-absent\"");
-  ExpectStatus(regions.Register(Registration("r", object.key(), 4000, 200)), C::kInvalidArgument,
-               "region \"r\" = bytes [4000, 4200) of key");
-  EXPECT_TRUE(regions.Register(Registration("r", object.key(), 0, 4096)).ok());
-  ExpectStatus(regions.Register(Registration("r", object.key(), 0, 8)), C::kAlreadyExists,
+  ExpectStatus(regions.RegisterSystem(Registration("r", "/attention-test-absent", 0, 8)),
+               C::kNotFound, "key = \"/attention-test-absent\"");
+  ExpectStatus(regions.RegisterSystem(Registration("r", object.key(), 4000, 200)),
+               C::kInvalidArgument, "region \"r\" = bytes [4000, 4200) of key");
+  EXPECT_TRUE(regions.RegisterSystem(Registration("r", object.key(), 0, 4096)).ok());
+  ExpectStatus(regions.RegisterSystem(Registration("r", object.key(), 0, 8)), C::kAlreadyExists,
                "region \"r\" is already registered");
-  for (size_t n = 1; n < SystemSharedMemory::kMaxRegions; ++n) {
-    ASSERT_TRUE(regions.Register(Registration("r" + std::to_string(n), object.key(), 0, 8)).ok());
+  for (size_t n = 1; n < SharedMemory::kMaxRegions; ++n) {
+    ASSERT_TRUE(
+        regions.RegisterSystem(Registration("r" + std::to_string(n), object.key(), 0, 8)).ok());
   }
-  ExpectStatus(regions.Register(Registration("one more", object.key(), 0, 8)),
+  ExpectStatus(regions.RegisterSystem(Registration("one more", object.key(), 0, 8)),
                C::kResourceExhausted, "256 regions are registered");
 }
 
 TEST(SystemSharedMemoryTest, StatusAndUnregister) {
   SharedObject object(64);
-  SystemSharedMemory regions(true, 1 << 20);
-  ASSERT_TRUE(regions.Register(Registration("a", object.key(), 8, 16)).ok());
-  ASSERT_TRUE(regions.Register(Registration("b", object.key(), 0, 64)).ok());
+  SharedMemory regions(true, 1 << 20);
+  ASSERT_TRUE(regions.RegisterSystem(Registration("a", object.key(), 8, 16)).ok());
+  ASSERT_TRUE(regions.RegisterSystem(Registration("b", object.key(), 0, 64)).ok());
   inference::SystemSharedMemoryStatusResponse all;
-  ASSERT_TRUE(regions.Describe("", &all).ok());
+  ASSERT_TRUE(regions.DescribeSystem("", &all).ok());
   ASSERT_EQ(all.regions_size(), 2);
   EXPECT_EQ(all.regions().at("a").key(), object.key());
   EXPECT_EQ(all.regions().at("a").offset(), 8u);
   EXPECT_EQ(all.regions().at("a").byte_size(), 16u);
   inference::SystemSharedMemoryStatusResponse one;
-  ASSERT_TRUE(regions.Describe("b", &one).ok());
+  ASSERT_TRUE(regions.DescribeSystem("b", &one).ok());
   EXPECT_EQ(one.regions_size(), 1);
   inference::SystemSharedMemoryStatusResponse none;
-  ExpectStatus(regions.Describe("c", &none), absl::StatusCode::kNotFound,
+  ExpectStatus(regions.DescribeSystem("c", &none), absl::StatusCode::kNotFound,
                "name = \"c\" is not a registered region");
 
   // A slice taken before Unregister keeps reading its region.
   auto slice = regions.Find("inputs[\"query\"]", "a", 4, 8);
   ASSERT_TRUE(slice.ok()) << slice.status();
   object.Write(12, "abcdefgh");
-  EXPECT_TRUE(regions.Unregister("a").ok());
-  EXPECT_TRUE(regions.Unregister("a").ok());  // again: nothing to do
+  EXPECT_TRUE(regions.UnregisterSystem("a").ok());
+  EXPECT_TRUE(regions.UnregisterSystem("a").ok());  // again: nothing to do
   std::string bytes;
   ASSERT_TRUE(kserve::ReadSlice(*slice, &bytes).ok());
   EXPECT_EQ(bytes, "abcdefgh");
   ExpectStatus(regions.Find("inputs[\"query\"]", "a", 0, 8).status(), absl::StatusCode::kNotFound,
                "inputs[\"query\"].parameters[\"shared_memory_region\"] = \"a\" is not a "
                "registered region");
-  EXPECT_TRUE(regions.Unregister("").ok());
+  EXPECT_TRUE(regions.UnregisterSystem("").ok());
   inference::SystemSharedMemoryStatusResponse after;
-  ASSERT_TRUE(regions.Describe("", &after).ok());
+  ASSERT_TRUE(regions.DescribeSystem("", &after).ok());
   EXPECT_EQ(after.regions_size(), 0);
 }
 
 TEST(SystemSharedMemoryTest, AShrunkObjectFailsTheReadInsteadOfFaulting) {
   SharedObject object(4096);
-  SystemSharedMemory regions(true, 1 << 20);
-  ASSERT_TRUE(regions.Register(Registration("r", object.key(), 1024, 2048)).ok());
+  SharedMemory regions(true, 1 << 20);
+  ASSERT_TRUE(regions.RegisterSystem(Registration("r", object.key(), 1024, 2048)).ok());
   auto slice = regions.Find("inputs[\"query\"]", "r", 0, 2048);
   ASSERT_TRUE(slice.ok());
   object.Resize(2000);
@@ -185,8 +150,8 @@ struct SliceCase {
 TEST(SystemSharedMemoryTest, EverySliceRejectionNamesTheFieldAndValues) {
   using C = absl::StatusCode;
   SharedObject object(2 * kQueryBytes);
-  SystemSharedMemory regions(true, 3 * kQueryBytes / 2);
-  ASSERT_TRUE(regions.Register(Registration("in", object.key(), 0, 2 * kQueryBytes)).ok());
+  SharedMemory regions(true, 3 * kQueryBytes / 2);
+  ASSERT_TRUE(regions.RegisterSystem(Registration("in", object.key(), 0, 2 * kQueryBytes)).ok());
   auto query_parameters = [](ModelInferRequest& r) {
     return r.mutable_inputs(0)->mutable_parameters();
   };

@@ -1,0 +1,477 @@
+// Triton's CUDA shared memory extension on the KServe endpoint: every rejection of a
+// registration with its status and message, the one namespace and limit it shares with
+// system shared memory, and calls through a real server whose inputs and outputs pass
+// through GPU regions (answers equal the raw call's bitwise). Everywhere over a twin of the
+// GPU side (host memory behind core::SharedDeviceMemory, opened as the plugin would open a
+// handle); where a GPU exists, over a real cudaIpcMemHandle that another process
+// (cuda_ipc_exporter) exported, and SKIPPED with the reason elsewhere.
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <csignal>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <vector>
+
+#include <grpcpp/create_channel.h>
+
+#include "absl/strings/str_cat.h"
+#include "core/devices.h"
+#include "inference/grpc_service.grpc.pb.h"
+#include "server/kserve/kserve_convert.h"
+#include "server/kserve/shared_memory.h"
+#include "tests/server/shared_object.h"
+#include "tests/server/test_server.h"
+
+extern char** environ;
+
+namespace attention::server::testing {
+namespace {
+
+using inference::CudaSharedMemoryRegisterRequest;
+using inference::ModelInferRequest;
+using kserve::SharedMemory;
+
+constexpr int64_t kTokens = 3;
+constexpr uint64_t kQueryBytes = kTokens * kDemoEmbedDim * sizeof(float);
+// Region "io": the query at kQueryOffset, the answer right after it.
+constexpr uint64_t kQueryOffset = 64;
+constexpr uint64_t kRegionBytes = kQueryOffset + 2 * kQueryBytes;
+
+// Host memory standing in for another process's GPU buffers: handle i names buffer i, GPU 0
+// is the only device, and a region may not pass its buffer, as the plugin checks.
+class TwinGpu {
+ public:
+  size_t Add(uint64_t bytes) {
+    buffers_.push_back(std::make_shared<std::string>(bytes, '\0'));
+    return buffers_.size() - 1;
+  }
+  std::string& buffer(size_t index) { return *buffers_.at(index); }
+  static std::string Handle(size_t index) {
+    std::string handle(core::kCudaIpcHandleBytes, '\0');
+    std::memcpy(handle.data(), &index, sizeof(index));
+    return handle;
+  }
+  int opens() const { return opens_; }
+
+  kserve::DeviceMemoryOpener Opener() {
+    return [this](int64_t device, absl::string_view handle,
+                  uint64_t byte_size) -> absl::StatusOr<std::unique_ptr<core::SharedDeviceMemory>> {
+      ++opens_;
+      if (device != 0) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("device_id = ", device, " is not available: 1 GPU(s) visible (0 to 0)"));
+      }
+      size_t index = 0;
+      std::memcpy(&index, handle.data(), sizeof(index));
+      if (index >= buffers_.size()) {
+        return absl::InvalidArgumentError("raw_handle: cudaIpcOpenMemHandle refused it");
+      }
+      if (byte_size > buffers_[index]->size()) {
+        return absl::InvalidArgumentError(absl::StrCat("byte_size = ", byte_size,
+                                                       " is past the exported allocation's ",
+                                                       buffers_[index]->size(), " bytes"));
+      }
+      return std::unique_ptr<core::SharedDeviceMemory>(
+          std::make_unique<Memory>(buffers_[index], broken_));
+    };
+  }
+  // Copies fail from now on, as a lost device's would.
+  void Break() { broken_->store(true); }
+
+ private:
+  class Memory final : public core::SharedDeviceMemory {
+   public:
+    Memory(std::shared_ptr<std::string> bytes, std::shared_ptr<std::atomic<bool>> broken)
+        : bytes_(std::move(bytes)), broken_(std::move(broken)) {}
+    absl::Status CopyToHost(uint64_t offset, uint64_t bytes, void* host) const override {
+      if (*broken_) return absl::InternalError("cudaMemcpy: an illegal memory access");
+      std::memcpy(host, bytes_->data() + offset, bytes);
+      return absl::OkStatus();
+    }
+    absl::Status CopyFromHost(uint64_t offset, const void* host, uint64_t bytes) const override {
+      if (*broken_) return absl::InternalError("cudaMemcpy: an illegal memory access");
+      std::memcpy(bytes_->data() + offset, host, bytes);
+      return absl::OkStatus();
+    }
+
+   private:
+    const std::shared_ptr<std::string> bytes_;
+    const std::shared_ptr<std::atomic<bool>> broken_;
+  };
+  std::vector<std::shared_ptr<std::string>> buffers_;
+  int opens_ = 0;
+  std::shared_ptr<std::atomic<bool>> broken_ = std::make_shared<std::atomic<bool>>(false);
+};
+
+CudaSharedMemoryRegisterRequest Registration(const std::string& name, const std::string& handle,
+                                             int64_t device, uint64_t byte_size) {
+  CudaSharedMemoryRegisterRequest request;
+  request.set_name(name);
+  request.set_raw_handle(handle);
+  request.set_device_id(device);
+  request.set_byte_size(byte_size);
+  return request;
+}
+
+void ExpectStatus(const absl::Status& status, absl::StatusCode code, const std::string& part) {
+  EXPECT_EQ(status.code(), code) << status;
+  EXPECT_NE(status.message().find(part), std::string::npos) << status.message();
+  EXPECT_LE(status.message().size(), 1024u);
+}
+
+TEST(CudaSharedMemoryTest, EveryRegistrationRejectionNamesTheFieldAndValues) {
+  using C = absl::StatusCode;
+  TwinGpu gpu;
+  const std::string handle = TwinGpu::Handle(gpu.Add(4096));
+  ExpectStatus(SharedMemory(true, 1 << 20).RegisterCuda(Registration("r", handle, 0, 8)),
+               C::kFailedPrecondition, "start it with --kserve_cuda_shared_memory");
+  SharedMemory regions(false, 1 << 20, gpu.Opener());
+  ExpectStatus(regions.RegisterCuda(Registration("", handle, 0, 8)), C::kInvalidArgument,
+               "name is empty");
+  ExpectStatus(regions.RegisterCuda(Registration("r", handle.substr(0, 10), 0, 8)),
+               C::kInvalidArgument, "raw_handle has 10 bytes; a cudaIpcMemHandle_t has 64");
+  ExpectStatus(regions.RegisterCuda(Registration("r", handle, -1, 8)), C::kInvalidArgument,
+               "device_id = -1 is negative");
+  ExpectStatus(regions.RegisterCuda(Registration("r", handle, 0, 0)), C::kInvalidArgument,
+               "byte_size is 0 for region \"r\"");
+  EXPECT_EQ(gpu.opens(), 0);  // refused before the handle is opened
+  // The opener's refusals reach the caller as they are.
+  ExpectStatus(regions.RegisterCuda(Registration("r", handle, 1, 8)), C::kFailedPrecondition,
+               "device_id = 1 is not available");
+  ExpectStatus(regions.RegisterCuda(Registration("r", handle, 0, 4097)), C::kInvalidArgument,
+               "byte_size = 4097 is past the exported allocation's 4096 bytes");
+  EXPECT_TRUE(regions.RegisterCuda(Registration("r", handle, 0, 4096)).ok());
+  const int opens = gpu.opens();
+  ExpectStatus(regions.RegisterCuda(Registration("r", handle, 0, 8)), C::kAlreadyExists,
+               "region \"r\" is already registered (cuda:0); unregister it first");
+  for (size_t n = 1; n < SharedMemory::kMaxRegions; ++n) {
+    ASSERT_TRUE(regions.RegisterCuda(Registration("r" + std::to_string(n), handle, 0, 8)).ok());
+  }
+  ExpectStatus(regions.RegisterCuda(Registration("one more", handle, 0, 8)), C::kResourceExhausted,
+               "256 regions are registered");
+  EXPECT_EQ(gpu.opens(), opens + static_cast<int>(SharedMemory::kMaxRegions) - 1);
+}
+
+// System and GPU regions share one namespace and one limit; status and unregister see
+// their own kind only; a slice of either kind reads and writes its memory.
+TEST(CudaSharedMemoryTest, OneNamespaceWithSystemRegions) {
+  using C = absl::StatusCode;
+  TwinGpu gpu;
+  const size_t buffer = gpu.Add(256);
+  SharedObject object(64);
+  SharedMemory regions(true, 1 << 20, gpu.Opener());
+  inference::SystemSharedMemoryRegisterRequest system;
+  system.set_name("s");
+  system.set_key(object.key());
+  system.set_byte_size(64);
+  ASSERT_TRUE(regions.RegisterSystem(system).ok());
+  ASSERT_TRUE(regions.RegisterCuda(Registration("c", TwinGpu::Handle(buffer), 0, 128)).ok());
+  ExpectStatus(regions.RegisterCuda(Registration("s", TwinGpu::Handle(buffer), 0, 8)),
+               C::kAlreadyExists, "region \"s\" is already registered (key \"" + object.key());
+  system.set_name("c");
+  ExpectStatus(regions.RegisterSystem(system), C::kAlreadyExists,
+               "region \"c\" is already registered (cuda:0)");
+
+  inference::CudaSharedMemoryStatusResponse gpu_regions;
+  ASSERT_TRUE(regions.DescribeCuda("", &gpu_regions).ok());
+  ASSERT_EQ(gpu_regions.regions_size(), 1);
+  EXPECT_EQ(gpu_regions.regions().at("c").name(), "c");
+  EXPECT_EQ(gpu_regions.regions().at("c").device_id(), 0u);
+  EXPECT_EQ(gpu_regions.regions().at("c").byte_size(), 128u);
+  inference::CudaSharedMemoryStatusResponse none;
+  ExpectStatus(regions.DescribeCuda("s", &none), C::kNotFound,
+               "name = \"s\" is not a registered region");
+
+  auto slice = regions.Find("outputs[\"output\"]", "c", 16, 32);
+  ASSERT_TRUE(slice.ok()) << slice.status();
+  ASSERT_TRUE(kserve::WriteSlice(*slice, "0123456789").ok());
+  EXPECT_EQ(gpu.buffer(buffer).substr(16, 10), "0123456789");
+  std::string bytes;
+  ASSERT_TRUE(kserve::ReadSlice(*slice, &bytes).ok());
+  EXPECT_EQ(bytes.substr(0, 10), "0123456789");
+  gpu.Break();  // a failed copy names the tensor, the region and the device
+  ExpectStatus(kserve::ReadSlice(*slice, &bytes), C::kInternal,
+               "outputs[\"output\"]: region \"c\" (cuda:0) cudaMemcpy: an illegal memory access");
+  ExpectStatus(kserve::WriteSlice(*slice, "x"), C::kInternal,
+               "outputs[\"output\"]: region \"c\" (cuda:0) cudaMemcpy");
+  ExpectStatus(regions.Find("inputs[\"query\"]", "c", 100, 32).status(), C::kInvalidArgument,
+               "inputs[\"query\"] asks for bytes [100, 132) of region \"c\", which has 128");
+
+  EXPECT_TRUE(regions.UnregisterCuda("").ok());
+  inference::SystemSharedMemoryStatusResponse system_regions;
+  ASSERT_TRUE(regions.DescribeSystem("", &system_regions).ok());
+  EXPECT_EQ(system_regions.regions_size(), 1);  // the GPU regions' unregister left it
+  inference::CudaSharedMemoryStatusResponse after;
+  ASSERT_TRUE(regions.DescribeCuda("", &after).ok());
+  EXPECT_EQ(after.regions_size(), 0);
+  ExpectStatus(regions.UnregisterSystem("s"), C::kOk, "");
+  ASSERT_TRUE(regions.RegisterCuda(Registration("s", TwinGpu::Handle(buffer), 0, 8)).ok());
+  EXPECT_TRUE(regions.UnregisterSystem("s").ok());  // not a system region: nothing to do
+  ASSERT_TRUE(regions.DescribeCuda("s", &after).ok());
+}
+
+// A demo-layer request whose query is in region "io" at kQueryOffset and whose answer goes
+// right after it.
+ModelInferRequest RegionRequest() {
+  ModelInferRequest request;
+  request.set_model_name(kDemoLayerName);
+  (*request.mutable_parameters())["causal"].set_bool_param(true);
+  auto* query = request.add_inputs();
+  query->set_name("query");
+  query->set_datatype("FP32");
+  for (int64_t dim : {int64_t{1}, kTokens, kDemoEmbedDim}) query->add_shape(dim);
+  auto& parameters = *query->mutable_parameters();
+  parameters["shared_memory_region"].set_string_param("io");
+  parameters["shared_memory_byte_size"].set_uint64_param(kQueryBytes);
+  parameters["shared_memory_offset"].set_uint64_param(kQueryOffset);
+  auto* output = request.add_outputs();
+  output->set_name("output");
+  auto& destination = *output->mutable_parameters();
+  destination["shared_memory_region"].set_string_param("io");
+  destination["shared_memory_byte_size"].set_uint64_param(kQueryBytes);
+  destination["shared_memory_offset"].set_uint64_param(kQueryOffset + kQueryBytes);
+  return request;
+}
+
+class KserveCudaSharedMemoryServerTest : public ServerTest {
+ protected:
+  ServerOptions Options() override {
+    ServerOptions options = ServerTest::Options();
+    options.kserve_cuda_shared_memory = true;
+    options.device_memory_opener = OpenerForTest();
+    return options;
+  }
+  virtual kserve::DeviceMemoryOpener OpenerForTest() { return gpu_.Opener(); }
+  void SetUp() override {
+    ServerTest::SetUp();
+    stub_ = inference::GRPCInferenceService::NewStub(grpc::CreateChannel(
+        "127.0.0.1:" + std::to_string(server_->port()), grpc::InsecureChannelCredentials()));
+  }
+  grpc::Status Register(const CudaSharedMemoryRegisterRequest& request) {
+    grpc::ClientContext context;
+    inference::CudaSharedMemoryRegisterResponse response;
+    return stub_->CudaSharedMemoryRegister(&context, request, &response);
+  }
+  // The region call's answer is in region "io" (checked by the caller); returns the same
+  // query's raw call's output bytes.
+  std::string CallThroughRegionAndRaw(const std::string& query_bytes) {
+    grpc::ClientContext context;
+    inference::ModelInferResponse response;
+    const grpc::Status status = stub_->ModelInfer(&context, RegionRequest(), &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    EXPECT_EQ(response.raw_output_contents_size(), 1);  // an empty entry keeps the order
+    if (response.raw_output_contents_size() == 1) {
+      EXPECT_TRUE(response.raw_output_contents(0).empty());
+    }
+    ModelInferRequest raw = RegionRequest();
+    raw.mutable_inputs(0)->clear_parameters();
+    raw.clear_outputs();
+    raw.add_raw_input_contents(query_bytes);
+    grpc::ClientContext raw_context;
+    inference::ModelInferResponse expected;
+    const grpc::Status raw_status = stub_->ModelInfer(&raw_context, raw, &expected);
+    EXPECT_TRUE(raw_status.ok()) << raw_status.error_message();
+    return expected.raw_output_contents_size() == 1 ? expected.raw_output_contents(0) : "";
+  }
+
+  TwinGpu gpu_;
+  std::unique_ptr<inference::GRPCInferenceService::Stub> stub_;
+};
+
+std::string RandomQueryBytes(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  const std::vector<float> query = RandomValues(rng, kTokens * kDemoEmbedDim);
+  return std::string(reinterpret_cast<const char*>(query.data()), kQueryBytes);
+}
+
+TEST_F(KserveCudaSharedMemoryServerTest, InputsAndOutputsThroughGpuRegionsEqualTheRawCall) {
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const std::string query_bytes = RandomQueryBytes(seed);
+  const size_t buffer = gpu_.Add(kRegionBytes);
+  gpu_.buffer(buffer).replace(kQueryOffset, kQueryBytes, query_bytes);
+  ASSERT_TRUE(Register(Registration("io", TwinGpu::Handle(buffer), 0, kRegionBytes)).ok());
+
+  grpc::ClientContext metadata_context;
+  inference::ServerMetadataResponse metadata;
+  ASSERT_TRUE(stub_->ServerMetadata(&metadata_context, {}, &metadata).ok());
+  EXPECT_NE(
+      std::find(metadata.extensions().begin(), metadata.extensions().end(), "cuda_shared_memory"),
+      metadata.extensions().end());
+
+  const std::string expected = CallThroughRegionAndRaw(query_bytes);
+  ASSERT_EQ(expected.size(), kQueryBytes);
+  EXPECT_EQ(gpu_.buffer(buffer).substr(kQueryOffset + kQueryBytes, kQueryBytes), expected);
+  EXPECT_EQ(gpu_.buffer(buffer).substr(kQueryOffset, kQueryBytes), query_bytes);
+
+  EXPECT_EQ(Register(Registration("io", TwinGpu::Handle(buffer), 0, 8)).error_code(),
+            grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_EQ(
+      Register(Registration("big", TwinGpu::Handle(buffer), 0, kRegionBytes + 1)).error_code(),
+      grpc::StatusCode::INVALID_ARGUMENT);
+  grpc::ClientContext status_context;
+  inference::CudaSharedMemoryStatusResponse regions;
+  ASSERT_TRUE(stub_->CudaSharedMemoryStatus(&status_context, {}, &regions).ok());
+  ASSERT_EQ(regions.regions_size(), 1);
+  EXPECT_EQ(regions.regions().at("io").byte_size(), kRegionBytes);
+  grpc::ClientContext unregister_context;
+  inference::CudaSharedMemoryUnregisterRequest unregister;
+  unregister.set_name("io");
+  inference::CudaSharedMemoryUnregisterResponse unregistered;
+  ASSERT_TRUE(
+      stub_->CudaSharedMemoryUnregister(&unregister_context, unregister, &unregistered).ok());
+  grpc::ClientContext after_context;
+  inference::ModelInferResponse after;
+  const grpc::Status gone = stub_->ModelInfer(&after_context, RegionRequest(), &after);
+  EXPECT_EQ(gone.error_code(), grpc::StatusCode::NOT_FOUND) << gone.error_message();
+}
+
+// The default server refuses GPU registrations, naming the flag, and does not announce them.
+TEST_F(ServerTest, CudaSharedMemoryIsOffByDefault) {
+  auto stub = inference::GRPCInferenceService::NewStub(grpc::CreateChannel(
+      "127.0.0.1:" + std::to_string(server_->port()), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  inference::CudaSharedMemoryRegisterResponse response;
+  const grpc::Status status = stub->CudaSharedMemoryRegister(
+      &context, Registration("r", TwinGpu::Handle(0), 0, 64), &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_NE(status.error_message().find("--kserve_cuda_shared_memory"), std::string::npos)
+      << status.error_message();
+  grpc::ClientContext metadata_context;
+  inference::ServerMetadataResponse metadata;
+  ASSERT_TRUE(stub->ServerMetadata(&metadata_context, {}, &metadata).ok());
+  for (const std::string& extension : metadata.extensions()) {
+    EXPECT_NE(extension, "cuda_shared_memory");
+  }
+}
+
+// cuda_ipc_exporter as a child with pipes to its stdin and stdout; its stderr in a file.
+class Exporter {
+ public:
+  // Beside this test binary, as CMake and scripts/gpu-bundle place it.
+  Exporter() {
+    char self[4096] = {};
+    const ssize_t length = readlink("/proc/self/exe", self, sizeof(self) - 1);
+    path_ = std::string(self, length > 0 ? length : 0);
+    path_ = path_.substr(0, path_.rfind('/') + 1) + "cuda_ipc_exporter";
+  }
+  const std::string& path() const { return path_; }
+  bool found() const { return access(path_.c_str(), X_OK) == 0; }
+
+  // Starts it over `contents`; false (with the reason in `failure`) when it cannot export
+  // them, as on a machine without a GPU.
+  bool Start(const std::string& contents, std::string* handle, std::string* failure) {
+    std::signal(SIGPIPE, SIG_IGN);  // a child that died fails the write instead
+    int to_child[2], from_child[2];
+    if (pipe(to_child) != 0 || pipe(from_child) != 0) return false;
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_adddup2(&actions, to_child[0], 0);
+    posix_spawn_file_actions_adddup2(&actions, from_child[1], 1);
+    posix_spawn_file_actions_addopen(&actions, 2, errors_.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
+                                     0600);
+    posix_spawn_file_actions_addclose(&actions, to_child[1]);
+    posix_spawn_file_actions_addclose(&actions, from_child[0]);
+    const std::string size = std::to_string(contents.size());
+    char* argv[] = {path_.data(), const_cast<char*>(size.c_str()), nullptr};
+    const int spawned = posix_spawn(&pid_, path_.c_str(), &actions, nullptr, argv, environ);
+    posix_spawn_file_actions_destroy(&actions);
+    close(to_child[0]);
+    close(from_child[1]);
+    in_ = to_child[1];
+    out_ = from_child[0];
+    if (spawned != 0) {
+      *failure = "posix_spawn: " + std::string(std::strerror(spawned));
+      return false;
+    }
+    if (!WriteAll(contents) || !ReadAll(core::kCudaIpcHandleBytes, handle)) {
+      *failure = Errors();
+      return false;
+    }
+    return true;
+  }
+  // Its buffer's bytes now.
+  std::string Dump(size_t bytes) {
+    std::string contents;
+    EXPECT_TRUE(WriteAll("g") && ReadAll(bytes, &contents)) << Errors();
+    return contents;
+  }
+  ~Exporter() {
+    if (in_ >= 0) close(in_);
+    if (out_ >= 0) close(out_);
+    if (pid_ > 0) waitpid(pid_, nullptr, 0);
+    unlink(errors_.c_str());
+  }
+
+ private:
+  bool WriteAll(const std::string& bytes) {
+    for (size_t done = 0; done < bytes.size();) {
+      const ssize_t put = write(in_, bytes.data() + done, bytes.size() - done);
+      if (put <= 0) return false;
+      done += static_cast<size_t>(put);
+    }
+    return true;
+  }
+  bool ReadAll(size_t bytes, std::string* into) {
+    into->resize(bytes);
+    for (size_t done = 0; done < bytes;) {
+      const ssize_t got = read(out_, into->data() + done, bytes - done);
+      if (got <= 0) return false;
+      done += static_cast<size_t>(got);
+    }
+    return true;
+  }
+  std::string Errors() const {
+    std::ifstream file(errors_);
+    std::stringstream text;
+    text << file.rdbuf();
+    return text.str();
+  }
+
+  std::string path_;
+  const std::string errors_ = "/tmp/cuda_ipc_exporter." + std::to_string(getpid()) + ".err";
+  pid_t pid_ = -1;
+  int in_ = -1, out_ = -1;
+};
+
+// The real thing: a buffer another process cudaMalloc'd and exported, opened by the server's
+// CUDA plugin. SKIPPED where no GPU can export one.
+class KserveCudaSharedMemoryGpuTest : public KserveCudaSharedMemoryServerTest {
+ protected:
+  kserve::DeviceMemoryOpener OpenerForTest() override { return nullptr; }  // this process's GPUs
+};
+
+TEST_F(KserveCudaSharedMemoryGpuTest, ARealIpcHandleFromAnotherProcess) {
+  if (!core::CudaBuilt()) GTEST_SKIP() << "this build has no CUDA backend";
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const std::string query_bytes = RandomQueryBytes(seed);
+  std::string contents(kRegionBytes, '\0');
+  contents.replace(kQueryOffset, kQueryBytes, query_bytes);
+  Exporter exporter;
+  ASSERT_TRUE(exporter.found()) << exporter.path() << " is missing from a build with CUDA";
+  std::string handle, failure;
+  if (!exporter.Start(contents, &handle, &failure)) {
+    GTEST_SKIP() << "no GPU buffer to share here: " << failure;
+  }
+  const grpc::Status registered = Register(Registration("io", handle, 0, kRegionBytes));
+  ASSERT_TRUE(registered.ok()) << registered.error_message();
+  const grpc::Status too_big = Register(Registration("big", handle, 0, 1ull << 40));
+  EXPECT_EQ(too_big.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << too_big.error_message();
+  const std::string expected = CallThroughRegionAndRaw(query_bytes);
+  ASSERT_EQ(expected.size(), kQueryBytes);
+  const std::string after = exporter.Dump(kRegionBytes);
+  EXPECT_EQ(after.substr(kQueryOffset + kQueryBytes, kQueryBytes), expected);
+  EXPECT_EQ(after.substr(kQueryOffset, kQueryBytes), query_bytes);
+}
+
+}  // namespace
+}  // namespace attention::server::testing
