@@ -292,67 +292,59 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::RepositoryModelUnload(
   return call.reactor();
 }
 
+grpc::ServerUnaryReactor* InferenceServiceImpl::CheckedCall(
+    grpc::CallbackServerContext* context, absl::string_view method,
+    const google::protobuf::Message& request, absl::FunctionRef<absl::Status()> body) {
+  const UnaryCall call = native_.StartCall(context, method);
+  absl::Status status = CheckKnownFields(request);
+  if (status.ok()) status = body();
+  call.Answer(status);
+  return call.reactor();
+}
+
 grpc::ServerUnaryReactor* InferenceServiceImpl::SystemSharedMemoryStatus(
     grpc::CallbackServerContext* context, const inference::SystemSharedMemoryStatusRequest* request,
     inference::SystemSharedMemoryStatusResponse* response) {
-  const UnaryCall call = native_.StartCall(context, "SystemSharedMemoryStatus");
-  absl::Status status = CheckKnownFields(*request);
-  if (status.ok()) status = shared_memory_.DescribeSystem(request->name(), response);
-  call.Answer(status);
-  return call.reactor();
+  return CheckedCall(context, "SystemSharedMemoryStatus", *request,
+                     [&] { return shared_memory_.DescribeSystem(request->name(), response); });
 }
 
 grpc::ServerUnaryReactor* InferenceServiceImpl::SystemSharedMemoryRegister(
     grpc::CallbackServerContext* context,
     const inference::SystemSharedMemoryRegisterRequest* request,
     inference::SystemSharedMemoryRegisterResponse* response) {
-  const UnaryCall call = native_.StartCall(context, "SystemSharedMemoryRegister");
-  absl::Status status = CheckKnownFields(*request);
-  if (status.ok()) status = shared_memory_.RegisterSystem(*request);
-  call.Answer(status);
-  return call.reactor();
+  return CheckedCall(context, "SystemSharedMemoryRegister", *request,
+                     [&] { return shared_memory_.RegisterSystem(*request); });
 }
 
 grpc::ServerUnaryReactor* InferenceServiceImpl::SystemSharedMemoryUnregister(
     grpc::CallbackServerContext* context,
     const inference::SystemSharedMemoryUnregisterRequest* request,
     inference::SystemSharedMemoryUnregisterResponse* response) {
-  const UnaryCall call = native_.StartCall(context, "SystemSharedMemoryUnregister");
-  absl::Status status = CheckKnownFields(*request);
-  if (status.ok()) status = shared_memory_.UnregisterSystem(request->name());
-  call.Answer(status);
-  return call.reactor();
+  return CheckedCall(context, "SystemSharedMemoryUnregister", *request,
+                     [&] { return shared_memory_.UnregisterSystem(request->name()); });
 }
 
 grpc::ServerUnaryReactor* InferenceServiceImpl::CudaSharedMemoryStatus(
     grpc::CallbackServerContext* context, const inference::CudaSharedMemoryStatusRequest* request,
     inference::CudaSharedMemoryStatusResponse* response) {
-  const UnaryCall call = native_.StartCall(context, "CudaSharedMemoryStatus");
-  absl::Status status = CheckKnownFields(*request);
-  if (status.ok()) status = shared_memory_.DescribeCuda(request->name(), response);
-  call.Answer(status);
-  return call.reactor();
+  return CheckedCall(context, "CudaSharedMemoryStatus", *request,
+                     [&] { return shared_memory_.DescribeCuda(request->name(), response); });
 }
 
 grpc::ServerUnaryReactor* InferenceServiceImpl::CudaSharedMemoryRegister(
     grpc::CallbackServerContext* context, const inference::CudaSharedMemoryRegisterRequest* request,
     inference::CudaSharedMemoryRegisterResponse* response) {
-  const UnaryCall call = native_.StartCall(context, "CudaSharedMemoryRegister");
-  absl::Status status = CheckKnownFields(*request);
-  if (status.ok()) status = shared_memory_.RegisterCuda(*request);
-  call.Answer(status);
-  return call.reactor();
+  return CheckedCall(context, "CudaSharedMemoryRegister", *request,
+                     [&] { return shared_memory_.RegisterCuda(*request); });
 }
 
 grpc::ServerUnaryReactor* InferenceServiceImpl::CudaSharedMemoryUnregister(
     grpc::CallbackServerContext* context,
     const inference::CudaSharedMemoryUnregisterRequest* request,
     inference::CudaSharedMemoryUnregisterResponse* response) {
-  const UnaryCall call = native_.StartCall(context, "CudaSharedMemoryUnregister");
-  absl::Status status = CheckKnownFields(*request);
-  if (status.ok()) status = shared_memory_.UnregisterCuda(request->name());
-  call.Answer(status);
-  return call.reactor();
+  return CheckedCall(context, "CudaSharedMemoryUnregister", *request,
+                     [&] { return shared_memory_.UnregisterCuda(request->name()); });
 }
 
 }  // namespace attention::server

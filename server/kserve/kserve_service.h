@@ -8,6 +8,7 @@
 
 #include <atomic>
 
+#include "absl/functional/function_ref.h"
 #include "inference/grpc_service.grpc.pb.h"
 #include "server/kserve/shared_memory.h"
 #include "server/native/attention_service.h"
@@ -86,6 +87,13 @@ class InferenceServiceImpl final : public inference::GRPCInferenceService::Callb
       inference::CudaSharedMemoryUnregisterResponse* response) override;
 
  private:
+  // A call that answers INVALID_ARGUMENT for fields this server does not know, else the
+  // status of `body` (which fills the response).
+  grpc::ServerUnaryReactor* CheckedCall(grpc::CallbackServerContext* context,
+                                        absl::string_view method,
+                                        const google::protobuf::Message& request,
+                                        absl::FunctionRef<absl::Status()> body);
+
   // The loaded layer `name` at `version` (empty: any); NOT_FOUND naming `field` (the
   // request's field that holds the name) otherwise.
   absl::StatusOr<std::shared_ptr<const LayerSnapshot>> FindModel(absl::string_view field,

@@ -126,6 +126,14 @@ absl::Status NotRegistered(const std::string& name) {
   return absl::NotFoundError(absl::StrCat("name = ", Quoted(name), " is not a registered region"));
 }
 
+// A region's read or write failure, led by the tensor and the region it concerns.
+absl::Status AboutSlice(const SharedMemorySlice& slice, absl::Status status) {
+  if (status.ok()) return status;
+  return absl::Status(status.code(),
+                      absl::StrCat(slice.field, ": region ", Quoted(slice.region->name), " (",
+                                   slice.region->Source(), ") ", status.message()));
+}
+
 }  // namespace
 
 absl::Status SharedMemory::RegisterSystem(
@@ -289,11 +297,7 @@ absl::StatusOr<SharedMemorySlice> SharedMemory::Find(absl::string_view field,
 
 absl::Status ReadSlice(const SharedMemorySlice& slice, std::string* bytes) {
   bytes->resize(slice.byte_size);
-  const absl::Status status = slice.region->Read(slice.offset, slice.byte_size, bytes->data());
-  if (status.ok()) return status;
-  return absl::Status(status.code(),
-                      absl::StrCat(slice.field, ": region ", Quoted(slice.region->name), " (",
-                                   slice.region->Source(), ") ", status.message()));
+  return AboutSlice(slice, slice.region->Read(slice.offset, slice.byte_size, bytes->data()));
 }
 
 absl::Status WriteSlice(const SharedMemorySlice& slice, absl::string_view bytes) {
@@ -301,11 +305,7 @@ absl::Status WriteSlice(const SharedMemorySlice& slice, absl::string_view bytes)
     return Invalid(slice.field, ".parameters[\"shared_memory_byte_size\"] = ", slice.byte_size,
                    " cannot hold the answer's ", bytes.size(), " bytes");
   }
-  const absl::Status status = slice.region->Write(slice.offset, bytes);
-  if (status.ok()) return status;
-  return absl::Status(status.code(),
-                      absl::StrCat(slice.field, ": region ", Quoted(slice.region->name), " (",
-                                   slice.region->Source(), ") ", status.message()));
+  return AboutSlice(slice, slice.region->Write(slice.offset, bytes));
 }
 
 }  // namespace attention::server::kserve

@@ -27,7 +27,7 @@
 #include "inference/grpc_service.grpc.pb.h"
 #include "server/kserve/kserve_convert.h"
 #include "server/kserve/shared_memory.h"
-#include "tests/server/shared_object.h"
+#include "tests/server/shared_memory_testing.h"
 #include "tests/server/test_server.h"
 
 extern char** environ;
@@ -111,8 +111,8 @@ class TwinGpu {
   std::shared_ptr<std::atomic<bool>> broken_ = std::make_shared<std::atomic<bool>>(false);
 };
 
-CudaSharedMemoryRegisterRequest Registration(const std::string& name, const std::string& handle,
-                                             int64_t device, uint64_t byte_size) {
+CudaSharedMemoryRegisterRequest GpuRegistration(const std::string& name, const std::string& handle,
+                                                int64_t device, uint64_t byte_size) {
   CudaSharedMemoryRegisterRequest request;
   request.set_name(name);
   request.set_raw_handle(handle);
@@ -121,42 +121,36 @@ CudaSharedMemoryRegisterRequest Registration(const std::string& name, const std:
   return request;
 }
 
-void ExpectStatus(const absl::Status& status, absl::StatusCode code, const std::string& part) {
-  EXPECT_EQ(status.code(), code) << status;
-  EXPECT_NE(status.message().find(part), std::string::npos) << status.message();
-  EXPECT_LE(status.message().size(), 1024u);
-}
-
 TEST(CudaSharedMemoryTest, EveryRegistrationRejectionNamesTheFieldAndValues) {
   using C = absl::StatusCode;
   TwinGpu gpu;
   const std::string handle = TwinGpu::Handle(gpu.Add(4096));
-  ExpectStatus(SharedMemory(true, 1 << 20).RegisterCuda(Registration("r", handle, 0, 8)),
+  ExpectStatus(SharedMemory(true, 1 << 20).RegisterCuda(GpuRegistration("r", handle, 0, 8)),
                C::kFailedPrecondition, "start it with --kserve_cuda_shared_memory");
   SharedMemory regions(false, 1 << 20, gpu.Opener());
-  ExpectStatus(regions.RegisterCuda(Registration("", handle, 0, 8)), C::kInvalidArgument,
+  ExpectStatus(regions.RegisterCuda(GpuRegistration("", handle, 0, 8)), C::kInvalidArgument,
                "name is empty");
-  ExpectStatus(regions.RegisterCuda(Registration("r", handle.substr(0, 10), 0, 8)),
+  ExpectStatus(regions.RegisterCuda(GpuRegistration("r", handle.substr(0, 10), 0, 8)),
                C::kInvalidArgument, "raw_handle has 10 bytes; a cudaIpcMemHandle_t has 64");
-  ExpectStatus(regions.RegisterCuda(Registration("r", handle, -1, 8)), C::kInvalidArgument,
+  ExpectStatus(regions.RegisterCuda(GpuRegistration("r", handle, -1, 8)), C::kInvalidArgument,
                "device_id = -1 is negative");
-  ExpectStatus(regions.RegisterCuda(Registration("r", handle, 0, 0)), C::kInvalidArgument,
+  ExpectStatus(regions.RegisterCuda(GpuRegistration("r", handle, 0, 0)), C::kInvalidArgument,
                "byte_size is 0 for region \"r\"");
   EXPECT_EQ(gpu.opens(), 0);  // refused before the handle is opened
   // The opener's refusals reach the caller as they are.
-  ExpectStatus(regions.RegisterCuda(Registration("r", handle, 1, 8)), C::kFailedPrecondition,
+  ExpectStatus(regions.RegisterCuda(GpuRegistration("r", handle, 1, 8)), C::kFailedPrecondition,
                "device_id = 1 is not available");
-  ExpectStatus(regions.RegisterCuda(Registration("r", handle, 0, 4097)), C::kInvalidArgument,
+  ExpectStatus(regions.RegisterCuda(GpuRegistration("r", handle, 0, 4097)), C::kInvalidArgument,
                "byte_size = 4097 is past the exported allocation's 4096 bytes");
-  EXPECT_TRUE(regions.RegisterCuda(Registration("r", handle, 0, 4096)).ok());
+  EXPECT_TRUE(regions.RegisterCuda(GpuRegistration("r", handle, 0, 4096)).ok());
   const int opens = gpu.opens();
-  ExpectStatus(regions.RegisterCuda(Registration("r", handle, 0, 8)), C::kAlreadyExists,
+  ExpectStatus(regions.RegisterCuda(GpuRegistration("r", handle, 0, 8)), C::kAlreadyExists,
                "region \"r\" is already registered (cuda:0); unregister it first");
   for (size_t n = 1; n < SharedMemory::kMaxRegions; ++n) {
-    ASSERT_TRUE(regions.RegisterCuda(Registration("r" + std::to_string(n), handle, 0, 8)).ok());
+    ASSERT_TRUE(regions.RegisterCuda(GpuRegistration("r" + std::to_string(n), handle, 0, 8)).ok());
   }
-  ExpectStatus(regions.RegisterCuda(Registration("one more", handle, 0, 8)), C::kResourceExhausted,
-               "256 regions are registered");
+  ExpectStatus(regions.RegisterCuda(GpuRegistration("one more", handle, 0, 8)),
+               C::kResourceExhausted, "256 regions are registered");
   EXPECT_EQ(gpu.opens(), opens + static_cast<int>(SharedMemory::kMaxRegions) - 1);
 }
 
@@ -168,16 +162,11 @@ TEST(CudaSharedMemoryTest, OneNamespaceWithSystemRegions) {
   const size_t buffer = gpu.Add(256);
   SharedObject object(64);
   SharedMemory regions(true, 1 << 20, gpu.Opener());
-  inference::SystemSharedMemoryRegisterRequest system;
-  system.set_name("s");
-  system.set_key(object.key());
-  system.set_byte_size(64);
-  ASSERT_TRUE(regions.RegisterSystem(system).ok());
-  ASSERT_TRUE(regions.RegisterCuda(Registration("c", TwinGpu::Handle(buffer), 0, 128)).ok());
-  ExpectStatus(regions.RegisterCuda(Registration("s", TwinGpu::Handle(buffer), 0, 8)),
+  ASSERT_TRUE(regions.RegisterSystem(Registration("s", object.key(), 0, 64)).ok());
+  ASSERT_TRUE(regions.RegisterCuda(GpuRegistration("c", TwinGpu::Handle(buffer), 0, 128)).ok());
+  ExpectStatus(regions.RegisterCuda(GpuRegistration("s", TwinGpu::Handle(buffer), 0, 8)),
                C::kAlreadyExists, "region \"s\" is already registered (key \"" + object.key());
-  system.set_name("c");
-  ExpectStatus(regions.RegisterSystem(system), C::kAlreadyExists,
+  ExpectStatus(regions.RegisterSystem(Registration("c", object.key(), 0, 64)), C::kAlreadyExists,
                "region \"c\" is already registered (cuda:0)");
 
   inference::CudaSharedMemoryStatusResponse gpu_regions;
@@ -213,7 +202,7 @@ TEST(CudaSharedMemoryTest, OneNamespaceWithSystemRegions) {
   ASSERT_TRUE(regions.DescribeCuda("", &after).ok());
   EXPECT_EQ(after.regions_size(), 0);
   ExpectStatus(regions.UnregisterSystem("s"), C::kOk, "");
-  ASSERT_TRUE(regions.RegisterCuda(Registration("s", TwinGpu::Handle(buffer), 0, 8)).ok());
+  ASSERT_TRUE(regions.RegisterCuda(GpuRegistration("s", TwinGpu::Handle(buffer), 0, 8)).ok());
   EXPECT_TRUE(regions.UnregisterSystem("s").ok());  // not a system region: nothing to do
   ASSERT_TRUE(regions.DescribeCuda("s", &after).ok());
 }
@@ -298,7 +287,7 @@ TEST_F(KserveCudaSharedMemoryServerTest, InputsAndOutputsThroughGpuRegionsEqualT
   const std::string query_bytes = RandomQueryBytes(seed);
   const size_t buffer = gpu_.Add(kRegionBytes);
   gpu_.buffer(buffer).replace(kQueryOffset, kQueryBytes, query_bytes);
-  ASSERT_TRUE(Register(Registration("io", TwinGpu::Handle(buffer), 0, kRegionBytes)).ok());
+  ASSERT_TRUE(Register(GpuRegistration("io", TwinGpu::Handle(buffer), 0, kRegionBytes)).ok());
 
   grpc::ClientContext metadata_context;
   inference::ServerMetadataResponse metadata;
@@ -312,10 +301,10 @@ TEST_F(KserveCudaSharedMemoryServerTest, InputsAndOutputsThroughGpuRegionsEqualT
   EXPECT_EQ(gpu_.buffer(buffer).substr(kQueryOffset + kQueryBytes, kQueryBytes), expected);
   EXPECT_EQ(gpu_.buffer(buffer).substr(kQueryOffset, kQueryBytes), query_bytes);
 
-  EXPECT_EQ(Register(Registration("io", TwinGpu::Handle(buffer), 0, 8)).error_code(),
+  EXPECT_EQ(Register(GpuRegistration("io", TwinGpu::Handle(buffer), 0, 8)).error_code(),
             grpc::StatusCode::ALREADY_EXISTS);
   EXPECT_EQ(
-      Register(Registration("big", TwinGpu::Handle(buffer), 0, kRegionBytes + 1)).error_code(),
+      Register(GpuRegistration("big", TwinGpu::Handle(buffer), 0, kRegionBytes + 1)).error_code(),
       grpc::StatusCode::INVALID_ARGUMENT);
   grpc::ClientContext status_context;
   inference::CudaSharedMemoryStatusResponse regions;
@@ -341,7 +330,7 @@ TEST_F(ServerTest, CudaSharedMemoryIsOffByDefault) {
   grpc::ClientContext context;
   inference::CudaSharedMemoryRegisterResponse response;
   const grpc::Status status = stub->CudaSharedMemoryRegister(
-      &context, Registration("r", TwinGpu::Handle(0), 0, 64), &response);
+      &context, GpuRegistration("r", TwinGpu::Handle(0), 0, 64), &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_NE(status.error_message().find("--kserve_cuda_shared_memory"), std::string::npos)
       << status.error_message();
@@ -462,9 +451,9 @@ TEST_F(KserveCudaSharedMemoryGpuTest, ARealIpcHandleFromAnotherProcess) {
   if (!exporter.Start(contents, &handle, &failure)) {
     GTEST_SKIP() << "no GPU buffer to share here: " << failure;
   }
-  const grpc::Status registered = Register(Registration("io", handle, 0, kRegionBytes));
+  const grpc::Status registered = Register(GpuRegistration("io", handle, 0, kRegionBytes));
   ASSERT_TRUE(registered.ok()) << registered.error_message();
-  const grpc::Status too_big = Register(Registration("big", handle, 0, 1ull << 40));
+  const grpc::Status too_big = Register(GpuRegistration("big", handle, 0, 1ull << 40));
   EXPECT_EQ(too_big.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << too_big.error_message();
   const std::string expected = CallThroughRegionAndRaw(query_bytes);
   ASSERT_EQ(expected.size(), kQueryBytes);

@@ -11,34 +11,17 @@
 #include "inference/grpc_service.grpc.pb.h"
 #include "server/kserve/kserve_convert.h"
 #include "server/kserve/shared_memory.h"
-#include "tests/server/shared_object.h"
+#include "tests/server/shared_memory_testing.h"
 #include "tests/server/test_server.h"
 
 namespace attention::server::testing {
 namespace {
 
 using inference::ModelInferRequest;
-using inference::SystemSharedMemoryRegisterRequest;
 using kserve::SharedMemory;
 
 constexpr int64_t kTokens = 3;
 constexpr uint64_t kQueryBytes = kTokens * kDemoEmbedDim * sizeof(float);
-
-SystemSharedMemoryRegisterRequest Registration(const std::string& name, const std::string& key,
-                                               uint64_t offset, uint64_t byte_size) {
-  SystemSharedMemoryRegisterRequest request;
-  request.set_name(name);
-  request.set_key(key);
-  request.set_offset(offset);
-  request.set_byte_size(byte_size);
-  return request;
-}
-
-void ExpectStatus(const absl::Status& status, absl::StatusCode code, const std::string& part) {
-  EXPECT_EQ(status.code(), code) << status;
-  EXPECT_NE(status.message().find(part), std::string::npos) << status.message();
-  EXPECT_LE(status.message().size(), 1024u);
-}
 
 TEST(SystemSharedMemoryTest, EveryRegistrationRejectionNamesTheFieldAndValues) {
   using C = absl::StatusCode;

@@ -1,6 +1,7 @@
-// A POSIX shared memory object for the shared memory tests, as a caller's would be.
-#ifndef ATTENTION_TESTS_SERVER_SHARED_OBJECT_H_
-#define ATTENTION_TESTS_SERVER_SHARED_OBJECT_H_
+// What the KServe shared memory tests share: a POSIX shared memory object as a caller's would
+// be, a system region's registration, and the check of a refusal's status and message.
+#ifndef ATTENTION_TESTS_SERVER_SHARED_MEMORY_TESTING_H_
+#define ATTENTION_TESTS_SERVER_SHARED_MEMORY_TESTING_H_
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -11,7 +12,9 @@
 #include <cstring>
 #include <string>
 
+#include "absl/status/status.h"
 #include "gtest/gtest.h"
+#include "inference/grpc_service.pb.h"
 
 namespace attention::server::testing {
 
@@ -48,6 +51,26 @@ class SharedObject {
   int fd_ = -1;
 };
 
+inline inference::SystemSharedMemoryRegisterRequest Registration(const std::string& name,
+                                                                 const std::string& key,
+                                                                 uint64_t offset,
+                                                                 uint64_t byte_size) {
+  inference::SystemSharedMemoryRegisterRequest request;
+  request.set_name(name);
+  request.set_key(key);
+  request.set_offset(offset);
+  request.set_byte_size(byte_size);
+  return request;
+}
+
+// `status` has `code` and a message holding `part`, bounded in length.
+inline void ExpectStatus(const absl::Status& status, absl::StatusCode code,
+                         const std::string& part) {
+  EXPECT_EQ(status.code(), code) << status;
+  EXPECT_NE(status.message().find(part), std::string::npos) << status.message();
+  EXPECT_LE(status.message().size(), 1024u);
+}
+
 }  // namespace attention::server::testing
 
-#endif  // ATTENTION_TESTS_SERVER_SHARED_OBJECT_H_
+#endif  // ATTENTION_TESTS_SERVER_SHARED_MEMORY_TESTING_H_
