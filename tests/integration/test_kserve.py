@@ -1,13 +1,15 @@
 """The Open Inference Protocol (KServe v2) endpoint, called with PyPI's tritonclient (sync,
 callback and asyncio clients) against a real server: every endpoint answers, and ModelInfer's
 outputs equal the native MultiHeadAttention RPC's bitwise, also with the query and output in
-system shared memory (tritonclient.utils.shared_memory). Runs in the venv that
+system shared memory (tritonclient.utils.shared_memory); the CUDA shared memory calls reach the
+server as tritonclient sends them. Runs in the venv that
 scripts/kserve-venv makes (tritonclient[grpc], grpcio-tools for the native stubs).
 
 usage: test_kserve.py PATH/TO/attention-server
 """
 
 import asyncio
+import base64
 import json
 import os
 import queue
@@ -65,7 +67,7 @@ def main():
     rng = np.random.default_rng(seed)
     check = Checker("test_kserve (seed %d)" % seed)
     server = ServerProcess(server_binary(), "--compute_threads=2",
-                           "--kserve_system_shared_memory").start()
+                           "--kserve_system_shared_memory", "--kserve_cuda_shared_memory").start()
     client = triton.InferenceServerClient(server.target)
     native = pb_grpc.AttentionServiceStub(grpc.insecure_channel(server.target))
 
@@ -80,7 +82,8 @@ def main():
     check.check(client.is_server_ready(), "ServerReady is false")
     metadata = client.get_server_metadata()
     check.check(metadata.name == "attention-service" and "model_repository" in metadata.extensions
-                and "system_shared_memory" in metadata.extensions,
+                and "system_shared_memory" in metadata.extensions
+                and "cuda_shared_memory" in metadata.extensions,
                 "ServerMetadata: %s" % metadata)
 
     # Layers through the repository extension: self-attention with GQA, and cross-attention.
@@ -226,6 +229,24 @@ def main():
     finally:
         for region in regions:
             triton_shm.destroy_shared_memory_region(region)
+
+    # Triton's CUDA shared memory extension through tritonclient's own calls (its messages
+    # and field numbers on the wire). No handle opens here: a zero handle is refused on a
+    # GPU machine, and device 0 is missing on one without (the GPU case is the C++
+    # KserveCudaSharedMemoryGpuTest with a buffer another process exported).
+    for handle, expected in ((b"\0" * 64, ("device_id = 0 is not available", "raw_handle")),
+                             (b"\0" * 10, ("raw_handle has 10 bytes; a cudaIpcMemHandle_t has 64",))):
+        try:
+            # Base64, as cuda_shared_memory.get_raw_handle gives it; the raw bytes go on the wire.
+            client.register_cuda_shared_memory("gpu", base64.b64encode(handle), 0, 1024)
+            check.check(False, "a CUDA region with a %d-byte zero handle was registered"
+                        % len(handle))
+        except InferenceServerException as e:
+            check.check(any(part in e.message() for part in expected),
+                        "CudaSharedMemoryRegister: %s" % e)
+    check.check(not client.get_cuda_shared_memory_status().regions,
+                "CudaSharedMemoryStatus lists a region")
+    client.unregister_cuda_shared_memory()
 
     # Errors keep their status and message.
     try:
