@@ -423,13 +423,17 @@ void AttendWholeSplitAsGemm(const RowKernels& kernels, SimdLevel level,
   const int64_t element_bytes = layout.ElementBytes();
   thread_local std::vector<float> scratch;
   constexpr int64_t kChunk = kPanelWidth;  // keys gathered at a time: one panel of K^T
+  // Query rows a pass takes: its scores (1 MiB at 1,024 keys) stay in L2/L3, and scratch is
+  // bounded whatever the group.
+  constexpr int64_t kRowBlock = 256;
+  const int64_t block_rows = std::min(rows, kRowBlock);
   scratch.resize(PanelFloats(key_dim, keys) + PanelFloats(keys, value_dim) + kChunk * key_dim +
-                 rows * (key_dim + keys));
+                 block_rows * (key_dim + keys));
   float* key_panels = scratch.data();
   float* value_panels = key_panels + PanelFloats(key_dim, keys);
   float* chunk_keys = value_panels + PanelFloats(keys, value_dim);
   float* queries = chunk_keys + kChunk * key_dim;
-  float* scores = queries + rows * key_dim;
+  float* scores = queries + block_rows * key_dim;
   const bool bfloat16 = layout.dtype == DType::kBFloat16;
   float widened[kPanelWidth];
   for (int64_t key = key_begin; key < key_end; ++key) {
@@ -464,22 +468,27 @@ void AttendWholeSplitAsGemm(const RowKernels& kernels, SimdLevel level,
                      level);
     }
   }
-  // Rows r = i * group + g: query i's heads of this KV head's group are contiguous.
-  for (int64_t i = 0; i < n; ++i) {
-    const float* query = sequence.query + (i * batch.num_heads + kv_head * group) * key_dim;
-    std::copy_n(query, group * key_dim, queries + i * group * key_dim);
-  }
-  GemmPanels(level, queries, key_dim, rows, key_panels, key_dim, keys, 0, PanelCount(keys),
-             batch.scale, nullptr, scores, keys);
   const int64_t state_floats = StateFloats(layout);
-  for (int64_t r = 0; r < rows; ++r) {
-    float* row_scores = scores + r * keys;
-    float* state = states + r * state_floats;
-    state[kStateMax] = kernels.max(row_scores, keys);
-    state[kStateSum] = kernels.exp_and_sum(row_scores, keys, state[kStateMax]);
+  for (int64_t first_row = 0; first_row < rows; first_row += block_rows) {
+    const int64_t count = std::min(block_rows, rows - first_row);
+    // Row r = i * group + g is query i's head kv_head * group + g.
+    for (int64_t r = 0; r < count; ++r) {
+      const int64_t i = (first_row + r) / group, g = (first_row + r) % group;
+      std::copy_n(sequence.query + (i * batch.num_heads + kv_head * group + g) * key_dim, key_dim,
+                  queries + r * key_dim);
+    }
+    GemmPanels(level, queries, key_dim, count, key_panels, key_dim, keys, 0, PanelCount(keys),
+               batch.scale, nullptr, scores, keys);
+    float* block_states = states + first_row * state_floats;
+    for (int64_t r = 0; r < count; ++r) {
+      float* row_scores = scores + r * keys;
+      float* state = block_states + r * state_floats;
+      state[kStateMax] = kernels.max(row_scores, keys);
+      state[kStateSum] = kernels.exp_and_sum(row_scores, keys, state[kStateMax]);
+    }
+    GemmPanels(level, scores, keys, count, value_panels, keys, value_dim, 0, PanelCount(value_dim),
+               1.0f, nullptr, block_states + kStateAccumulator, state_floats);
   }
-  GemmPanels(level, scores, keys, rows, value_panels, keys, value_dim, 0, PanelCount(value_dim),
-             1.0f, nullptr, states + kStateAccumulator, state_floats);
 }
 
 // The splits of one (sequence, KV head): states [split][row][state], merged in split order.
