@@ -101,6 +101,23 @@ PAGED_INLINE void WidenBFloat16Generic(const uint16_t* __restrict source, int64_
   }
 }
 
+// Key `key` of `sequence` and its value for `kv_head`: a head's rows run on contiguously to
+// the end of the key's block.
+struct KvRows {
+  const char* keys;
+  const char* values;
+};
+KvRows KvRowsAt(const PagedDecodeBatch& batch, const PagedDecodeSequence& sequence, int64_t kv_head,
+                int64_t key) {
+  const int64_t tokens_per_block = batch.tokens_per_block, slot = key % tokens_per_block;
+  const int64_t element_bytes = batch.layout.ElementBytes();
+  const char* block = static_cast<const char*>(batch.storage.data) +
+                      sequence.block_table[key / tokens_per_block] * batch.storage.block_bytes;
+  return {
+      block + kv_cache::KeyOffset(batch.layout, tokens_per_block, slot, kv_head) * element_bytes,
+      block + kv_cache::ValueOffset(batch.layout, tokens_per_block, slot, kv_head) * element_bytes};
+}
+
 struct RowKernels {
   void (*scores)(const float*, const float*, int64_t, int64_t, int64_t, float, float*);
   void (*accumulate)(float*, const float*, const float*, int64_t, int64_t, int64_t);
@@ -322,13 +339,10 @@ void AttendSplit(const RowKernels& kernels, const PagedDecodeBatch& batch,
     int64_t count;
   };
   const auto tile_at = [&](int64_t first) {
-    const int64_t slot = first % tokens_per_block;
-    const char* block = static_cast<const char*>(batch.storage.data) +
-                        sequence.block_table[first / tokens_per_block] * batch.storage.block_bytes;
-    const int64_t key = kv_cache::KeyOffset(layout, tokens_per_block, slot, kv_head);
-    const int64_t value = kv_cache::ValueOffset(layout, tokens_per_block, slot, kv_head);
-    return Tile{block + key * element_bytes, block + value * element_bytes,
-                std::min({key_end - first, tokens_per_block - slot, kTileKeys})};
+    const KvRows rows = KvRowsAt(batch, sequence, kv_head, first);
+    return Tile{
+        rows.keys, rows.values,
+        std::min({key_end - first, tokens_per_block - first % tokens_per_block, kTileKeys})};
   };
   const bool in_pairs = n > 1;
   // Keys before the window of the first query are seen by none.
@@ -419,7 +433,6 @@ void AttendWholeSplitAsGemm(const RowKernels& kernels, SimdLevel level,
   const int64_t key_dim = layout.key_dim, value_dim = layout.value_dim;
   const int64_t group = batch.num_heads / layout.num_kv_heads;
   const int64_t n = sequence.num_queries, rows = n * group, keys = key_end - key_begin;
-  const int64_t tokens_per_block = batch.tokens_per_block;
   const int64_t element_bytes = layout.ElementBytes();
   thread_local std::vector<float> scratch;
   constexpr int64_t kChunk = kPanelWidth;  // keys gathered at a time: one panel of K^T
@@ -437,13 +450,10 @@ void AttendWholeSplitAsGemm(const RowKernels& kernels, SimdLevel level,
   const bool bfloat16 = layout.dtype == DType::kBFloat16;
   float widened[kPanelWidth];
   for (int64_t key = key_begin; key < key_end; ++key) {
-    const int64_t slot = key % tokens_per_block, index = key - key_begin;
-    const char* block = static_cast<const char*>(batch.storage.data) +
-                        sequence.block_table[key / tokens_per_block] * batch.storage.block_bytes;
-    const char* key_bytes =
-        block + kv_cache::KeyOffset(layout, tokens_per_block, slot, kv_head) * element_bytes;
-    const char* value_bytes =
-        block + kv_cache::ValueOffset(layout, tokens_per_block, slot, kv_head) * element_bytes;
+    const int64_t index = key - key_begin;
+    const KvRows at = KvRowsAt(batch, sequence, kv_head, key);
+    const char* key_bytes = at.keys;
+    const char* value_bytes = at.values;
     float* key_row = chunk_keys + (index % kChunk) * key_dim;
     if (bfloat16) {
       kernels.widen_bfloat16(reinterpret_cast<const uint16_t*>(key_bytes), key_dim, key_row);

@@ -122,6 +122,11 @@ class CudaRegion final : public SharedMemoryRegion {
   const std::unique_ptr<core::SharedDeviceMemory> memory_;
 };
 
+// Whether `region` is of that kind and named `name` (any name when empty).
+bool Matches(const SharedMemoryRegion& region, bool on_device, const std::string& name) {
+  return region.on_device() == on_device && (name.empty() || region.name == name);
+}
+
 absl::Status NotRegistered(const std::string& name) {
   return absl::NotFoundError(absl::StrCat("name = ", Quoted(name), " is not a registered region"));
 }
@@ -222,8 +227,7 @@ absl::Status SharedMemory::UnregisterCuda(const std::string& name) {
 absl::Status SharedMemory::Remove(bool on_device, const std::string& name) {
   core::MutexLock lock(mu_);
   for (auto it = regions_.begin(); it != regions_.end();) {
-    const bool match = it->second->on_device() == on_device && (name.empty() || it->first == name);
-    it = match ? regions_.erase(it) : std::next(it);
+    it = Matches(*it->second, on_device, name) ? regions_.erase(it) : std::next(it);
   }
   return absl::OkStatus();
 }
@@ -233,9 +237,7 @@ std::vector<std::shared_ptr<const SharedMemoryRegion>> SharedMemory::Matching(
   std::vector<std::shared_ptr<const SharedMemoryRegion>> found;
   core::MutexLock lock(mu_);
   for (const auto& [region_name, region] : regions_) {
-    if (region->on_device() == on_device && (name.empty() || region_name == name)) {
-      found.push_back(region);
-    }
+    if (Matches(*region, on_device, name)) found.push_back(region);
   }
   return found;
 }
