@@ -296,43 +296,59 @@ TEST_P(PagedDecodeLevelTest, ForksSharingAPrefixAreBitwiseTheirAnswersAlone) {
 // batch with sharing off (the plain path) as the rule's reference.
 TEST_P(PagedDecodeLevelTest, ManyForksShareTheirPrefixAsMatrixProductsWithinTheRule) {
   constexpr uint64_t kSeed = 46;
-  for (const DType dtype : {DType::kFloat32, DType::kBFloat16}) {
-    SCOPED_TRACE(absl::StrCat(DTypeName(dtype), ", seed ", kSeed));
-    // GQA 4:1 and 1-3 queries per fork: 35 sequences of 2,049-2,600 keys sharing 2,048, 272
-    // query rows: more than one pass of the products takes (256). The second sequence, not
-    // attended, makes the pool large enough for the forks' own blocks.
-    PagedPool pool(Shape{8, 2, 64, 48, 16, dtype}, {{2600, 1}, {8000, 1}}, kSeed);
-    std::vector<size_t> all = {0};
-    int64_t rows = 4;
-    for (int f = 0; f < 34; ++f) {
-      const int64_t queries = 1 + f % 3;
-      all.push_back(pool.AddFork(0, 128, 2049 + (19 * f) % 300, queries, kSeed + 1 + f));
-      rows += 4 * queries;
-    }
-    ASSERT_GT(rows, 256);
-    ThreadPool threads(2);
-    PagedAttendStats stats;
-    std::vector<PagedDecodeSequence> entries;
-    PagedDecodeBatch batch = pool.Batch(all, entries);
-    batch.stats = &stats;
-    ASSERT_TRUE(PagedDecodeCpu(batch, threads, GetParam()).ok());
-    EXPECT_EQ(stats.shared_blocks, 128);  // 2,048 keys in blocks of 16
-    const std::vector<Sequence> shared = pool.sequences();
-    ASSERT_TRUE(RunCpu(pool, all, threads, GetParam(), /*share_prefixes=*/false).ok());
-    const std::string level = SimdLevelName(GetParam());
-    FidelityStats outputs("gemm forks " + level), lses("gemm forks lse " + level);
-    FidelityStats against_plain("gemm forks against the plain path " + level);
-    for (const size_t i : all) {
-      std::vector<double> oracle, oracle_lse;
-      std::vector<float> textbook, textbook_lse;
-      testing::PagedReferenceDecode<double>(pool.shape(), shared[i], pool.scale(), 0, &oracle,
-                                            &oracle_lse);
-      testing::PagedReferenceDecode<float>(pool.shape(), shared[i], pool.scale(), 0, &textbook,
-                                           &textbook_lse);
-      EXPECT_TRUE(against_plain.Check(shared[i].output, pool.sequences()[i].output, oracle))
-          << "sequence " << i;
-      EXPECT_TRUE(outputs.Check(shared[i].output, textbook, oracle)) << "sequence " << i;
-      EXPECT_TRUE(lses.Check(shared[i].log_sum_exp, textbook_lse, oracle_lse)) << "sequence " << i;
+  struct Case {
+    int64_t heads, kv_heads, key_dim, value_dim, forks, most_queries, min_rows;
+  };
+  const Case cases[] = {
+      // GQA 4:1 and 1-3 queries per fork: 35 sequences, 272 query rows, more than one pass
+      // of the products takes (256).
+      {8, 2, 64, 48, 34, 3, 257},
+      // Odd head sizes (a partial panel of values) and GQA 3:1, one query per fork: 22
+      // sequences, 66 rows, just past kSharedPrefixGemmRows.
+      {6, 2, 36, 20, 21, 1, kSharedPrefixGemmRows},
+  };
+  for (const Case& c : cases) {
+    for (const DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+      SCOPED_TRACE(absl::StrCat(DTypeName(dtype), ", dk ", c.key_dim, ", dv ", c.value_dim,
+                                ", seed ", kSeed));
+      // Sequences of 2,049-2,600 keys sharing 2,048. The second sequence, not attended, makes
+      // the pool large enough for the forks' own blocks.
+      PagedPool pool(Shape{c.heads, c.kv_heads, c.key_dim, c.value_dim, 16, dtype},
+                     {{2600, 1}, {8000, 1}}, kSeed);
+      const int64_t group = c.heads / c.kv_heads;
+      std::vector<size_t> all = {0};
+      int64_t rows = group;
+      for (int f = 0; f < c.forks; ++f) {
+        const int64_t queries = 1 + f % c.most_queries;
+        all.push_back(pool.AddFork(0, 128, 2049 + (19 * f) % 300, queries, kSeed + 1 + f));
+        rows += group * queries;
+      }
+      ASSERT_GE(rows, c.min_rows);
+      ThreadPool threads(2);
+      PagedAttendStats stats;
+      std::vector<PagedDecodeSequence> entries;
+      PagedDecodeBatch batch = pool.Batch(all, entries);
+      batch.stats = &stats;
+      ASSERT_TRUE(PagedDecodeCpu(batch, threads, GetParam()).ok());
+      EXPECT_EQ(stats.shared_blocks, 128);  // 2,048 keys in blocks of 16
+      const std::vector<Sequence> shared = pool.sequences();
+      ASSERT_TRUE(RunCpu(pool, all, threads, GetParam(), /*share_prefixes=*/false).ok());
+      const std::string level = SimdLevelName(GetParam());
+      FidelityStats outputs("gemm forks " + level), lses("gemm forks lse " + level);
+      FidelityStats against_plain("gemm forks against the plain path " + level);
+      for (const size_t i : all) {
+        std::vector<double> oracle, oracle_lse;
+        std::vector<float> textbook, textbook_lse;
+        testing::PagedReferenceDecode<double>(pool.shape(), shared[i], pool.scale(), 0, &oracle,
+                                              &oracle_lse);
+        testing::PagedReferenceDecode<float>(pool.shape(), shared[i], pool.scale(), 0, &textbook,
+                                             &textbook_lse);
+        EXPECT_TRUE(against_plain.Check(shared[i].output, pool.sequences()[i].output, oracle))
+            << "sequence " << i;
+        EXPECT_TRUE(outputs.Check(shared[i].output, textbook, oracle)) << "sequence " << i;
+        EXPECT_TRUE(lses.Check(shared[i].log_sum_exp, textbook_lse, oracle_lse))
+            << "sequence " << i;
+      }
     }
   }
 }
