@@ -6,6 +6,7 @@
 #define ATTENTION_CORE_BACKEND_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -103,6 +104,10 @@ class Backend {
 
   // The device's memory; nullopt for the host.
   virtual std::optional<DeviceMemory> Memory() const { return std::nullopt; }
+
+  // Attention calls since start by the path that ran them, where a backend has several (the
+  // CUDA backend: "cudnn", cuDNN's fused SDPA, and "kernels", its own); empty otherwise.
+  virtual std::map<std::string, int64_t> AttentionCallsByPath() const { return {}; }
 };
 
 // The head sizes of a scaled dot-product attention call as a layer config, for Supports.

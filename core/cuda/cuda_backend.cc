@@ -4,8 +4,11 @@
 
 #include <cuda_runtime.h>
 
+#include <iostream>
+
 #include "absl/strings/str_cat.h"
 #include "core/cuda/cuda_kv_storage.h"
+#include "core/cuda/cudnn_sdpa.h"
 #include "core/cuda/device_backend.h"
 #include "core/cuda/ipc_memory.h"
 
@@ -31,6 +34,8 @@ absl::StatusOr<std::shared_ptr<const Backend>> OpenCudaBackend(int device) {
     return absl::FailedPreconditionError(
         absl::StrCat("cannot open cuda:", device, ": ", cudaGetErrorString(error)));
   }
+  std::cerr << "attention-service: cuda:" << device << ": "
+            << cuda::CudnnSdpaSummary(properties.major) << std::endl;
   return std::shared_ptr<const Backend>(std::make_shared<cuda::CudaBackend>(device, properties));
 }
 

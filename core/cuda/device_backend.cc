@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/cuda/cuda_status.h"
+#include "core/cuda/cudnn_sdpa.h"
 #include "core/cuda/launch_plan.h"
 #include "core/cuda/prepared_layer.h"
 #include "core/status_macros.h"
@@ -24,6 +25,7 @@ CudaBackend::CudaBackend(int device, const cudaDeviceProp& properties)
     : device_(device),
       name_(absl::StrCat("cuda:", device)),
       max_shared_bytes_(static_cast<int64_t>(properties.sharedMemPerBlockOptin)),
+      compute_major_(properties.major),
       contexts_(device),
       host_copies_(HostCopyThreads()) {}
 
@@ -49,6 +51,10 @@ absl::StatusOr<std::unique_ptr<PreparedLayer>> CudaBackend::Prepare(
   return prepared;
 }
 
+std::map<std::string, int64_t> CudaBackend::AttentionCallsByPath() const {
+  return {{"cudnn", cudnn_calls_.load()}, {"kernels", kernel_calls_.load()}};
+}
+
 std::optional<DeviceMemory> CudaBackend::Memory() const {
   size_t free_bytes = 0, total_bytes = 0;
   if (cudaSetDevice(device_) != cudaSuccess ||
@@ -59,8 +65,13 @@ std::optional<DeviceMemory> CudaBackend::Memory() const {
                       static_cast<int64_t>(total_bytes)};
 }
 
-absl::Status CudaBackend::Attend(const DeviceAttentionProblem& problem, cudaStream_t stream) const {
+absl::Status CudaBackend::Attend(const DeviceAttentionProblem& problem,
+                                 StreamContext& context) const {
   RETURN_IF_ERROR(KernelSupports(problem.shape));
+  ASSIGN_OR_RETURN(const bool on_cudnn, AttendOnCudnn(problem, device_, compute_major_, context));
+  (on_cudnn ? cudnn_calls_ : kernel_calls_).fetch_add(1, std::memory_order_relaxed);
+  if (on_cudnn) return absl::OkStatus();
+  const cudaStream_t stream = context.stream;
   if (problem.bf16_products &&
       MmaKernelTakes(problem.shape, problem.weights != nullptr, max_shared_bytes_)) {
     return CudaStatus(LaunchMmaAttention(problem, PlanMmaAttention(problem.shape), stream),

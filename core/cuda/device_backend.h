@@ -4,7 +4,9 @@
 #ifndef ATTENTION_CORE_CUDA_DEVICE_BACKEND_H_
 #define ATTENTION_CORE_CUDA_DEVICE_BACKEND_H_
 
+#include <atomic>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -36,6 +38,7 @@ class CudaBackend final : public Backend {
   bool ConvertsHalfInputs() const override { return true; }
 
   std::optional<DeviceMemory> Memory() const override;
+  std::map<std::string, int64_t> AttentionCallsByPath() const override;
 
   // The calling thread's stream context on this device, created on first use.
   absl::StatusOr<StreamContext*> Context() const { return contexts_.ForThisThread(); }
@@ -43,8 +46,9 @@ class CudaBackend final : public Backend {
   // The threads that copy a call's arrays into pinned staging and its answers out of it.
   ThreadPool& host_copies() const { return host_copies_; }
 
-  // Runs one problem (shape checked by Supports) on `stream`.
-  absl::Status Attend(const DeviceAttentionProblem& problem, cudaStream_t stream) const;
+  // Runs one problem (shape checked by Supports) on `context`'s stream: on cuDNN's fused
+  // SDPA where it takes the call (cudnn_sdpa_plan.h), else on this project's kernels.
+  absl::Status Attend(const DeviceAttentionProblem& problem, StreamContext& context) const;
 
  private:
   // UNIMPLEMENTED naming this device and what the attention kernel cannot do, or OK.
@@ -53,8 +57,10 @@ class CudaBackend final : public Backend {
   const int device_;
   const std::string name_;
   const int64_t max_shared_bytes_;
+  const int compute_major_;
   StreamContexts contexts_;
   mutable ThreadPool host_copies_;
+  mutable std::atomic<int64_t> cudnn_calls_{0}, kernel_calls_{0};
 };
 
 }  // namespace attention::core::cuda

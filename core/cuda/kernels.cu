@@ -347,6 +347,44 @@ __global__ void FloatToBFloat16Kernel(const float* in, uint16_t* out, int64_t co
   }
 }
 
+// Element e of a dense [batch][heads][padded_rows][dim] tensor: its (b, h, row, column).
+struct DenseIndex {
+  int64_t b, h, row, column;
+};
+__device__ inline DenseIndex DenseAt(int64_t e, int64_t heads, int64_t padded_rows, int64_t dim) {
+  const int64_t column = e % dim, row = e / dim % padded_rows,
+                head_and_batch = e / dim / padded_rows;
+  return {head_and_batch / heads, head_and_batch % heads, row, column};
+}
+
+__global__ void PackBf16RowsKernel(const float* src, DeviceLayout layout, int64_t count,
+                                   int64_t heads, int64_t rows, int64_t padded_rows, int64_t dim,
+                                   uint16_t* dst) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < count;
+       e += stride) {
+    const DenseIndex at = DenseAt(e, heads, padded_rows, dim);
+    dst[e] = at.row < rows
+                 ? FloatToBFloat16Bits(src[at.b * layout.batch_stride + at.h * layout.head_stride +
+                                           at.row * layout.row_stride + at.column])
+                 : 0;  // padding: zeros, so masked keys' values add nothing (0 * NaN)
+  }
+}
+
+// `count` = batch * heads * rows * dim: every element of the true rows, none of the padding.
+__global__ void UnpackBf16RowsKernel(const uint16_t* src, int64_t count, int64_t heads,
+                                     int64_t rows, int64_t padded_rows, int64_t dim, float* dst,
+                                     DeviceLayout layout) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < count;
+       e += stride) {
+    const DenseIndex at = DenseAt(e, heads, rows, dim);
+    dst[at.b * layout.batch_stride + at.h * layout.head_stride + at.row * layout.row_stride +
+        at.column] =
+        BFloat16BitsToFloat(src[((at.b * heads + at.h) * padded_rows + at.row) * dim + at.column]);
+  }
+}
+
 __global__ void AddBiasKernel(float* y, int64_t rows, int64_t width, int64_t row_stride,
                               const float* bias) {
   const int64_t total = rows * width;
@@ -429,6 +467,24 @@ cudaError_t LaunchHalfToFloat(const uint16_t* in, float* out, int64_t count, boo
 cudaError_t LaunchFloatToBFloat16(const float* in, uint16_t* out, int64_t count,
                                   cudaStream_t stream) {
   FloatToBFloat16Kernel<<<GridFor(count), 256, 0, stream>>>(in, out, count);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchPackBf16Rows(const float* src, const DeviceLayout& layout, int64_t batch,
+                               int64_t heads, int64_t rows, int64_t padded_rows, int64_t dim,
+                               uint16_t* dst, cudaStream_t stream) {
+  const int64_t count = batch * heads * padded_rows * dim;
+  PackBf16RowsKernel<<<GridFor(count), 256, 0, stream>>>(src, layout, count, heads, rows,
+                                                         padded_rows, dim, dst);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchUnpackBf16Rows(const uint16_t* src, int64_t batch, int64_t heads, int64_t rows,
+                                 int64_t padded_rows, int64_t dim, float* dst,
+                                 const DeviceLayout& layout, cudaStream_t stream) {
+  const int64_t count = batch * heads * rows * dim;
+  UnpackBf16RowsKernel<<<GridFor(count), 256, 0, stream>>>(src, count, heads, rows, padded_rows,
+                                                           dim, dst, layout);
   return cudaGetLastError();
 }
 

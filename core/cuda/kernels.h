@@ -63,6 +63,16 @@ cudaError_t LaunchHalfToFloat(const uint16_t* in, float* out, int64_t count, boo
 cudaError_t LaunchFloatToBFloat16(const float* in, uint16_t* out, int64_t count,
                                   cudaStream_t stream);
 
+// dst, dense [batch][heads][padded_rows][dim] bf16 = src (at `layout`) rounded to bf16, for
+// rows < `rows`; zeros in the padding rows (cuDNN's SDPA inputs; see cudnn_sdpa_plan.h).
+cudaError_t LaunchPackBf16Rows(const float* src, const DeviceLayout& layout, int64_t batch,
+                               int64_t heads, int64_t rows, int64_t padded_rows, int64_t dim,
+                               uint16_t* dst, cudaStream_t stream);
+// The reverse for the first `rows` rows of each head: dst (at `layout`) = src widened.
+cudaError_t LaunchUnpackBf16Rows(const uint16_t* src, int64_t batch, int64_t heads, int64_t rows,
+                                 int64_t padded_rows, int64_t dim, float* dst,
+                                 const DeviceLayout& layout, cudaStream_t stream);
+
 // rows x width: y[r, c] += bias[c].
 cudaError_t LaunchAddBias(float* y, int64_t rows, int64_t width, int64_t row_stride,
                           const float* bias, cudaStream_t stream);

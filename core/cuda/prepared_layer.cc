@@ -269,7 +269,7 @@ absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::ForwardBatch(
     AttentionProblem problem = plan.Attention(n, q, k, v, attended);
     problem.bf16_products = bf16;
     RETURN_IF_ERROR(
-        backend_.Attend(ToDeviceProblem(problem, masks[n], weights[n], device), context->stream));
+        backend_.Attend(ToDeviceProblem(problem, masks[n], weights[n], device), *context));
   }
   if (c.output_projection) {
     RETURN_IF_ERROR(linear(attended, q_rows, c.AttentionWidth(), weights_.out_weight,

@@ -42,7 +42,7 @@ absl::StatusOr<AttentionResult> CudaBackend::ScaledDotProductAttention(const Sdp
   auto on_device = [device](int64_t at) { return reinterpret_cast<float*>(device + at); };
   const AttentionProblem problem = SdpaProblem<float>(
       in, on_device(q_at), on_device(k_at), on_device(v_at), on_device(output_at), nullptr);
-  RETURN_IF_ERROR(Attend(ToDeviceProblem(problem, mask, weights, device), context->stream));
+  RETURN_IF_ERROR(Attend(ToDeviceProblem(problem, mask, weights, device), *context));
   RETURN_IF_ERROR(
       CudaStatus(cudaMemcpyAsync(staging + staged.output_offset, device + staged.output_offset,
                                  staged.output_bytes, cudaMemcpyDeviceToHost, context->stream),

@@ -10,6 +10,7 @@ namespace attention::core::cuda {
 StreamContexts::~StreamContexts() {
   cudaSetDevice(device_);
   for (auto& [thread, context] : contexts_) {
+    context->cudnn.reset();  // its handle is bound to the stream
     cublasDestroy(context->cublas);
     cudaStreamDestroy(context->stream);
   }

@@ -5,6 +5,7 @@
 
 #include <map>
 #include <memory>
+#include <string>
 #include <thread>
 
 #include <cublas_v2.h>
@@ -12,6 +13,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "core/cuda/cudnn_sdpa_library.h"
 #include "core/cuda/device_buffer.h"
 #include "core/mutex.h"
 
@@ -22,6 +24,10 @@ struct StreamContext {
   cublasHandle_t cublas = nullptr;
   DeviceBuffer device;
   PinnedBuffer staging;
+  // cuDNN's handle and graphs (cudnn_sdpa.h), made on this thread's first eligible call;
+  // or why cuDNN could not start here.
+  std::unique_ptr<CudnnSdpaRunner> cudnn;
+  std::string cudnn_unavailable;
 };
 
 // The stream contexts of GPU `device`, one per calling thread, created on first use and

@@ -43,6 +43,9 @@ void AttentionServiceImpl::RefreshLayerMetrics() {
     if (const std::optional<core::DeviceMemory> memory = backend->Memory()) {
       metrics_.SetDeviceMemory(device, memory->used_bytes, memory->total_bytes);
     }
+    for (const auto& [path, calls] : backend->AttentionCallsByPath()) {
+      metrics_.SetAttentionCalls(device, path, calls);
+    }
   }
 }
 

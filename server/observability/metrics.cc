@@ -151,7 +151,13 @@ Metrics::Metrics(absl::string_view default_device, absl::string_view blas_core)
       device_memory_total_(prometheus::BuildGauge()
                                .Name("attention_device_memory_total_bytes")
                                .Help("Memory of an accelerator, by device")
-                               .Register(*registry_)) {
+                               .Register(*registry_)),
+      device_attention_calls_(
+          prometheus::BuildCounter()
+              .Name("attention_device_attention_calls_total")
+              .Help("Attention calls on an accelerator by the path that ran them: cudnn "
+                    "(cuDNN's fused SDPA) or kernels (this project's)")
+              .Register(*registry_)) {
   prometheus::BuildGauge()
       .Name("attention_build_info")
       .Help("Build information; the value is always 1")
@@ -260,6 +266,13 @@ void Metrics::SetDeviceMemory(absl::string_view device, int64_t used_bytes, int6
   const prometheus::Labels labels = {{"device", std::string(device)}};
   device_memory_used_.Add(labels).Set(static_cast<double>(used_bytes));
   device_memory_total_.Add(labels).Set(static_cast<double>(total_bytes));
+}
+
+void Metrics::SetAttentionCalls(absl::string_view device, absl::string_view path, int64_t total) {
+  core::MutexLock lock(attention_calls_mutex_);
+  prometheus::Counter& counter =
+      device_attention_calls_.Add({{"device", std::string(device)}, {"path", std::string(path)}});
+  if (total > counter.Value()) counter.Increment(static_cast<double>(total) - counter.Value());
 }
 
 void Metrics::LayerBatchFinished(absl::string_view layer, int64_t requests, absl::Duration queued,

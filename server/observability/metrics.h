@@ -77,6 +77,8 @@ class Metrics {
   void CountSessionRefusal(absl::string_view reason);
   // Memory of an accelerator: bytes in use (by this process and others) and in total.
   void SetDeviceMemory(absl::string_view device, int64_t used_bytes, int64_t total_bytes);
+  // Attention calls on `device` since start that ran on `path` (Backend::AttentionCallsByPath).
+  void SetAttentionCalls(absl::string_view device, absl::string_view path, int64_t total);
 
   // Cumulative counts and times of one layer's computed batches, for the Open Inference
   // Protocol's ModelStatistics (the Prometheus histograms hold the same by bucket).
@@ -126,6 +128,8 @@ class Metrics {
   core::Mutex kv_totals_mutex_;  // counters follow the table's totals one refresh at a time
   prometheus::Family<prometheus::Gauge>& device_memory_used_;
   prometheus::Family<prometheus::Gauge>& device_memory_total_;
+  prometheus::Family<prometheus::Counter>& device_attention_calls_;
+  core::Mutex attention_calls_mutex_;  // as kv_totals_mutex_
   mutable core::Mutex layer_statistics_mutex_;
   std::map<std::string, LayerStatistics> layer_statistics_
       ABSL_GUARDED_BY(layer_statistics_mutex_);

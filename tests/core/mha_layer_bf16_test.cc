@@ -55,15 +55,24 @@ class Bf16LayerTest : public ::testing::TestWithParam<Bf16Path> {
   std::shared_ptr<const Backend> backend_;
 };
 
+// Which calls ExpectBf16RuleOnRandomConfigs makes.
+enum class Bf16Calls {
+  kAny,              // odd head sizes, every mask, weights
+  kTensorCoreHeads,  // head sizes multiples of 16 up to 128, several 64-key tiles, few weights
+  kCudnnCalls,       // what cuDNN's SDPA takes (cudnn_sdpa_plan.h): heads multiples of 8 up to
+                     // 128, no weights, no dropout, causal or sliding windows or no mask
+};
+
 // Random configs (GQA, odd head sizes, cross-attention, RoPE with scaling, causal and
 // windows, no output projection) and options (masks, fully masked rows, weights), several
 // requests packed into a batch, on `backend`. The oracle is the float64 forward of the
-// float32 layer on the original weights and inputs. With `tensor_core_heads`, head sizes
-// are multiples of 16 up to 128, sequences span several 64-key tiles and most inputs ask
-// for no weights: the shapes the CUDA backend's mma kernel takes.
+// float32 layer on the original weights and inputs. `calls` narrows them to the shapes one
+// GPU path takes.
 void ExpectBf16RuleOnRandomConfigs(const std::shared_ptr<const Backend>& backend,
                                    const std::string& name, uint64_t seed,
-                                   bool tensor_core_heads = false) {
+                                   Bf16Calls calls = Bf16Calls::kAny) {
+  const bool tensor_core_heads = calls != Bf16Calls::kAny;
+  const bool cudnn_calls = calls == Bf16Calls::kCudnnCalls;
   SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
   std::mt19937_64 rng(seed);
   auto uniform = [&rng](int64_t lo, int64_t hi) {
@@ -76,8 +85,10 @@ void ExpectBf16RuleOnRandomConfigs(const std::shared_ptr<const Backend>& backend
     MhaConfig config;
     config.num_kv_heads = uniform(1, 3);
     config.num_heads = config.num_kv_heads * uniform(1, 3);
-    config.head_dim = tensor_core_heads ? 16 * uniform(1, 8) : 2 * uniform(1, 20);
-    config.v_head_dim = coin(0.5) ? 0 : tensor_core_heads ? 16 * uniform(1, 8) : uniform(1, 33);
+    const int64_t tensor_core_step = cudnn_calls ? 8 : 16;
+    auto head_size = [&] { return tensor_core_step * uniform(1, 128 / tensor_core_step); };
+    config.head_dim = tensor_core_heads ? head_size() : 2 * uniform(1, 20);
+    config.v_head_dim = coin(0.5) ? 0 : tensor_core_heads ? head_size() : uniform(1, 33);
     config.embed_dim = uniform(1, 80);
     config.kdim = coin(0.7) ? 0 : uniform(1, 40);
     config.vdim = coin(0.7) ? 0 : uniform(1, 40);
@@ -122,6 +133,12 @@ void ExpectBf16RuleOnRandomConfigs(const std::shared_ptr<const Backend>& backend
       in.options = RandomOptions(rng, {in.batch, c.num_heads, c.num_kv_heads, in.q_len, in.kv_len,
                                        c.head_dim, c.v_head_dim});
       if (tensor_core_heads && coin(0.8)) in.options.need_weights = NeedWeights::kNone;
+      if (cudnn_calls) {
+        AttentionOptions plain;  // causal (bottom-right) or nothing, and a scale at times
+        plain.causal = in.q_len <= in.kv_len && coin(0.5);
+        if (coin(0.3)) plain.scale = 0.5f / static_cast<float>(c.head_dim);
+        in.options = plain;
+      }
       ASSERT_TRUE((*bf16)->ValidateInput(in).ok()) << (*bf16)->ValidateInput(in);
     }
     std::vector<const MhaInput*> pointers;
@@ -155,7 +172,15 @@ TEST_P(Bf16LayerTest, BatchedForwardFollowsTheBf16RuleOnRandomConfigs) {
 TEST_P(Bf16LayerTest, LongerSequencesOfWideHeadsFollowTheBf16Rule) {
   ExpectBf16RuleOnRandomConfigs(
       backend_, std::string(Bf16ProjectionName(GetParam().projection)) + ", wide heads",
-      TestSeed(2616), /*tensor_core_heads=*/true);
+      TestSeed(2616), Bf16Calls::kTensorCoreHeads);
+}
+
+// The calls the GPU hands to cuDNN, on the CPU's kernels: the same rule on every host (and a
+// check of those calls' generation where no GPU runs them).
+TEST_P(Bf16LayerTest, CudnnShapedCallsFollowTheBf16Rule) {
+  ExpectBf16RuleOnRandomConfigs(
+      backend_, std::string(Bf16ProjectionName(GetParam().projection)) + ", cuDNN calls",
+      TestSeed(2618), Bf16Calls::kCudnnCalls);
 }
 
 // The same on the GPU: projections on tensor cores (cuBLAS bf16 GEMMs, float32
@@ -172,7 +197,20 @@ TEST(Bf16CudaLayerTest, TensorCoreHeadsFollowTheBf16Rule) {
   auto backend = testing::TestDevices().Get("cuda");
   if (!backend.ok()) GTEST_SKIP() << "backend cuda cannot run here: " << backend.status().message();
   ExpectBf16RuleOnRandomConfigs(*backend, "cuda, tensor-core heads", TestSeed(2615),
-                                /*tensor_core_heads=*/true);
+                                Bf16Calls::kTensorCoreHeads);
+}
+
+// Calls cuDNN's fused SDPA takes (issue 40): they must run there (a GPU machine whose cuDNN
+// cannot load fails here; its start-up line says why) and follow the bf16 rule. SKIPPED
+// where no GPU can run.
+TEST(Bf16CudaLayerTest, CudnnCallsFollowTheBf16Rule) {
+  auto backend = testing::TestDevices().Get("cuda");
+  if (!backend.ok()) GTEST_SKIP() << "backend cuda cannot run here: " << backend.status().message();
+  const int64_t before = (*backend)->AttentionCallsByPath()["cudnn"];
+  ExpectBf16RuleOnRandomConfigs(*backend, "cuda, cuDNN calls", TestSeed(2617),
+                                Bf16Calls::kCudnnCalls);
+  EXPECT_GT((*backend)->AttentionCallsByPath()["cudnn"], before)
+      << "no call ran on cuDNN's SDPA (ATTENTION_CUDNN_SDPA, or the plugin's start-up line)";
 }
 
 // Mutation check of the rule above: a layer that multiplied in bf16 but rounded nothing

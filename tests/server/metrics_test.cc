@@ -90,5 +90,23 @@ TEST_F(MetricsTest, CountRequestsByMethodAndCode) {
   EXPECT_EQ(text.find("unknown-layer"), std::string::npos);
 }
 
+// A GPU's attention calls by path follow the backend's totals: a counter that never goes
+// back, a series per (device, path). The CPU backend reports none, so no series here.
+TEST_F(MetricsTest, AttentionCallsByPathFollowTheBackendsTotals) {
+  Metrics& metrics = server_->metrics();
+  metrics.SetAttentionCalls("cuda:0", "cudnn", 5);
+  metrics.SetAttentionCalls("cuda:0", "kernels", 2);
+  metrics.SetAttentionCalls("cuda:0", "cudnn", 3);  // an older total raises nothing
+  const std::string series = R"(attention_device_attention_calls_total{device="cuda:0",path=")";
+  std::string text = Scrape(server_->metrics_port());
+  EXPECT_EQ(Sample(text, series + R"(cudnn"})"), 5) << text;
+  EXPECT_EQ(Sample(text, series + R"(kernels"})"), 2);
+  metrics.SetAttentionCalls("cuda:0", "cudnn", 9);
+  text = Scrape(server_->metrics_port());
+  EXPECT_EQ(Sample(text, series + R"(cudnn"})"), 9);
+  EXPECT_TRUE(server_->default_backend().AttentionCallsByPath().empty());
+  EXPECT_EQ(text.find(R"(device="cpu",path=)"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace attention::server::testing

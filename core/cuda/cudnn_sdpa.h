@@ -1,0 +1,37 @@
+// cuDNN's fused SDPA inside the CUDA backend (issue 40): the library of
+// cudnn_sdpa_library.h loaded once per process, and a call run on it when
+// cudnn_sdpa_plan.h says cuDNN takes it.
+#ifndef ATTENTION_CORE_CUDA_CUDNN_SDPA_H_
+#define ATTENTION_CORE_CUDA_CUDNN_SDPA_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "core/cuda/cudnn_sdpa_library.h"
+#include "core/cuda/cudnn_sdpa_plan.h"
+#include "core/cuda/kernels.h"
+#include "core/cuda/streams.h"
+
+namespace attention::core::cuda {
+
+// The library beside this plugin, loaded on the first call; null with `why_not` set when it
+// cannot be: ATTENTION_CUDNN_SDPA=off, or no cuDNN 9 (or NVRTC) this process can load.
+const CudnnSdpaLibrary* LoadCudnnSdpa(std::string* why_not);
+
+// The start-up line of a GPU of compute capability `sm_major`: the cuDNN version and the
+// calls it takes, or why attention stays on this project's kernels.
+std::string CudnnSdpaSummary(int sm_major);
+
+// The facts of `problem` that CudnnSdpaIneligibleReason judges.
+CudnnSdpaCall CudnnSdpaCallOf(const DeviceAttentionProblem& problem);
+
+// Enqueues `problem` on cuDNN on `context`'s stream when it is eligible and cuDNN builds its
+// graph: true when it did, false when the project's kernels should run it. Errors are
+// cuDNN's or CUDA's failures once the call was on its way.
+absl::StatusOr<bool> AttendOnCudnn(const DeviceAttentionProblem& problem, int device, int sm_major,
+                                   StreamContext& context);
+
+}  // namespace attention::core::cuda
+
+#endif  // ATTENTION_CORE_CUDA_CUDNN_SDPA_H_

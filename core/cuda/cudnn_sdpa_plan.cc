@@ -1,0 +1,66 @@
+#include "core/cuda/cudnn_sdpa_plan.h"
+
+#include <cstring>
+
+namespace attention::core::cuda {
+
+std::string CudnnSdpaIneligibleReason(const CudnnSdpaCall& call, int sm_major,
+                                      int64_t cudnn_version) {
+  const AttentionShape& s = call.shape;
+  if (cudnn_version < kCudnnSdpaMinVersion) {
+    return "cuDNN " + std::to_string(cudnn_version) + " is older than " +
+           std::to_string(kCudnnSdpaMinVersion);
+  }
+  if (sm_major < 8) {
+    return "compute capability " + std::to_string(sm_major) + ".x: cuDNN's SDPA needs 8.0";
+  }
+  if (!call.bf16_products) return "compute precision float32: cuDNN's SDPA is bf16 or fp16";
+  if (call.weights) return "need_weights: cuDNN's SDPA returns no attention weights";
+  if (call.dropout) return "dropout_p > 0: the service's dropout is its own";
+  if (call.other_masks) {
+    return "key lengths, key padding or an attention mask: only causal and sliding-window masks "
+           "go to cuDNN";
+  }
+  if (call.sliding_window > 0 && !call.causal) return "sliding_window without causal";
+  if (call.causal && s.q_len > s.kv_len) {
+    return "causal with q_len " + std::to_string(s.q_len) + " > kv_len " +
+           std::to_string(s.kv_len) + ": rows with no key";
+  }
+  for (const auto& [name, dim] : {std::pair<const char*, int64_t>{"head_dim", s.head_dim},
+                                  std::pair<const char*, int64_t>{"v_head_dim", s.v_head_dim}}) {
+    if (dim % 8 != 0 || dim > kCudnnSdpaMaxHeadDim) {
+      return std::string(name) + " " + std::to_string(dim) + ": cuDNN takes multiples of 8 up to " +
+             std::to_string(kCudnnSdpaMaxHeadDim);
+    }
+  }
+  if (s.num_kv_heads <= 0 || s.num_heads % s.num_kv_heads != 0) {
+    return "num_heads " + std::to_string(s.num_heads) + " not a multiple of num_kv_heads " +
+           std::to_string(s.num_kv_heads);
+  }
+  return "";
+}
+
+int64_t CudnnSdpaSequenceBucket(int64_t length) {
+  constexpr int64_t kSmallest = 64;
+  if (length <= kSmallest) return kSmallest;
+  int64_t step = 1;
+  while (step * 16 <= length) step *= 2;  // the largest power of two <= length / 8
+  return (length + step - 1) / step * step;
+}
+
+CudnnSdpaGraphKey CudnnSdpaKeyOf(const CudnnSdpaCall& call, float scale) {
+  CudnnSdpaGraphKey key;
+  key.batch = call.shape.batch;
+  key.num_heads = call.shape.num_heads;
+  key.num_kv_heads = call.shape.num_kv_heads;
+  key.q_bucket = CudnnSdpaSequenceBucket(call.shape.q_len);
+  key.kv_bucket = CudnnSdpaSequenceBucket(call.shape.kv_len);
+  key.head_dim = call.shape.head_dim;
+  key.v_head_dim = call.shape.v_head_dim;
+  key.causal = call.causal;
+  key.sliding_window = call.sliding_window;
+  std::memcpy(&key.scale_bits, &scale, sizeof(scale));
+  return key;
+}
+
+}  // namespace attention::core::cuda

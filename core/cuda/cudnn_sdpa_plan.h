@@ -1,0 +1,116 @@
+// Which attention calls the CUDA backend hands to cuDNN's fused SDPA (issue 40), and how
+// their graphs are keyed and cached: pure host-side logic, built into every configuration
+// so that machines without a GPU test it. The plugin's cudnn_sdpa.cc builds and runs the
+// graphs.
+//
+// A call runs on cuDNN when it is a BFLOAT16 layer's (its products already round Q, K, the
+// probabilities and V to bf16) and cuDNN can express all of it: no attention weights asked
+// for, no dropout (the service's counter-based dropout is its own), head sizes that are
+// multiples of 8 up to 128, and masks that are causal (bottom-right), a sliding window with
+// causal (cuDNN's diagonal band), or none. Everything else stays on the project's kernels.
+//
+// Graphs are built for sequence-length buckets, not exact lengths: Q, K and V are packed
+// into dense [B, H, bucket, d] bf16 buffers and the true lengths go in as cuDNN's padding
+// sequence lengths, so one graph serves every length of its bucket (at most 1/8 of padding
+// past 64) and a cache of kCudnnSdpaCachedGraphs graphs per stream covers a server's traffic.
+#ifndef ATTENTION_CORE_CUDA_CUDNN_SDPA_PLAN_H_
+#define ATTENTION_CORE_CUDA_CUDNN_SDPA_PLAN_H_
+
+#include <cstdint>
+#include <list>
+#include <map>
+#include <string>
+#include <tuple>
+#include <utility>
+
+#include "core/cuda/launch_plan.h"
+
+namespace attention::core::cuda {
+
+// Widest head cuDNN's SDPA is asked to take here (its documented limit for the forward pass
+// on Ampere and Hopper at every cuDNN 9 version this project meets).
+inline constexpr int64_t kCudnnSdpaMaxHeadDim = 128;
+// Graphs kept per stream (least recently used evicted): each holds a compiled plan.
+inline constexpr int kCudnnSdpaCachedGraphs = 64;
+// cuDNN versions (cudnnGetVersion) from which bottom-right causal masks with padding
+// sequence lengths are taken.
+inline constexpr int64_t kCudnnSdpaMinVersion = 90500;
+
+// One call, as the backend sees it before launching (DeviceAttentionProblem's facts).
+struct CudnnSdpaCall {
+  AttentionShape shape;
+  bool bf16_products = false;  // a BFLOAT16 layer's call
+  bool weights = false;        // attention weights asked for
+  bool dropout = false;
+  bool causal = false;
+  int64_t sliding_window = 0;  // with causal; 0: none
+  bool other_masks = false;    // key lengths, key padding, a keep or additive mask
+};
+
+// Empty when cuDNN runs `call` on a GPU of compute capability `sm_major` with cuDNN
+// `cudnn_version`; otherwise why not, naming the field.
+std::string CudnnSdpaIneligibleReason(const CudnnSdpaCall& call, int sm_major,
+                                      int64_t cudnn_version);
+
+// The padded length a graph is built for: 64 at least, then the length rounded up to a
+// multiple of a power of two that is at most 1/8 of it (so the padding is at most 1/8).
+int64_t CudnnSdpaSequenceBucket(int64_t length);
+
+// What a graph is built for.
+struct CudnnSdpaGraphKey {
+  int64_t batch = 0, num_heads = 0, num_kv_heads = 0, q_bucket = 0, kv_bucket = 0, head_dim = 0,
+          v_head_dim = 0;
+  bool causal = false;
+  int64_t sliding_window = 0;
+  uint32_t scale_bits = 0;  // the float scale's bits: the graph bakes it in
+
+  auto Tie() const {
+    return std::tie(batch, num_heads, num_kv_heads, q_bucket, kv_bucket, head_dim, v_head_dim,
+                    causal, sliding_window, scale_bits);
+  }
+  bool operator<(const CudnnSdpaGraphKey& other) const { return Tie() < other.Tie(); }
+  bool operator==(const CudnnSdpaGraphKey& other) const { return Tie() == other.Tie(); }
+};
+CudnnSdpaGraphKey CudnnSdpaKeyOf(const CudnnSdpaCall& call, float scale);
+
+// Elements of a dense [batch, heads, bucket, dim] packed tensor.
+inline int64_t CudnnSdpaPackedElements(int64_t batch, int64_t heads, int64_t bucket, int64_t dim) {
+  return batch * heads * bucket * dim;
+}
+
+// A least-recently-used map of at most `capacity` entries; not thread-safe (one per stream).
+template <typename Value>
+class BoundedGraphCache {
+ public:
+  explicit BoundedGraphCache(int capacity) : capacity_(capacity) {}
+
+  // The entry of `key`, now the most recently used; null when absent.
+  Value* Find(const CudnnSdpaGraphKey& key) {
+    auto found = entries_.find(key);
+    if (found == entries_.end()) return nullptr;
+    order_.splice(order_.begin(), order_, found->second.second);
+    return &found->second.first;
+  }
+
+  // Adds `value` for `key` (absent), evicting the least recently used past capacity.
+  Value& Add(const CudnnSdpaGraphKey& key, Value value) {
+    order_.push_front(key);
+    auto [entry, added] = entries_.emplace(key, std::make_pair(std::move(value), order_.begin()));
+    if (static_cast<int>(entries_.size()) > capacity_) {
+      entries_.erase(order_.back());
+      order_.pop_back();
+    }
+    return entry->second.first;
+  }
+
+  int size() const { return static_cast<int>(entries_.size()); }
+
+ private:
+  const int capacity_;
+  std::list<CudnnSdpaGraphKey> order_;  // most recently used first
+  std::map<CudnnSdpaGraphKey, std::pair<Value, std::list<CudnnSdpaGraphKey>::iterator>> entries_;
+};
+
+}  // namespace attention::core::cuda
+
+#endif  // ATTENTION_CORE_CUDA_CUDNN_SDPA_PLAN_H_
