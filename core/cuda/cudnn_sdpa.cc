@@ -2,6 +2,7 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
@@ -81,8 +82,8 @@ std::string CudnnSdpaSummary(int sm_major) {
   return absl::StrCat(
       "cuDNN ", library->version(),
       " fused SDPA for bfloat16 attention: head sizes multiples of 8 up to ", kCudnnSdpaMaxHeadDim,
-      ", GQA and MQA, no mask, causal (bottom-right) or a sliding window; float32, attention "
-      "weights, dropout and other masks on this project's kernels");
+      ", GQA and MQA, no mask, causal (bottom-right), a sliding window or key lengths; "
+      "float32, attention weights, dropout and other masks on this project's kernels");
 }
 
 CudnnSdpaCall CudnnSdpaCallOf(const DeviceAttentionProblem& problem) {
@@ -93,9 +94,11 @@ CudnnSdpaCall CudnnSdpaCallOf(const DeviceAttentionProblem& problem) {
   call.dropout = problem.dropout_p > 0.0f;
   call.causal = problem.mask.causal;
   call.sliding_window = problem.mask.sliding_window;
-  call.other_masks =
-      problem.mask.key_lengths != nullptr || problem.mask.key_padding_keep != nullptr ||
-      problem.mask.attn_mask_keep != nullptr || problem.mask.attn_mask_bias != nullptr;
+  call.key_lengths = problem.host_key_lengths;
+  call.other_masks = (problem.mask.key_lengths != nullptr && call.key_lengths == nullptr) ||
+                     problem.mask.key_padding_keep != nullptr ||
+                     problem.mask.attn_mask_keep != nullptr ||
+                     problem.mask.attn_mask_bias != nullptr;
   return call;
 }
 
@@ -143,9 +146,12 @@ absl::StatusOr<bool> AttendOnCudnn(const DeviceAttentionProblem& problem, int de
                              absl::StrCat("cudaMallocAsync(", total, " bytes for cuDNN SDPA)")));
   char* base = static_cast<char*>(scratch);
   auto bf16_at = [base](int64_t at) { return reinterpret_cast<uint16_t*>(base + at); };
-  // The true lengths, q_len for every sequence then kv_len (pageable: copied before return).
+  // The true lengths, q_len for every sequence then its keys' (pageable: copied before return).
   std::vector<int32_t> lengths(2 * s.batch, static_cast<int32_t>(s.q_len));
-  std::fill(lengths.begin() + s.batch, lengths.end(), static_cast<int32_t>(s.kv_len));
+  for (int64_t b = 0; b < s.batch; ++b) {
+    lengths[s.batch + b] = static_cast<int32_t>(
+        call.key_lengths == nullptr ? s.kv_len : std::min(call.key_lengths[b], s.kv_len));
+  }
   absl::Status status =
       CudaStatus(cudaMemcpyAsync(base + lengths_at, lengths.data(),
                                  lengths.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream),

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <iostream>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -106,8 +107,18 @@ class Runner final : public CudnnSdpaRunner {
     if (built == nullptr) {
       try {
         built = &graphs_.Add(key, Build(handle_, key));
-      } catch (const std::exception& error) {  // the frontend throws on a failed dlopen
-        return std::string("cuDNN graph: ") + error.what();
+      } catch (const std::exception& error) {  // the frontend throws where cuDNN fails it
+        built =
+            &graphs_.Add(key, BuiltGraph{nullptr, 0, std::string("cuDNN graph: ") + error.what()});
+      }
+      // Once per shape bucket while it stays cached: such calls run on the project's kernels.
+      if (!built->refused.empty()) {
+        std::cerr << "attention-service: cuDNN SDPA refused [B=" << key.batch
+                  << " H=" << key.num_heads << " Hkv=" << key.num_kv_heads
+                  << " Nq<=" << key.q_bucket << " Nk<=" << key.kv_bucket << " dk=" << key.head_dim
+                  << " dv=" << key.v_head_dim << " causal=" << key.causal
+                  << " window=" << key.sliding_window << "]: " << built->refused.substr(0, 400)
+                  << std::endl;
       }
     }
     if (!built->refused.empty()) return built->refused;
@@ -129,8 +140,12 @@ class Runner final : public CudnnSdpaRunner {
         {kO, buffers.output},
         {kQLengths, const_cast<int32_t*>(buffers.q_lengths)},
         {kKvLengths, const_cast<int32_t*>(buffers.kv_lengths)}};
-    if (fe::error_t status = built->graph->execute(handle_, pack, workspace); !status.is_good()) {
-      return "cuDNN SDPA: " + status.get_message();
+    try {
+      if (fe::error_t status = built->graph->execute(handle_, pack, workspace); !status.is_good()) {
+        return "cuDNN SDPA: " + status.get_message();
+      }
+    } catch (const std::exception& error) {
+      return std::string("cuDNN SDPA: ") + error.what();
     }
     return "";
   }

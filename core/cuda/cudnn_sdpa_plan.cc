@@ -18,8 +18,19 @@ std::string CudnnSdpaIneligibleReason(const CudnnSdpaCall& call, int sm_major,
   if (call.weights) return "need_weights: cuDNN's SDPA returns no attention weights";
   if (call.dropout) return "dropout_p > 0: the service's dropout is its own";
   if (call.other_masks) {
-    return "key lengths, key padding or an attention mask: only causal and sliding-window masks "
-           "go to cuDNN";
+    return "key padding or an attention mask: only causal, sliding-window and key-length masks go "
+           "to cuDNN";
+  }
+  if (call.key_lengths != nullptr) {
+    if (call.causal) {
+      return "key_lengths with causal: the frontier is aligned to kv_len, cuDNN's to each length";
+    }
+    for (int64_t b = 0; b < s.batch; ++b) {
+      if (call.key_lengths[b] < 1) {
+        return "key_lengths[" + std::to_string(b) + "] = " + std::to_string(call.key_lengths[b]) +
+               ": rows with no key";
+      }
+    }
   }
   if (call.sliding_window > 0 && !call.causal) return "sliding_window without causal";
   if (call.causal && s.q_len > s.kv_len) {

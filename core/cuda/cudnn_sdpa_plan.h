@@ -7,7 +7,9 @@
 // probabilities and V to bf16) and cuDNN can express all of it: no attention weights asked
 // for, no dropout (the service's counter-based dropout is its own), head sizes that are
 // multiples of 8 up to 128, and masks that are causal (bottom-right), a sliding window with
-// causal (cuDNN's diagonal band), or none. Everything else stays on the project's kernels.
+// causal (cuDNN's diagonal band), key lengths (cuDNN's padding lengths; not with causal,
+// whose frontier the service aligns to the padded length), or none. Everything else stays on the
+// project's kernels.
 //
 // Graphs are built for sequence-length buckets, not exact lengths: Q, K and V are packed
 // into dense [B, H, bucket, d] bf16 buffers and the true lengths go in as cuDNN's padding
@@ -44,7 +46,9 @@ struct CudnnSdpaCall {
   bool dropout = false;
   bool causal = false;
   int64_t sliding_window = 0;  // with causal; 0: none
-  bool other_masks = false;    // key lengths, key padding, a keep or additive mask
+  // Valid keys per sequence ([B], host memory), or null: cuDNN's padding lengths.
+  const int64_t* key_lengths = nullptr;
+  bool other_masks = false;  // key padding, a keep or additive mask
 };
 
 // Empty when cuDNN runs `call` on a GPU of compute capability `sm_major` with cuDNN

@@ -41,6 +41,8 @@ struct DeviceAttentionProblem {
   // [B * H * Nq] each when weights are asked for: each row's softmax maximum and sum.
   float* row_max = nullptr;
   float* row_sum = nullptr;
+  // Host memory: mask.key_lengths' values ([B]) for the host's choices (cudnn_sdpa.h), or null.
+  const int64_t* host_key_lengths = nullptr;
   // A BFLOAT16 layer's call: Q, K, probabilities and V rounded to bf16 for the products
   // (float32 accumulation), where the mma kernel takes the shape (see MmaKernelTakes).
   bool bf16_products = false;

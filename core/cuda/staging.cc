@@ -86,6 +86,7 @@ DeviceAttentionProblem ToDeviceProblem(const AttentionProblem& problem, const St
   p.dropout_p = options.dropout_p;
   p.dropout_seed = options.dropout_seed;
   p.bf16_products = problem.bf16_products;
+  p.host_key_lengths = options.key_lengths.empty() ? nullptr : options.key_lengths.data();
   weights.Attach(device, p);
   return p;
 }

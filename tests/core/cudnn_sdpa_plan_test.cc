@@ -27,6 +27,10 @@ TEST(CudnnSdpaPlanTest, TakesBf16CallsWithCausalWindowsAndGqa) {
   EXPECT_EQ(CudnnSdpaIneligibleReason(causal, kHopper, kCudnn919), "");
   causal.sliding_window = 64;
   EXPECT_EQ(CudnnSdpaIneligibleReason(causal, 8, kCudnn919), "");
+  CudnnSdpaCall padded = Eligible();
+  const int64_t lengths[] = {1, 300};
+  padded.key_lengths = lengths;
+  EXPECT_EQ(CudnnSdpaIneligibleReason(padded, kHopper, kCudnn919), "");
   CudnnSdpaCall odd = Eligible();
   odd.shape.head_dim = 64;
   odd.shape.v_head_dim = 8;
@@ -45,7 +49,20 @@ TEST(CudnnSdpaPlanTest, RefusesWhatCudnnCannotExpressNamingIt) {
       {"float32", [](CudnnSdpaCall& c) { c.bf16_products = false; }, "compute precision float32"},
       {"weights", [](CudnnSdpaCall& c) { c.weights = true; }, "need_weights"},
       {"dropout", [](CudnnSdpaCall& c) { c.dropout = true; }, "dropout_p > 0"},
-      {"masks", [](CudnnSdpaCall& c) { c.other_masks = true; }, "key lengths, key padding"},
+      {"masks", [](CudnnSdpaCall& c) { c.other_masks = true; }, "key padding or an attention mask"},
+      {"empty key lengths",
+       [](CudnnSdpaCall& c) {
+         static const int64_t kLengths[] = {300, 0};
+         c.key_lengths = kLengths;
+       },
+       "key_lengths[1] = 0: rows with no key"},
+      {"causal key lengths",
+       [](CudnnSdpaCall& c) {
+         static const int64_t kLengths[] = {300, 7};
+         c.key_lengths = kLengths;
+         c.causal = true;
+       },
+       "key_lengths with causal"},
       {"window", [](CudnnSdpaCall& c) { c.sliding_window = 4; }, "sliding_window without causal"},
       {"empty rows",
        [](CudnnSdpaCall& c) {

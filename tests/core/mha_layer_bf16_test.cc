@@ -134,8 +134,11 @@ void ExpectBf16RuleOnRandomConfigs(const std::shared_ptr<const Backend>& backend
                                        c.head_dim, c.v_head_dim});
       if (tensor_core_heads && coin(0.8)) in.options.need_weights = NeedWeights::kNone;
       if (cudnn_calls) {
-        AttentionOptions plain;  // causal (bottom-right) or nothing, and a scale at times
+        AttentionOptions plain;  // causal (bottom-right), key lengths or nothing; scales
         plain.causal = in.q_len <= in.kv_len && coin(0.5);
+        if (!plain.causal && coin(0.4)) {
+          for (int64_t b = 0; b < in.batch; ++b) plain.key_lengths.push_back(uniform(1, in.kv_len));
+        }
         if (coin(0.3)) plain.scale = 0.5f / static_cast<float>(c.head_dim);
         in.options = plain;
       }
