@@ -94,10 +94,11 @@ CudnnSdpaCall CudnnSdpaCallOf(const DeviceAttentionProblem& problem) {
   call.dropout = problem.dropout_p > 0.0f;
   call.causal = problem.mask.causal;
   call.sliding_window = problem.mask.sliding_window;
-  call.key_lengths = problem.host_key_lengths;
-  call.other_masks = (problem.mask.key_lengths != nullptr && call.key_lengths == nullptr) ||
-                     problem.mask.key_padding_keep != nullptr ||
-                     problem.mask.attn_mask_keep != nullptr ||
+  const bool prefix =
+      (problem.host_key_lengths == nullptr && problem.host_key_padding_keep == nullptr) ||
+      PrefixKeyLengths(problem.host_key_lengths, problem.host_key_padding_keep, problem.shape.batch,
+                       problem.shape.kv_len, &call.key_lengths);
+  call.other_masks = !prefix || problem.mask.attn_mask_keep != nullptr ||
                      problem.mask.attn_mask_bias != nullptr;
   return call;
 }
@@ -150,7 +151,7 @@ absl::StatusOr<bool> AttendOnCudnn(const DeviceAttentionProblem& problem, int de
   std::vector<int32_t> lengths(2 * s.batch, static_cast<int32_t>(s.q_len));
   for (int64_t b = 0; b < s.batch; ++b) {
     lengths[s.batch + b] = static_cast<int32_t>(
-        call.key_lengths == nullptr ? s.kv_len : std::min(call.key_lengths[b], s.kv_len));
+        call.key_lengths.empty() ? s.kv_len : call.key_lengths[b]);
   }
   absl::Status status =
       CudaStatus(cudaMemcpyAsync(base + lengths_at, lengths.data(),

@@ -1,5 +1,6 @@
 #include "core/cuda/cudnn_sdpa_plan.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace attention::core::cuda {
@@ -18,10 +19,10 @@ std::string CudnnSdpaIneligibleReason(const CudnnSdpaCall& call, int sm_major,
   if (call.weights) return "need_weights: cuDNN's SDPA returns no attention weights";
   if (call.dropout) return "dropout_p > 0: the service's dropout is its own";
   if (call.other_masks) {
-    return "key padding or an attention mask: only causal, sliding-window and key-length masks go "
-           "to cuDNN";
+    return "key padding that keeps a key after one it drops, or an attention mask: only causal, "
+           "sliding-window, key-length and right-padding masks go to cuDNN";
   }
-  if (call.key_lengths != nullptr) {
+  if (!call.key_lengths.empty()) {
     if (call.causal) {
       return "key_lengths with causal: the frontier is aligned to kv_len, cuDNN's to each length";
     }
@@ -49,6 +50,22 @@ std::string CudnnSdpaIneligibleReason(const CudnnSdpaCall& call, int sm_major,
            std::to_string(s.num_kv_heads);
   }
   return "";
+}
+
+bool PrefixKeyLengths(const int64_t* key_lengths, const uint8_t* key_padding_keep, int64_t batch,
+                      int64_t kv_len, std::vector<int64_t>* lengths) {
+  lengths->clear();
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t limit = key_lengths == nullptr ? kv_len : std::min(key_lengths[b], kv_len);
+    int64_t kept = limit;
+    if (key_padding_keep != nullptr) {
+      const uint8_t* row = key_padding_keep + b * kv_len;
+      kept = std::find(row, row + limit, uint8_t{0}) - row;
+      if (std::find(row + kept, row + limit, uint8_t{1}) != row + limit) return false;
+    }
+    lengths->push_back(kept);
+  }
+  return true;
 }
 
 int64_t CudnnSdpaSequenceBucket(int64_t length) {

@@ -7,8 +7,8 @@
 // probabilities and V to bf16) and cuDNN can express all of it: no attention weights asked
 // for, no dropout (the service's counter-based dropout is its own), head sizes that are
 // multiples of 8 up to 128, and masks that are causal (bottom-right), a sliding window with
-// causal (cuDNN's diagonal band), key lengths (cuDNN's padding lengths; not with causal,
-// whose frontier the service aligns to the padded length), or none. Everything else stays on the
+// causal (cuDNN's diagonal band), key lengths or right-padding key masks (cuDNN's padding
+// lengths; not with causal, whose frontier the service aligns to the padded length), or none. Everything else stays on the
 // project's kernels.
 //
 // Graphs are built for sequence-length buckets, not exact lengths: Q, K and V are packed
@@ -24,6 +24,7 @@
 #include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "core/cuda/launch_plan.h"
 
@@ -46,10 +47,17 @@ struct CudnnSdpaCall {
   bool dropout = false;
   bool causal = false;
   int64_t sliding_window = 0;  // with causal; 0: none
-  // Valid keys per sequence ([B], host memory), or null: cuDNN's padding lengths.
-  const int64_t* key_lengths = nullptr;
-  bool other_masks = false;  // key padding, a keep or additive mask
+  // Valid keys per sequence ([B]; see PrefixKeyLengths), or empty: all kv_len keys.
+  std::vector<int64_t> key_lengths;
+  bool other_masks = false;  // key padding that is no prefix, a keep or additive mask
 };
+
+// When key lengths and key padding (host memory; either may be null) leave each sequence of
+// `batch` a prefix [0, n_b) of its `kv_len` keys, as a right-padded tokenizer mask does: true
+// with `lengths` the n_b, cuDNN's padding lengths. False when some row keeps a key after one
+// it drops.
+bool PrefixKeyLengths(const int64_t* key_lengths, const uint8_t* key_padding_keep, int64_t batch,
+                      int64_t kv_len, std::vector<int64_t>* lengths);
 
 // Empty when cuDNN runs `call` on a GPU of compute capability `sm_major` with cuDNN
 // `cudnn_version`; otherwise why not, naming the field.

@@ -41,8 +41,10 @@ struct DeviceAttentionProblem {
   // [B * H * Nq] each when weights are asked for: each row's softmax maximum and sum.
   float* row_max = nullptr;
   float* row_sum = nullptr;
-  // Host memory: mask.key_lengths' values ([B]) for the host's choices (cudnn_sdpa.h), or null.
+  // Host memory: mask.key_lengths' and mask.key_padding_keep's values, or null, for the
+  // host's choices (cudnn_sdpa.h).
   const int64_t* host_key_lengths = nullptr;
+  const uint8_t* host_key_padding_keep = nullptr;
   // A BFLOAT16 layer's call: Q, K, probabilities and V rounded to bf16 for the products
   // (float32 accumulation), where the mma kernel takes the shape (see MmaKernelTakes).
   bool bf16_products = false;

@@ -28,8 +28,7 @@ TEST(CudnnSdpaPlanTest, TakesBf16CallsWithCausalWindowsAndGqa) {
   causal.sliding_window = 64;
   EXPECT_EQ(CudnnSdpaIneligibleReason(causal, 8, kCudnn919), "");
   CudnnSdpaCall padded = Eligible();
-  const int64_t lengths[] = {1, 300};
-  padded.key_lengths = lengths;
+  padded.key_lengths = {1, 300};
   EXPECT_EQ(CudnnSdpaIneligibleReason(padded, kHopper, kCudnn919), "");
   CudnnSdpaCall odd = Eligible();
   odd.shape.head_dim = 64;
@@ -49,17 +48,15 @@ TEST(CudnnSdpaPlanTest, RefusesWhatCudnnCannotExpressNamingIt) {
       {"float32", [](CudnnSdpaCall& c) { c.bf16_products = false; }, "compute precision float32"},
       {"weights", [](CudnnSdpaCall& c) { c.weights = true; }, "need_weights"},
       {"dropout", [](CudnnSdpaCall& c) { c.dropout = true; }, "dropout_p > 0"},
-      {"masks", [](CudnnSdpaCall& c) { c.other_masks = true; }, "key padding or an attention mask"},
+      {"masks", [](CudnnSdpaCall& c) { c.other_masks = true; }, "key padding that keeps a key after one it drops"},
       {"empty key lengths",
        [](CudnnSdpaCall& c) {
-         static const int64_t kLengths[] = {300, 0};
-         c.key_lengths = kLengths;
+         c.key_lengths = {300, 0};
        },
        "key_lengths[1] = 0: rows with no key"},
       {"causal key lengths",
        [](CudnnSdpaCall& c) {
-         static const int64_t kLengths[] = {300, 7};
-         c.key_lengths = kLengths;
+         c.key_lengths = {300, 7};
          c.causal = true;
        },
        "key_lengths with causal"},
@@ -88,6 +85,27 @@ TEST(CudnnSdpaPlanTest, RefusesWhatCudnnCannotExpressNamingIt) {
             "cuDNN 90400 is older than 90500");
 }
 
+// Right-padded masks (ones, then zeros) and key lengths become cuDNN's padding lengths; a mask
+// that keeps a key after one it drops cannot.
+TEST(CudnnSdpaPlanTest, PrefixMasksBecomeKeyLengths) {
+  std::vector<int64_t> lengths;
+  const uint8_t keep[] = {1, 1, 1, 0, 0,   // 3 keys
+                          1, 1, 1, 1, 1,   // all 5, cut to 4 by its key length
+                          0, 0, 0, 0, 0};  // none
+  const int64_t key_lengths[] = {5, 4, 2};
+  ASSERT_TRUE(PrefixKeyLengths(key_lengths, keep, 3, 5, &lengths));
+  EXPECT_EQ(lengths, (std::vector<int64_t>{3, 4, 0}));
+  ASSERT_TRUE(PrefixKeyLengths(nullptr, keep, 3, 5, &lengths));
+  EXPECT_EQ(lengths, (std::vector<int64_t>{3, 5, 0}));
+  ASSERT_TRUE(PrefixKeyLengths(key_lengths, nullptr, 3, 5, &lengths));
+  EXPECT_EQ(lengths, (std::vector<int64_t>{5, 4, 2}));
+  const uint8_t gap[] = {1, 0, 1, 1, 1};  // keeps keys 2-4 after dropping key 1
+  EXPECT_FALSE(PrefixKeyLengths(nullptr, gap, 1, 5, &lengths));
+  const int64_t short_length[] = {1};  // ... unless its key length ends before the gap
+  ASSERT_TRUE(PrefixKeyLengths(short_length, gap, 1, 5, &lengths));
+  EXPECT_EQ(lengths, (std::vector<int64_t>{1}));
+}
+
 TEST(CudnnSdpaPlanTest, BucketsPadAtMostAnEighthPast64) {
   EXPECT_EQ(CudnnSdpaSequenceBucket(1), 64);
   EXPECT_EQ(CudnnSdpaSequenceBucket(64), 64);
@@ -98,7 +116,9 @@ TEST(CudnnSdpaPlanTest, BucketsPadAtMostAnEighthPast64) {
   for (int64_t length = 1; length <= 131072; ++length) {
     const int64_t bucket = CudnnSdpaSequenceBucket(length);
     ASSERT_GE(bucket, length);
-    if (length > 64) ASSERT_LE(8 * (bucket - length), length) << length;
+    if (length > 64) {
+      ASSERT_LE(8 * (bucket - length), length) << length;
+    }
     ASSERT_GE(bucket, last) << length;  // monotone: a longer call never gets a smaller graph
     buckets += bucket != last;
     last = bucket;

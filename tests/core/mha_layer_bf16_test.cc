@@ -136,8 +136,15 @@ void ExpectBf16RuleOnRandomConfigs(const std::shared_ptr<const Backend>& backend
       if (cudnn_calls) {
         AttentionOptions plain;  // causal (bottom-right), key lengths or nothing; scales
         plain.causal = in.q_len <= in.kv_len && coin(0.5);
-        if (!plain.causal && coin(0.4)) {
-          for (int64_t b = 0; b < in.batch; ++b) plain.key_lengths.push_back(uniform(1, in.kv_len));
+        if (!plain.causal && coin(0.4)) {  // key lengths, or a right-padded mask
+          const bool as_mask = coin(0.5);
+          for (int64_t b = 0; b < in.batch; ++b) {
+            const int64_t valid = uniform(1, in.kv_len);
+            if (!as_mask) plain.key_lengths.push_back(valid);
+            for (int64_t j = 0; as_mask && j < in.kv_len; ++j) {
+              plain.key_padding_keep.push_back(j < valid ? 1 : 0);
+            }
+          }
         }
         if (coin(0.3)) plain.scale = 0.5f / static_cast<float>(c.head_dim);
         in.options = plain;
