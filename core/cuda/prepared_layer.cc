@@ -316,7 +316,7 @@ absl::Status CudaPreparedLayer::RoundForLayer(const StreamContext& context, cons
                     "bf16 rounding kernel");
 }
 
-absl::Status CudaPreparedLayer::LinearInPrecision(const StreamContext& context, const float* x,
+absl::Status CudaPreparedLayer::LinearInPrecision(StreamContext& context, const float* x,
                                                   const uint16_t* x_bf16, int64_t rows, int64_t in,
                                                   const float* weight, const uint16_t* weight_bf16,
                                                   const float* bias, int64_t out, float* y,

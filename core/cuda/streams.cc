@@ -11,6 +11,7 @@ StreamContexts::~StreamContexts() {
   cudaSetDevice(device_);
   for (auto& [thread, context] : contexts_) {
     context->cudnn.reset();  // its handle is bound to the stream
+    cublasLtDestroy(context->cublas_lt);
     cublasDestroy(context->cublas);
     cudaStreamDestroy(context->stream);
   }
@@ -30,6 +31,9 @@ absl::StatusOr<StreamContext*> StreamContexts::ForThisThread() const {
       return CublasStatus(status, "cublasCreate");
     }
     cublasSetStream(created->cublas, created->stream);
+    if (const cublasStatus_t lt = cublasLtCreate(&created->cublas_lt); lt != CUBLAS_STATUS_SUCCESS) {
+      created->cublas_lt = nullptr;  // projections then run on cuBLAS alone
+    }
     // Full fp32 SGEMM: the default math mode never rounds to TF32 (only
     // CUBLAS_TF32_TENSOR_OP_MATH or NVIDIA_TF32_OVERRIDE=1 would), as PyTorch with
     // allow_tf32 = False; results match the CPU backend within float rounding.

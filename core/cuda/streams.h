@@ -8,6 +8,7 @@
 #include <string>
 #include <thread>
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -22,6 +23,9 @@ namespace attention::core::cuda {
 struct StreamContext {
   cudaStream_t stream = nullptr;
   cublasHandle_t cublas = nullptr;
+  // cuBLASLt (projections with their bias in the GEMM's epilogue; linear.h) and its workspace.
+  cublasLtHandle_t cublas_lt = nullptr;
+  DeviceBuffer lt_workspace;
   DeviceBuffer device;
   PinnedBuffer staging;
   // cuDNN's handle and graphs (cudnn_sdpa.h), made on this thread's first eligible call;
