@@ -103,8 +103,83 @@ CudnnSdpaCall CudnnSdpaCallOf(const DeviceAttentionProblem& problem) {
   return call;
 }
 
-absl::StatusOr<bool> AttendOnCudnn(const DeviceAttentionProblem& problem, int device, int sm_major,
-                                   StreamContext& context) {
+namespace {
+
+// Where a call's packed tensors, lengths and cuDNN's workspace sit in its one allocation.
+struct CudnnScratch {
+  int64_t query = 0, key = 0, value = 0, output = 0, lengths = 0, workspace = 0, total = 0;
+};
+
+CudnnScratch PlanScratch(const AttentionShape& s, const CudnnSdpaGraphKey& key,
+                         int64_t workspace_bytes) {
+  const auto bf16_bytes = [](int64_t elements) { return Aligned(elements * 2); };
+  CudnnScratch at;
+  at.key = at.query +
+           bf16_bytes(CudnnSdpaPackedElements(s.batch, s.num_heads, key.q_bucket, s.head_dim));
+  at.value = at.key + bf16_bytes(CudnnSdpaPackedElements(s.batch, s.num_kv_heads, key.kv_bucket,
+                                                          s.head_dim));
+  at.output = at.value + bf16_bytes(CudnnSdpaPackedElements(s.batch, s.num_kv_heads,
+                                                             key.kv_bucket, s.v_head_dim));
+  at.lengths = at.output + bf16_bytes(CudnnSdpaPackedElements(s.batch, s.num_heads, key.q_bucket,
+                                                               s.v_head_dim));
+  at.workspace = at.lengths + Aligned(2 * s.batch * static_cast<int64_t>(sizeof(int32_t)));
+  at.total = at.workspace + Aligned(workspace_bytes);
+  return at;
+}
+
+// Packs the call's Q, K and V, runs the graph of `key` and unpacks its output, on `stream`.
+absl::Status EnqueueOnCudnn(const DeviceAttentionProblem& problem, const CudnnSdpaCall& call,
+                            const CudnnSdpaGraphKey& key, const CudnnScratch& at, char* base,
+                            int device, CudnnSdpaRunner& runner, cudaStream_t stream) {
+  const AttentionShape& s = call.shape;
+  auto bf16_at = [base](int64_t offset) { return reinterpret_cast<uint16_t*>(base + offset); };
+  // The true lengths, q_len for every sequence then its keys' (pageable: copied before return).
+  std::vector<int32_t> lengths(2 * s.batch, static_cast<int32_t>(s.q_len));
+  for (int64_t b = 0; b < s.batch; ++b) {
+    lengths[s.batch + b] =
+        static_cast<int32_t>(call.key_lengths.empty() ? s.kv_len : call.key_lengths[b]);
+  }
+  RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(base + at.lengths, lengths.data(),
+                                             lengths.size() * sizeof(int32_t),
+                                             cudaMemcpyHostToDevice, stream),
+                             "cudaMemcpyAsync(cuDNN SDPA lengths)"));
+  struct Packed {
+    const char* what;
+    const float* source;
+    const DeviceLayout& layout;
+    int64_t heads, rows, bucket, dim, offset;
+  };
+  for (const Packed& t : {
+           Packed{"query", problem.query, problem.query_layout, s.num_heads, s.q_len,
+                  key.q_bucket, s.head_dim, at.query},
+           Packed{"key", problem.key, problem.key_layout, s.num_kv_heads, s.kv_len,
+                  key.kv_bucket, s.head_dim, at.key},
+           Packed{"value", problem.value, problem.value_layout, s.num_kv_heads, s.kv_len,
+                  key.kv_bucket, s.v_head_dim, at.value}}) {
+    RETURN_IF_ERROR(CudaStatus(LaunchPackBf16Rows(t.source, t.layout, s.batch, t.heads, t.rows,
+                                                  t.bucket, t.dim, bf16_at(t.offset), stream),
+                               absl::StrCat("cuDNN SDPA ", t.what, " packing")));
+  }
+  CudnnSdpaBuffers buffers;
+  buffers.query = bf16_at(at.query);
+  buffers.key = bf16_at(at.key);
+  buffers.value = bf16_at(at.value);
+  buffers.output = bf16_at(at.output);
+  buffers.q_lengths = reinterpret_cast<const int32_t*>(base + at.lengths);
+  buffers.kv_lengths = buffers.q_lengths + s.batch;
+  if (std::string error = runner.Run(key, buffers, base + at.workspace, stream); !error.empty()) {
+    return absl::InternalError(absl::StrCat("cuda:", device, ": ", error));
+  }
+  return CudaStatus(
+      LaunchUnpackBf16Rows(bf16_at(at.output), s.batch, s.num_heads, s.q_len, key.q_bucket,
+                           s.v_head_dim, problem.output, problem.output_layout, stream),
+      "cuDNN SDPA output unpacking");
+}
+
+}  // namespace
+
+absl::StatusOr<bool> AttendOnCudnn(const DeviceAttentionProblem& problem, int device,
+                                   int sm_major, StreamContext& context) {
   const CudnnSdpaLibrary* library = LoadCudnnSdpa(nullptr);
   if (library == nullptr) return false;
   const CudnnSdpaCall call = CudnnSdpaCallOf(problem);
@@ -115,8 +190,8 @@ absl::StatusOr<bool> AttendOnCudnn(const DeviceAttentionProblem& problem, int de
     context.cudnn.reset(library->create_runner(device, &error));
     if (context.cudnn == nullptr) {
       context.cudnn_unavailable = error;
-      std::cerr << "attention-service: cuda:" << device
-                << ": cuDNN SDPA off for this worker: " << error << std::endl;
+      std::cerr << "attention-service: cuda:" << device << ": cuDNN SDPA off for this worker: "
+                << error << std::endl;
       return false;
     }
   }
@@ -124,78 +199,15 @@ absl::StatusOr<bool> AttendOnCudnn(const DeviceAttentionProblem& problem, int de
   int64_t workspace_bytes = 0;
   if (!context.cudnn->WorkspaceBytes(key, &workspace_bytes).empty()) return false;
 
-  // One device allocation: Q, K, V, O packed in bf16, the lengths, cuDNN's workspace.
-  const AttentionShape& s = call.shape;
-  const int64_t q_elements =
-      CudnnSdpaPackedElements(s.batch, s.num_heads, key.q_bucket, s.head_dim);
-  const int64_t k_elements =
-      CudnnSdpaPackedElements(s.batch, s.num_kv_heads, key.kv_bucket, s.head_dim);
-  const int64_t v_elements =
-      CudnnSdpaPackedElements(s.batch, s.num_kv_heads, key.kv_bucket, s.v_head_dim);
-  const int64_t o_elements =
-      CudnnSdpaPackedElements(s.batch, s.num_heads, key.q_bucket, s.v_head_dim);
-  const int64_t q_at = 0;
-  const int64_t k_at = q_at + Aligned(q_elements * 2);
-  const int64_t v_at = k_at + Aligned(k_elements * 2);
-  const int64_t o_at = v_at + Aligned(v_elements * 2);
-  const int64_t lengths_at = o_at + Aligned(o_elements * 2);
-  const int64_t workspace_at = lengths_at + Aligned(2 * s.batch * 4);
-  const int64_t total = workspace_at + Aligned(workspace_bytes);
-  const cudaStream_t stream = context.stream;
+  // One stream-ordered allocation: Q, K, V, O packed in bf16, the lengths, cuDNN's workspace.
+  const CudnnScratch at = PlanScratch(call.shape, key, workspace_bytes);
   void* scratch = nullptr;
-  RETURN_IF_ERROR(CudaStatus(cudaMallocAsync(&scratch, total, stream),
-                             absl::StrCat("cudaMallocAsync(", total, " bytes for cuDNN SDPA)")));
-  char* base = static_cast<char*>(scratch);
-  auto bf16_at = [base](int64_t at) { return reinterpret_cast<uint16_t*>(base + at); };
-  // The true lengths, q_len for every sequence then its keys' (pageable: copied before return).
-  std::vector<int32_t> lengths(2 * s.batch, static_cast<int32_t>(s.q_len));
-  for (int64_t b = 0; b < s.batch; ++b) {
-    lengths[s.batch + b] = static_cast<int32_t>(
-        call.key_lengths.empty() ? s.kv_len : call.key_lengths[b]);
-  }
-  absl::Status status =
-      CudaStatus(cudaMemcpyAsync(base + lengths_at, lengths.data(),
-                                 lengths.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream),
-                 "cudaMemcpyAsync(cuDNN SDPA lengths)");
-  if (status.ok()) {
-    status =
-        CudaStatus(LaunchPackBf16Rows(problem.query, problem.query_layout, s.batch, s.num_heads,
-                                      s.q_len, key.q_bucket, s.head_dim, bf16_at(q_at), stream),
-                   "cuDNN SDPA query packing");
-  }
-  if (status.ok()) {
-    status =
-        CudaStatus(LaunchPackBf16Rows(problem.key, problem.key_layout, s.batch, s.num_kv_heads,
-                                      s.kv_len, key.kv_bucket, s.head_dim, bf16_at(k_at), stream),
-                   "cuDNN SDPA key packing");
-  }
-  if (status.ok()) {
-    status =
-        CudaStatus(LaunchPackBf16Rows(problem.value, problem.value_layout, s.batch, s.num_kv_heads,
-                                      s.kv_len, key.kv_bucket, s.v_head_dim, bf16_at(v_at), stream),
-                   "cuDNN SDPA value packing");
-  }
-  if (status.ok()) {
-    CudnnSdpaBuffers buffers;
-    buffers.query = bf16_at(q_at);
-    buffers.key = bf16_at(k_at);
-    buffers.value = bf16_at(v_at);
-    buffers.output = bf16_at(o_at);
-    buffers.q_lengths = reinterpret_cast<const int32_t*>(base + lengths_at);
-    buffers.kv_lengths = buffers.q_lengths + s.batch;
-    if (std::string error = context.cudnn->Run(key, buffers, base + workspace_at, stream);
-        !error.empty()) {
-      status = absl::InternalError(absl::StrCat("cuda:", device, ": ", error));
-    }
-  }
-  if (status.ok()) {
-    status = CudaStatus(
-        LaunchUnpackBf16Rows(bf16_at(o_at), s.batch, s.num_heads, s.q_len, key.q_bucket,
-                             s.v_head_dim, problem.output, problem.output_layout, stream),
-        "cuDNN SDPA output unpacking");
-  }
+  RETURN_IF_ERROR(CudaStatus(cudaMallocAsync(&scratch, at.total, context.stream),
+                             absl::StrCat("cudaMallocAsync(", at.total, " bytes for cuDNN SDPA)")));
+  const absl::Status status = EnqueueOnCudnn(problem, call, key, at, static_cast<char*>(scratch),
+                                             device, *context.cudnn, context.stream);
   // Freed once the stream passes the work above, even after a failure.
-  const absl::Status freed = CudaStatus(cudaFreeAsync(scratch, stream), "cudaFreeAsync");
+  const absl::Status freed = CudaStatus(cudaFreeAsync(scratch, context.stream), "cudaFreeAsync");
   RETURN_IF_ERROR(status);
   RETURN_IF_ERROR(freed);
   return true;
