@@ -6,7 +6,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -82,7 +81,8 @@ std::string CudnnSdpaSummary(int sm_major) {
   return absl::StrCat(
       "cuDNN ", library->version(),
       " fused SDPA for bfloat16 attention: head sizes multiples of 8 up to ", kCudnnSdpaMaxHeadDim,
-      ", GQA and MQA, no mask, causal (bottom-right), a sliding window or key lengths; "
+      ", GQA and MQA, no mask, causal (bottom-right), a sliding window, key lengths or "
+      "right-padded key masks; "
       "float32, attention weights, dropout and other masks on this project's kernels");
 }
 
