@@ -98,8 +98,8 @@ CudnnSdpaCall CudnnSdpaCallOf(const DeviceAttentionProblem& problem) {
       (problem.host_key_lengths == nullptr && problem.host_key_padding_keep == nullptr) ||
       PrefixKeyLengths(problem.host_key_lengths, problem.host_key_padding_keep, problem.shape.batch,
                        problem.shape.kv_len, &call.key_lengths);
-  call.other_masks = !prefix || problem.mask.attn_mask_keep != nullptr ||
-                     problem.mask.attn_mask_bias != nullptr;
+  call.other_masks =
+      !prefix || problem.mask.attn_mask_keep != nullptr || problem.mask.attn_mask_bias != nullptr;
   return call;
 }
 
@@ -117,11 +117,11 @@ CudnnScratch PlanScratch(const AttentionShape& s, const CudnnSdpaGraphKey& key,
   at.key = at.query +
            bf16_bytes(CudnnSdpaPackedElements(s.batch, s.num_heads, key.q_bucket, s.head_dim));
   at.value = at.key + bf16_bytes(CudnnSdpaPackedElements(s.batch, s.num_kv_heads, key.kv_bucket,
-                                                          s.head_dim));
-  at.output = at.value + bf16_bytes(CudnnSdpaPackedElements(s.batch, s.num_kv_heads,
-                                                             key.kv_bucket, s.v_head_dim));
+                                                         s.head_dim));
+  at.output = at.value + bf16_bytes(CudnnSdpaPackedElements(s.batch, s.num_kv_heads, key.kv_bucket,
+                                                            s.v_head_dim));
   at.lengths = at.output + bf16_bytes(CudnnSdpaPackedElements(s.batch, s.num_heads, key.q_bucket,
-                                                               s.v_head_dim));
+                                                              s.v_head_dim));
   at.workspace = at.lengths + Aligned(2 * s.batch * static_cast<int64_t>(sizeof(int32_t)));
   at.total = at.workspace + Aligned(workspace_bytes);
   return at;
@@ -139,23 +139,22 @@ absl::Status EnqueueOnCudnn(const DeviceAttentionProblem& problem, const CudnnSd
     lengths[s.batch + b] =
         static_cast<int32_t>(call.key_lengths.empty() ? s.kv_len : call.key_lengths[b]);
   }
-  RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(base + at.lengths, lengths.data(),
-                                             lengths.size() * sizeof(int32_t),
-                                             cudaMemcpyHostToDevice, stream),
-                             "cudaMemcpyAsync(cuDNN SDPA lengths)"));
+  RETURN_IF_ERROR(
+      CudaStatus(cudaMemcpyAsync(base + at.lengths, lengths.data(),
+                                 lengths.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream),
+                 "cudaMemcpyAsync(cuDNN SDPA lengths)"));
   struct Packed {
     const char* what;
     const float* source;
     const DeviceLayout& layout;
     int64_t heads, rows, bucket, dim, offset;
   };
-  for (const Packed& t : {
-           Packed{"query", problem.query, problem.query_layout, s.num_heads, s.q_len,
-                  key.q_bucket, s.head_dim, at.query},
-           Packed{"key", problem.key, problem.key_layout, s.num_kv_heads, s.kv_len,
-                  key.kv_bucket, s.head_dim, at.key},
-           Packed{"value", problem.value, problem.value_layout, s.num_kv_heads, s.kv_len,
-                  key.kv_bucket, s.v_head_dim, at.value}}) {
+  for (const Packed& t : {Packed{"query", problem.query, problem.query_layout, s.num_heads, s.q_len,
+                                 key.q_bucket, s.head_dim, at.query},
+                          Packed{"key", problem.key, problem.key_layout, s.num_kv_heads, s.kv_len,
+                                 key.kv_bucket, s.head_dim, at.key},
+                          Packed{"value", problem.value, problem.value_layout, s.num_kv_heads,
+                                 s.kv_len, key.kv_bucket, s.v_head_dim, at.value}}) {
     RETURN_IF_ERROR(CudaStatus(LaunchPackBf16Rows(t.source, t.layout, s.batch, t.heads, t.rows,
                                                   t.bucket, t.dim, bf16_at(t.offset), stream),
                                absl::StrCat("cuDNN SDPA ", t.what, " packing")));
@@ -178,8 +177,8 @@ absl::Status EnqueueOnCudnn(const DeviceAttentionProblem& problem, const CudnnSd
 
 }  // namespace
 
-absl::StatusOr<bool> AttendOnCudnn(const DeviceAttentionProblem& problem, int device,
-                                   int sm_major, StreamContext& context) {
+absl::StatusOr<bool> AttendOnCudnn(const DeviceAttentionProblem& problem, int device, int sm_major,
+                                   StreamContext& context) {
   const CudnnSdpaLibrary* library = LoadCudnnSdpa(nullptr);
   if (library == nullptr) return false;
   const CudnnSdpaCall call = CudnnSdpaCallOf(problem);
@@ -190,8 +189,8 @@ absl::StatusOr<bool> AttendOnCudnn(const DeviceAttentionProblem& problem, int de
     context.cudnn.reset(library->create_runner(device, &error));
     if (context.cudnn == nullptr) {
       context.cudnn_unavailable = error;
-      std::cerr << "attention-service: cuda:" << device << ": cuDNN SDPA off for this worker: "
-                << error << std::endl;
+      std::cerr << "attention-service: cuda:" << device
+                << ": cuDNN SDPA off for this worker: " << error << std::endl;
       return false;
     }
   }

@@ -8,8 +8,8 @@
 // for, no dropout (the service's counter-based dropout is its own), head sizes that are
 // multiples of 8 up to 128, and masks that are causal (bottom-right), a sliding window with
 // causal (cuDNN's diagonal band), key lengths or right-padding key masks (cuDNN's padding
-// lengths; not with causal, whose frontier the service aligns to the padded length), or none. Everything else stays on the
-// project's kernels.
+// lengths; not with causal, whose frontier the service aligns to the padded length), or none.
+// Everything else stays on the project's kernels.
 //
 // Graphs are built for sequence-length buckets, not exact lengths: Q, K and V are packed
 // into dense [B, H, bucket, d] bf16 buffers and the true lengths go in as cuDNN's padding

@@ -79,10 +79,10 @@ absl::StatusOr<bool> LtLinear(StreamContext& context, const void* x, const void*
   if (bias != nullptr) {
     const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
     const cudaDataType_t bias_type = CUDA_R_32F;
-    if (!ok(cublasLtMatmulDescSetAttribute(call.operation, CUBLASLT_MATMUL_DESC_EPILOGUE,
-                                           &epilogue, sizeof(epilogue))) ||
-        !ok(cublasLtMatmulDescSetAttribute(call.operation, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                                           &bias, sizeof(bias))) ||
+    if (!ok(cublasLtMatmulDescSetAttribute(call.operation, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue,
+                                           sizeof(epilogue))) ||
+        !ok(cublasLtMatmulDescSetAttribute(call.operation, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
+                                           sizeof(bias))) ||
         !ok(cublasLtMatmulDescSetAttribute(call.operation, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
                                            &bias_type, sizeof(bias_type)))) {
       return false;
@@ -117,11 +117,11 @@ absl::StatusOr<bool> LtLinear(StreamContext& context, const void* x, const void*
     return false;
   }
   const float one = 1.0f, zero = 0.0f;
-  RETURN_IF_ERROR(CublasStatus(
-      cublasLtMatmul(context.cublas_lt, call.operation, &one, weight, call.a, x, call.b, &zero, y,
-                     call.d, y, call.d, &heuristic.algo, workspace, kLtWorkspaceBytes,
-                     context.stream),
-      "cublasLtMatmul"));
+  RETURN_IF_ERROR(
+      CublasStatus(cublasLtMatmul(context.cublas_lt, call.operation, &one, weight, call.a, x,
+                                  call.b, &zero, y, call.d, y, call.d, &heuristic.algo, workspace,
+                                  kLtWorkspaceBytes, context.stream),
+                   "cublasLtMatmul"));
   return true;
 }
 

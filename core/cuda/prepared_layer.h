@@ -54,10 +54,10 @@ class CudaPreparedLayer final : public PreparedLayer {
                              uint16_t* rounded) const;
   // y = x W^T + bias in the layer's precision: float32 x, or for a BFLOAT16 layer x_bf16
   // (x already rounded to bf16 on the device).
-  absl::Status LinearInPrecision(StreamContext& context, const float* x,
-                                 const uint16_t* x_bf16, int64_t rows, int64_t in,
-                                 const float* weight, const uint16_t* weight_bf16,
-                                 const float* bias, int64_t out, float* y, int64_t ldy) const;
+  absl::Status LinearInPrecision(StreamContext& context, const float* x, const uint16_t* x_bf16,
+                                 int64_t rows, int64_t in, const float* weight,
+                                 const uint16_t* weight_bf16, const float* bias, int64_t out,
+                                 float* y, int64_t ldy) const;
 
   const CudaBackend& backend_;
   const MhaConfig config_;

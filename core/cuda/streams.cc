@@ -31,7 +31,8 @@ absl::StatusOr<StreamContext*> StreamContexts::ForThisThread() const {
       return CublasStatus(status, "cublasCreate");
     }
     cublasSetStream(created->cublas, created->stream);
-    if (const cublasStatus_t lt = cublasLtCreate(&created->cublas_lt); lt != CUBLAS_STATUS_SUCCESS) {
+    if (const cublasStatus_t lt = cublasLtCreate(&created->cublas_lt);
+        lt != CUBLAS_STATUS_SUCCESS) {
       created->cublas_lt = nullptr;  // projections then run on cuBLAS alone
     }
     // Full fp32 SGEMM: the default math mode never rounds to TF32 (only

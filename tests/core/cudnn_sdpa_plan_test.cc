@@ -48,7 +48,8 @@ TEST(CudnnSdpaPlanTest, RefusesWhatCudnnCannotExpressNamingIt) {
       {"float32", [](CudnnSdpaCall& c) { c.bf16_products = false; }, "compute precision float32"},
       {"weights", [](CudnnSdpaCall& c) { c.weights = true; }, "need_weights"},
       {"dropout", [](CudnnSdpaCall& c) { c.dropout = true; }, "dropout_p > 0"},
-      {"masks", [](CudnnSdpaCall& c) { c.other_masks = true; }, "key padding that keeps a key after one it drops"},
+      {"masks", [](CudnnSdpaCall& c) { c.other_masks = true; },
+       "key padding that keeps a key after one it drops"},
       {"empty key lengths",
        [](CudnnSdpaCall& c) {
          c.key_lengths = {300, 0};
