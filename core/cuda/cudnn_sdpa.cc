@@ -19,7 +19,8 @@ namespace {
 // The directory this plugin was loaded from, with its trailing '/'.
 std::string PluginDirectory() {
   Dl_info info;
-  if (::dladdr(reinterpret_cast<void*>(&LoadCudnnSdpa), &info) == 0 || info.dli_fname == nullptr) {
+  if (::dladdr(reinterpret_cast<void*>(&CudnnSdpaSummary), &info) == 0 ||
+      info.dli_fname == nullptr) {
     return "";
   }
   const std::string path = info.dli_fname;
@@ -57,35 +58,14 @@ Loaded Load() {
 
 int64_t Aligned(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
-}  // namespace
-
+// The library, loaded once; null with `why_not` set when it cannot be.
 const CudnnSdpaLibrary* LoadCudnnSdpa(std::string* why_not) {
   static const Loaded loaded = Load();
   if (loaded.library == nullptr && why_not != nullptr) *why_not = loaded.why_not;
   return loaded.library;
 }
 
-std::string CudnnSdpaSummary(int sm_major) {
-  std::string why_not;
-  const CudnnSdpaLibrary* library = LoadCudnnSdpa(&why_not);
-  if (library == nullptr) {
-    return absl::StrCat("cuDNN SDPA off (", why_not, "); attention on this project's kernels");
-  }
-  CudnnSdpaCall probe;
-  probe.shape = {1, 1, 1, 1, 1, 64, 64};
-  probe.bf16_products = true;
-  if (std::string why = CudnnSdpaIneligibleReason(probe, sm_major, library->version());
-      !why.empty()) {
-    return absl::StrCat("cuDNN SDPA off (", why, "); attention on this project's kernels");
-  }
-  return absl::StrCat(
-      "cuDNN ", library->version(),
-      " fused SDPA for bfloat16 attention: head sizes multiples of 8 up to ", kCudnnSdpaMaxHeadDim,
-      ", GQA and MQA, no mask, causal (bottom-right), a sliding window, key lengths or "
-      "right-padded key masks; "
-      "float32, attention weights, dropout and other masks on this project's kernels");
-}
-
+// The facts of `problem` that CudnnSdpaIneligibleReason judges.
 CudnnSdpaCall CudnnSdpaCallOf(const DeviceAttentionProblem& problem) {
   CudnnSdpaCall call;
   call.shape = problem.shape;
@@ -102,8 +82,6 @@ CudnnSdpaCall CudnnSdpaCallOf(const DeviceAttentionProblem& problem) {
       !prefix || problem.mask.attn_mask_keep != nullptr || problem.mask.attn_mask_bias != nullptr;
   return call;
 }
-
-namespace {
 
 // Where a call's packed tensors, lengths and cuDNN's workspace sit in its one allocation.
 struct CudnnScratch {
@@ -177,6 +155,27 @@ absl::Status EnqueueOnCudnn(const DeviceAttentionProblem& problem, const CudnnSd
 
 }  // namespace
 
+std::string CudnnSdpaSummary(int sm_major) {
+  std::string why_not;
+  const CudnnSdpaLibrary* library = LoadCudnnSdpa(&why_not);
+  if (library == nullptr) {
+    return absl::StrCat("cuDNN SDPA off (", why_not, "); attention on this project's kernels");
+  }
+  CudnnSdpaCall probe;
+  probe.shape = {1, 1, 1, 1, 1, 64, 64};
+  probe.bf16_products = true;
+  if (std::string why = CudnnSdpaIneligibleReason(probe, sm_major, library->version());
+      !why.empty()) {
+    return absl::StrCat("cuDNN SDPA off (", why, "); attention on this project's kernels");
+  }
+  return absl::StrCat(
+      "cuDNN ", library->version(),
+      " fused SDPA for bfloat16 attention: head sizes multiples of 8 up to ", kCudnnSdpaMaxHeadDim,
+      ", GQA and MQA, no mask, causal (bottom-right), a sliding window, key lengths or "
+      "right-padded key masks; "
+      "float32, attention weights, dropout and other masks on this project's kernels");
+}
+
 absl::StatusOr<bool> AttendOnCudnn(const DeviceAttentionProblem& problem, int device, int sm_major,
                                    StreamContext& context) {
   const CudnnSdpaLibrary* library = LoadCudnnSdpa(nullptr);
@@ -184,11 +183,11 @@ absl::StatusOr<bool> AttendOnCudnn(const DeviceAttentionProblem& problem, int de
   const CudnnSdpaCall call = CudnnSdpaCallOf(problem);
   if (!CudnnSdpaIneligibleReason(call, sm_major, library->version()).empty()) return false;
   if (context.cudnn == nullptr) {
-    if (!context.cudnn_unavailable.empty()) return false;
+    if (context.cudnn_unavailable) return false;
     std::string error;
     context.cudnn.reset(library->create_runner(device, &error));
     if (context.cudnn == nullptr) {
-      context.cudnn_unavailable = error;
+      context.cudnn_unavailable = true;
       std::cerr << "attention-service: cuda:" << device
                 << ": cuDNN SDPA off for this worker: " << error << std::endl;
       return false;

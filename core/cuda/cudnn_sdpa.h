@@ -15,16 +15,13 @@
 
 namespace attention::core::cuda {
 
-// The library beside this plugin, loaded on the first call; null with `why_not` set when it
-// cannot be: ATTENTION_CUDNN_SDPA=off, or no cuDNN 9 (or NVRTC) this process can load.
-const CudnnSdpaLibrary* LoadCudnnSdpa(std::string* why_not);
+// The library beside this plugin is loaded on the first call to either; without it
+// (ATTENTION_CUDNN_SDPA=off, or no cuDNN 9 or NVRTC this process can load) attention stays on
+// this project's kernels.
 
 // The start-up line of a GPU of compute capability `sm_major`: the cuDNN version and the
 // calls it takes, or why attention stays on this project's kernels.
 std::string CudnnSdpaSummary(int sm_major);
-
-// The facts of `problem` that CudnnSdpaIneligibleReason judges.
-CudnnSdpaCall CudnnSdpaCallOf(const DeviceAttentionProblem& problem);
 
 // Enqueues `problem` on cuDNN on `context`'s stream when it is eligible and cuDNN builds its
 // graph: true when it did, false when the project's kernels should run it. Errors are

@@ -5,7 +5,6 @@
 
 #include <map>
 #include <memory>
-#include <string>
 #include <thread>
 
 #include <cublasLt.h>
@@ -29,9 +28,9 @@ struct StreamContext {
   DeviceBuffer device;
   PinnedBuffer staging;
   // cuDNN's handle and graphs (cudnn_sdpa.h), made on this thread's first eligible call;
-  // or why cuDNN could not start here.
+  // cudnn_unavailable once that failed (logged then).
   std::unique_ptr<CudnnSdpaRunner> cudnn;
-  std::string cudnn_unavailable;
+  bool cudnn_unavailable = false;
 };
 
 // The stream contexts of GPU `device`, one per calling thread, created on first use and

@@ -18,6 +18,11 @@ prometheus::Histogram::BucketBoundaries PowersOfTwo(double largest) {
   return buckets;
 }
 
+// A counter that follows a source's running total: only ever raised to it, never set.
+void FollowTotal(prometheus::Counter& counter, double total) {
+  if (total > counter.Value()) counter.Increment(total - counter.Value());
+}
+
 }  // namespace
 
 Metrics::Metrics(absl::string_view default_device, absl::string_view blas_core)
@@ -239,19 +244,15 @@ void Metrics::SetKvCache(const KvCacheSnapshot& s) {
   kv_cache_bytes_.Add({{"state", "shared"}}).Set(static_cast<double>(s.shared_bytes));
   kv_session_tokens_.Add({{"state", "written"}}).Set(static_cast<double>(s.written_tokens));
   kv_session_tokens_.Add({{"state", "reserved"}}).Set(static_cast<double>(s.reserved_tokens));
-  // A counter only grows: it is raised to the table's total, never set.
-  const auto follow = [](prometheus::Counter& counter, double total) {
-    if (total > counter.Value()) counter.Increment(total - counter.Value());
-  };
-  core::MutexLock lock(kv_totals_mutex_);
-  follow(kv_session_events_.Add({{"event", "created"}}), static_cast<double>(s.created));
-  follow(kv_session_events_.Add({{"event", "forked"}}), static_cast<double>(s.forked));
-  follow(kv_session_events_.Add({{"event", "dropped"}}), static_cast<double>(s.dropped));
-  follow(kv_session_events_.Add({{"event", "expired"}}), static_cast<double>(s.expired));
-  follow(kv_session_events_.Add({{"event", "restored"}}), static_cast<double>(s.restored));
-  follow(kv_read_bytes_, static_cast<double>(s.kv_bytes_read));
-  follow(kv_shared_blocks_read_, static_cast<double>(s.shared_blocks_read));
-  follow(kv_step_compute_seconds_, s.step_compute_seconds);
+  core::MutexLock lock(totals_mutex_);
+  FollowTotal(kv_session_events_.Add({{"event", "created"}}), static_cast<double>(s.created));
+  FollowTotal(kv_session_events_.Add({{"event", "forked"}}), static_cast<double>(s.forked));
+  FollowTotal(kv_session_events_.Add({{"event", "dropped"}}), static_cast<double>(s.dropped));
+  FollowTotal(kv_session_events_.Add({{"event", "expired"}}), static_cast<double>(s.expired));
+  FollowTotal(kv_session_events_.Add({{"event", "restored"}}), static_cast<double>(s.restored));
+  FollowTotal(kv_read_bytes_, static_cast<double>(s.kv_bytes_read));
+  FollowTotal(kv_shared_blocks_read_, static_cast<double>(s.shared_blocks_read));
+  FollowTotal(kv_step_compute_seconds_, s.step_compute_seconds);
 }
 
 void Metrics::CountSessionRefusal(absl::string_view reason) {
@@ -269,10 +270,10 @@ void Metrics::SetDeviceMemory(absl::string_view device, int64_t used_bytes, int6
 }
 
 void Metrics::SetAttentionCalls(absl::string_view device, absl::string_view path, int64_t total) {
-  core::MutexLock lock(attention_calls_mutex_);
-  prometheus::Counter& counter =
-      device_attention_calls_.Add({{"device", std::string(device)}, {"path", std::string(path)}});
-  if (total > counter.Value()) counter.Increment(static_cast<double>(total) - counter.Value());
+  core::MutexLock lock(totals_mutex_);
+  FollowTotal(
+      device_attention_calls_.Add({{"device", std::string(device)}, {"path", std::string(path)}}),
+      static_cast<double>(total));
 }
 
 void Metrics::LayerBatchFinished(absl::string_view layer, int64_t requests, absl::Duration queued,

@@ -125,11 +125,10 @@ class Metrics {
   prometheus::Counter& kv_read_bytes_;
   prometheus::Counter& kv_shared_blocks_read_;
   prometheus::Counter& kv_step_compute_seconds_;
-  core::Mutex kv_totals_mutex_;  // counters follow the table's totals one refresh at a time
+  core::Mutex totals_mutex_;  // counters follow their sources' totals one refresh at a time
   prometheus::Family<prometheus::Gauge>& device_memory_used_;
   prometheus::Family<prometheus::Gauge>& device_memory_total_;
   prometheus::Family<prometheus::Counter>& device_attention_calls_;
-  core::Mutex attention_calls_mutex_;  // as kv_totals_mutex_
   mutable core::Mutex layer_statistics_mutex_;
   std::map<std::string, LayerStatistics> layer_statistics_
       ABSL_GUARDED_BY(layer_statistics_mutex_);
