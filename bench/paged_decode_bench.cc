@@ -9,7 +9,9 @@
 // one buffer (or process) to the next. BM_SharedPrefixDecode (issue 41): sessions forked
 // from one 4,096-token prefix, decoding one token a step, with the prefix read once for all
 // of them, read once per fork (share_prefixes off: the step before sharing), and held as
-// private copies; BM_SgemmCeiling is OpenBLAS at the shared part's product shape.
+// private copies; BM_SgemmCeiling is OpenBLAS at the shared part's product shape, and
+// BM_Bf16GemmCeiling the host's bf16 products there (those the shared part over bf16 KV
+// runs on: FastestBf16Products, named in the label; skipped where float32's are faster).
 //
 //   build/bench/paged_decode_bench --benchmark_counters_tabular=true
 #if defined(__x86_64__)
@@ -24,6 +26,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -31,10 +34,13 @@
 #include <cblas.h>
 
 #include "benchmark/benchmark.h"
+#include "core/cpu/attention_cpu.h"
 #include "core/cpu/gemm.h"
+#include "core/cpu/gemm_bf16.h"
 #include "core/cpu/paged_attention_cpu.h"
 #include "core/cpu/thread_pool.h"
 #include "core/dtype.h"
+#include "core/half_bits.h"
 #include "core/kv_cache/block_pool.h"
 
 namespace attention::core {
@@ -220,6 +226,13 @@ BENCHMARK(BM_PagedDecode)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 
+// The kernel of shared prefixes' products over `dtype` KV, as CpuBackend::SessionBf16Products.
+std::optional<Bf16Kernel> SharedBf16Products(DType dtype) {
+  const Bf16Kernel fastest = FastestBf16Products();
+  if (dtype != DType::kBFloat16 || fastest == Bf16Kernel::kPortable) return std::nullopt;
+  return fastest;
+}
+
 // Mode of BM_SharedPrefixDecode.
 enum PrefixMode { kShared = 0, kForksUnshared = 1, kPrivateCopies = 2 };
 
@@ -267,8 +280,10 @@ void BM_SharedPrefixDecode(benchmark::State& state) {
   const PagedDecodeBatch batch =
       LlamaBatch(storage, blocks, layout, tokens_per_block, batch_sequences);
   ThreadPool threads(ComputeThreads());
+  // As the server's sessions: bf16 KV's shared products on the host's bf16 products.
+  const std::optional<Bf16Kernel> bf16_products = SharedBf16Products(layout.dtype);
   for (auto _ : state) {
-    if (!PagedDecodeCpu(batch, threads, BestSimdLevel(), mode == kShared).ok()) {
+    if (!PagedDecodeCpu(batch, threads, BestSimdLevel(), mode == kShared, bf16_products).ok()) {
       state.SkipWithError("PagedDecodeCpu failed");
     }
     benchmark::DoNotOptimize(outputs.data());
@@ -278,7 +293,9 @@ void BM_SharedPrefixDecode(benchmark::State& state) {
   state.counters["layer_steps/s"] =
       benchmark::Counter(static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
   static const char* const kModes[] = {"shared", "forks, read per fork", "private copies"};
-  state.SetLabel(std::string(kModes[mode]) + ", " + std::string(DTypeName(layout.dtype)));
+  state.SetLabel(std::string(kModes[mode]) + ", " + std::string(DTypeName(layout.dtype)) +
+                 (bf16_products ? std::string(", products ") + Bf16KernelName(*bf16_products)
+                                : std::string()));
 }
 BENCHMARK(BM_SharedPrefixDecode)
     ->ArgNames({"sessions", "mode", "bf16"})
@@ -301,6 +318,36 @@ void BM_SgemmCeiling(benchmark::State& state) {
       2.0 * kRows * kKeys * kDim * state.iterations() / 1e9, benchmark::Counter::kIsRate);
 }
 BENCHMARK(BM_SgemmCeiling)->UseRealTime()->Unit(benchmark::kMillisecond);
+
+// The same product in bf16 on the shared part's bf16 kernel, its panels split across the
+// decode's threads.
+void BM_Bf16GemmCeiling(benchmark::State& state) {
+  constexpr int64_t kRows = 256, kKeys = 4096, kDim = 128;
+  const std::optional<Bf16Kernel> kernel = SharedBf16Products(DType::kBFloat16);
+  if (!kernel.has_value()) {
+    state.SkipWithError("float32 products are this host's faster (FastestBf16Products)");
+    return;
+  }
+  std::vector<uint16_t> a(kRows * kDim, FloatToBFloat16Bits(0.01f));
+  std::vector<uint16_t> b(kDim * kKeys, FloatToBFloat16Bits(0.02f));
+  std::vector<uint16_t> panels(Bf16PanelElements(kDim, kKeys));
+  PackBf16Panels(b.data(), kDim, kKeys, kKeys, 1, panels.data(), *kernel);
+  std::vector<float> c(kRows * kKeys);
+  ThreadPool threads(ComputeThreads());
+  const int64_t parts = threads.size(), panel_count = PanelCount(kKeys);
+  for (auto _ : state) {
+    threads.ParallelFor(parts, [&](int64_t part) {
+      GemmBf16Panels(*kernel, a.data(), kDim, kRows, panels.data(), kDim, kKeys,
+                     panel_count * part / parts, panel_count * (part + 1) / parts, 1.0f, nullptr,
+                     c.data(), kKeys);
+    });
+    benchmark::DoNotOptimize(c.data());
+  }
+  state.counters["GFLOPS"] = benchmark::Counter(
+      2.0 * kRows * kKeys * kDim * state.iterations() / 1e9, benchmark::Counter::kIsRate);
+  state.SetLabel(Bf16KernelName(*kernel));
+}
+BENCHMARK(BM_Bf16GemmCeiling)->UseRealTime()->Unit(benchmark::kMillisecond);
 
 }  // namespace
 }  // namespace attention::core

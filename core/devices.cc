@@ -121,7 +121,8 @@ absl::StatusOr<std::unique_ptr<kv_cache::KvStorage>> Devices::CreateKvStorage(
   ASSIGN_OR_RETURN(const std::shared_ptr<const Backend> backend, Get(device));
   if (backend == cpu_) {
     return std::unique_ptr<kv_cache::KvStorage>(
-        std::make_unique<HostKvStorage>(num_blocks, block_bytes, cpu_->pool()));
+        std::make_unique<HostKvStorage>(num_blocks, block_bytes, cpu_->pool(),
+                                        kPagedPrefillMinQueries, cpu_->SessionBf16Products()));
   }
   int index = 0;
   absl::string_view number = backend->name();

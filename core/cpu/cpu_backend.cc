@@ -265,7 +265,8 @@ std::string CpuBackend::BlasCore() { return openblas_get_corename(); }
 
 std::string CpuBackend::Bf16Path() const {
   return absl::StrCat("projections on ", Bf16ProjectionName(bf16_projection_),
-                      " (measured: ", Bf16ProjectionReport(), "), attention products on ",
+                      " (measured: ", Bf16ProjectionReport(),
+                      "), attention products (and sessions' shared prefixes over bf16 KV) on ",
                       Bf16ProductsName(bf16_kernel_), " (measured: ", Bf16ProductsReport(), ")");
 }
 

@@ -52,6 +52,12 @@ class CpuBackend final : public Backend {
   // How this backend's BFLOAT16 layers multiply (for the start-up log): the projection
   // kernel and what the start-up measurement found, then attention's products.
   std::string Bf16Path() const;
+  // The products of shared prefixes over bf16 KV in KV-cache sessions (PagedDecodeCpu): the
+  // kernel of BFLOAT16 layers' attention products, unset where those are float32.
+  std::optional<Bf16Kernel> SessionBf16Products() const {
+    if (bf16_kernel_ == Bf16Kernel::kPortable) return std::nullopt;
+    return bf16_kernel_;
+  }
 
  private:
   const std::string name_ = "cpu";

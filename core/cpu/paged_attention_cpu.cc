@@ -5,12 +5,14 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/cpu/exp_poly.h"
 #include "core/cpu/gemm.h"
+#include "core/cpu/gemm_bf16.h"
 #include "core/cpu/paged_decode_split.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -501,6 +503,74 @@ void AttendWholeSplitAsGemm(const RowKernels& kernels, SimdLevel level,
   }
 }
 
+// The same split in bf16 products, for bf16 KV where those are the host's faster products
+// (FastestBf16Products: AMX tiles, AVX512-BF16): the keys and values stay bf16, gathered
+// from their blocks and packed into bf16 panels; the query rows and the exps are rounded to
+// bf16 as a BFLOAT16 layer's attention rounds them, and the softmax stays in float32.
+// Within the bf16 rule of AttendSplit.
+void AttendWholeSplitAsBf16Gemm(const RowKernels& kernels, Bf16Kernel kernel,
+                                const PagedDecodeBatch& batch, const PagedDecodeSequence& sequence,
+                                int64_t kv_head, int64_t key_begin, int64_t key_end,
+                                float* states) {
+  const KvLayout& layout = batch.layout;
+  const int64_t key_dim = layout.key_dim, value_dim = layout.value_dim;
+  const int64_t group = batch.num_heads / layout.num_kv_heads;
+  const int64_t rows = sequence.num_queries * group, keys = key_end - key_begin;
+  constexpr int64_t kRowBlock = 256;  // as AttendWholeSplitAsGemm's passes
+  const int64_t block_rows = std::min(rows, kRowBlock);
+  thread_local std::vector<uint16_t> bf16_scratch;
+  thread_local std::vector<float> float_scratch;
+  bf16_scratch.resize(keys * (key_dim + value_dim) + Bf16PanelElements(key_dim, keys) +
+                      Bf16PanelElements(keys, value_dim) + block_rows * (key_dim + keys));
+  uint16_t* gathered_keys = bf16_scratch.data();               // [keys][dk]
+  uint16_t* gathered_values = gathered_keys + keys * key_dim;  // [keys][dv]
+  uint16_t* key_panels = gathered_values + keys * value_dim;
+  uint16_t* value_panels = key_panels + Bf16PanelElements(key_dim, keys);
+  uint16_t* rounded_queries = value_panels + Bf16PanelElements(keys, value_dim);
+  uint16_t* rounded_exps = rounded_queries + block_rows * key_dim;
+  float_scratch.resize(block_rows * (key_dim + keys));
+  float* queries = float_scratch.data();
+  float* scores = queries + block_rows * key_dim;
+  // A head's rows run on to the end of their block: one copy per block.
+  for (int64_t key = key_begin; key < key_end;) {
+    const KvRows at = KvRowsAt(batch, sequence, kv_head, key);
+    const int64_t run =
+        std::min(key_end - key, batch.tokens_per_block - key % batch.tokens_per_block);
+    std::memcpy(gathered_keys + (key - key_begin) * key_dim, at.keys,
+                run * key_dim * sizeof(uint16_t));
+    std::memcpy(gathered_values + (key - key_begin) * value_dim, at.values,
+                run * value_dim * sizeof(uint16_t));
+    key += run;
+  }
+  PackBf16Panels(gathered_keys, key_dim, keys, /*depth_stride=*/1, /*column_stride=*/key_dim,
+                 key_panels, kernel);
+  PackBf16Panels(gathered_values, keys, value_dim, /*depth_stride=*/value_dim,
+                 /*column_stride=*/1, value_panels, kernel);
+  const int64_t state_floats = StateFloats(layout);
+  for (int64_t first_row = 0; first_row < rows; first_row += block_rows) {
+    const int64_t count = std::min(block_rows, rows - first_row);
+    for (int64_t r = 0; r < count; ++r) {
+      const int64_t i = (first_row + r) / group, g = (first_row + r) % group;
+      std::copy_n(sequence.query + (i * batch.num_heads + kv_head * group + g) * key_dim, key_dim,
+                  queries + r * key_dim);
+    }
+    RoundToBf16(queries, count * key_dim, rounded_queries, kernel);
+    GemmBf16Panels(kernel, rounded_queries, key_dim, count, key_panels, key_dim, keys, 0,
+                   PanelCount(keys), batch.scale, nullptr, scores, keys);
+    float* block_states = states + first_row * state_floats;
+    for (int64_t r = 0; r < count; ++r) {
+      float* row_scores = scores + r * keys;
+      float* state = block_states + r * state_floats;
+      state[kStateMax] = kernels.max(row_scores, keys);
+      state[kStateSum] = kernels.exp_and_sum(row_scores, keys, state[kStateMax]);
+    }
+    RoundToBf16(scores, count * keys, rounded_exps, kernel);
+    GemmBf16Panels(kernel, rounded_exps, keys, count, value_panels, keys, value_dim, 0,
+                   PanelCount(value_dim), 1.0f, nullptr, block_states + kStateAccumulator,
+                   state_floats);
+  }
+}
+
 // The splits of one (sequence, KV head): states [split][row][state], merged in split order.
 struct HeadWork {
   int64_t sequence, kv_head, num_splits, states_offset;
@@ -558,7 +628,7 @@ struct SharedPrefix {
 }  // namespace
 
 absl::Status PagedDecodeCpu(const PagedDecodeBatch& batch, ThreadPool& pool, SimdLevel level,
-                            bool share_prefixes) {
+                            bool share_prefixes, std::optional<Bf16Kernel> bf16_products) {
   if (absl::Status status = ValidatePagedDecodeBatch(batch, /*check_block_ids=*/true);
       !status.ok()) {
     return status;
@@ -566,6 +636,10 @@ absl::Status PagedDecodeCpu(const PagedDecodeBatch& batch, ThreadPool& pool, Sim
   if (!CpuSupports(level)) {
     return absl::InvalidArgumentError(
         absl::StrCat("paged decode: this CPU cannot run ", SimdLevelName(level)));
+  }
+  if (bf16_products.has_value() && !CpuSupports(*bf16_products)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("paged decode: this CPU cannot run ", Bf16KernelName(*bf16_products)));
   }
   const RowKernels kernels = Kernels(level);
 #if defined(__x86_64__)
@@ -647,7 +721,12 @@ absl::Status PagedDecodeCpu(const PagedDecodeBatch& batch, ThreadPool& pool, Sim
       const SharedPrefix& prefix = shared[unit.group];
       thread_local std::vector<float> group_states;
       group_states.resize(prefix.rows.num_queries * group * state_floats);
-      if (prefix.rows.num_queries * group >= kSharedPrefixGemmRows) {
+      const bool as_products = prefix.rows.num_queries * group >= kSharedPrefixGemmRows;
+      if (as_products && bf16_products.has_value() && batch.layout.dtype == DType::kBFloat16) {
+        AttendWholeSplitAsBf16Gemm(kernels, *bf16_products, batch, prefix.rows, unit.kv_head,
+                                   unit.key_begin, unit.key_begin + kPagedSplitKeys,
+                                   group_states.data());
+      } else if (as_products) {
         AttendWholeSplitAsGemm(kernels, level, batch, prefix.rows, unit.kv_head, unit.key_begin,
                                unit.key_begin + kPagedSplitKeys, group_states.data());
       } else {

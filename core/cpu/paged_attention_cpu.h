@@ -16,10 +16,12 @@
 #define ATTENTION_CORE_CPU_PAGED_ATTENTION_CPU_H_
 
 #include <cstdint>
+#include <optional>
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "core/cpu/gemm.h"
+#include "core/cpu/gemm_bf16.h"
 #include "core/cpu/thread_pool.h"
 #include "core/kv_cache/block_pool.h"
 #include "core/kv_cache/paged_batch.h"
@@ -40,8 +42,12 @@ inline constexpr int64_t kSharedPrefixGemmRows = 64;
 // (FindSharedPrefixes over whole splits) read each shared split once for all their query
 // rows (a benchmark turns it off to compare): row by row, bitwise the results without, or
 // from kSharedPrefixGemmRows rows as two matrix products, within FlashAttention's rule of them.
+// Over bfloat16 KV, `bf16_products` (a kernel this CPU runs) makes those products bf16 on
+// that kernel (the query rows and exps rounded to bf16), within the bf16 rule; unset, they
+// are float32 products of the widened keys and values.
 absl::Status PagedDecodeCpu(const PagedDecodeBatch& batch, ThreadPool& pool,
-                            SimdLevel level = BestSimdLevel(), bool share_prefixes = true);
+                            SimdLevel level = BestSimdLevel(), bool share_prefixes = true,
+                            std::optional<Bf16Kernel> bf16_products = std::nullopt);
 
 }  // namespace attention::core
 

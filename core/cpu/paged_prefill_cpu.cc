@@ -102,7 +102,8 @@ absl::Status PagedPrefillCpu(const PagedDecodeBatch& batch, ThreadPool& pool) {
 }
 
 absl::Status PagedAttentionCpu(const PagedDecodeBatch& batch, ThreadPool& pool,
-                               int64_t prefill_min_queries) {
+                               int64_t prefill_min_queries,
+                               std::optional<Bf16Kernel> bf16_products) {
   if (absl::Status status = ValidatePagedDecodeBatch(batch, /*check_block_ids=*/true);
       !status.ok()) {
     return status;
@@ -114,7 +115,11 @@ absl::Status PagedAttentionCpu(const PagedDecodeBatch& batch, ThreadPool& pool,
   PagedDecodeBatch part = batch;
   if (!decode.empty()) {
     part.sequences = decode;
-    if (absl::Status status = PagedDecodeCpu(part, pool); !status.ok()) return status;
+    if (absl::Status status =
+            PagedDecodeCpu(part, pool, BestSimdLevel(), /*share_prefixes=*/true, bf16_products);
+        !status.ok()) {
+      return status;
+    }
   }
   if (!prefill.empty()) {
     part.sequences = prefill;

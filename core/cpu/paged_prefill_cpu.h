@@ -20,8 +20,10 @@
 #define ATTENTION_CORE_CPU_PAGED_PREFILL_CPU_H_
 
 #include <cstdint>
+#include <optional>
 
 #include "absl/status/status.h"
+#include "core/cpu/gemm_bf16.h"
 #include "core/cpu/paged_attention_cpu.h"
 #include "core/cpu/thread_pool.h"
 
@@ -40,9 +42,11 @@ absl::Status PagedPrefillCpu(const PagedDecodeBatch& batch, ThreadPool& pool);
 
 // The paged attention of a step: sequences with n >= `prefill_min_queries` on
 // PagedPrefillCpu, the others on PagedDecodeCpu (a bound above every n keeps them all
-// there). INVALID_ARGUMENT as PagedDecodeCpu, before anything is computed.
+// there), with PagedDecodeCpu's `bf16_products`. INVALID_ARGUMENT as PagedDecodeCpu, before
+// anything is computed.
 absl::Status PagedAttentionCpu(const PagedDecodeBatch& batch, ThreadPool& pool,
-                               int64_t prefill_min_queries = kPagedPrefillMinQueries);
+                               int64_t prefill_min_queries = kPagedPrefillMinQueries,
+                               std::optional<Bf16Kernel> bf16_products = std::nullopt);
 
 }  // namespace attention::core
 

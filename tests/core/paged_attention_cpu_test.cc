@@ -11,12 +11,17 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/cpu/amx_tiles.h"
+#include "core/cpu/gemm_bf16.h"
+#include "core/devices.h"
 #include "core/dtype.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -294,36 +299,48 @@ TEST_P(PagedDecodeLevelTest, ForksSharingAPrefixAreBitwiseTheirAnswersAlone) {
 // From kSharedPrefixGemmRows query rows, forks attend their shared splits as matrix
 // products: every answer within the rule against the references, and against the same
 // batch with sharing off (the plain path) as the rule's reference.
+// Forks of one 2,048-key prefix, many enough for the shared products.
+struct ForkCase {
+  int64_t heads, kv_heads, key_dim, value_dim, forks, most_queries, min_rows;
+};
+constexpr ForkCase kForkCases[] = {
+    // GQA 4:1 and 1-3 queries per fork: 35 sequences, 272 query rows, more than one pass
+    // of the products takes (256).
+    {8, 2, 64, 48, 34, 3, 257},
+    // Odd head sizes (a partial panel of values) and GQA 3:1, one query per fork: 22
+    // sequences, 66 rows, just past kSharedPrefixGemmRows.
+    {6, 2, 36, 20, 21, 1, kSharedPrefixGemmRows},
+};
+
+// The pool of a ForkCase: sequences of 2,049-2,600 keys sharing 2,048. The second sequence,
+// not attended, makes the pool large enough for the forks' own blocks.
+PagedPool ForkPool(const ForkCase& c, DType dtype, uint64_t seed) {
+  return PagedPool(Shape{c.heads, c.kv_heads, c.key_dim, c.value_dim, 16, dtype},
+                   {{2600, 1}, {8000, 1}}, seed);
+}
+
+// Adds the case's forks of sequence 0; returns the sequences to attend, 0 included.
+std::vector<size_t> AddForks(PagedPool& pool, const ForkCase& c, uint64_t seed) {
+  const int64_t group = c.heads / c.kv_heads;
+  std::vector<size_t> all = {0};
+  int64_t rows = group;
+  for (int f = 0; f < c.forks; ++f) {
+    const int64_t queries = 1 + f % c.most_queries;
+    all.push_back(pool.AddFork(0, 128, 2049 + (19 * f) % 300, queries, seed + 1 + f));
+    rows += group * queries;
+  }
+  EXPECT_GE(rows, c.min_rows);
+  return all;
+}
+
 TEST_P(PagedDecodeLevelTest, ManyForksShareTheirPrefixAsMatrixProductsWithinTheRule) {
   constexpr uint64_t kSeed = 46;
-  struct Case {
-    int64_t heads, kv_heads, key_dim, value_dim, forks, most_queries, min_rows;
-  };
-  const Case cases[] = {
-      // GQA 4:1 and 1-3 queries per fork: 35 sequences, 272 query rows, more than one pass
-      // of the products takes (256).
-      {8, 2, 64, 48, 34, 3, 257},
-      // Odd head sizes (a partial panel of values) and GQA 3:1, one query per fork: 22
-      // sequences, 66 rows, just past kSharedPrefixGemmRows.
-      {6, 2, 36, 20, 21, 1, kSharedPrefixGemmRows},
-  };
-  for (const Case& c : cases) {
+  for (const ForkCase& c : kForkCases) {
     for (const DType dtype : {DType::kFloat32, DType::kBFloat16}) {
       SCOPED_TRACE(absl::StrCat(DTypeName(dtype), ", dk ", c.key_dim, ", dv ", c.value_dim,
                                 ", seed ", kSeed));
-      // Sequences of 2,049-2,600 keys sharing 2,048. The second sequence, not attended, makes
-      // the pool large enough for the forks' own blocks.
-      PagedPool pool(Shape{c.heads, c.kv_heads, c.key_dim, c.value_dim, 16, dtype},
-                     {{2600, 1}, {8000, 1}}, kSeed);
-      const int64_t group = c.heads / c.kv_heads;
-      std::vector<size_t> all = {0};
-      int64_t rows = group;
-      for (int f = 0; f < c.forks; ++f) {
-        const int64_t queries = 1 + f % c.most_queries;
-        all.push_back(pool.AddFork(0, 128, 2049 + (19 * f) % 300, queries, kSeed + 1 + f));
-        rows += group * queries;
-      }
-      ASSERT_GE(rows, c.min_rows);
+      PagedPool pool = ForkPool(c, dtype, kSeed);
+      const std::vector<size_t> all = AddForks(pool, c, kSeed);
       ThreadPool threads(2);
       PagedAttendStats stats;
       std::vector<PagedDecodeSequence> entries;
@@ -350,6 +367,112 @@ TEST_P(PagedDecodeLevelTest, ManyForksShareTheirPrefixAsMatrixProductsWithinTheR
             << "sequence " << i;
       }
     }
+  }
+}
+
+// Shared prefixes over bf16 KV in bf16 products, on each kernel: the portable one on every
+// host (the products AVX512-BF16 and AMX compute, in plain C++), the others where the CPU
+// runs them; the rest are skipped.
+class PagedDecodeBf16ProductsTest : public ::testing::TestWithParam<Bf16Kernel> {
+ protected:
+  void SetUp() override {
+    if (!CpuSupports(GetParam())) {
+      GTEST_SKIP() << "this CPU cannot run " << Bf16KernelName(GetParam())
+                   << (GetParam() == Bf16Kernel::kAmx ? ": " + AmxUnavailableReason() : "");
+    }
+  }
+};
+INSTANTIATE_TEST_SUITE_P(Kernels, PagedDecodeBf16ProductsTest,
+                         ::testing::Values(Bf16Kernel::kPortable, Bf16Kernel::kAvx512Bf16,
+                                           Bf16Kernel::kAmx),
+                         [](const auto& info) { return std::string(Bf16KernelName(info.param)); });
+
+TEST_P(PagedDecodeBf16ProductsTest, ManyForksShareTheirPrefixWithinTheBf16Rule) {
+  constexpr uint64_t kSeed = 47;
+  for (const ForkCase& c : kForkCases) {
+    SCOPED_TRACE(absl::StrCat("dk ", c.key_dim, ", dv ", c.value_dim, ", seed ", kSeed));
+    PagedPool pool = ForkPool(c, DType::kBFloat16, kSeed);
+    const std::vector<size_t> all = AddForks(pool, c, kSeed);
+    ThreadPool threads(2);
+    std::vector<PagedDecodeSequence> entries;
+    ASSERT_TRUE(PagedDecodeCpu(pool.Batch(all, entries), threads, BestSimdLevel(),
+                               /*share_prefixes=*/true, GetParam())
+                    .ok());
+    const std::vector<Sequence> bf16 = pool.sequences();
+    ASSERT_TRUE(RunCpu(pool, all, threads).ok());  // the same products in float32
+    const std::string kernel = Bf16KernelName(GetParam());
+    FidelityStats outputs("bf16 forks " + kernel), lses("bf16 forks lse " + kernel);
+    bool rounded = false;  // whether the bf16 products ran: float32's differ somewhere
+    for (const size_t i : all) {
+      std::vector<double> oracle, oracle_lse;
+      std::vector<float> reference, reference_lse;
+      testing::PagedReferenceDecode<double>(pool.shape(), bf16[i], pool.scale(), 0, &oracle,
+                                            &oracle_lse);
+      testing::PagedReferenceDecode<float>(pool.shape(), bf16[i], pool.scale(), 0, &reference,
+                                           &reference_lse, /*bf16_products=*/true);
+      EXPECT_TRUE(outputs.CheckBf16(bf16[i].output, reference, oracle)) << "sequence " << i;
+      EXPECT_TRUE(lses.CheckBf16(bf16[i].log_sum_exp, reference_lse, oracle_lse))
+          << "sequence " << i;
+      rounded = rounded || bf16[i].output != pool.sequences()[i].output;
+    }
+    EXPECT_TRUE(rounded) << "every output is float32 products' own";
+  }
+}
+
+// The CPU's KV storage takes the products of its backend's BFLOAT16 layers
+// (CpuBackend::SessionBf16Products): float32 where those are float32, else that kernel, which
+// a CPU without it refuses by name.
+TEST(DevicesTest, CpuKvStorageMultipliesSharedBf16PrefixesOnTheBackendsKernel) {
+  constexpr uint64_t kSeed = 49;
+  const ForkCase& c = kForkCases[1];
+  for (const Bf16Kernel kernel :
+       {Bf16Kernel::kPortable, Bf16Kernel::kAvx512Bf16, Bf16Kernel::kAmx}) {
+    SCOPED_TRACE(absl::StrCat(Bf16ProductsName(kernel), ", seed ", kSeed));
+    PagedPool pool = ForkPool(c, DType::kBFloat16, kSeed);
+    const std::vector<size_t> all = AddForks(pool, c, kSeed);
+    Devices devices(2, std::nullopt, kernel);
+    absl::StatusOr<std::unique_ptr<kv_cache::KvStorage>> storage =
+        devices.CreateKvStorage("cpu", pool.num_blocks(), pool.block_bytes());
+    ASSERT_TRUE(storage.ok()) << storage.status();
+    for (BlockId block = 0; block < pool.num_blocks(); ++block) {
+      ASSERT_TRUE(
+          (*storage)->WriteBlock(block, pool.bytes().data() + block * pool.block_bytes()).ok());
+    }
+    std::vector<PagedDecodeSequence> entries;
+    const absl::Status status = (*storage)->Attend(pool.Batch(all, entries));
+    if (kernel != Bf16Kernel::kPortable && !CpuSupports(kernel)) {
+      EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+      EXPECT_THAT(status.message(), ::testing::HasSubstr(Bf16KernelName(kernel)));
+      continue;
+    }
+    ASSERT_TRUE(status.ok()) << status;
+    const std::vector<Sequence> stored = pool.sequences();
+    ThreadPool threads(2);
+    const std::optional<Bf16Kernel> products =
+        kernel == Bf16Kernel::kPortable ? std::nullopt : std::optional<Bf16Kernel>(kernel);
+    ASSERT_TRUE(PagedDecodeCpu(pool.Batch(all, entries), threads, BestSimdLevel(),
+                               /*share_prefixes=*/true, products)
+                    .ok());
+    for (const size_t i : all) {
+      EXPECT_EQ(stored[i].output, pool.sequences()[i].output) << "sequence " << i;
+    }
+  }
+}
+
+TEST(PagedDecodeCpuTest, RefusesBf16ProductsThisCpuCannotRun) {
+  std::vector<Bf16Kernel> missing;
+  for (const Bf16Kernel kernel : {Bf16Kernel::kAvx512Bf16, Bf16Kernel::kAmx}) {
+    if (!CpuSupports(kernel)) missing.push_back(kernel);
+  }
+  if (missing.empty()) GTEST_SKIP() << "this CPU runs every bf16 kernel";
+  for (const Bf16Kernel kernel : missing) {
+    PagedPool pool(Shape{4, 2, 16, 16, 16, DType::kBFloat16}, {{40, 1}}, 48);
+    ThreadPool threads(1);
+    std::vector<PagedDecodeSequence> entries;
+    const absl::Status status = PagedDecodeCpu(pool.Batch({0}, entries), threads, BestSimdLevel(),
+                                               /*share_prefixes=*/true, kernel);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(status.message(), ::testing::HasSubstr(Bf16KernelName(kernel)));
   }
 }
 

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "core/half_bits.h"
 #include "core/kv_cache/block_pool.h"
 #include "core/kv_cache/paged_batch.h"
 #include "gtest/gtest.h"
@@ -187,10 +188,17 @@ class HostPagedPool {
 };
 
 // Dense decode attention in precision T on the gathered KV: the textbook loops. With a
-// window W, query i (at position p) sees keys p - W + 1 .. p.
+// window W, query i (at position p) sees keys p - W + 1 .. p. With `bf16_products`, the
+// query and the exps that weigh the values are rounded to bf16 first, as bf16 products
+// round them (the sum of the exps stays unrounded).
 template <typename T>
 void PagedReferenceDecode(const PagedShape& shape, const PagedSequence& s, float scale,
-                          int64_t window, std::vector<T>* output, std::vector<T>* log_sum_exp) {
+                          int64_t window, std::vector<T>* output, std::vector<T>* log_sum_exp,
+                          bool bf16_products = false) {
+  const auto operand = [bf16_products](T x) {
+    if (!bf16_products) return x;
+    return static_cast<T>(BFloat16BitsToFloat(FloatToBFloat16Bits(static_cast<float>(x))));
+  };
   const int64_t group = shape.heads / shape.kv_heads;
   output->assign(s.queries * shape.heads * shape.value_dim, 0);
   log_sum_exp->assign(s.queries * shape.heads, 0);
@@ -208,7 +216,7 @@ void PagedReferenceDecode(const PagedShape& shape, const PagedSequence& s, float
         const float* k = &s.keys[((begin + j) * shape.kv_heads + kv) * shape.key_dim];
         T dot = 0;
         for (int64_t c = 0; c < shape.key_dim; ++c) {
-          dot += static_cast<T>(q[c]) * static_cast<T>(k[c]);
+          dot += operand(static_cast<T>(q[c])) * static_cast<T>(k[c]);
         }
         scores[j] = dot * static_cast<T>(scale);
         max = std::max(max, scores[j]);
@@ -219,7 +227,7 @@ void PagedReferenceDecode(const PagedShape& shape, const PagedSequence& s, float
         T acc = 0;
         for (int64_t j = 0; j < visible; ++j) {
           const float value = s.values[((begin + j) * shape.kv_heads + kv) * shape.value_dim + c];
-          acc += scores[j] * static_cast<T>(value);
+          acc += operand(scores[j]) * static_cast<T>(value);
         }
         (*output)[(i * shape.heads + h) * shape.value_dim + c] = acc / sum;
       }
