@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/cuda/cuda_status.h"
 #include "core/cuda/paged_decode.h"
+#include "core/cuda/paged_decode_plan.h"
 #include "core/status_macros.h"
 
 namespace attention::core::cuda {
@@ -121,22 +122,38 @@ absl::Status CudaKvStorage::Attend(const PagedDecodeBatch& batch) {
   RETURN_IF_ERROR(ValidatePagedDecodeBatch(device_batch, /*check_block_ids=*/true));
   RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
   const int64_t dk = batch.layout.key_dim, dv = batch.layout.value_dim, h = batch.num_heads;
+  // Forks of one prefix, found while the tables are host memory: their shared splits run once.
+  const std::vector<SharedPrefixGroup> shared =
+      FindSharedPrefixes(device_batch, kCudaPagedSplitKeys);
   // One arena for every sequence's block table, query, output and log-sum-exp: one copy in
-  // and one copy out.
+  // and one copy out. A group's queries first, one after another in member order (as the
+  // kernels read a group's rows).
   struct Offsets {
-    int64_t table, query, output, log_sum_exp;
+    int64_t table, query = -1, output, log_sum_exp;
   };
   Arena arena;
-  std::vector<Offsets> offsets;
-  for (const PagedDecodeSequence& s : batch.sequences) {
-    Offsets o;
+  std::vector<Offsets> offsets(batch.sequences.size());
+  const auto query_bytes = [&](int64_t b) {
+    return batch.sequences[b].num_queries * h * dk * static_cast<int64_t>(sizeof(float));
+  };
+  for (const SharedPrefixGroup& group : shared) {
+    int64_t bytes = 0;
+    for (const int64_t b : group.sequences) bytes += query_bytes(b);
+    int64_t next = arena.Add(bytes);  // one region: the arena aligns each array it adds
+    for (const int64_t b : group.sequences) {
+      offsets[b].query = next;
+      next += query_bytes(b);
+    }
+  }
+  for (size_t b = 0; b < batch.sequences.size(); ++b) {
+    const PagedDecodeSequence& s = batch.sequences[b];
+    Offsets& o = offsets[b];
     o.table = arena.Add(static_cast<int64_t>(s.block_table.size() * sizeof(BlockId)));
-    o.query = arena.Add(s.num_queries * h * dk * static_cast<int64_t>(sizeof(float)));
+    if (o.query < 0) o.query = arena.Add(query_bytes(b));
     o.output = arena.Add(s.num_queries * h * dv * static_cast<int64_t>(sizeof(float)));
     o.log_sum_exp = s.log_sum_exp == nullptr
                         ? -1
                         : arena.Add(s.num_queries * h * static_cast<int64_t>(sizeof(float)));
-    offsets.push_back(o);
   }
   ASSIGN_OR_RETURN(char* host, host_staging_.Reserve(arena.size()));
   ASSIGN_OR_RETURN(char* device, device_staging_.Reserve(arena.size()));
@@ -158,7 +175,7 @@ absl::Status CudaKvStorage::Attend(const PagedDecodeBatch& batch) {
   RETURN_IF_ERROR(
       CudaStatus(cudaMemcpyAsync(device, host, arena.size(), cudaMemcpyHostToDevice, stream_),
                  "cudaMemcpyAsync of the step's queries"));
-  RETURN_IF_ERROR(PagedDecodeCuda(device_batch, stream_));
+  RETURN_IF_ERROR(PagedDecodeCuda(device_batch, stream_, shared));
   RETURN_IF_ERROR(
       CudaStatus(cudaMemcpyAsync(host, device, arena.size(), cudaMemcpyDeviceToHost, stream_),
                  "cudaMemcpyAsync of the step's outputs"));

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/cuda/paged_decode_kernels.h"
 #include "core/cuda/paged_decode_plan.h"
+#include "core/status_macros.h"
 
 namespace attention::core::cuda {
 namespace {
@@ -41,33 +42,57 @@ std::vector<PagedSequenceDims> SequenceDims(const PagedDecodeBatch& batch) {
   return dims;
 }
 
-// Validation, then the plan; INVALID_ARGUMENT for what the kernels cannot run.
-absl::StatusOr<PagedDecodePlan> Plan(const PagedDecodeBatch& batch) {
-  // Block ids live on the device: one outside the storage reads as NaN (see the header).
-  if (absl::Status status = ValidatePagedDecodeBatch(batch, /*check_block_ids=*/false);
-      !status.ok()) {
-    return status;
-  }
-  int device = 0, max_shared = 0;
-  if (absl::Status status = Cuda(cudaGetDevice(&device), "cudaGetDevice"); !status.ok()) {
-    return status;
-  }
-  if (absl::Status status =
-          Cuda(cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
-               "cudaDeviceGetAttribute");
-      !status.ok()) {
-    return status;
-  }
-  const PagedDecodeDims dims = Dims(batch);
-  const std::vector<PagedSequenceDims> sequences = SequenceDims(batch);
-  if (std::string why = PagedDecodeUnsupportedReason(dims, sequences, max_shared); !why.empty()) {
-    return absl::InvalidArgumentError(why);
-  }
-  return PlanPagedDecode(dims, sequences);
+std::vector<PagedSharedGroupDims> GroupDims(absl::Span<const SharedPrefixGroup> shared) {
+  std::vector<PagedSharedGroupDims> groups;
+  groups.reserve(shared.size());
+  for (const SharedPrefixGroup& g : shared) groups.push_back({g.sequences, g.shared_keys});
+  return groups;
 }
 
-absl::Status Launch(const PagedDecodeBatch& batch, const PagedDecodePlan& plan, float* states,
-                    cudaStream_t stream) {
+// INVALID_ARGUMENT unless each group's members' queries follow one another in device memory.
+absl::Status CheckContiguousQueries(const PagedDecodeBatch& batch,
+                                    absl::Span<const SharedPrefixGroup> shared) {
+  const int64_t row_floats = batch.num_heads * batch.layout.key_dim;
+  for (size_t g = 0; g < shared.size(); ++g) {
+    const std::vector<int64_t>& members = shared[g].sequences;
+    for (size_t m = 1; m < members.size(); ++m) {
+      const PagedDecodeSequence& before = batch.sequences[members[m - 1]];
+      if (batch.sequences[members[m]].query != before.query + before.num_queries * row_floats) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("paged decode: shared group ", g, ": the queries of sequence ", members[m],
+                         " do not follow those of sequence ", members[m - 1]));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Validation, then the plan; INVALID_ARGUMENT for what the kernels cannot run.
+absl::StatusOr<PagedDecodePlan> Plan(const PagedDecodeBatch& batch,
+                                     absl::Span<const SharedPrefixGroup> shared) {
+  // Block ids live on the device: one outside the storage reads as NaN (see the header).
+  RETURN_IF_ERROR(ValidatePagedDecodeBatch(batch, /*check_block_ids=*/false));
+  const PagedDecodeDims dims = Dims(batch);
+  const std::vector<PagedSequenceDims> sequences = SequenceDims(batch);
+  const std::vector<PagedSharedGroupDims> groups = GroupDims(shared);
+  if (std::string why = PagedSharedGroupsInvalidReason(dims, sequences, groups); !why.empty()) {
+    return absl::InvalidArgumentError(why);
+  }
+  RETURN_IF_ERROR(CheckContiguousQueries(batch, shared));
+  int device = 0, max_shared = 0;
+  RETURN_IF_ERROR(Cuda(cudaGetDevice(&device), "cudaGetDevice"));
+  RETURN_IF_ERROR(
+      Cuda(cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+           "cudaDeviceGetAttribute"));
+  if (std::string why = PagedDecodeUnsupportedReason(dims, sequences, max_shared, groups);
+      !why.empty()) {
+    return absl::InvalidArgumentError(why);
+  }
+  return PlanPagedDecode(dims, sequences, groups);
+}
+
+absl::Status Launch(const PagedDecodeBatch& batch, absl::Span<const SharedPrefixGroup> shared,
+                    const PagedDecodePlan& plan, float* states, cudaStream_t stream) {
   constexpr int64_t kInt32Max = (int64_t{1} << 31) - 1;
   PagedDeviceLaunch launch;
   launch.storage = batch.storage.data;
@@ -84,19 +109,33 @@ absl::Status Launch(const PagedDecodeBatch& batch, const PagedDecodePlan& plan, 
   launch.scale = batch.scale;
   launch.bfloat16 = batch.layout.dtype == DType::kBFloat16;
   launch.states = states;
-  for (const PagedLaunch& blocks : plan.launches) {
+  const int64_t num_sequences = static_cast<int64_t>(batch.sequences.size());
+  // The entries of `blocks` into the launch's parameter.
+  const auto fill = [&](const PagedLaunch& blocks) {
     launch.count = static_cast<int32_t>(blocks.count);
     for (int64_t k = 0; k < blocks.count; ++k) {
       const int64_t b = blocks.first_sequence + k;
-      const PagedDecodeSequence& s = batch.sequences[b];
       const PagedSequencePlan& p = plan.sequences[b];
       PagedDeviceSequence& d = launch.sequences[k];
-      d.block_table = s.block_table.data();
-      d.query = s.query;
-      d.output = s.output;
-      d.log_sum_exp = s.log_sum_exp;
-      d.length = static_cast<int32_t>(s.length);
-      d.num_queries = static_cast<int32_t>(s.num_queries);
+      d = PagedDeviceSequence{};
+      if (b < num_sequences) {
+        const PagedDecodeSequence& s = batch.sequences[b];
+        d.block_table = s.block_table.data();
+        d.query = s.query;
+        d.output = s.output;
+        d.log_sum_exp = s.log_sum_exp;
+        d.length = static_cast<int32_t>(s.length);
+        d.num_queries = static_cast<int32_t>(s.num_queries);
+      } else {  // a group entry: its first member's blocks, every member's queries from there
+        const SharedPrefixGroup& group = shared[b - num_sequences];
+        const PagedDecodeSequence& first = batch.sequences[group.sequences.front()];
+        const int64_t queries = p.rows / (batch.num_heads / batch.layout.num_kv_heads);
+        const PagedSequenceDims dims = PagedSharedGroupSequence(group.shared_keys, queries);
+        d.block_table = first.block_table.data();
+        d.query = first.query;
+        d.length = static_cast<int32_t>(dims.length);
+        d.num_queries = static_cast<int32_t>(dims.num_queries);
+      }
       d.first_split = static_cast<int32_t>(p.first_split);
       d.run_splits = static_cast<int32_t>(p.run_splits);
       d.row_chunks = static_cast<int32_t>(p.row_chunks);
@@ -104,11 +143,27 @@ absl::Status Launch(const PagedDecodeBatch& batch, const PagedDecodePlan& plan, 
       d.split_block_begin = p.split_block_begin;
       d.merge_block_begin = p.merge_block_begin;
       d.state_offset = p.state_offset;
+      d.shared_splits = static_cast<int32_t>(p.shared_splits);
+      d.shared_rows = static_cast<int32_t>(p.shared_rows);
+      d.shared_first_row = static_cast<int32_t>(p.shared_first_row);
+      d.shared_state_offset = p.shared_state_offset;
     }
-    if (absl::Status status =
-            Cuda(LaunchPagedDecode(launch, plan, blocks, stream), "kernel launch");
-        !status.ok()) {
-      return status;
+  };
+  // Every split first: a member's merge reads its group entry's states.
+  for (const PagedLaunch& blocks : plan.launches) {
+    fill(blocks);
+    RETURN_IF_ERROR(Cuda(LaunchPagedSplits(launch, plan, blocks, stream), "split kernel launch"));
+  }
+  for (const PagedLaunch& blocks : plan.launches) {
+    fill(blocks);
+    RETURN_IF_ERROR(Cuda(LaunchPagedMerge(launch, blocks, stream), "merge kernel launch"));
+  }
+  if (batch.stats != nullptr) {  // as PagedDecodeCpu counts them
+    for (const SharedPrefixGroup& group : shared) {
+      batch.stats->shared_blocks +=
+          (group.shared_keys + batch.tokens_per_block - 1) / batch.tokens_per_block;
+      batch.stats->keys_not_reread +=
+          group.shared_keys * static_cast<int64_t>(group.sequences.size() - 1);
     }
   }
   return absl::OkStatus();
@@ -116,26 +171,28 @@ absl::Status Launch(const PagedDecodeBatch& batch, const PagedDecodePlan& plan, 
 
 }  // namespace
 
-absl::StatusOr<int64_t> PagedDecodeCudaScratchBytes(const PagedDecodeBatch& batch) {
-  absl::StatusOr<PagedDecodePlan> plan = Plan(batch);
+absl::StatusOr<int64_t> PagedDecodeCudaScratchBytes(const PagedDecodeBatch& batch,
+                                                    absl::Span<const SharedPrefixGroup> shared) {
+  absl::StatusOr<PagedDecodePlan> plan = Plan(batch, shared);
   if (!plan.ok()) return plan.status();
   return plan->scratch_bytes;
 }
 
 absl::Status PagedDecodeCuda(const PagedDecodeBatch& batch, void* scratch, int64_t scratch_bytes,
-                             cudaStream_t stream) {
-  absl::StatusOr<PagedDecodePlan> plan = Plan(batch);
+                             cudaStream_t stream, absl::Span<const SharedPrefixGroup> shared) {
+  absl::StatusOr<PagedDecodePlan> plan = Plan(batch, shared);
   if (!plan.ok()) return plan.status();
   if (plan->scratch_bytes > scratch_bytes || (plan->scratch_bytes > 0 && scratch == nullptr)) {
     return absl::InvalidArgumentError(absl::StrCat("paged decode: scratch_bytes ", scratch_bytes,
                                                    " < the ", plan->scratch_bytes, " needed"));
   }
   if (batch.sequences.empty()) return absl::OkStatus();
-  return Launch(batch, *plan, static_cast<float*>(scratch), stream);
+  return Launch(batch, shared, *plan, static_cast<float*>(scratch), stream);
 }
 
-absl::Status PagedDecodeCuda(const PagedDecodeBatch& batch, cudaStream_t stream) {
-  absl::StatusOr<PagedDecodePlan> plan = Plan(batch);
+absl::Status PagedDecodeCuda(const PagedDecodeBatch& batch, cudaStream_t stream,
+                             absl::Span<const SharedPrefixGroup> shared) {
+  absl::StatusOr<PagedDecodePlan> plan = Plan(batch, shared);
   if (!plan.ok()) return plan.status();
   if (batch.sequences.empty()) return absl::OkStatus();
   void* scratch = nullptr;
@@ -144,7 +201,7 @@ absl::Status PagedDecodeCuda(const PagedDecodeBatch& batch, cudaStream_t stream)
       !status.ok()) {
     return status;
   }
-  absl::Status status = Launch(batch, *plan, static_cast<float*>(scratch), stream);
+  absl::Status status = Launch(batch, shared, *plan, static_cast<float*>(scratch), stream);
   // Freed once the stream passes the kernels, even after a failed launch.
   const absl::Status freed = Cuda(cudaFreeAsync(scratch, stream), "cudaFreeAsync");
   return status.ok() ? freed : status;

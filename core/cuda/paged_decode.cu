@@ -49,7 +49,8 @@ __device__ float WarpMax(float value) {
 }
 
 // The launch's sequence that block `block` belongs to: the last whose first block is at or
-// before it (every sequence has at least one block of each kernel).
+// before it. A sequence with no block of this kernel (a group entry's merge, a member whose
+// splits are all shared) has the next one's first block, so it is never the last.
 template <bool kMerge>
 __device__ int FindSequence(const PagedDeviceLaunch& launch, int64_t block) {
   int low = 0, high = launch.count - 1;
@@ -453,10 +454,13 @@ __global__ void __launch_bounds__(kCudaPagedMergeThreads)
   const int i = static_cast<int>(work.out_row / heads), h = static_cast<int>(work.out_row % heads);
   const int kv_head = h / group, row = i * group + h % group;
   const int part = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int splits = sequence.run_splits;
-  const float* states = launch.states + sequence.state_offset;
+  // A group's member: its shared splits first (the group entry's states), then its own.
+  const int splits = sequence.shared_splits + sequence.run_splits;
   const auto state_of = [&](int split) {
-    return states + PagedStateIndex(kv_head, split, row, splits, sequence.rows, dv);
+    return launch.states +
+           PagedMergeStateOffset(kv_head, split, row, sequence.rows, dv, sequence.state_offset,
+                                 sequence.run_splits, sequence.shared_splits, sequence.shared_rows,
+                                 sequence.shared_first_row, sequence.shared_state_offset);
   };
 
   float row_max = -INFINITY;
@@ -536,12 +540,16 @@ cudaError_t LaunchSplitOf(const PagedDeviceLaunch& launch, const PagedDecodePlan
 
 }  // namespace
 
-cudaError_t LaunchPagedDecode(const PagedDeviceLaunch& launch, const PagedDecodePlan& plan,
+cudaError_t LaunchPagedSplits(const PagedDeviceLaunch& launch, const PagedDecodePlan& plan,
                               const PagedLaunch& blocks, cudaStream_t stream) {
-  const cudaError_t error = launch.bfloat16
-                                ? LaunchSplitOf<uint16_t, 8>(launch, plan, blocks, stream)
-                                : LaunchSplitOf<float, 4>(launch, plan, blocks, stream);
-  if (error != cudaSuccess) return error;
+  if (blocks.split_blocks == 0) return cudaSuccess;  // every split shared (a grid of 0 fails)
+  return launch.bfloat16 ? LaunchSplitOf<uint16_t, 8>(launch, plan, blocks, stream)
+                         : LaunchSplitOf<float, 4>(launch, plan, blocks, stream);
+}
+
+cudaError_t LaunchPagedMerge(const PagedDeviceLaunch& launch, const PagedLaunch& blocks,
+                             cudaStream_t stream) {
+  if (blocks.merge_blocks == 0) return cudaSuccess;  // group entries only
   PagedMergeKernel<<<static_cast<unsigned>(blocks.merge_blocks), kCudaPagedMergeThreads, 0,
                      stream>>>(launch);
   return cudaGetLastError();

@@ -14,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "core/kv_cache/paged_batch.h"
 
 namespace attention::core::cuda {
@@ -29,17 +30,26 @@ namespace attention::core::cuda {
 // outside [0, storage.num_blocks) is read as NaN keys and values, so that sequence's outputs
 // are NaN instead of reading outside the storage.
 //
+// `shared`: forks of one prefix, each group's shared splits run once for all its members
+// (see paged_decode_plan.h), bitwise the results without: the caller's
+// FindSharedPrefixes(batch, kCudaPagedSplitKeys) over the host's copy of the tables, with
+// each group's members' queries contiguous in device memory in member order.
+// INVALID_ARGUMENT naming the group for groups PagedSharedGroupsInvalidReason refuses or
+// queries that are not contiguous. batch.stats, when set, counts what was shared.
+//
 // Enqueues the kernels on `stream` and returns; the outputs are ready when the stream is.
 // Scratch for the split states comes from cudaMallocAsync on `stream` (the device's default
 // memory pool), freed stream-ordered after the kernels.
-absl::Status PagedDecodeCuda(const PagedDecodeBatch& batch, cudaStream_t stream);
+absl::Status PagedDecodeCuda(const PagedDecodeBatch& batch, cudaStream_t stream,
+                             absl::Span<const SharedPrefixGroup> shared = {});
 
 // The same with the caller's device scratch, of at least PagedDecodeCudaScratchBytes(batch)
 // bytes, 256-byte aligned (cudaMalloc's), not used by other work until the stream passes
 // these kernels.
-absl::StatusOr<int64_t> PagedDecodeCudaScratchBytes(const PagedDecodeBatch& batch);
+absl::StatusOr<int64_t> PagedDecodeCudaScratchBytes(
+    const PagedDecodeBatch& batch, absl::Span<const SharedPrefixGroup> shared = {});
 absl::Status PagedDecodeCuda(const PagedDecodeBatch& batch, void* scratch, int64_t scratch_bytes,
-                             cudaStream_t stream);
+                             cudaStream_t stream, absl::Span<const SharedPrefixGroup> shared = {});
 
 }  // namespace attention::core::cuda
 

@@ -27,9 +27,14 @@ struct PagedDeviceSequence {
   int64_t split_block_begin = 0;
   int64_t merge_block_begin = 0;
   int64_t state_offset = 0;
+  // PagedSequencePlan's shared_* (0 outside a group of forks).
+  int32_t shared_splits = 0;
+  int32_t shared_rows = 0;
+  int32_t shared_first_row = 0;
+  int64_t shared_state_offset = 0;
 };
 
-// One launch's sequences: a kernel parameter (kCudaPagedSequencesPerLaunch * 80 bytes), so
+// One launch's sequences: a kernel parameter (kCudaPagedSequencesPerLaunch * 104 bytes), so
 // nothing is copied to the device before the kernels run.
 struct PagedDeviceLaunch {
   const void* storage = nullptr;
@@ -48,9 +53,13 @@ struct PagedDeviceLaunch {
   PagedDeviceSequence sequences[kCudaPagedSequencesPerLaunch];
 };
 
-// The split kernel, then the merge kernel, on `stream`; returns the launch error, if any.
-cudaError_t LaunchPagedDecode(const PagedDeviceLaunch& launch, const PagedDecodePlan& plan,
+// The split kernel or the merge kernel of one launch on `stream` (nothing for no blocks);
+// returns the launch error, if any. Every split launch of a plan goes before its first merge:
+// a member's merge reads its group entry's states, which may be in a later launch.
+cudaError_t LaunchPagedSplits(const PagedDeviceLaunch& launch, const PagedDecodePlan& plan,
                               const PagedLaunch& blocks, cudaStream_t stream);
+cudaError_t LaunchPagedMerge(const PagedDeviceLaunch& launch, const PagedLaunch& blocks,
+                             cudaStream_t stream);
 
 }  // namespace attention::core::cuda
 

@@ -18,6 +18,15 @@
 // head), chunk of kCudaPagedMergeColumns value columns); one thread per (column, part of the
 // splits), the parts added in part order. Every sum runs in an order fixed by the layout
 // alone, so results are bitwise the same for any batch composition.
+//
+// Forks of one prefix (issue 41): a group of sequences whose first S keys are the same
+// blocks (FindSharedPrefixes, S a multiple of kCudaPagedSplitKeys) has its shared splits run
+// once for all its members' rows, as one more entry after the batch's sequences: rows in
+// member order (their queries contiguous), each placed so that it sees every shared key.
+// Its row chunks of one split are neighbours in the grid, so the split's bytes come from
+// memory once and from L2 for the others. Each member runs only its own splits, and its
+// merge reads the shared splits' states from the group's entry: the same states, merged in
+// the same order, so results are bitwise those without sharing.
 #ifndef ATTENTION_CORE_CUDA_PAGED_DECODE_PLAN_H_
 #define ATTENTION_CORE_CUDA_PAGED_DECODE_PLAN_H_
 
@@ -80,6 +89,12 @@ struct PagedSequenceDims {
   int64_t num_queries = 1;  // n
 };
 
+// A group of forks whose keys [0, shared_keys) are the same blocks (SharedPrefixGroup).
+struct PagedSharedGroupDims {
+  std::vector<int64_t> members;  // indices of sequences, ascending, at least 2
+  int64_t shared_keys = 0;       // a positive multiple of kCudaPagedSplitKeys
+};
+
 // One sequence's blocks and states.
 struct PagedSequencePlan {
   int64_t first_split = 0;   // splits before it lie wholly before the first query's window
@@ -92,6 +107,12 @@ struct PagedSequencePlan {
   int64_t split_block_begin = 0;
   int64_t merge_block_begin = 0;
   int64_t state_offset = 0;  // floats into the scratch: [H_kv][run_splits][rows][dv + 2]
+  // A group's member: the first `shared_splits` splits' states are the group entry's (at
+  // shared_state_offset, of shared_rows rows), its rows from shared_first_row on; 0 else.
+  int64_t shared_splits = 0;
+  int64_t shared_rows = 0;
+  int64_t shared_first_row = 0;
+  int64_t shared_state_offset = 0;
 };
 
 // Sequences [first, first + count) of the batch in one launch of each kernel.
@@ -113,20 +134,39 @@ struct PagedDecodePlan {
   int chunks = 1;
   int64_t shared_bytes = 0;   // dynamic shared memory of the split kernel
   int64_t scratch_bytes = 0;  // the split states, float32
+  // The batch's sequences, then one entry per shared group (split blocks only, no merge).
   std::vector<PagedSequencePlan> sequences;
   std::vector<PagedLaunch> launches;
 };
+
+// The position of a shared group's entry: its rows (n = the members' queries) sit at keys
+// S - 1 .. S - 2 + n, so that each sees the S shared keys whole.
+inline PagedSequenceDims PagedSharedGroupSequence(int64_t shared_keys, int64_t queries) {
+  return {shared_keys - 1 + queries, queries};
+}
 
 // Empty when the kernels can run `dims` with at most `max_shared_bytes` of shared memory per
 // block; otherwise what they cannot do, naming the field and the limit.
 std::string PagedDecodeUnsupportedReason(const PagedDecodeDims& dims,
                                          const std::vector<PagedSequenceDims>& sequences,
-                                         int64_t max_shared_bytes);
+                                         int64_t max_shared_bytes,
+                                         const std::vector<PagedSharedGroupDims>& groups = {});
+
+// Empty when `groups` are shared groups the kernels can run for `sequences`: each of at
+// least 2 sequences, ascending, in no other group, every member's first query seeing the
+// shared keys, a positive multiple of kCudaPagedSplitKeys, and no sliding window; otherwise
+// what is wrong, naming the group and the values. (That the members' first blocks are the
+// same and their queries contiguous is the caller's: the host cannot see device tables.)
+std::string PagedSharedGroupsInvalidReason(const PagedDecodeDims& dims,
+                                           const std::vector<PagedSequenceDims>& sequences,
+                                           const std::vector<PagedSharedGroupDims>& groups);
 
 // The plan of a batch that PagedDecodeUnsupportedReason accepts (and the CPU kernel's
-// validation, which the caller runs first).
+// validation, which the caller runs first), with `groups` that
+// PagedSharedGroupsInvalidReason accepts.
 PagedDecodePlan PlanPagedDecode(const PagedDecodeDims& dims,
-                                const std::vector<PagedSequenceDims>& sequences);
+                                const std::vector<PagedSequenceDims>& sequences,
+                                const std::vector<PagedSharedGroupDims>& groups = {});
 
 // The first key a query at `position` sees (CPU: FirstVisibleKey).
 ATTENTION_HOST_DEVICE inline int64_t PagedFirstVisibleKey(int64_t position, int64_t window) {
@@ -166,6 +206,20 @@ ATTENTION_HOST_DEVICE inline int64_t PagedStateIndex(int64_t kv_head, int64_t sp
                                                      int64_t run_splits, int64_t rows,
                                                      int64_t value_dim) {
   return ((kv_head * run_splits + split) * rows + row) * PagedStateFloats(value_dim);
+}
+
+// Where the merge finds split `split` (counted from the sequence's first split) of row `row`
+// of a sequence: in the group entry's states for its shared splits, else in its own.
+ATTENTION_HOST_DEVICE inline int64_t PagedMergeStateOffset(
+    int64_t kv_head, int64_t split, int64_t row, int64_t rows, int64_t value_dim,
+    int64_t state_offset, int64_t run_splits, int64_t shared_splits, int64_t shared_rows,
+    int64_t shared_first_row, int64_t shared_state_offset) {
+  if (split < shared_splits) {
+    return shared_state_offset + PagedStateIndex(kv_head, split, shared_first_row + row,
+                                                 shared_splits, shared_rows, value_dim);
+  }
+  return state_offset +
+         PagedStateIndex(kv_head, split - shared_splits, row, run_splits, rows, value_dim);
 }
 
 // The split kernel's dynamic shared memory: every warp's key and value row offsets (two

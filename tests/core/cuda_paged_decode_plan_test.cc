@@ -2,6 +2,7 @@
 #include "core/cuda/paged_decode_plan.h"
 
 #include <set>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -206,6 +207,128 @@ TEST(CudaPagedDecodePlanTest, UnsupportedShapesNameTheField) {
       PagedDecodeUnsupportedReason(Llama(), {{10, 1}, {int64_t{1} << 31, 1}}, kH100SharedBytes),
       "paged decode: sequence 1 has length 2147483648; the CUDA kernel takes at most "
       "2^31 - 1");
+}
+
+// Forks of one 4,096-key prefix (three members) beside a sequence of its own.
+const std::vector<PagedSequenceDims> kForks = {{4097, 1}, {4200, 1}, {4500, 2}, {300, 1}};
+const std::vector<PagedSharedGroupDims> kForkGroup = {{{0, 1, 2}, 4096}};
+
+TEST(CudaPagedDecodePlanTest, AGroupRunsItsSharedSplitsOnceForEveryMembersRows) {
+  const PagedDecodePlan plan = PlanPagedDecode(Llama(2), kForks, kForkGroup);
+  ASSERT_EQ(plan.sequences.size(), 5u);  // the group's entry after the sequences
+  const PagedSequencePlan& entry = plan.sequences[4];
+  EXPECT_EQ(entry.first_split, 0);
+  EXPECT_EQ(entry.run_splits, 16);
+  EXPECT_EQ(entry.rows, (1 + 1 + 2) * 4);  // every member's rows, GQA group 4
+  EXPECT_EQ(entry.split_blocks, 8 * 16 * 4);
+  EXPECT_EQ(entry.merge_blocks, 0);
+  // Members run only their own splits, after the shared ones.
+  const int64_t own[] = {1, 1, 2};
+  int64_t first_row = 0;
+  for (int b = 0; b < 3; ++b) {
+    const PagedSequencePlan& member = plan.sequences[b];
+    EXPECT_EQ(member.first_split, 16) << b;
+    EXPECT_EQ(member.run_splits, own[b]) << b;
+    EXPECT_EQ(member.shared_splits, 16) << b;
+    EXPECT_EQ(member.shared_rows, entry.rows) << b;
+    EXPECT_EQ(member.shared_first_row, first_row) << b;
+    EXPECT_EQ(member.shared_state_offset, entry.state_offset) << b;
+    first_row += member.rows;
+  }
+  EXPECT_EQ(plan.sequences[3].shared_splits, 0);
+  EXPECT_EQ(plan.sequences[3].run_splits, 2);
+  // As many split blocks as without the group here (rows go 4 to a block either way, and
+  // each member brings 4): what changes is that a shared split's row chunks are neighbours
+  // in the grid, so its bytes come from memory once.
+  const PagedDecodePlan alone = PlanPagedDecode(Llama(2), kForks);
+  EXPECT_EQ(plan.launches[0].split_blocks, alone.launches[0].split_blocks);
+  EXPECT_EQ(plan.launches[0].merge_blocks, alone.launches[0].merge_blocks);
+  // Members of 2 rows (GQA 2, one query) share blocks: 4 members, 2 chunks a split.
+  PagedDecodeDims pairs = Llama(2);
+  pairs.num_heads = 16;
+  const std::vector<PagedSequenceDims> four(4, {4097, 1});
+  const PagedDecodePlan shared_pairs = PlanPagedDecode(pairs, four, {{{0, 1, 2, 3}, 4096}});
+  EXPECT_EQ(shared_pairs.launches[0].split_blocks, 8 * 16 * 2 + 4 * 8 * 1);
+  EXPECT_EQ(PlanPagedDecode(pairs, four).launches[0].split_blocks, 4 * 8 * 17);
+}
+
+// Every state a split block writes is read by exactly one merge, at the merge split of the
+// same absolute keys as without the group.
+TEST(CudaPagedDecodePlanTest, EachMemberMergesEveryStateOfItsSplitsOnce) {
+  const PagedDecodeDims d = Llama(2);
+  const PagedDecodePlan plan = PlanPagedDecode(d, kForks, kForkGroup);
+  const int64_t state_floats = PagedStateFloats(d.value_dim);
+  std::multiset<int64_t> written, read;
+  for (const PagedSequencePlan& p : plan.sequences) {
+    for (int64_t block = 0; block < p.split_blocks; ++block) {
+      const PagedSplitBlock work = DecodePagedSplitBlock(block, p.run_splits, p.row_chunks);
+      for (int64_t r = 0; r < kCudaPagedRowsPerBlock; ++r) {
+        const int64_t row = work.row_chunk * kCudaPagedRowsPerBlock + r;
+        if (row >= p.rows) break;
+        written.insert(p.state_offset + PagedStateIndex(work.kv_head, work.split, row, p.run_splits,
+                                                        p.rows, d.value_dim));
+      }
+    }
+  }
+  for (size_t b = 0; b < kForks.size(); ++b) {
+    const PagedSequencePlan& p = plan.sequences[b];
+    // Merge split s reads absolute split s: the entry's splits start at 0, a member's at
+    // its shared splits.
+    EXPECT_EQ(p.first_split, p.shared_splits) << b;
+    for (int64_t kv_head = 0; kv_head < d.num_kv_heads; ++kv_head) {
+      for (int64_t row = 0; row < p.rows; ++row) {
+        for (int64_t split = 0; split < p.shared_splits + p.run_splits; ++split) {
+          const int64_t offset = PagedMergeStateOffset(
+              kv_head, split, row, p.rows, d.value_dim, p.state_offset, p.run_splits,
+              p.shared_splits, p.shared_rows, p.shared_first_row, p.shared_state_offset);
+          EXPECT_LE((offset + state_floats) * 4, plan.scratch_bytes);
+          read.insert(offset);
+        }
+      }
+    }
+  }
+  EXPECT_EQ(read, written);
+  EXPECT_EQ(std::set<int64_t>(read.begin(), read.end()).size(), read.size());
+}
+
+TEST(CudaPagedDecodePlanTest, GroupEntriesAfterAFullLaunchGoInTheNext) {
+  std::vector<PagedSequenceDims> sequences(kCudaPagedSequencesPerLaunch + 8, {300, 1});
+  sequences.front() = sequences.back() = {600, 1};
+  const int64_t last = static_cast<int64_t>(sequences.size()) - 1;
+  const PagedDecodePlan plan = PlanPagedDecode(Llama(), sequences, {{{0, last}, 512}});
+  ASSERT_EQ(plan.launches.size(), 2u);
+  EXPECT_EQ(plan.launches[1].count, 9);  // 8 sequences and the entry
+  const PagedSequencePlan& entry = plan.sequences.back();
+  EXPECT_EQ(plan.sequences[last].shared_state_offset, entry.state_offset);
+  EXPECT_EQ(plan.sequences[0].shared_state_offset, entry.state_offset);
+  // Sequence 0 keeps its third split (keys 512-599): its only split block per KV head.
+  EXPECT_EQ(plan.sequences[0].split_blocks, 8);
+}
+
+TEST(CudaPagedDecodePlanTest, MalformedGroupsNameTheGroupAndValues) {
+  const PagedDecodeDims d = Llama(2);
+  EXPECT_EQ(PagedSharedGroupsInvalidReason(d, kForks, kForkGroup), "");
+  const auto why = [&](const std::vector<PagedSharedGroupDims>& groups) {
+    return PagedSharedGroupsInvalidReason(d, kForks, groups);
+  };
+  EXPECT_EQ(why({{{0}, 4096}}), "paged decode: shared group 0 has 1 members; at least 2");
+  EXPECT_EQ(why({{{0, 1}, 300}}),
+            "paged decode: shared group 0: shared_keys 300 is not a positive multiple of 256");
+  EXPECT_EQ(why({{{0, 1}, 0}}),
+            "paged decode: shared group 0: shared_keys 0 is not a positive multiple of 256");
+  const std::string order =
+      " is not a sequence in ascending order outside every other group (4 sequences)";
+  EXPECT_EQ(why({{{0, 4}, 256}}), "paged decode: shared group 0: member 4" + order);
+  EXPECT_EQ(why({{{1, 0}, 256}}), "paged decode: shared group 0: member 0" + order);
+  EXPECT_EQ(why({{{0, 1}, 256}, {{1, 2}, 256}}), "paged decode: shared group 1: member 1" + order);
+  EXPECT_EQ(why({{{0, 3}, 512}}),
+            "paged decode: shared group 0: member 3 (length 300, 1 queries) does not see "
+            "shared_keys 512 from its first query");
+  PagedDecodeDims windowed = d;
+  windowed.sliding_window = 1024;
+  EXPECT_EQ(PagedSharedGroupsInvalidReason(windowed, kForks, kForkGroup),
+            "paged decode: shared group 0: sliding_window 1024 (a window's sequences share no "
+            "whole prefix)");
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/cuda/paged_decode_plan.h"
+#include "core/devices.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/core/fidelity.h"
@@ -91,8 +92,33 @@ class DevicePagedPool {
   void UploadTable(size_t i) { tables_[i] = ToDevice(host_.sequences()[i].table); }
 
   // `indices` as one batch; outputs start as NaN on the device, so one not written shows.
+  // With `share_prefixes`, forks of one prefix share their splits (FindSharedPrefixes over
+  // the host's tables), their queries copied one after another as the kernels read them.
   absl::Status Run(const std::vector<size_t>& indices, bool log_sum_exp = true,
-                   bool own_scratch = false) {
+                   bool own_scratch = false, bool share_prefixes = false,
+                   PagedAttendStats* stats = nullptr) {
+    std::vector<SharedPrefixGroup> shared;
+    std::vector<const float*> grouped_queries(indices.size(), nullptr);
+    if (share_prefixes) {
+      std::vector<PagedDecodeSequence> host_entries;
+      shared = FindSharedPrefixes(host_.Batch(indices, host_entries), kCudaPagedSplitKeys);
+      std::vector<float> queries;
+      std::vector<size_t> starts;
+      for (const SharedPrefixGroup& group : shared) {
+        for (const int64_t k : group.sequences) {
+          const std::vector<float>& query = host_.sequences()[indices[k]].query;
+          starts.push_back(queries.size());
+          queries.insert(queries.end(), query.begin(), query.end());
+        }
+      }
+      grouped_queries_ = ToDevice(queries);
+      size_t next = 0;
+      for (const SharedPrefixGroup& group : shared) {
+        for (const int64_t k : group.sequences) {
+          grouped_queries[k] = grouped_queries_->As<float>() + starts[next++];
+        }
+      }
+    }
     std::vector<PagedDecodeSequence> sequences;
     for (const size_t i : indices) {
       PagedSequence& s = host_.sequences()[i];
@@ -101,8 +127,11 @@ class DevicePagedPool {
       EXPECT_EQ(
           cudaMemset(log_sum_exps_[i]->As<void>(), 0xff, s.log_sum_exp.size() * sizeof(float)),
           cudaSuccess);
+      const float* query = grouped_queries[sequences.size()] != nullptr
+                               ? grouped_queries[sequences.size()]
+                               : queries_[i]->As<float>();
       sequences.push_back({absl::Span<const BlockId>(tables_[i]->As<BlockId>(), s.table.size()),
-                           s.length, s.queries, queries_[i]->As<float>(), outputs_[i]->As<float>(),
+                           s.length, s.queries, query, outputs_[i]->As<float>(),
                            log_sum_exp ? log_sum_exps_[i]->As<float>() : nullptr});
     }
     PagedDecodeBatch batch;
@@ -113,15 +142,16 @@ class DevicePagedPool {
     batch.scale = host_.scale();
     batch.sliding_window = host_.sliding_window;
     batch.sequences = sequences;
+    batch.stats = stats;
     absl::Status status;
     std::unique_ptr<DeviceArray> scratch;
     if (own_scratch) {
-      const absl::StatusOr<int64_t> bytes = PagedDecodeCudaScratchBytes(batch);
+      const absl::StatusOr<int64_t> bytes = PagedDecodeCudaScratchBytes(batch, shared);
       if (!bytes.ok()) return bytes.status();
       scratch = std::make_unique<DeviceArray>(*bytes);
-      status = PagedDecodeCuda(batch, scratch->As<void>(), *bytes, stream_);
+      status = PagedDecodeCuda(batch, scratch->As<void>(), *bytes, stream_, shared);
     } else {
-      status = PagedDecodeCuda(batch, stream_);
+      status = PagedDecodeCuda(batch, stream_, shared);
     }
     if (!status.ok()) return status;
     const cudaError_t error = cudaStreamSynchronize(stream_);
@@ -139,6 +169,7 @@ class DevicePagedPool {
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<DeviceArray> storage_;
   std::vector<std::unique_ptr<DeviceArray>> tables_, queries_, outputs_, log_sum_exps_;
+  std::unique_ptr<DeviceArray> grouped_queries_;
 };
 
 // Whether the kernel reads `pool` with vector loads (see PagedDecodePlan::key_vector).
@@ -337,6 +368,73 @@ TEST_F(CudaPagedDecodeTest, BatchesLargerThanALaunchMatchTheirSequencesAlone) {
     ASSERT_TRUE(device.Run({i}).ok());
     EXPECT_TRUE(BitwiseEqual(pool.sequences()[i].output, batched[2 * i])) << "sequence " << i;
   }
+}
+
+// Forks of one 2,048-key prefix (8 of its splits) with 1-3 queries each: sharing its splits
+// gives every member bitwise the results it gets without, by PagedDecodeCuda and through the
+// CUDA KV storage of sessions (which finds the groups itself); both within the rule.
+TEST_F(CudaPagedDecodeTest, ForksSharingTheirPrefixGetTheirOwnResultsBitwise) {
+  constexpr uint64_t kSeed = 41;
+  for (const DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    SCOPED_TRACE(::testing::Message() << DTypeName(dtype) << ", seed " << kSeed);
+    const PagedShape shape{8, 2, 64, 48, 16, dtype};
+    HostPagedPool pool(shape, {{2600, 1}, {8000, 1}}, kSeed, 16);
+    std::vector<size_t> forks = {0};
+    for (int f = 0; f < 9; ++f) {
+      forks.push_back(pool.AddFork(0, 128, 2049 + (131 * f) % 500, 1 + f % 3, kSeed + 1 + f));
+    }
+    DevicePagedPool device(pool);
+    ASSERT_TRUE(device.Run(forks).ok());
+    const std::vector<std::vector<float>> alone = Results(pool);
+    PagedAttendStats stats;
+    ASSERT_TRUE(device.Run(forks, true, false, /*share_prefixes=*/true, &stats).ok());
+    EXPECT_EQ(stats.shared_blocks, 128);
+    EXPECT_EQ(stats.keys_not_reread, 2048 * 9);
+    FidelityStats outputs("cuda shared output"), lses("cuda shared log-sum-exp");
+    for (const size_t i : forks) {
+      ASSERT_TRUE(PagedMatchesReferences(pool, i, outputs, lses)) << "sequence " << i;
+      EXPECT_TRUE(BitwiseEqual(pool.sequences()[i].output, alone[2 * i])) << "sequence " << i;
+      EXPECT_TRUE(BitwiseEqual(pool.sequences()[i].log_sum_exp, alone[2 * i + 1]))
+          << "sequence " << i;
+    }
+    // The caller's scratch, sized for the groups.
+    ASSERT_TRUE(device.Run(forks, true, /*own_scratch=*/true, /*share_prefixes=*/true).ok());
+    EXPECT_EQ(Results(pool), alone);
+
+    Devices devices(1);
+    absl::StatusOr<std::unique_ptr<kv_cache::KvStorage>> storage =
+        devices.CreateKvStorage("cuda:0", pool.num_blocks(), pool.block_bytes());
+    ASSERT_TRUE(storage.ok()) << storage.status();
+    for (BlockId block = 0; block < pool.num_blocks(); ++block) {
+      ASSERT_TRUE(
+          (*storage)->WriteBlock(block, pool.bytes().data() + block * pool.block_bytes()).ok());
+    }
+    std::vector<PagedDecodeSequence> entries;
+    PagedDecodeBatch batch = pool.Batch(forks, entries);
+    PagedAttendStats session_stats;
+    batch.stats = &session_stats;
+    ASSERT_TRUE((*storage)->Attend(batch).ok());
+    EXPECT_EQ(session_stats.shared_blocks, 128);
+    EXPECT_EQ(Results(pool), alone);
+  }
+}
+
+// A group whose members' queries are not one after another is refused, naming them, before
+// any device call (so on every machine).
+TEST(CudaPagedDecodeRefusalTest, RefusesAGroupWhoseQueriesAreApart) {
+  const PagedShape shape{4, 2, 32, 32, 16, DType::kFloat32};
+  HostPagedPool pool(shape, {{600, 1}, {2000, 1}}, 43, 16);
+  const size_t fork = pool.AddFork(0, 32, 700, 1, 44);
+  std::vector<PagedDecodeSequence> entries;
+  PagedDecodeBatch batch = pool.Batch({0, fork}, entries);
+  std::vector<SharedPrefixGroup> shared = FindSharedPrefixes(batch, kCudaPagedSplitKeys);
+  ASSERT_EQ(shared.size(), 1u);
+  // Host pointers stand in for device ones.
+  const absl::Status status = PagedDecodeCuda(batch, nullptr, shared);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(status.message(),
+            "paged decode: shared group 0: the queries of sequence 1 do not follow those of "
+            "sequence 0");
 }
 
 TEST_F(CudaPagedDecodeTest, AReadOutsideTheBlockTableShows) {
