@@ -10,6 +10,10 @@
 // BM_CudaReadRoof's read bandwidth, measured in the same process:
 //
 //   build/bench/cuda_bench --benchmark_filter='Paged|ReadRoof' --benchmark_counters_tabular=true
+//
+// BM_CudaSharedPrefixDecode (issue 41): forks of one 4,096-token prefix decoding together,
+// their shared splits run once for the group, against the same forks each reading the
+// prefix, and against private copies (paged_decode_bench's BM_SharedPrefixDecode on a GPU).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -25,6 +29,7 @@
 #include "bench/cuda_read_roof.h"
 #include "benchmark/benchmark.h"
 #include "core/cuda/paged_decode.h"
+#include "core/cuda/paged_decode_plan.h"
 #include "core/devices.h"
 #include "core/half_bits.h"
 #include "core/mha_layer.h"
@@ -373,6 +378,131 @@ void BM_CudaPagedDecode(benchmark::State& state) {
 BENCHMARK(BM_CudaPagedDecode)
     ->ArgNames({"context", "B", "bf16"})
     ->ArgsProduct({{4096, 32768}, {1, 8}, {0, 1}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+
+enum PrefixMode { kShared = 0, kForksUnshared = 1, kPrivateCopies = 2 };
+
+// One layer-step of `sessions` sessions over one 4,096-token prefix, each with 1-256 tokens
+// of its own, n = 1, Llama-3-8B heads; the forks' tables share the prefix's blocks, private
+// copies hold blocks of their own. The pool is copied until a graph's calls rotate through
+// 512 MiB, so each call reads its prefix from memory, as a model's next layer would.
+void BM_CudaSharedPrefixDecode(benchmark::State& state) {
+  if (const std::string why = NoGpuReason(); !why.empty()) {
+    state.SkipWithError(why.c_str());
+    return;
+  }
+  const int64_t sessions = state.range(0);
+  const auto mode = static_cast<PrefixMode>(state.range(1));
+  constexpr int64_t kHeads = 32, kDim = 128, kPrefix = 4096;
+  const kv_cache::KvLayout layout{8, kDim, kDim,
+                                  state.range(2) == 0 ? DType::kFloat32 : DType::kBFloat16};
+  const int64_t block_bytes = kv_cache::kDefaultBlockBytes;
+  const int64_t tokens_per_block = *kv_cache::TokensPerBlock(layout, block_bytes);
+  const int64_t prefix_blocks = kPrefix / tokens_per_block;
+  // One copy's tables, block ids from 0.
+  std::vector<int64_t> lengths;
+  std::vector<std::vector<kv_cache::BlockId>> tables(sessions);
+  kv_cache::BlockId next = mode == kPrivateCopies ? 0 : prefix_blocks;
+  for (int64_t b = 0; b < sessions; ++b) {
+    lengths.push_back(kPrefix + 1 + (b * 37) % 256);
+    for (int64_t k = 0; k < prefix_blocks; ++k) {
+      tables[b].push_back(mode == kPrivateCopies ? next++ : k);
+    }
+    while (static_cast<int64_t>(tables[b].size()) * tokens_per_block < lengths[b]) {
+      tables[b].push_back(next++);
+    }
+  }
+  const int64_t copy_blocks = next;
+  const int64_t copies = std::max<int64_t>(1, (int64_t{512} << 20) / (copy_blocks * block_bytes));
+  DeviceMemory storage(copies * copy_blocks * block_bytes);
+  if (storage.error != cudaSuccess) {
+    state.SkipWithError("cudaMalloc of the pool failed");
+    return;
+  }
+  cudaMemset(storage.data, 0x3c, copies * copy_blocks * block_bytes);
+  std::vector<kv_cache::BlockId> all_tables;  // [copy][session][block]
+  for (int64_t copy = 0; copy < copies; ++copy) {
+    for (const auto& table : tables) {
+      for (const kv_cache::BlockId id : table) all_tables.push_back(copy * copy_blocks + id);
+    }
+  }
+  DeviceMemory device_tables(all_tables.size() * sizeof(kv_cache::BlockId));
+  cudaMemcpy(device_tables.data, all_tables.data(), all_tables.size() * sizeof(kv_cache::BlockId),
+             cudaMemcpyHostToDevice);
+  std::mt19937_64 rng(2);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  std::vector<float> host_query(sessions * kHeads * kDim);
+  for (float& x : host_query) x = uniform(rng);
+  DeviceMemory query(host_query.size() * sizeof(float));  // contiguous: as a group needs
+  cudaMemcpy(query.data, host_query.data(), host_query.size() * sizeof(float),
+             cudaMemcpyHostToDevice);
+  DeviceMemory output(sessions * kHeads * kDim * sizeof(float));
+  std::vector<std::vector<PagedDecodeSequence>> sequences(copies);
+  std::vector<PagedDecodeBatch> batches(copies);
+  size_t table_offset = 0;
+  double flops = 0;
+  for (int64_t copy = 0; copy < copies; ++copy) {
+    for (int64_t b = 0; b < sessions; ++b) {
+      const auto* table = static_cast<const kv_cache::BlockId*>(device_tables.data) + table_offset;
+      table_offset += tables[b].size();
+      sequences[copy].push_back({absl::Span<const kv_cache::BlockId>(table, tables[b].size()),
+                                 lengths[b], 1,
+                                 static_cast<const float*>(query.data) + b * kHeads * kDim,
+                                 static_cast<float*>(output.data) + b * kHeads * kDim, nullptr});
+      if (copy == 0) flops += 4.0 * kHeads * static_cast<double>(lengths[b]) * kDim;
+    }
+    PagedDecodeBatch& p = batches[copy];
+    p.storage = {storage.data, block_bytes, copies * copy_blocks};
+    p.layout = layout;
+    p.tokens_per_block = tokens_per_block;
+    p.num_heads = kHeads;
+    p.scale = 1.0f / std::sqrt(static_cast<float>(kDim));
+    p.sequences = sequences[copy];
+  }
+  // The groups, as the KV storage finds them: over the host's tables (the same in every copy).
+  std::vector<SharedPrefixGroup> shared;
+  if (mode == kShared) {
+    std::vector<PagedDecodeSequence> host_sequences = sequences[0];
+    for (int64_t b = 0; b < sessions; ++b) host_sequences[b].block_table = tables[b];
+    PagedDecodeBatch host_batch = batches[0];
+    host_batch.sequences = host_sequences;
+    shared = FindSharedPrefixes(host_batch, cuda::kCudaPagedSplitKeys);
+  }
+  const absl::StatusOr<int64_t> scratch_bytes =
+      cuda::PagedDecodeCudaScratchBytes(batches[0], shared);
+  if (!scratch_bytes.ok()) {
+    state.SkipWithError(std::string(scratch_bytes.status().message()).c_str());
+    return;
+  }
+  DeviceMemory scratch(*scratch_bytes);
+  cudaStream_t stream;
+  cudaStreamCreate(&stream);
+  cudaGraphExec_t exec = nullptr;
+  const std::string error = TimeGraph(
+      stream,
+      [&](int call) -> std::string {
+        const absl::Status status = cuda::PagedDecodeCuda(batches[call % copies], scratch.data,
+                                                          *scratch_bytes, stream, shared);
+        return status.ok() ? "" : std::string(status.message());
+      },
+      &exec);
+  double seconds = 0;
+  if (!error.empty()) {
+    state.SkipWithError(error.c_str());
+  } else if (RunTimedGraph(state, stream, exec, &seconds)) {
+    state.counters["GFLOPS"] = flops / seconds / 1e9;
+    state.counters["distinct_kv_MiB"] =
+        static_cast<double>(copy_blocks * block_bytes) / double(1 << 20);
+    static const char* const kModes[] = {"shared", "forks, read per fork", "private copies"};
+    state.SetLabel(std::string(kModes[mode]) + ", " + std::string(DTypeName(layout.dtype)));
+  }
+  if (exec != nullptr) cudaGraphExecDestroy(exec);
+  cudaStreamDestroy(stream);
+}
+BENCHMARK(BM_CudaSharedPrefixDecode)
+    ->ArgNames({"sessions", "mode", "bf16"})
+    ->ArgsProduct({{8, 16, 64}, {kShared, kForksUnshared, kPrivateCopies}, {0, 1}})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 
