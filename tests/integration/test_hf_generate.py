@@ -15,7 +15,8 @@ random-initialised float32 decoders (2 layers, hidden 64), the same weights in a
    the server applies SessionConfig.sliding_window, Mistral and Qwen2 (sliding and full
    layers mixed: one session per prompt, each layer with its window) with a window shorter
    than the generation; a chunked prefill; beam search
-   (reorder_cache).
+   (reorder_cache), and a batch holding one prompt twice: rows that start identical continue
+   on forks of one session (ServiceCache.shared_prompt_rows), with the same tokens.
 2. Continuing from a cache and from its fork (ServiceCache.fork), on two different next
    tokens: each gives the tokens local generate() gives from the same prefix.
 3. Rolling back with crop (TruncateSession) and generating again: the sessions hold the
@@ -152,12 +153,18 @@ class Generations:
     def cache(self, model, max_tokens=128):
         return hf.ServiceCache(self.client, model.config, max_tokens=max_tokens)
 
-    def compare(self, name, local, served, ids, mask, **options):
-        """Greedy generation locally and through the service: same tokens, close logits."""
+    def compare(self, name, local, served, ids, mask, shares_prompts=False, **options):
+        """Greedy generation locally and through the service: same tokens, close logits.
+        With `shares_prompts`, some rows start identical and continue on forks."""
         want = greedy(local, ids, mask, **options)
         steps, entries = self.client.steps, self.client.entries
         with self.cache(served) as cache:
             got = greedy(served, ids, mask, cache=cache, **options)
+            shared = cache.shared_prompt_rows
+        print("%s: %d rows continued on a fork of an identical row" % (name, shared))
+        # Rows are twins only where torch computed them bitwise alike: at least one.
+        self.t.check(shared >= 1 if shares_prompts else shared == 0,
+                     "%s: %d rows shared an identical row's prompt" % (name, shared))
         if not options:  # one SessionStep per layer per forward, one entry per prompt
             layers, rows = served.config.num_hidden_layers, ids.shape[0]
             steps, entries = self.client.steps - steps, self.client.entries - entries
@@ -186,7 +193,10 @@ class Generations:
         self.t.run("chunked prefill", self.compare, "llama GQA, prefill in chunks of 4", local,
                    served, ids, mask, prefill_chunk_size=4)
         self.t.run("beam search", self.compare, "llama GQA, beam search of 3", local, served,
-                   ids, mask, num_beams=3, new_tokens=16)
+                   ids, mask, shares_prompts=True, num_beams=3, new_tokens=16)
+        twice = torch.cat([ids[1:2], ids]), torch.cat([mask[1:2], mask])
+        self.t.run("a prompt twice", self.compare, "llama GQA, a prompt twice in a batch",
+                   local, served, *twice, shares_prompts=True)
 
     def continued(self, name, local, served, cache, ids, mask, new_tokens):
         """Generation continued from `cache` (holding all but the last token of `ids`) vs

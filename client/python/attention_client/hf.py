@@ -212,7 +212,14 @@ class ServiceCache(Cache):
 
     Use it for one batch; close() (or leaving a `with` block) drops the sessions. crop()
     truncates them, fork() copies them (copy-on-write on the server), and beam search's
-    reorder_cache / batch_select_indices fork and drop rows."""
+    reorder_cache / batch_select_indices fork and drop rows.
+
+    Rows that start identical (beam search and num_return_sequences repeat each prompt; a
+    batch may hold one prompt twice) share their prompt: after the first forward, a row
+    whose real tokens and keys and values in every layer are those of an earlier row
+    continues on a fork of that row's session (the same bits, so the same answers), and the
+    server reads the shared blocks once for the forks it steps together.
+    shared_prompt_rows counts them."""
 
     def __init__(self, client, config, max_tokens, *, kv_dtype="float32", ttl_ms=0,
                  timeout=None):
@@ -230,6 +237,10 @@ class ServiceCache(Cache):
         self.shape = None  # (H, Hkv, dk, dv, scale) the sessions were created with
         self.real = None  # bool [B, slots]: which slots the sessions hold
         self.plan = None
+        # During the forward that created the sessions: row -> the earlier row it has been
+        # identical to in every layer so far (see share_identical_prompts).
+        self.prompt_twins = None
+        self.shared_prompt_rows = 0
 
     # --- transformers' Cache interface -------------------------------------------------
 
@@ -349,6 +360,7 @@ class ServiceCache(Cache):
                         "SessionConfig.sliding_window, and layer_sliding_windows where "
                         "layers differ" % (windows, applied))
         self.shape = shape
+        self.prompt_twins = {}
 
     def close(self):
         """Drops the sessions (the cache is empty afterwards)."""
@@ -356,7 +368,7 @@ class ServiceCache(Cache):
             for session in group.sessions:
                 self.client.drop_session(session, timeout=self.timeout)
             group.sessions = []
-        self.real, self.plan, self.shape = None, None, None
+        self.real, self.plan, self.shape, self.prompt_twins = None, None, None, None
         for layer in self.layers:
             layer.slots = 0
 
@@ -406,7 +418,39 @@ class ServiceCache(Cache):
                                                timeout=self.timeout)
             for (row, slots), answer in zip(row_slots, answers):
                 output[row, slots] = torch.from_numpy(np.asarray(answer)).to(output)
+        if self.prompt_twins is not None:
+            self.share_identical_prompts(group, index, plan, key, value)
         return output
+
+    def share_identical_prompts(self, group, index, plan, key, value):
+        """In the forward that created the sessions, layer by layer: keeps the rows whose
+        real slots, keys and values are bitwise an earlier row's (its first such row); after
+        the last layer, each such row's session is dropped for a fork of that row's, which
+        holds the very same keys and values."""
+        same = {}
+        for row in range(len(plan.new_slots)):
+            slots = plan.new_slots[row]
+            if len(slots) == 0 or (index > 0 and row not in self.prompt_twins):
+                continue
+            for earlier in range(row):
+                if index > 0 and self.prompt_twins[row] != earlier:
+                    continue
+                if (torch.equal(plan.real[row], plan.real[earlier])
+                        and torch.equal(tokens_of(key, row, slots), tokens_of(key, earlier, slots))
+                        and torch.equal(tokens_of(value, row, slots),
+                                        tokens_of(value, earlier, slots))):
+                    same[row] = earlier
+                    break
+        self.prompt_twins = same
+        if index != len(group.layers) - 1:
+            return
+        tokens = plan.real.sum(dim=1).tolist()
+        for row, source in same.items():
+            forked = self.fork_session(group.sessions[source], tokens[source])
+            self.client.drop_session(group.sessions[row], timeout=self.timeout)
+            group.sessions[row] = forked
+        self.shared_prompt_rows += len(same)
+        self.prompt_twins = None
 
     def plan_for(self, start, length, attention_mask, rows, device):
         """The forward's plan: made by its first layer, reused by the others."""
