@@ -279,6 +279,39 @@ void BM_CudaReadRoof(benchmark::State& state) {
 }
 BENCHMARK(BM_CudaReadRoof)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
+// Seconds per PagedDecodeCuda call over `batches` in turn (the calls of one graph, on one
+// scratch), with `shared` groups; false, the benchmark skipped with the error, when it fails.
+bool TimePagedDecode(benchmark::State& state, const std::vector<PagedDecodeBatch>& batches,
+                     const std::vector<SharedPrefixGroup>& shared, double* seconds) {
+  const absl::StatusOr<int64_t> scratch_bytes =
+      cuda::PagedDecodeCudaScratchBytes(batches[0], shared);
+  if (!scratch_bytes.ok()) {
+    state.SkipWithError(std::string(scratch_bytes.status().message()).c_str());
+    return false;
+  }
+  DeviceMemory scratch(*scratch_bytes);
+  cudaStream_t stream;
+  cudaStreamCreate(&stream);
+  cudaGraphExec_t exec = nullptr;
+  const std::string error = TimeGraph(
+      stream,
+      [&](int call) -> std::string {
+        const absl::Status status = cuda::PagedDecodeCuda(
+            batches[call % batches.size()], scratch.data, *scratch_bytes, stream, shared);
+        return status.ok() ? "" : std::string(status.message());
+      },
+      &exec);
+  bool timed = false;
+  if (!error.empty()) {
+    state.SkipWithError(error.c_str());
+  } else {
+    timed = RunTimedGraph(state, stream, exec, seconds);
+  }
+  if (exec != nullptr) cudaGraphExecDestroy(exec);
+  cudaStreamDestroy(stream);
+  return timed;
+}
+
 // B sequences of `context` tokens of a Llama-3-8B layer (32 query heads, 8 KV heads of 128),
 // one new query each, in 256 KiB blocks at random places of the pool. Enough copies of the
 // KV cache that the calls of one graph rotate through 512 MiB: a small cache would otherwise
@@ -340,35 +373,14 @@ void RunCudaPagedDecode(benchmark::State& state, int64_t context, int64_t batch,
     p.scale = 1.0f / std::sqrt(static_cast<float>(kDim));
     p.sequences = sequences[copy];
   }
-  const absl::StatusOr<int64_t> scratch_bytes = cuda::PagedDecodeCudaScratchBytes(batches[0]);
-  if (!scratch_bytes.ok()) {
-    state.SkipWithError(std::string(scratch_bytes.status().message()).c_str());
-    return;
-  }
-  DeviceMemory scratch(*scratch_bytes);
-  cudaStream_t stream;
-  cudaStreamCreate(&stream);
-  cudaGraphExec_t exec = nullptr;
-  const std::string error = TimeGraph(
-      stream,
-      [&](int call) -> std::string {
-        const absl::Status status =
-            cuda::PagedDecodeCuda(batches[call % copies], scratch.data, *scratch_bytes, stream);
-        return status.ok() ? "" : std::string(status.message());
-      },
-      &exec);
   double seconds = 0;
-  if (!error.empty()) {
-    state.SkipWithError(error.c_str());
-  } else if (RunTimedGraph(state, stream, exec, &seconds)) {
+  if (TimePagedDecode(state, batches, {}, &seconds)) {
     const double bytes_per_second = kv_bytes / seconds;
     state.counters["kv_MiB"] = kv_bytes / double(1 << 20);
     state.counters["kv_GBps"] = bytes_per_second / 1e9;
     const double roof = ReadRoofBytesPerSecond();
     if (roof > 0) state.counters["of_read_roof"] = bytes_per_second / roof;
   }
-  if (exec != nullptr) cudaGraphExecDestroy(exec);
-  cudaStreamDestroy(stream);
 }
 
 void BM_CudaPagedDecode(benchmark::State& state) {
@@ -469,36 +481,14 @@ void BM_CudaSharedPrefixDecode(benchmark::State& state) {
     host_batch.sequences = host_sequences;
     shared = FindSharedPrefixes(host_batch, cuda::kCudaPagedSplitKeys);
   }
-  const absl::StatusOr<int64_t> scratch_bytes =
-      cuda::PagedDecodeCudaScratchBytes(batches[0], shared);
-  if (!scratch_bytes.ok()) {
-    state.SkipWithError(std::string(scratch_bytes.status().message()).c_str());
-    return;
-  }
-  DeviceMemory scratch(*scratch_bytes);
-  cudaStream_t stream;
-  cudaStreamCreate(&stream);
-  cudaGraphExec_t exec = nullptr;
-  const std::string error = TimeGraph(
-      stream,
-      [&](int call) -> std::string {
-        const absl::Status status = cuda::PagedDecodeCuda(batches[call % copies], scratch.data,
-                                                          *scratch_bytes, stream, shared);
-        return status.ok() ? "" : std::string(status.message());
-      },
-      &exec);
   double seconds = 0;
-  if (!error.empty()) {
-    state.SkipWithError(error.c_str());
-  } else if (RunTimedGraph(state, stream, exec, &seconds)) {
+  if (TimePagedDecode(state, batches, shared, &seconds)) {
     state.counters["GFLOPS"] = flops / seconds / 1e9;
     state.counters["distinct_kv_MiB"] =
         static_cast<double>(copy_blocks * block_bytes) / double(1 << 20);
     static const char* const kModes[] = {"shared", "forks, read per fork", "private copies"};
     state.SetLabel(std::string(kModes[mode]) + ", " + std::string(DTypeName(layout.dtype)));
   }
-  if (exec != nullptr) cudaGraphExecDestroy(exec);
-  cudaStreamDestroy(stream);
 }
 BENCHMARK(BM_CudaSharedPrefixDecode)
     ->ArgNames({"sessions", "mode", "bf16"})

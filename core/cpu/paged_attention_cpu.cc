@@ -428,6 +428,19 @@ void AttendSplit(const RowKernels& kernels, const PagedDecodeBatch& batch,
   }
 }
 
+// Query rows [first_row, first_row + count) of `kv_head`'s group, one after another into
+// `queries`: row r = i * group + g is query i's head kv_head * group + g.
+void GatherQueryRows(const PagedDecodeBatch& batch, const PagedDecodeSequence& sequence,
+                     int64_t kv_head, int64_t first_row, int64_t count, float* queries) {
+  const int64_t key_dim = batch.layout.key_dim;
+  const int64_t group = batch.num_heads / batch.layout.num_kv_heads;
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t i = (first_row + r) / group, g = (first_row + r) % group;
+    std::copy_n(sequence.query + (i * batch.num_heads + kv_head * group + g) * key_dim, key_dim,
+                queries + r * key_dim);
+  }
+}
+
 // A split every row of `sequence` sees whole (a shared prefix's), as the matrix products it
 // is once many rows read it: the split's keys and values of `kv_head` packed from their
 // blocks into panels (bfloat16 widened), S = scale * Q K^T and the unnormalized P V on
@@ -488,12 +501,7 @@ void AttendWholeSplitAsGemm(const RowKernels& kernels, SimdLevel level,
   const int64_t state_floats = StateFloats(layout);
   for (int64_t first_row = 0; first_row < rows; first_row += block_rows) {
     const int64_t count = std::min(block_rows, rows - first_row);
-    // Row r = i * group + g is query i's head kv_head * group + g.
-    for (int64_t r = 0; r < count; ++r) {
-      const int64_t i = (first_row + r) / group, g = (first_row + r) % group;
-      std::copy_n(sequence.query + (i * batch.num_heads + kv_head * group + g) * key_dim, key_dim,
-                  queries + r * key_dim);
-    }
+    GatherQueryRows(batch, sequence, kv_head, first_row, count, queries);
     GemmPanels(level, queries, key_dim, count, key_panels, key_dim, keys, 0, PanelCount(keys),
                batch.scale, nullptr, scores, keys);
     float* block_states = states + first_row * state_floats;
@@ -554,11 +562,7 @@ void AttendWholeSplitAsBf16Gemm(const RowKernels& kernels, Bf16Kernel kernel,
   const int64_t state_floats = StateFloats(layout);
   for (int64_t first_row = 0; first_row < rows; first_row += block_rows) {
     const int64_t count = std::min(block_rows, rows - first_row);
-    for (int64_t r = 0; r < count; ++r) {
-      const int64_t i = (first_row + r) / group, g = (first_row + r) % group;
-      std::copy_n(sequence.query + (i * batch.num_heads + kv_head * group + g) * key_dim, key_dim,
-                  queries + r * key_dim);
-    }
+    GatherQueryRows(batch, sequence, kv_head, first_row, count, queries);
     RoundToBf16(queries, count * key_dim, rounded_queries, kernel);
     GemmBf16Panels(kernel, rounded_queries, key_dim, count, key_panels, key_dim, keys, 0,
                    PanelCount(keys), batch.scale, nullptr, scores, keys);
