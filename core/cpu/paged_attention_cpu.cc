@@ -441,6 +441,18 @@ void GatherQueryRows(const PagedDecodeBatch& batch, const PagedDecodeSequence& s
   }
 }
 
+// `count` rows of `keys` scores exponentiated in place (less their max), each row's max and
+// sum of exps into its state.
+void ExpScoresIntoStates(const RowKernels& kernels, float* scores, int64_t count, int64_t keys,
+                         float* states, int64_t state_floats) {
+  for (int64_t r = 0; r < count; ++r) {
+    float* row_scores = scores + r * keys;
+    float* state = states + r * state_floats;
+    state[kStateMax] = kernels.max(row_scores, keys);
+    state[kStateSum] = kernels.exp_and_sum(row_scores, keys, state[kStateMax]);
+  }
+}
+
 // A split every row of `sequence` sees whole (a shared prefix's), as the matrix products it
 // is once many rows read it: the split's keys and values of `kv_head` packed from their
 // blocks into panels (bfloat16 widened), S = scale * Q K^T and the unnormalized P V on
@@ -505,12 +517,7 @@ void AttendWholeSplitAsGemm(const RowKernels& kernels, SimdLevel level,
     GemmPanels(level, queries, key_dim, count, key_panels, key_dim, keys, 0, PanelCount(keys),
                batch.scale, nullptr, scores, keys);
     float* block_states = states + first_row * state_floats;
-    for (int64_t r = 0; r < count; ++r) {
-      float* row_scores = scores + r * keys;
-      float* state = block_states + r * state_floats;
-      state[kStateMax] = kernels.max(row_scores, keys);
-      state[kStateSum] = kernels.exp_and_sum(row_scores, keys, state[kStateMax]);
-    }
+    ExpScoresIntoStates(kernels, scores, count, keys, block_states, state_floats);
     GemmPanels(level, scores, keys, count, value_panels, keys, value_dim, 0, PanelCount(value_dim),
                1.0f, nullptr, block_states + kStateAccumulator, state_floats);
   }
@@ -567,12 +574,7 @@ void AttendWholeSplitAsBf16Gemm(const RowKernels& kernels, Bf16Kernel kernel,
     GemmBf16Panels(kernel, rounded_queries, key_dim, count, key_panels, key_dim, keys, 0,
                    PanelCount(keys), batch.scale, nullptr, scores, keys);
     float* block_states = states + first_row * state_floats;
-    for (int64_t r = 0; r < count; ++r) {
-      float* row_scores = scores + r * keys;
-      float* state = block_states + r * state_floats;
-      state[kStateMax] = kernels.max(row_scores, keys);
-      state[kStateSum] = kernels.exp_and_sum(row_scores, keys, state[kStateMax]);
-    }
+    ExpScoresIntoStates(kernels, scores, count, keys, block_states, state_floats);
     RoundToBf16(scores, count * keys, rounded_exps, kernel);
     GemmBf16Panels(kernel, rounded_exps, keys, count, value_panels, keys, value_dim, 0,
                    PanelCount(value_dim), 1.0f, nullptr, block_states + kStateAccumulator,
