@@ -228,9 +228,8 @@ BENCHMARK(BM_PagedDecode)
 
 // The kernel of shared prefixes' products over `dtype` KV, as CpuBackend::SessionBf16Products.
 std::optional<Bf16Kernel> SharedBf16Products(DType dtype) {
-  const Bf16Kernel fastest = FastestBf16Products();
-  if (dtype != DType::kBFloat16 || fastest == Bf16Kernel::kPortable) return std::nullopt;
-  return fastest;
+  if (dtype != DType::kBFloat16) return std::nullopt;
+  return SharedPrefixBf16Products(FastestBf16Products());
 }
 
 // Mode of BM_SharedPrefixDecode.

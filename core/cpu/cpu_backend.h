@@ -14,6 +14,7 @@
 #include "core/cpu/attention_cpu.h"
 #include "core/cpu/bf16_linear.h"
 #include "core/cpu/gemm_bf16.h"
+#include "core/cpu/paged_attention_cpu.h"
 #include "core/cpu/thread_pool.h"
 
 namespace attention::core {
@@ -55,8 +56,7 @@ class CpuBackend final : public Backend {
   // The products of shared prefixes over bf16 KV in KV-cache sessions (PagedDecodeCpu): the
   // kernel of BFLOAT16 layers' attention products, unset where those are float32.
   std::optional<Bf16Kernel> SessionBf16Products() const {
-    if (bf16_kernel_ == Bf16Kernel::kPortable) return std::nullopt;
-    return bf16_kernel_;
+    return SharedPrefixBf16Products(bf16_kernel_);
   }
 
  private:

@@ -45,6 +45,13 @@ inline constexpr int64_t kSharedPrefixGemmRows = 64;
 // Over bfloat16 KV, `bf16_products` (a kernel this CPU runs) makes those products bf16 on
 // that kernel (the query rows and exps rounded to bf16), within the bf16 rule; unset, they
 // are float32 products of the widened keys and values.
+// PagedDecodeCpu's bf16_products on a host whose attention products are `products`
+// (FastestBf16Products, or forced): unset where those are float32 (kPortable).
+inline std::optional<Bf16Kernel> SharedPrefixBf16Products(Bf16Kernel products) {
+  if (products == Bf16Kernel::kPortable) return std::nullopt;
+  return products;
+}
+
 absl::Status PagedDecodeCpu(const PagedDecodeBatch& batch, ThreadPool& pool,
                             SimdLevel level = BestSimdLevel(), bool share_prefixes = true,
                             std::optional<Bf16Kernel> bf16_products = std::nullopt);

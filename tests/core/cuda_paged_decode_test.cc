@@ -405,10 +405,7 @@ TEST_F(CudaPagedDecodeTest, ForksSharingTheirPrefixGetTheirOwnResultsBitwise) {
     absl::StatusOr<std::unique_ptr<kv_cache::KvStorage>> storage =
         devices.CreateKvStorage("cuda:0", pool.num_blocks(), pool.block_bytes());
     ASSERT_TRUE(storage.ok()) << storage.status();
-    for (BlockId block = 0; block < pool.num_blocks(); ++block) {
-      ASSERT_TRUE(
-          (*storage)->WriteBlock(block, pool.bytes().data() + block * pool.block_bytes()).ok());
-    }
+    ASSERT_TRUE(pool.WriteBlocksTo(**storage).ok());
     std::vector<PagedDecodeSequence> entries;
     PagedDecodeBatch batch = pool.Batch(forks, entries);
     PagedAttendStats session_stats;

@@ -434,10 +434,7 @@ TEST(DevicesTest, CpuKvStorageMultipliesSharedBf16PrefixesOnTheBackendsKernel) {
     absl::StatusOr<std::unique_ptr<kv_cache::KvStorage>> storage =
         devices.CreateKvStorage("cpu", pool.num_blocks(), pool.block_bytes());
     ASSERT_TRUE(storage.ok()) << storage.status();
-    for (BlockId block = 0; block < pool.num_blocks(); ++block) {
-      ASSERT_TRUE(
-          (*storage)->WriteBlock(block, pool.bytes().data() + block * pool.block_bytes()).ok());
-    }
+    ASSERT_TRUE(pool.WriteBlocksTo(**storage).ok());
     std::vector<PagedDecodeSequence> entries;
     const absl::Status status = (*storage)->Attend(pool.Batch(all, entries));
     if (kernel != Bf16Kernel::kPortable && !CpuSupports(kernel)) {

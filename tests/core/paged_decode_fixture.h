@@ -18,6 +18,7 @@
 #include "core/dtype.h"
 #include "core/half_bits.h"
 #include "core/kv_cache/block_pool.h"
+#include "core/kv_cache/kv_storage.h"
 #include "core/kv_cache/paged_batch.h"
 #include "gtest/gtest.h"
 #include "tests/core/fidelity.h"
@@ -139,6 +140,16 @@ class HostPagedPool {
     batch.sliding_window = sliding_window;
     batch.sequences = entries;
     return batch;
+  }
+  // Every block of the pool into `storage` (of as many blocks, as large).
+  absl::Status WriteBlocksTo(kv_cache::KvStorage& storage) const {
+    for (kv_cache::BlockId block = 0; block < num_blocks_; ++block) {
+      if (absl::Status status = storage.WriteBlock(block, bytes_.data() + block * block_bytes_);
+          !status.ok()) {
+        return status;
+      }
+    }
+    return absl::OkStatus();
   }
   const PagedShape& shape() const { return shape_; }
   const kv_cache::KvLayout& layout() const { return layout_; }

@@ -432,9 +432,8 @@ class ServiceCache(Cache):
             slots = plan.new_slots[row]
             if len(slots) == 0 or (index > 0 and row not in self.prompt_twins):
                 continue
-            for earlier in range(row):
-                if index > 0 and self.prompt_twins[row] != earlier:
-                    continue
+            # The first layer looks at every earlier row, the others at the one it matched.
+            for earlier in range(row) if index == 0 else [self.prompt_twins[row]]:
                 if (torch.equal(plan.real[row], plan.real[earlier])
                         and torch.equal(tokens_of(key, row, slots), tokens_of(key, earlier, slots))
                         and torch.equal(tokens_of(value, row, slots),
