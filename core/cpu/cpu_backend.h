@@ -25,12 +25,16 @@ class CpuBackend final : public Backend {
  public:
   // num_threads >= 1. BFLOAT16 layers project with `bf16_projection` and multiply attention's
   // products on `bf16_products` (kPortable: in float32); each the host's fastest, measured,
-  // unless forced (--bf16_kernels, --bf16_attention_kernels; tests).
+  // unless forced (--bf16_kernels, --bf16_attention_kernels; tests). Where both are float32,
+  // bf16 layers run as float32 layers (Bf16ComputesInFloat32) unless tests turn
+  // `bf16_layers_as_float32` off to reach the bf16 layer's own path on every host.
   explicit CpuBackend(int num_threads, std::optional<Bf16Kernel> bf16_products = std::nullopt,
-                      std::optional<Bf16Projection> bf16_projection = std::nullopt)
+                      std::optional<Bf16Projection> bf16_projection = std::nullopt,
+                      bool bf16_layers_as_float32 = true)
       : pool_(num_threads),
         bf16_kernel_(bf16_products.value_or(FastestBf16Products())),
-        bf16_projection_(bf16_projection.value_or(FastestBf16Projection())) {}
+        bf16_projection_(bf16_projection.value_or(FastestBf16Projection())),
+        bf16_layers_as_float32_(bf16_layers_as_float32) {}
 
   const std::string& name() const override { return name_; }
   // Every config and option.
@@ -53,6 +57,13 @@ class CpuBackend final : public Backend {
   // How this backend's BFLOAT16 layers multiply (for the start-up log): the projection
   // kernel and what the start-up measurement found, then attention's products.
   std::string Bf16Path() const;
+  // Whether BFLOAT16 layers run as float32 layers on their bf16 values: where both the
+  // projections and attention's products are fastest on float32 kernels (hosts without
+  // bf16 arithmetic), so that a bf16 layer is never slower than a float32 one.
+  bool Bf16ComputesInFloat32() const {
+    return bf16_layers_as_float32_ && bf16_projection_ == Bf16Projection::kFloat32 &&
+           bf16_kernel_ == Bf16Kernel::kPortable;
+  }
   // The products of shared prefixes over bf16 KV in KV-cache sessions (PagedDecodeCpu): the
   // kernel of BFLOAT16 layers' attention products, unset where those are float32.
   std::optional<Bf16Kernel> SessionBf16Products() const {
@@ -65,6 +76,7 @@ class CpuBackend final : public Backend {
   mutable ThreadPool pool_;
   const Bf16Kernel bf16_kernel_;
   const Bf16Projection bf16_projection_;
+  const bool bf16_layers_as_float32_;
 };
 
 // cos and sin of the rotary angles of a list of positions, each row head_dim / 2 channels.
