@@ -408,6 +408,31 @@ MhaInput OneSequence(const MhaInput& input, int64_t b, absl::Span<float> batch_d
   return one;
 }
 
+BatchParts SplitBatch(absl::Span<const MhaInput* const> inputs, int64_t output_dim,
+                      std::vector<AttentionResult>& results) {
+  BatchParts split;
+  results.assign(inputs.size(), {});
+  for (size_t n = 0; n < inputs.size(); ++n) {
+    const MhaInput& in = *inputs[n];
+    if (!SplitsIntoSequences(in)) {
+      split.parts.push_back(&in);
+      split.whole_input.push_back(static_cast<int64_t>(n));
+      continue;
+    }
+    absl::Span<float> destination = in.output_destination;
+    if (!in.has_output_destination()) {
+      results[n].output.resize(in.batch * in.q_len * output_dim);
+      destination = absl::MakeSpan(results[n].output);
+    }
+    for (int64_t b = 0; b < in.batch; ++b) {
+      split.sequences.push_back(OneSequence(in, b, destination));
+      split.parts.push_back(&split.sequences.back());
+      split.whole_input.push_back(-1);
+    }
+  }
+  return split;
+}
+
 MhaInput WithFloatInputs(const MhaInput& in, std::deque<std::vector<float>>* storage) {
   if (!in.is_half()) return in;
   MhaInput decoded = in;

@@ -130,6 +130,20 @@ struct AttentionResult {
   std::vector<float> weights;  // empty, [B, Nq, Nk] averaged or [B, H, Nq, Nk]
 };
 
+// A batch taken apart to run in pieces: each input whole, or each of its sequences
+// (OneSequence) where SplitsIntoSequences, answering into its rows of its input's
+// destination or, for an input without one, of results[n].output.
+struct BatchParts {
+  std::deque<MhaInput> sequences;
+  std::vector<const MhaInput*> parts;
+  std::vector<int64_t> whole_input;  // per part: the input it is, or -1 for a sequence
+};
+// `results` gets one entry per input, the output of each split input without a
+// destination sized for its sequences to fill ([B, Nq, output_dim]); whole inputs' results
+// are the caller's to move in.
+BatchParts SplitBatch(absl::Span<const MhaInput* const> inputs, int64_t output_dim,
+                      std::vector<AttentionResult>& results);
+
 // For backends: hands one input's rows of a packed [rows, output_dim] output to the
 // caller (`count` floats), into its output destination when it has one (rounded for a
 // bf16 one), else into result->output.

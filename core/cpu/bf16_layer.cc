@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <deque>
 #include <limits>
 #include <optional>
 #include <vector>
@@ -207,12 +206,10 @@ void CpuBf16Layer::ProjectOutput(ThreadPool& pool, const float* attended, int64_
 absl::StatusOr<std::vector<AttentionResult>> CpuBf16Layer::ForwardBatch(
     absl::Span<const MhaInput* const> inputs) const {
   // The batch's parts: each input whole, or each of its sequences where it splits.
-  std::vector<char> splits(inputs.size());
   std::vector<BatchPart> part_sizes;
-  for (size_t n = 0; n < inputs.size(); ++n) {
-    const MhaInput& in = *inputs[n];
-    splits[n] = SplitsIntoSequences(in);
-    if (splits[n]) {
+  for (const MhaInput* input : inputs) {
+    const MhaInput& in = *input;
+    if (SplitsIntoSequences(in)) {
       part_sizes.insert(part_sizes.end(), in.batch, {in.q_len, in.kv_len});
     } else {
       part_sizes.push_back({in.batch * in.q_len, in.kv_len});
@@ -221,35 +218,14 @@ absl::StatusOr<std::vector<AttentionResult>> CpuBf16Layer::ForwardBatch(
   const std::vector<std::vector<size_t>> groups =
       GroupBatchParts(config_.embed_dim, part_sizes, pool_.size());
   if (groups.empty()) return ForwardOn(pool_, inputs);
-  std::vector<AttentionResult> results(inputs.size());
-  std::deque<MhaInput> sequences;
-  std::vector<const MhaInput*> parts;
-  std::vector<int64_t> whole_input;  // per part: the input it is, or -1 for a sequence
-  for (size_t n = 0; n < inputs.size(); ++n) {
-    const MhaInput& in = *inputs[n];
-    if (!splits[n]) {
-      parts.push_back(&in);
-      whole_input.push_back(static_cast<int64_t>(n));
-      continue;
-    }
-    // Each sequence answers into its rows of the input's destination or result.
-    absl::Span<float> destination = in.output_destination;
-    if (!in.has_output_destination()) {
-      results[n].output.resize(in.batch * in.q_len * config_.output_dim);
-      destination = absl::MakeSpan(results[n].output);
-    }
-    for (int64_t b = 0; b < in.batch; ++b) {
-      sequences.push_back(OneSequence(in, b, destination));
-      parts.push_back(&sequences.back());
-      whole_input.push_back(-1);
-    }
-  }
+  std::vector<AttentionResult> results;
+  const BatchParts split = SplitBatch(inputs, config_.output_dim, results);
   pool_.ParallelFor(static_cast<int64_t>(groups.size()), [&](int64_t g) {
     std::vector<const MhaInput*> members;
-    for (size_t part : groups[g]) members.push_back(parts[part]);
+    for (size_t part : groups[g]) members.push_back(split.parts[part]);
     std::vector<AttentionResult> answers = ForwardOn(claiming_thread_, members);
     for (size_t i = 0; i < members.size(); ++i) {
-      const int64_t n = whole_input[groups[g][i]];
+      const int64_t n = split.whole_input[groups[g][i]];
       if (n >= 0) results[n] = std::move(answers[i]);
     }
   });

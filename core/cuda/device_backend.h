@@ -40,8 +40,11 @@ class CudaBackend final : public Backend {
   std::optional<DeviceMemory> Memory() const override;
   std::map<std::string, int64_t> AttentionCallsByPath() const override;
 
-  // The calling thread's stream context on this device, created on first use.
-  absl::StatusOr<StreamContext*> Context() const { return contexts_.ForThisThread(); }
+  // The calling thread's stream context on this device, created on first use; lane 1 is
+  // the thread's second stream (a forward pass's chunks alternate between the two).
+  absl::StatusOr<StreamContext*> Context(int lane = 0) const {
+    return contexts_.ForThisThread(lane);
+  }
 
   // The threads that copy a call's arrays into pinned staging and its answers out of it.
   ThreadPool& host_copies() const { return host_copies_; }

@@ -2,13 +2,17 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdlib>
 #include <cstring>
+#include <optional>
+#include <string_view>
 #include <utility>
 
 #include <cuda_runtime.h>
 
 #include "absl/strings/str_cat.h"
 #include "core/attention_kernels.h"
+#include "core/cuda/copy_overlap_plan.h"
 #include "core/cuda/cuda_status.h"
 #include "core/cuda/device_backend.h"
 #include "core/cuda/kernels.h"
@@ -96,8 +100,8 @@ absl::Status CudaPreparedLayer::Upload(const MhaWeightsView& w) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::ForwardBatch(
-    absl::Span<const MhaInput* const> inputs) const {
+absl::StatusOr<CudaPreparedLayer::InFlight> CudaPreparedLayer::Enqueue(
+    absl::Span<const MhaInput* const> inputs, StreamContext& lane) const {
   const MhaConfig& c = config_;
   const size_t count = inputs.size();
   const bool bf16 = c.compute_dtype == DType::kBFloat16;
@@ -170,7 +174,7 @@ absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::ForwardBatch(
   }
   staged.output_bytes = arena.size() - staged.output_offset;
 
-  ASSIGN_OR_RETURN(StreamContext * context, backend_.Context());
+  StreamContext* context = &lane;
   ASSIGN_OR_RETURN(char* device, context->device.Reserve(arena.size()));
   ASSIGN_OR_RETURN(char* staging, context->staging.Reserve(arena.size()));
   auto host = [staging](int64_t at) { return reinterpret_cast<float*>(staging + at); };
@@ -287,24 +291,102 @@ absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::ForwardBatch(
       CudaStatus(cudaMemcpyAsync(staging + staged.output_offset, device + staged.output_offset,
                                  staged.output_bytes, cudaMemcpyDeviceToHost, context->stream),
                  "cudaMemcpyAsync(outputs)"));
-  RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(context->stream), "forward pass"));
+  return InFlight{std::vector<const MhaInput*>(inputs.begin(), inputs.end()),
+                  plan,
+                  std::move(weights),
+                  bf16_answers,
+                  answers_at,
+                  context,
+                  staging};
+}
 
-  std::vector<AttentionResult> results(count);
-  for (size_t n = 0; n < count; ++n) {
-    const MhaInput& in = *inputs[n];
-    const ForwardPlan::Input& planned = plan.inputs[n];
+absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::Deliver(
+    const InFlight& flight) const {
+  RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(flight.context->stream), "forward pass"));
+  const MhaConfig& c = config_;
+  ThreadPool& copiers = backend_.host_copies();
+  const char* answers = flight.staging + flight.answers_at;
+  std::vector<AttentionResult> results(flight.inputs.size());
+  for (size_t n = 0; n < flight.inputs.size(); ++n) {
+    const MhaInput& in = *flight.inputs[n];
+    const ForwardPlan::Input& planned = flight.plan.inputs[n];
     const int64_t first = planned.q_row * c.output_dim, elements = planned.q_rows() * c.output_dim;
-    if (bf16_answers) {
-      ParallelCopy(copiers, in.output_destination_bf16.data(),
-                   staging + answers_at + first * sizeof(uint16_t), elements * sizeof(uint16_t));
+    if (flight.bf16_answers) {
+      ParallelCopy(copiers, in.output_destination_bf16.data(), answers + first * sizeof(uint16_t),
+                   elements * sizeof(uint16_t));
     } else if (!in.output_destination.empty()) {
-      ParallelCopy(copiers, in.output_destination.data(), host(answers_at) + first,
+      ParallelCopy(copiers, in.output_destination.data(), answers + first * sizeof(float),
                    elements * sizeof(float));
     } else {
-      DeliverOutput(in, host(answers_at) + first, elements, &results[n]);
+      DeliverOutput(in, reinterpret_cast<const float*>(answers) + first, elements, &results[n]);
     }
-    weights[n].CopyOut(staging, results[n].weights);
-    FinishWeights(results[n], planned.dims, inputs[n]->options.need_weights);
+    flight.weights[n].CopyOut(flight.staging, results[n].weights);
+    FinishWeights(results[n], planned.dims, in.options.need_weights);
+  }
+  return results;
+}
+
+namespace {
+
+// ATTENTION_CUDA_OVERLAP=off runs every pass as one chunk (to tell the two apart on a GPU).
+bool OverlapsCopies() {
+  static const bool overlaps = [] {
+    const char* setting = std::getenv("ATTENTION_CUDA_OVERLAP");
+    return setting == nullptr || std::string_view(setting) != "off";
+  }();
+  return overlaps;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::ForwardBatch(
+    absl::Span<const MhaInput* const> inputs) const {
+  ASSIGN_OR_RETURN(StreamContext * first_lane, backend_.Context(0));
+  const std::vector<size_t> chunks =
+      OverlapsCopies() ? PlanCopyOverlap(CopyOverlapPartBytes(inputs, config_.output_dim))
+                       : std::vector<size_t>{0};
+  if (chunks.size() == 1) {
+    ASSIGN_OR_RETURN(InFlight flight, Enqueue(inputs, *first_lane));
+    return Deliver(flight);
+  }
+  // Chunks alternate between two streams: chunk i + 1's inputs are packed and copied in
+  // while chunk i computes; chunk i's answers come back while chunk i + 1 computes.
+  ASSIGN_OR_RETURN(StreamContext * second_lane, backend_.Context(1));
+  const std::array<StreamContext*, 2> lanes = {first_lane, second_lane};
+  std::vector<AttentionResult> results;
+  const BatchParts split = SplitBatch(inputs, config_.output_dim, results);
+  std::vector<std::optional<InFlight>> flights(chunks.size());
+  const auto finish = [&](size_t chunk) -> absl::Status {
+    ASSIGN_OR_RETURN(std::vector<AttentionResult> answers, Deliver(*flights[chunk]));
+    flights[chunk].reset();
+    for (size_t i = 0; i < answers.size(); ++i) {
+      const int64_t n = split.whole_input[chunks[chunk] + i];
+      if (n >= 0) results[n] = std::move(answers[i]);
+    }
+    return absl::OkStatus();
+  };
+  absl::Status status;
+  for (size_t chunk = 0; chunk < chunks.size() && status.ok(); ++chunk) {
+    // A lane's staging is reused once the chunk before on it is delivered.
+    if (chunk >= 2) status = finish(chunk - 2);
+    if (!status.ok()) break;
+    const size_t end = chunk + 1 < chunks.size() ? chunks[chunk + 1] : split.parts.size();
+    absl::StatusOr<InFlight> flight =
+        Enqueue(absl::MakeConstSpan(split.parts).subspan(chunks[chunk], end - chunks[chunk]),
+                *lanes[chunk % 2]);
+    if (flight.ok()) {
+      flights[chunk] = std::move(*flight);
+    } else {
+      status = flight.status();
+    }
+  }
+  for (size_t chunk = 0; chunk < chunks.size() && status.ok(); ++chunk) {
+    if (flights[chunk].has_value()) status = finish(chunk);
+  }
+  if (!status.ok()) {
+    // Nothing of this call may still run once it returns.
+    for (StreamContext* lane : lanes) cudaStreamSynchronize(lane->stream);
+    return status;
   }
   return results;
 }

@@ -1,5 +1,6 @@
 // A layer prepared on a GPU: its weights uploaded once, its forward pass over a packed
-// batch run on the calling thread's stream as core/forward_plan.h plans it.
+// batch run on the calling thread's stream as core/forward_plan.h plans it; a large batch
+// in chunks on two streams, copies overlapping compute (copy_overlap_plan.h).
 #ifndef ATTENTION_CORE_CUDA_PREPARED_LAYER_H_
 #define ATTENTION_CORE_CUDA_PREPARED_LAYER_H_
 
@@ -10,7 +11,9 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "core/backend.h"
+#include "core/cuda/staging.h"
 #include "core/cuda/streams.h"
+#include "core/forward_plan.h"
 
 namespace attention::core::cuda {
 
@@ -48,6 +51,23 @@ class CudaPreparedLayer final : public PreparedLayer {
                                    float* output) const override;
 
  private:
+  // A piece of a forward pass queued on a stream (Enqueue): what Deliver needs once it ends.
+  struct InFlight {
+    std::vector<const MhaInput*> inputs;
+    ForwardPlan plan;
+    std::vector<StagedWeights> weights;
+    bool bf16_answers = false;  // every answer comes back as bf16
+    int64_t answers_at = 0;     // where the answers sit in staging
+    StreamContext* context = nullptr;
+    char* staging = nullptr;
+  };
+  // Packs `inputs` into `lane`'s pinned staging and queues on its stream their copy in, the
+  // whole pass, and the copy of their answers back, without waiting for any of it.
+  absl::StatusOr<InFlight> Enqueue(absl::Span<const MhaInput* const> inputs,
+                                   StreamContext& lane) const;
+  // Waits for `flight`'s stream, then hands each input its answer (destination or result).
+  absl::StatusOr<std::vector<AttentionResult>> Deliver(const InFlight& flight) const;
+
   // A BFLOAT16 layer's GEMM input x [count] rounded into `rounded` on the device; nothing
   // for a FLOAT32 layer.
   absl::Status RoundForLayer(const StreamContext& context, const float* x, int64_t count,

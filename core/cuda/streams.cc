@@ -17,10 +17,10 @@ StreamContexts::~StreamContexts() {
   }
 }
 
-absl::StatusOr<StreamContext*> StreamContexts::ForThisThread() const {
+absl::StatusOr<StreamContext*> StreamContexts::ForThisThread(int lane) const {
   RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
   MutexLock lock(mu_);
-  std::unique_ptr<StreamContext>& context = contexts_[std::this_thread::get_id()];
+  std::unique_ptr<StreamContext>& context = contexts_[{std::this_thread::get_id(), lane}];
   if (context == nullptr) {
     auto created = std::make_unique<StreamContext>();
     RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&created->stream, cudaStreamNonBlocking),

@@ -1,4 +1,4 @@
-// What each batch worker thread computes with on one GPU: its own stream (so workers'
+// What each batch worker thread computes with on one GPU: its own streams (so workers'
 // copies and kernels overlap), cuBLAS handle, device scratch and pinned staging.
 #ifndef ATTENTION_CORE_CUDA_STREAMS_H_
 #define ATTENTION_CORE_CUDA_STREAMS_H_
@@ -6,6 +6,7 @@
 #include <map>
 #include <memory>
 #include <thread>
+#include <utility>
 
 #include <cublasLt.h>
 #include <cublas_v2.h>
@@ -42,13 +43,15 @@ class StreamContexts {
   StreamContexts& operator=(const StreamContexts&) = delete;
   ~StreamContexts();
 
-  // The calling thread's context; also makes `device` the thread's current GPU.
-  absl::StatusOr<StreamContext*> ForThisThread() const;
+  // The calling thread's context on `lane` (each lane its own stream); also makes `device`
+  // the thread's current GPU.
+  absl::StatusOr<StreamContext*> ForThisThread(int lane = 0) const;
 
  private:
   const int device_;
   mutable Mutex mu_;  // see core/mutex.h
-  mutable std::map<std::thread::id, std::unique_ptr<StreamContext>> contexts_ ABSL_GUARDED_BY(mu_);
+  mutable std::map<std::pair<std::thread::id, int>, std::unique_ptr<StreamContext>> contexts_
+      ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace attention::core::cuda

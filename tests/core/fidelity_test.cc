@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "core/cuda/copy_overlap_plan.h"
+#include "core/dtype.h"
 #include "core/mha_layer.h"
 #include "gtest/gtest.h"
 #include "tests/core/fidelity.h"
@@ -195,6 +197,95 @@ TEST_P(FidelityTest, IssueConfigurationsHoldTheRule) {
                                        std::to_string(k.head_dim) + " rows=" +
                                        std::to_string(k.batch * k.len),
                    outputs, weights);
+  }
+}
+
+// A batch the GPU runs in chunks on two streams, copies overlapping compute
+// (core/cuda/copy_overlap_plan.h): inputs taken apart into sequences and whole ones (weights
+// asked), answers into results, float32 and bf16 destinations, each within the rule. The
+// CPU runs the same batch as any other. Checked: every small input, and the first and last
+// sequence of each large one (the textbook is slow).
+TEST_P(FidelityTest, BatchesCutIntoOverlappedChunksHoldTheRule) {
+  const uint64_t seed = TestSeed(4021);
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
+  std::mt19937_64 rng(seed);
+  MhaConfig config;
+  config.embed_dim = 256;
+  config.num_heads = 4;
+  const MhaConfig resolved = *MhaConfig::Resolve(config);
+  auto created = MhaLayer::Create(resolved, MhaWeights::Random(resolved, rng()), backend_);
+  ASSERT_TRUE(created.ok()) << created.status();
+  const MhaLayer& layer = **created;
+  const int64_t e = resolved.embed_dim;
+  constexpr int kInputs = 12;
+  std::vector<std::vector<float>> queries(kInputs), float_destinations(kInputs);
+  std::vector<std::vector<uint16_t>> bf16_destinations(kInputs);
+  std::vector<MhaInput> inputs(kInputs);
+  std::vector<const MhaInput*> batch;
+  for (int n = 0; n < kInputs; ++n) {
+    MhaInput& in = inputs[n];
+    const bool large = n % 2 == 0;  // 2,048 rows: 4 MiB in and out
+    in.batch = large ? 16 : 2;
+    in.q_len = in.kv_len = large ? 128 : 24;
+    queries[n] = RandomFloats(rng, in.batch * in.q_len * e);
+    in.query = queries[n];
+    in.options.causal = n % 3 == 0;
+    const int64_t answer = in.batch * in.q_len * resolved.output_dim;
+    if (n % 4 == 1) in.options.need_weights = NeedWeights::kAveraged;  // kept whole
+    if (n % 4 == 2) {
+      float_destinations[n].assign(answer, -7.0f);
+      in.output_destination = absl::MakeSpan(float_destinations[n]);
+    }
+    if (n % 4 == 3) {
+      bf16_destinations[n].assign(answer, uint16_t{0x7777});
+      in.output_destination_bf16 = absl::MakeSpan(bf16_destinations[n]);
+    }
+    ASSERT_TRUE(layer.ValidateInput(in).ok()) << layer.ValidateInput(in);
+    batch.push_back(&in);
+  }
+  ASSERT_GE(cuda::PlanCopyOverlap(cuda::CopyOverlapPartBytes(batch, resolved.output_dim)).size(),
+            3u)
+      << "the batch should run in chunks on a GPU";
+  const auto answers = layer.ForwardBatch(batch);
+  ASSERT_TRUE(answers.ok()) << answers.status();
+  FidelityStats outputs("overlapped chunks' outputs (" + GetParam() + ")"),
+      weights("overlapped chunks' weights (" + GetParam() + ")");
+  for (int n = 0; n < kInputs; ++n) {
+    const MhaInput& in = inputs[n];
+    std::vector<float> answer = (*answers)[n].output;
+    if (!in.output_destination.empty()) answer = float_destinations[n];
+    if (!in.output_destination_bf16.empty()) {
+      answer.clear();
+      for (uint16_t bits : bf16_destinations[n]) answer.push_back(BFloat16ToFloat(bits));
+    }
+    const int64_t rows = in.q_len * resolved.output_dim;
+    ASSERT_EQ(static_cast<int64_t>(answer.size()), in.batch * rows) << "input " << n;
+    for (int64_t b = 0; b < in.batch; ++b) {
+      if (in.batch > 2 && b != 0 && b != in.batch - 1) continue;
+      MhaInput one = OneSequence(in, b, {});
+      one.batch = 1;
+      one.output_destination_bf16 = {};
+      if (in.options.need_weights != NeedWeights::kNone) one = in;  // whole, with its weights
+      const TextbookResult<float> textbook = layer.ForwardTextbook<float>(one);
+      const TextbookResult<double> oracle = layer.ForwardTextbook<double>(one);
+      const std::string what = "input " + std::to_string(n) + " sequence " + std::to_string(b);
+      const absl::Span<const float> ours =
+          one.batch == in.batch ? absl::MakeConstSpan(answer)
+                                : absl::MakeConstSpan(answer).subspan(b * rows, rows);
+      if (!in.output_destination_bf16.empty()) {
+        // A bf16 answer is the float32 one rounded: the textbook's, rounded, within the rule.
+        std::vector<float> rounded_textbook;
+        for (float v : textbook.output)
+          rounded_textbook.push_back(BFloat16ToFloat(FloatToBFloat16(v)));
+        EXPECT_TRUE(outputs.Check(ours, rounded_textbook, oracle.output)) << what;
+      } else {
+        EXPECT_TRUE(outputs.Check(ours, textbook.output, oracle.output)) << what;
+      }
+      if (!oracle.weights.empty()) {
+        EXPECT_TRUE(weights.Check((*answers)[n].weights, textbook.weights, oracle.weights)) << what;
+      }
+      if (one.batch == in.batch) break;
+    }
   }
 }
 

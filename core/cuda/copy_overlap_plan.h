@@ -1,0 +1,34 @@
+// How a large forward pass on the GPU is cut into chunks whose copies overlap its compute
+// (prepared_layer.cc): chunk i + 1 goes host -> device on one stream while chunk i computes
+// on the other and chunk i - 1's answers come back. Plain C++, tested on every host.
+#ifndef ATTENTION_CORE_CUDA_COPY_OVERLAP_PLAN_H_
+#define ATTENTION_CORE_CUDA_COPY_OVERLAP_PLAN_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/types/span.h"
+#include "core/mha_types.h"
+
+namespace attention::core::cuda {
+
+// Bytes a chunk moves (in and out) at least: below this a copy's fixed cost (about 10 us)
+// and a second stream's launches outweigh what overlapping hides.
+inline constexpr int64_t kOverlapChunkBytes = int64_t{4} << 20;
+// Chunks of one pass at most: enough for the copies of all but the first and last to hide.
+inline constexpr int kMaxOverlapChunks = 8;
+
+// Bytes each part of SplitBatch(inputs) moves: its tensors in as sent, its answer out.
+std::vector<int64_t> CopyOverlapPartBytes(absl::Span<const MhaInput* const> inputs,
+                                          int64_t output_dim);
+
+// The first part of each chunk, for parts (consecutive, in order) that move `part_bytes`:
+// {0} (one chunk, the pass as it is) when the parts move less than 2 x chunk_bytes in all;
+// else up to kMaxOverlapChunks chunks of consecutive parts, each moving about the same
+// bytes and at least chunk_bytes (a part is never cut).
+std::vector<size_t> PlanCopyOverlap(absl::Span<const int64_t> part_bytes,
+                                    int64_t chunk_bytes = kOverlapChunkBytes);
+
+}  // namespace attention::core::cuda
+
+#endif  // ATTENTION_CORE_CUDA_COPY_OVERLAP_PLAN_H_

@@ -1,0 +1,72 @@
+// The chunks of a GPU forward pass whose copies overlap its compute
+// (core/cuda/copy_overlap_plan.h): plain C++, tested on every host.
+#include "core/cuda/copy_overlap_plan.h"
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "tests/core/random_options.h"
+
+namespace attention::core::cuda {
+namespace {
+
+constexpr int64_t kMiB = int64_t{1} << 20;
+
+TEST(CopyOverlapPlanTest, SmallPassesStayOneChunk) {
+  EXPECT_EQ(PlanCopyOverlap({}), std::vector<size_t>{0});
+  EXPECT_EQ(PlanCopyOverlap({64 * kMiB}), std::vector<size_t>{0}) << "a part is never cut";
+  EXPECT_EQ(PlanCopyOverlap({3 * kMiB, 4 * kMiB}), std::vector<size_t>{0});
+  EXPECT_EQ(PlanCopyOverlap({4 * kMiB, 4 * kMiB}), (std::vector<size_t>{0, 1}));
+}
+
+TEST(CopyOverlapPlanTest, EqualPartsMakeEqualChunksUpToTheMost) {
+  // S1-like: 32 sequences of 1 MiB in and out.
+  const std::vector<int64_t> parts(32, kMiB);
+  EXPECT_EQ(PlanCopyOverlap(parts), (std::vector<size_t>{0, 4, 8, 12, 16, 20, 24, 28}));
+  // Twice the bytes: still kMaxOverlapChunks chunks (of 8 MiB each).
+  const std::vector<int64_t> larger(32, 2 * kMiB);
+  EXPECT_EQ(PlanCopyOverlap(larger), (std::vector<size_t>{0, 4, 8, 12, 16, 20, 24, 28}));
+  const std::vector<int64_t> twelve(12, kMiB);
+  EXPECT_EQ(PlanCopyOverlap(twelve), (std::vector<size_t>{0, 4, 8}));
+}
+
+// Random part sizes: chunks start at 0, ascend, number at most kMaxOverlapChunks, and each
+// moves at least the chunk bytes whenever the pass is cut at all.
+TEST(CopyOverlapPlanTest, EveryChunkMovesEnoughOnRandomParts) {
+  const uint64_t seed = attention::core::testing::TestSeed(4020);
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
+  std::mt19937_64 rng(seed);
+  for (int trial = 0; trial < 500; ++trial) {
+    const int64_t count = std::uniform_int_distribution<int64_t>(1, 300)(rng);
+    const int64_t largest = std::uniform_int_distribution<int64_t>(1, 16 * kMiB)(rng);
+    std::vector<int64_t> parts(count);
+    int64_t total = 0;
+    for (int64_t& part : parts) {
+      part = std::uniform_int_distribution<int64_t>(0, largest)(rng);
+      total += part;
+    }
+    const std::vector<size_t> firsts = PlanCopyOverlap(parts);
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    ASSERT_FALSE(firsts.empty());
+    EXPECT_EQ(firsts[0], 0u);
+    EXPECT_LE(firsts.size(), static_cast<size_t>(kMaxOverlapChunks));
+    if (total < 2 * kOverlapChunkBytes) EXPECT_EQ(firsts.size(), 1u);
+    for (size_t c = 0; c < firsts.size(); ++c) {
+      const size_t end = c + 1 < firsts.size() ? firsts[c + 1] : parts.size();
+      ASSERT_LT(firsts[c], end) << "chunk " << c << " is empty";
+      int64_t moved = 0;
+      for (size_t p = firsts[c]; p < end; ++p) moved += parts[p];
+      if (firsts.size() > 1) EXPECT_GE(moved, kOverlapChunkBytes) << "chunk " << c;
+    }
+    // A pass that moves many chunks' bytes in many small parts is cut.
+    if (total >= 4 * kOverlapChunkBytes && largest <= kOverlapChunkBytes / 4) {
+      EXPECT_GE(firsts.size(), 2u) << total << " bytes in parts of at most " << largest;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace attention::core::cuda
