@@ -7,6 +7,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/cuda/copy_overlap_plan.h"
@@ -64,7 +65,8 @@ std::unique_ptr<LayerAndInput> MakeLayerAndInput(const MhaConfig& config, const 
   auto resolved = MhaConfig::Resolve(config);
   EXPECT_TRUE(resolved.ok()) << resolved.status();
   if (!resolved.ok()) return nullptr;
-  auto layer = MhaLayer::Create(*resolved, MhaWeights::Random(*resolved, rng()), backend);
+  auto layer =
+      MhaLayer::Create(*resolved, MhaWeights::Random(*resolved, rng()), std::move(backend));
   EXPECT_TRUE(layer.ok()) << layer.status();
   if (!layer.ok()) return nullptr;
   auto made = std::make_unique<LayerAndInput>();
