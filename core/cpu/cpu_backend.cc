@@ -371,7 +371,7 @@ std::string CpuBackend::BlasCore() { return openblas_get_corename(); }
 std::string CpuBackend::Bf16Path() const {
   if (Bf16ComputesInFloat32()) {
     return absl::StrCat(
-        "float32 kernels on the bf16 values, as float32 layers run (measured: ", "projections ",
+        "float32 kernels on the bf16 values, as float32 layers run (measured: projections ",
         Bf16ProjectionReport(), "; attention products ", Bf16ProductsReport(), ")");
   }
   return absl::StrCat("projections on ", Bf16ProjectionName(bf16_projection_),
