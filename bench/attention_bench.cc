@@ -155,17 +155,15 @@ BENCHMARK(BM_Linear)
 void RunMha(benchmark::State& state, const std::vector<int64_t>& lengths, int64_t embed_dim,
             int64_t heads, bool causal, int threads, absl::Duration idle_gap = absl::ZeroDuration(),
             DType compute = DType::kFloat32, double rope_theta = 0.0,
-            std::optional<Bf16Kernel> bf16_kernel = std::nullopt,
-            std::optional<Bf16Projection> bf16_projection = std::nullopt) {
+            const CpuKernelChoice& kernels = {}) {
   MhaConfig config;
   config.embed_dim = embed_dim;
   config.num_heads = heads;
   config.compute_dtype = compute;
   config.rope_theta = rope_theta;
   const MhaConfig resolved = *MhaConfig::Resolve(config);
-  auto layer =
-      *MhaLayer::Create(resolved, MhaWeights::Random(resolved, 7),
-                        std::make_shared<CpuBackend>(threads, bf16_kernel, bf16_projection));
+  auto layer = *MhaLayer::Create(resolved, MhaWeights::Random(resolved, 7),
+                                 std::make_shared<CpuBackend>(threads, kernels));
   std::vector<std::vector<float>> queries;
   std::vector<MhaInput> inputs(lengths.size());
   double flops = 0;
@@ -196,6 +194,27 @@ void BM_MhaS1(benchmark::State& s) { RunMha(s, std::vector<int64_t>(32, 128), 76
 void BM_MhaS2(benchmark::State& s) { RunMha(s, std::vector<int64_t>(8, 512), 768, 12, false, s.range(0)); }
 void BM_MhaS3(benchmark::State& s) { RunMha(s, {2048}, 768, 12, true, s.range(0)); }
 void BM_MhaS4(benchmark::State& s) { RunMha(s, std::vector<int64_t>(256, 16), 768, 12, false, s.range(0)); }
+// S1, S2, S4 and the serving benchmark's batch of 32 requests of 16 tokens (512 rows) on a
+// float32 layer with its projections forced onto each kernel set (the start-up measurement
+// picks one; issue 39). Args: threads, kernel (own 0, onednn 1), shape.
+void BM_MhaFloat32Projection(benchmark::State& s) {
+  CpuKernelChoice kernels;
+  kernels.float32_projection = static_cast<Float32Projection>(s.range(1));
+  s.SetLabel(Float32ProjectionName(*kernels.float32_projection));
+  const std::vector<int64_t> shapes[] = {
+      std::vector<int64_t>(32, 128), std::vector<int64_t>(8, 512), std::vector<int64_t>(256, 16),
+      std::vector<int64_t>(32, 16)};
+  RunMha(s, shapes[s.range(2)], 768, 12, false, s.range(0), absl::ZeroDuration(), DType::kFloat32,
+         0.0, kernels);
+}
+BENCHMARK(BM_MhaFloat32Projection)
+    ->ArgNames({"threads", "kernel", "shape"})
+    ->ArgsProduct({{2},
+                   {static_cast<int64_t>(Float32Projection::kOwn),
+                    static_cast<int64_t>(Float32Projection::kOneDnn)},
+                   {0, 1, 2, 3}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 // The same shapes on a BFLOAT16 layer (issue 26). Arg: threads.
 void RunMhaBf16(benchmark::State& s, const std::vector<int64_t>& lengths) {
   RunMha(s, lengths, 768, 12, false, s.range(0), absl::ZeroDuration(), DType::kBFloat16);
@@ -206,8 +225,11 @@ void BM_MhaBf16S4(benchmark::State& s) { RunMhaBf16(s, std::vector<int64_t>(256,
 // The same shapes on the float32 fallback of hosts without bf16 instructions (forced here):
 // issue 26 asks for >= 0.95 x the float32 layer.
 void RunMhaBf16Fallback(benchmark::State& s, const std::vector<int64_t>& lengths) {
+  CpuKernelChoice fallback;
+  fallback.bf16_products = Bf16Kernel::kPortable;
+  fallback.bf16_projection = Bf16Projection::kFloat32;
   RunMha(s, lengths, 768, 12, false, s.range(0), absl::ZeroDuration(), DType::kBFloat16, 0.0,
-         Bf16Kernel::kPortable, Bf16Projection::kFloat32);
+         fallback);
 }
 // The same shapes with the projections forced onto each kernel (the start-up measurement
 // picks one of these; issue 39 compares them). Args: threads, kernel.
@@ -220,8 +242,10 @@ void BM_MhaBf16Projection(benchmark::State& s) {
   s.SetLabel(Bf16ProjectionName(projection));
   const std::vector<int64_t> shapes[] = {
       std::vector<int64_t>(32, 128), std::vector<int64_t>(8, 512), std::vector<int64_t>(256, 16)};
+  CpuKernelChoice kernels;
+  kernels.bf16_projection = projection;
   RunMha(s, shapes[s.range(2)], 768, 12, false, s.range(0), absl::ZeroDuration(), DType::kBFloat16,
-         0.0, std::nullopt, projection);
+         0.0, kernels);
 }
 // The start-up measurement's projections with attention's products forced onto each
 // kernel: float32 products of the bf16 values (0), AVX512-BF16 dot products (1), AMX tiles
@@ -235,8 +259,10 @@ void BM_MhaBf16AttentionProducts(benchmark::State& s) {
   s.SetLabel(std::string(Bf16ProductsName(products)) + " products");
   const std::vector<int64_t> shapes[] = {
       std::vector<int64_t>(32, 128), std::vector<int64_t>(8, 512), std::vector<int64_t>(256, 16)};
+  CpuKernelChoice kernels;
+  kernels.bf16_products = products;
   RunMha(s, shapes[s.range(1)], 768, 12, false, s.range(0), absl::ZeroDuration(), DType::kBFloat16,
-         0.0, products);
+         0.0, kernels);
 }
 BENCHMARK(BM_MhaBf16AttentionProducts)
     ->ArgNames({"threads", "shape", "products"})

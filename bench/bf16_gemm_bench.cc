@@ -54,12 +54,13 @@ memory Reordered(const std::vector<float>& values, memory::format_tag layout,
 // The same product by oneDNN, inputs and weights in `dtype` (f32 or bf16), float32 out; the
 // weights reordered once into the layout the primitive wants, as a loaded layer would keep
 // them.
-void OneDnnMatmul(benchmark::State& state, memory::data_type dtype) {
+void OneDnnMatmul(benchmark::State& state, memory::data_type dtype,
+                  memory::format_tag weight_layout = memory::format_tag::any) {
   const int64_t m = state.range(0), n = state.range(1), k = state.range(2);
   dnnl::engine engine(dnnl::engine::kind::cpu, 0);
   dnnl::stream stream(engine);
   const memory::desc x_md({m, k}, dtype, memory::format_tag::ab);
-  const memory::desc w_any({k, n}, dtype, memory::format_tag::any);
+  const memory::desc w_any({k, n}, dtype, weight_layout);
   const memory::desc y_md({m, n}, memory::data_type::f32, memory::format_tag::ab);
   const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(x_md, w_any, y_md), engine);
   const dnnl::matmul matmul(pd);
@@ -119,6 +120,10 @@ void BM_OwnAmx(benchmark::State& state) { OwnBf16(state, attention::core::Bf16Ke
 
 void BM_OneDnnF32(benchmark::State& state) { OneDnnMatmul(state, memory::data_type::f32); }
 void BM_OneDnnBf16(benchmark::State& state) { OneDnnMatmul(state, memory::data_type::bf16); }
+// float32 on the weights as a layer holds them (W [n][k] row-major, "ba"), read in place.
+void BM_OneDnnF32InPlace(benchmark::State& state) {
+  OneDnnMatmul(state, memory::data_type::f32, memory::format_tag::ba);
+}
 
 // QKV (768 -> 2304) and output (768 -> 768) projections of 4096 tokens; 2 threads for sgemm
 // (oneDNN takes OMP_NUM_THREADS). The one-thread rows time the kernels without the pool,
@@ -128,6 +133,8 @@ void Shapes(benchmark::internal::Benchmark* b) {
       ->Args({4096, 2304, 768, 2})
       ->Args({4096, 768, 768, 2})
       ->Args({16, 2304, 768, 2})
+      ->Args({64, 2304, 768, 2})
+      ->Args({256, 2304, 768, 2})
       ->Args({1024, 2304, 768, 1})
       ->Args({1024, 768, 768, 1})
       // One head's products in the flash loop at S2 (256 queries, 512 keys of 64): scores
@@ -138,6 +145,7 @@ void Shapes(benchmark::internal::Benchmark* b) {
 }
 BENCHMARK(BM_Sgemm)->Apply(Shapes);
 BENCHMARK(BM_OneDnnF32)->Apply(Shapes);
+BENCHMARK(BM_OneDnnF32InPlace)->Apply(Shapes);
 BENCHMARK(BM_OneDnnBf16)->Apply(Shapes);
 BENCHMARK(BM_OwnF32)->Apply(Shapes);
 BENCHMARK(BM_OwnBf16)->Apply(Shapes);

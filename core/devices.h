@@ -26,12 +26,10 @@ bool CudaBuilt();
 // Thread-safe.
 class Devices {
  public:
-  // `cpu_threads` >= 1: the CPU backend's compute threads; `bf16_projection` and
-  // `bf16_products` force how its BFLOAT16 layers project and multiply attention's products
-  // (default: the host's fastest, measured).
-  explicit Devices(int cpu_threads, std::optional<Bf16Projection> bf16_projection = std::nullopt,
-                   std::optional<Bf16Kernel> bf16_products = std::nullopt)
-      : cpu_(std::make_shared<CpuBackend>(cpu_threads, bf16_products, bf16_projection)) {}
+  // `cpu_threads` >= 1: the CPU backend's compute threads; `forced`: its kernels chosen by
+  // flags instead of measured.
+  explicit Devices(int cpu_threads, const CpuKernelChoice& forced = {})
+      : cpu_(std::make_shared<CpuBackend>(cpu_threads, forced)) {}
 
   const std::shared_ptr<const CpuBackend>& cpu() const { return cpu_; }
 

@@ -40,7 +40,7 @@ Bf16Projection FastestBf16Projection();
 // "onednn 612 GFLOPS (brg:avx512_core_amx_bf16), avx512_bf16 104, float32 131".
 std::string Bf16ProjectionReport();
 
-class OneDnnBf16Matmul;
+class OneDnnMatmul;
 
 // One Linear of a bf16 layer, its weight packed once for `projection`.
 class Bf16Linear {
@@ -65,7 +65,7 @@ class Bf16Linear {
   int64_t out_features_, in_features_;
   std::optional<PackedBf16Weight> bf16_;
   std::optional<PackedWeight> widened_;
-  std::unique_ptr<OneDnnBf16Matmul> onednn_;
+  std::unique_ptr<OneDnnMatmul> onednn_;
 };
 
 }  // namespace attention::core

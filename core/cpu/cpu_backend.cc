@@ -13,6 +13,7 @@
 #include "core/attention_kernels.h"
 #include "core/cpu/attention_cpu.h"
 #include "core/cpu/bf16_layer.h"
+#include "core/cpu/float32_linear.h"
 #include "core/cpu/forward_scratch.h"
 #include "core/cpu/forward_steps.h"
 #include "core/cpu/gemm.h"
@@ -22,30 +23,42 @@
 namespace attention::core {
 namespace {
 
-// Large batches read the host weights in place (OpenBLAS); few rows use a copy packed
-// once for the microkernel (core/cpu/gemm.h). The pool is the backend's.
+// Few rows use a copy of the weights packed once for the microkernel (core/cpu/gemm.h);
+// large batches run on the set the backend chose (core/cpu/float32_linear.h): the
+// microkernel, OpenBLAS or oneDNN, the last two reading the host weights in place. The pool
+// is the backend's.
 class CpuPreparedLayer final : public PreparedLayer {
  public:
-  CpuPreparedLayer(const MhaConfig& config, const MhaWeightsView& weights, ThreadPool& pool)
+  CpuPreparedLayer(const MhaConfig& config, const MhaWeightsView& weights, ThreadPool& pool,
+                   std::optional<Float32Projection> projection)
       : config_(config), weights_(weights), pool_(pool) {
     const MhaConfig& c = config;
+    const MhaWeightsView& w = weights;
     const int64_t q = c.QWidth(), k = c.KWidth(), v = c.VWidth();
-    if (!weights.fused_qkv_weight.empty()) {
-      packed_qkv_.emplace(weights.fused_qkv_weight, q + k + v, c.embed_dim);
+    const float *q_panels = nullptr, *k_panels = nullptr, *v_panels = nullptr;
+    if (!w.fused_qkv_weight.empty()) {
+      packed_qkv_.emplace(w.fused_qkv_weight, q + k + v, c.embed_dim);
+      qkv_.emplace(w.fused_qkv_weight, w.fused_qkv_bias, q + k + v, c.embed_dim,
+                   packed_qkv_->panels(), projection);
       // Cross-attention projects Q, K and V apart: the fused panels serve when each part
       // starts on a panel boundary; otherwise those GEMMs go to OpenBLAS.
       if (q % kPanelWidth == 0 && k % kPanelWidth == 0) {
-        q_panels_ = packed_qkv_->panels();
-        k_panels_ = q_panels_ + PanelFloats(c.embed_dim, q);
-        v_panels_ = k_panels_ + PanelFloats(c.embed_dim, k);
+        q_panels = packed_qkv_->panels();
+        k_panels = q_panels + PanelFloats(c.embed_dim, q);
+        v_panels = k_panels + PanelFloats(c.embed_dim, k);
       }
     } else {
-      q_panels_ = packed_q_.emplace(weights.q_weight, q, c.embed_dim).panels();
-      k_panels_ = packed_k_.emplace(weights.k_weight, k, c.kdim).panels();
-      v_panels_ = packed_v_.emplace(weights.v_weight, v, c.vdim).panels();
+      q_panels = packed_q_.emplace(w.q_weight, q, c.embed_dim).panels();
+      k_panels = packed_k_.emplace(w.k_weight, k, c.kdim).panels();
+      v_panels = packed_v_.emplace(w.v_weight, v, c.vdim).panels();
     }
+    q_.emplace(w.q_weight, w.q_bias, q, c.embed_dim, q_panels, projection);
+    k_.emplace(w.k_weight, w.k_bias, k, c.kdim, k_panels, projection);
+    v_.emplace(w.v_weight, w.v_bias, v, c.vdim, v_panels, projection);
     if (c.output_projection) {
-      packed_out_.emplace(weights.out_weight, c.output_dim, c.AttentionWidth());
+      packed_out_.emplace(w.out_weight, c.output_dim, c.AttentionWidth());
+      out_.emplace(w.out_weight, w.out_bias, c.output_dim, c.AttentionWidth(),
+                   packed_out_->panels(), projection);
     }
   }
 
@@ -75,10 +88,9 @@ class CpuPreparedLayer final : public PreparedLayer {
   const MhaWeightsView weights_;
   ThreadPool& pool_;
   std::optional<PackedWeight> packed_qkv_, packed_q_, packed_k_, packed_v_, packed_out_;
-  // Panels of the Q, K and V weights (in packed_qkv_ or their own), or null.
-  const float* q_panels_ = nullptr;
-  const float* k_panels_ = nullptr;
-  const float* v_panels_ = nullptr;
+  // The projections on those panels (Q, K and V apart on the fused ones, or OpenBLAS where
+  // a part does not start on a panel), and on the host weights in place.
+  std::optional<Float32Linear> qkv_, q_, k_, v_, out_;
 };
 
 absl::StatusOr<std::vector<AttentionResult>> CpuPreparedLayer::ForwardBatch(
@@ -117,19 +129,16 @@ absl::StatusOr<std::vector<AttentionResult>> CpuPreparedLayer::ForwardBatch(
   if (plan.fused_qkv) {
     // One GEMM for all three: [T, E] x [E, Q + K + V]; Q, K, V are column ranges of it.
     q = scratch.Get(ForwardScratch::kQ, q_rows * plan.q_stride);
-    LinearForward(pool_, x, q_rows, c.embed_dim, w.fused_qkv_weight, w.fused_qkv_bias,
-                  plan.q_stride, q, packed_qkv_->panels());
+    qkv_->Forward(pool_, x, q_rows, q);
     k = q + c.QWidth();
     v = k + c.KWidth();
   } else {
     q = scratch.Get(ForwardScratch::kQ, q_rows * c.QWidth());
     k = scratch.Get(ForwardScratch::kK, kv_rows * c.KWidth());
     v = scratch.Get(ForwardScratch::kV, kv_rows * c.VWidth());
-    LinearForward(pool_, x, q_rows, c.embed_dim, w.q_weight, w.q_bias, c.QWidth(), q, q_panels_);
-    LinearForward(pool_, key_input, kv_rows, c.kdim, w.k_weight, w.k_bias, c.KWidth(), k,
-                  k_panels_);
-    LinearForward(pool_, value_input, kv_rows, c.vdim, w.v_weight, w.v_bias, c.VWidth(), v,
-                  v_panels_);
+    q_->Forward(pool_, x, q_rows, q);
+    k_->Forward(pool_, key_input, kv_rows, k);
+    v_->Forward(pool_, value_input, kv_rows, v);
   }
   RotatePlanned(c, plan, q, k, pool_);
   float* attended = scratch.Get(ForwardScratch::kAttended, q_rows * c.AttentionWidth());
@@ -144,8 +153,7 @@ absl::StatusOr<std::vector<AttentionResult>> CpuPreparedLayer::ForwardBatch(
   float* projected = project_to_destination
                          ? inputs[0]->output_destination.data()
                          : scratch.Get(ForwardScratch::kProjected, q_rows * c.output_dim);
-  LinearForward(pool_, attended, q_rows, c.AttentionWidth(), w.out_weight, w.out_bias, c.output_dim,
-                projected, packed_out_->panels());
+  out_->Forward(pool_, attended, q_rows, projected);
   if (!project_to_destination) DeliverPlanned(plan, inputs, projected, c.output_dim, results);
   return results;
 }
@@ -153,21 +161,19 @@ absl::StatusOr<std::vector<AttentionResult>> CpuPreparedLayer::ForwardBatch(
 absl::Status CpuPreparedLayer::ProjectForDecode(const float* x, absl::Span<const int64_t> positions,
                                                 float* q, float* k, float* v) const {
   const MhaConfig& c = config_;
-  const MhaWeightsView& w = weights_;
   const auto rows = static_cast<int64_t>(positions.size());
-  if (packed_qkv_.has_value()) {
+  if (qkv_.has_value()) {
     // One GEMM for all three, as ForwardBatch runs self-attention, then split: a prefill
     // chunk's three GEMMs apart measured 0.86-0.95 of the stateless layer.
     const int64_t width = c.QWidth() + c.KWidth() + c.VWidth();
     thread_local ForwardScratch scratch;
     float* qkv = scratch.Get(ForwardScratch::kQ, rows * width);
-    LinearForward(pool_, x, rows, c.embed_dim, w.fused_qkv_weight, w.fused_qkv_bias, width, qkv,
-                  packed_qkv_->panels());
+    qkv_->Forward(pool_, x, rows, qkv);
     SplitFusedRows(c, qkv, rows, q, k, v);
   } else {
-    LinearForward(pool_, x, rows, c.embed_dim, w.q_weight, w.q_bias, c.QWidth(), q, q_panels_);
-    LinearForward(pool_, x, rows, c.kdim, w.k_weight, w.k_bias, c.KWidth(), k, k_panels_);
-    LinearForward(pool_, x, rows, c.vdim, w.v_weight, w.v_bias, c.VWidth(), v, v_panels_);
+    q_->Forward(pool_, x, rows, q);
+    k_->Forward(pool_, x, rows, k);
+    v_->Forward(pool_, x, rows, v);
   }
   RotateAtPositions(c, positions, q, k);
   return absl::OkStatus();
@@ -175,9 +181,7 @@ absl::Status CpuPreparedLayer::ProjectForDecode(const float* x, absl::Span<const
 
 absl::Status CpuPreparedLayer::ProjectDecodeOutput(const float* attended, int64_t rows,
                                                    float* output) const {
-  const MhaConfig& c = config_;
-  LinearForward(pool_, attended, rows, c.AttentionWidth(), weights_.out_weight, weights_.out_bias,
-                c.output_dim, output, packed_out_->panels());
+  out_->Forward(pool_, attended, rows, output);
   return absl::OkStatus();
 }
 
@@ -233,11 +237,12 @@ absl::Span<const float> AsBf16Values(absl::Span<const float> values,
 // on widened panels ran at 0.84-0.88 x the float32 layer on Zen 3 (one thread).
 class Bf16OnFloat32Layer final : public PreparedLayer {
  public:
-  Bf16OnFloat32Layer(const MhaConfig& config, const MhaWeightsView& weights, ThreadPool& pool)
+  Bf16OnFloat32Layer(const MhaConfig& config, const MhaWeightsView& weights, ThreadPool& pool,
+                     std::optional<Float32Projection> projection)
       : embed_dim_(config.embed_dim),
         widened_(weights),
         pool_(pool),
-        layer_(config, widened_.view, pool) {}
+        layer_(config, widened_.view, pool, projection) {}
 
   absl::StatusOr<std::vector<AttentionResult>> ForwardBatch(
       absl::Span<const MhaInput* const> inputs) const override {
@@ -380,15 +385,24 @@ std::string CpuBackend::Bf16Path() const {
                       Bf16ProductsName(bf16_kernel_), " (measured: ", Bf16ProductsReport(), ")");
 }
 
+std::string CpuBackend::Float32Path() const {
+  const std::string measured = Float32ProjectionReport(pool_.size());
+  return absl::StrCat(
+      "batches of ", kOneDnnFloat32MinRows, " rows or more on ",
+      Float32ProjectionName(float32_projection_.value_or(FastestFloat32Projection(pool_.size()))),
+      float32_projection_.has_value() ? ", forced" : "", " (measured: ", measured,
+      "), fewer on the ", SimdLevelName(BestSimdLevel()), " microkernel");
+}
+
 absl::StatusOr<std::unique_ptr<PreparedLayer>> CpuBackend::Prepare(
     const MhaConfig& config, const MhaWeightsView& weights) const {
   if (config.compute_dtype == DType::kBFloat16 && Bf16ComputesInFloat32()) {
-    return std::make_unique<Bf16OnFloat32Layer>(config, weights, pool_);
+    return std::make_unique<Bf16OnFloat32Layer>(config, weights, pool_, float32_projection_);
   }
   if (config.compute_dtype == DType::kBFloat16) {
     return PrepareBf16Layer(config, weights, pool_, bf16_kernel_, bf16_projection_);
   }
-  return std::make_unique<CpuPreparedLayer>(config, weights, pool_);
+  return std::make_unique<CpuPreparedLayer>(config, weights, pool_, float32_projection_);
 }
 
 absl::StatusOr<AttentionResult> CpuBackend::ScaledDotProductAttention(

@@ -1,6 +1,7 @@
-// The CPU backend: OpenBLAS GEMMs for the projections (its own microkernel on weights
-// packed once for few rows, core/cpu/gemm.h) and the blocked attention kernel,
-// on a thread pool it owns.
+// The CPU backend: projections on its own microkernel over weights packed once
+// (core/cpu/gemm.h), OpenBLAS or oneDNN, each where it measured fastest
+// (core/cpu/float32_linear.h, core/cpu/bf16_linear.h), and the blocked attention kernel, on
+// a thread pool it owns.
 #ifndef ATTENTION_CORE_CPU_CPU_BACKEND_H_
 #define ATTENTION_CORE_CPU_CPU_BACKEND_H_
 
@@ -13,28 +14,39 @@
 #include "core/backend.h"
 #include "core/cpu/attention_cpu.h"
 #include "core/cpu/bf16_linear.h"
+#include "core/cpu/float32_linear.h"
 #include "core/cpu/gemm_bf16.h"
 #include "core/cpu/paged_attention_cpu.h"
 #include "core/cpu/thread_pool.h"
 
 namespace attention::core {
 
+// Kernels forced instead of measured (flags, tests and benchmarks); each unset one is the
+// host's fastest, measured once per process.
+struct CpuKernelChoice {
+  // How BFLOAT16 layers multiply attention's products (kPortable: in float32) and project
+  // (--bf16_attention_kernels, --bf16_kernels).
+  std::optional<Bf16Kernel> bf16_products;
+  std::optional<Bf16Projection> bf16_projection;
+  // How float32 layers project batches of many rows (--float32_kernels).
+  std::optional<Float32Projection> float32_projection;
+  // Where both bf16 choices are float32, bf16 layers run as float32 layers
+  // (Bf16ComputesInFloat32); tests turn this off to reach the bf16 layer's own path on
+  // every host.
+  bool bf16_layers_as_float32 = true;
+};
+
 // Thread-safe. Every layer and SDPA call of the backend shares its pool: `num_threads`
 // compute threads per forward pass, OpenBLAS single-threaded inside them (see ThreadPool).
 class CpuBackend final : public Backend {
  public:
-  // num_threads >= 1. BFLOAT16 layers project with `bf16_projection` and multiply attention's
-  // products on `bf16_products` (kPortable: in float32); each the host's fastest, measured,
-  // unless forced (--bf16_kernels, --bf16_attention_kernels; tests). Where both are float32,
-  // bf16 layers run as float32 layers (Bf16ComputesInFloat32) unless tests turn
-  // `bf16_layers_as_float32` off to reach the bf16 layer's own path on every host.
-  explicit CpuBackend(int num_threads, std::optional<Bf16Kernel> bf16_products = std::nullopt,
-                      std::optional<Bf16Projection> bf16_projection = std::nullopt,
-                      bool bf16_layers_as_float32 = true)
+  // num_threads >= 1.
+  explicit CpuBackend(int num_threads, const CpuKernelChoice& forced = {})
       : pool_(num_threads),
-        bf16_kernel_(bf16_products.value_or(FastestBf16Products())),
-        bf16_projection_(bf16_projection.value_or(FastestBf16Projection())),
-        bf16_layers_as_float32_(bf16_layers_as_float32) {}
+        bf16_kernel_(forced.bf16_products.value_or(FastestBf16Products())),
+        bf16_projection_(forced.bf16_projection.value_or(FastestBf16Projection())),
+        float32_projection_(forced.float32_projection),
+        bf16_layers_as_float32_(forced.bf16_layers_as_float32) {}
 
   const std::string& name() const override { return name_; }
   // Every config and option.
@@ -57,6 +69,9 @@ class CpuBackend final : public Backend {
   // How this backend's BFLOAT16 layers multiply (for the start-up log): the projection
   // kernel and what the start-up measurement found, then attention's products.
   std::string Bf16Path() const;
+  // How float32 layers project batches of many rows (for the start-up log): the kernel
+  // set, forced or measured (measuring now if nothing has yet), and what was measured.
+  std::string Float32Path() const;
   // Whether BFLOAT16 layers run as float32 layers on their bf16 values: where both the
   // projections and attention's products are fastest on float32 kernels (hosts without
   // bf16 arithmetic), so that a bf16 layer is never slower than a float32 one.
@@ -76,6 +91,8 @@ class CpuBackend final : public Backend {
   mutable ThreadPool pool_;
   const Bf16Kernel bf16_kernel_;
   const Bf16Projection bf16_projection_;
+  // Unset: measured when a layer first projects a batch of many rows.
+  const std::optional<Float32Projection> float32_projection_;
   const bool bf16_layers_as_float32_;
 };
 

@@ -158,6 +158,10 @@ ABSL_FLAG(std::string, bf16_attention_kernels, "auto",
           "how BFLOAT16 layers multiply attention's scores and values on the CPU: auto (the "
           "fastest of this host's kernels, measured at start-up and logged), amx (AMX tiles), "
           "avx512_bf16, or float32 (the bf16 values widened)");
+ABSL_FLAG(std::string, float32_kernels, "auto",
+          "how float32 layers project batches of 64 rows or more on the CPU: auto (the faster "
+          "of the two, measured at start-up and logged), own (this project's microkernel, "
+          "OpenBLAS for large batches on AVX2 hosts) or onednn (oneDNN's matmul)");
 ABSL_FLAG(int64_t, prefill_chunk_tokens, 256,
           "a session step's attention runs in turns of at most this many query tokens per "
           "entry, so that other sessions' decode steps run between a long prefill's chunks");
@@ -317,7 +321,7 @@ int main(int argc, char** argv) {
                 << std::endl;
       return 1;
     }
-    options.bf16_projection = *projection;
+    options.cpu_kernels.bf16_projection = *projection;
   }
   if (const std::string kernels = absl::GetFlag(FLAGS_bf16_attention_kernels); kernels != "auto") {
     const absl::StatusOr<attention::core::Bf16Kernel> products =
@@ -329,7 +333,17 @@ int main(int argc, char** argv) {
                 << std::endl;
       return 1;
     }
-    options.bf16_products = *products;
+    options.cpu_kernels.bf16_products = *products;
+  }
+  if (const std::string kernels = absl::GetFlag(FLAGS_float32_kernels); kernels != "auto") {
+    const absl::StatusOr<attention::core::Float32Projection> projection =
+        attention::core::ParseFloat32Projection(kernels);
+    if (!projection.ok()) {
+      std::cerr << "attention-service: --float32_kernels: " << projection.status().message()
+                << std::endl;
+      return 1;
+    }
+    options.cpu_kernels.float32_projection = *projection;
   }
   options.sessions.replica = absl::GetFlag(FLAGS_replica_name);
   options.session_snapshot_dir = absl::GetFlag(FLAGS_session_snapshot_dir);
@@ -375,6 +389,7 @@ int main(int argc, char** argv) {
   }
   std::cerr << "attention-service: default device " << (*server)->default_backend().name()
             << ", OpenBLAS core " << attention::core::CpuBackend::BlasCore()
+            << ", float32 layers: " << (*server)->cpu_backend().Float32Path()
             << ", bfloat16 layers: " << (*server)->cpu_backend().Bf16Path() << std::endl;
   if (const attention::server::SessionTable* sessions = (*server)->sessions()) {
     const attention::core::kv_cache::KvPoolCounters pool = sessions->Counters().pool;

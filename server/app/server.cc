@@ -198,8 +198,8 @@ AttentionServer::AttentionServer(const ServerOptions& options,
 absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
     const ServerOptions& options) {
   RETURN_IF_ERROR(options.Validate());
-  auto devices = std::make_unique<core::Devices>(ComputeThreads(options.compute_threads),
-                                                 options.bf16_projection, options.bf16_products);
+  auto devices =
+      std::make_unique<core::Devices>(ComputeThreads(options.compute_threads), options.cpu_kernels);
   absl::StatusOr<std::shared_ptr<const core::Backend>> default_backend =
       devices->Get(options.device);
   if (!default_backend.ok()) {

@@ -125,12 +125,10 @@ struct ServerOptions {
   AccessPolicy access;
   // Offer the gRPC reflection service (--reflection); default on.
   bool reflection = true;
-  // How the CPU's BFLOAT16 layers project (--bf16_kernels); unset: the host's fastest,
-  // measured at start-up (core/cpu/bf16_linear.h).
-  std::optional<core::Bf16Projection> bf16_projection;
-  // How they multiply attention's products (--bf16_attention_kernels); unset: the host's
-  // fastest, measured at start-up (core/cpu/attention_cpu.h).
-  std::optional<core::Bf16Kernel> bf16_products;
+  // The CPU's kernels forced by flags (--bf16_kernels, --bf16_attention_kernels,
+  // --float32_kernels); each unset one is the host's fastest, measured
+  // (core/cpu/bf16_linear.h, core/cpu/attention_cpu.h, core/cpu/float32_linear.h).
+  core::CpuKernelChoice cpu_kernels;
   // Per-request work and memory limits (--max_request_flops, --max_request_memory_bytes);
   // its max_response_bytes is ignored: answers are bounded by max_message_bytes.
   RequestBudget request_budget;

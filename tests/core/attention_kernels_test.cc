@@ -116,7 +116,9 @@ TEST_P(SdpaBackendTest, Bf16ComputeFollowsTheBf16Rule) {
 
 // Where float32 products are the host's fastest (or forced), bf16 compute is float32's.
 TEST(AttentionCpuTest, SdpaInBf16OnFloat32ProductsIsTheFloat32Answer) {
-  const CpuBackend backend(2, Bf16Kernel::kPortable);
+  CpuKernelChoice float32_products;
+  float32_products.bf16_products = Bf16Kernel::kPortable;
+  const CpuBackend backend(2, float32_products);
   std::mt19937_64 rng(TestSeed(2914));
   SdpaInput input;
   input.dims = {1, 2, 1, 33, 70, 16, 8};
@@ -322,7 +324,9 @@ TEST_P(AttentionBf16ProductsTest, Bf16SourcesGiveTheBitsOfFloat32RowsRoundedInTh
 // SDPA asked for bf16 compute multiplies on the backend's bf16 kernel (bit for bit the
 // kernel's answer, so the path is the one named), within the bf16 rule.
 TEST_P(AttentionBf16ProductsTest, SdpaInBf16RunsOnThisKernelWithinTheBf16Rule) {
-  const CpuBackend backend(2, GetParam());
+  CpuKernelChoice kernels;
+  kernels.bf16_products = GetParam();
+  const CpuBackend backend(2, kernels);
   ExpectSdpaBf16Rule(backend, Bf16KernelName(GetParam()), TestSeed(2912));
   std::mt19937_64 rng(TestSeed(2913));
   SdpaInput input;

@@ -1,8 +1,9 @@
-// FlashAttention's fidelity rule (tests/core/fidelity.h) on every backend compiled in, over
-// MHA layers whose shapes reach every kernel path of the CPU backend: projection row counts
-// 1, 5, 16, 40, 130 and >= 2048 (microkernel tile heights, row chunks, OpenBLAS past the
-// packed limit), head sizes 1 to 256 with odd ones, E up to 1024, kdim / vdim != E, key
-// counts past 1024 (OpenBLAS and the online softmax), causal, masks, GQA, RoPE.
+// FlashAttention's fidelity rule (tests/core/fidelity.h) on every backend compiled in (the
+// CPU with each of its float32 projection sets), over MHA layers whose shapes reach every
+// kernel path of the CPU backend: projection row counts 1, 5, 16, 40, 130 and >= 2048
+// (microkernel tile heights, row chunks, OpenBLAS or oneDNN past the packed limit), head sizes 1 to
+// 256 with odd ones, E up to 1024, kdim / vdim != E, key counts past 1024 (OpenBLAS and the online
+// softmax), causal, masks, GQA, RoPE.
 #include <algorithm>
 #include <memory>
 #include <random>
@@ -291,8 +292,9 @@ TEST_P(FidelityTest, BatchesCutIntoOverlappedChunksHoldTheRule) {
   }
 }
 
+// Both of the CPU's float32 projection sets, whichever this host measured fastest.
 INSTANTIATE_TEST_SUITE_P(Devices, FidelityTest,
-                         ::testing::ValuesIn(testing::CompiledDevices()),
+                         ::testing::ValuesIn(testing::CompiledDevicesWithEachCpuFloat32Set()),
                          testing::DeviceTestName);
 
 }  // namespace

@@ -1,5 +1,6 @@
 // The CPU backend's own microkernel (core/cpu/gemm.h) against a naive double-precision GEMM,
-// at every dispatch level; a level this CPU lacks reports SKIPPED.
+// at every dispatch level; a level this CPU lacks reports SKIPPED. Then float32 layers'
+// projections on each kernel set (core/cpu/float32_linear.h).
 #include "core/cpu/gemm.h"
 
 #include <cmath>
@@ -11,6 +12,8 @@
 #include <cblas.h>
 
 #include "core/cpu/cpu_backend.h"
+#include "core/cpu/float32_linear.h"
+#include "core/cpu/onednn_matmul.h"
 #include "core/mha_layer.h"
 #include "gtest/gtest.h"
 #include "tests/core/fidelity.h"
@@ -235,6 +238,80 @@ TEST(PackedWeightTest, CpuLayerReportsPackedBytesAndKeepsPlainWeights) {
   EXPECT_EQ((*layer)->DeviceWeightBytes(), (8 + 3) * 40 * kPanelWidth * 4);
   EXPECT_EQ((*layer)->weights().q_weight, weights.q_weight);
   EXPECT_EQ((*layer)->weights().out_weight, weights.out_weight);
+}
+
+class Float32LinearTest : public ::testing::TestWithParam<Float32Projection> {};
+
+// Every row count on both sides of kOneDnnFloat32MinRows, with and without bias and panels,
+// on one and two threads, within the rule; and bitwise the kernel the set names: oneDNN's
+// matmul from kOneDnnFloat32MinRows rows on the onednn set, LinearForward otherwise.
+TEST_P(Float32LinearTest, RunsTheKernelItNamesWithinTheRule) {
+  const uint64_t seed = TestSeed(3901);
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
+  std::mt19937_64 rng(seed);
+  const Float32Projection set = GetParam();
+  FidelityStats stats(std::string("Float32Linear, ") + Float32ProjectionName(set));
+  for (int threads : {1, 2}) {
+    ThreadPool pool(threads);
+    for (int64_t rows :
+         {int64_t{1}, kOneDnnFloat32MinRows - 1, kOneDnnFloat32MinRows, int64_t{300}}) {
+      for (const bool with_panels : {true, false}) {
+        const int64_t in_features = with_panels ? 200 : 45, out_features = with_panels ? 72 : 40;
+        SCOPED_TRACE("threads " + std::to_string(threads) + " rows " + std::to_string(rows) +
+                     (with_panels ? " with panels" : " without panels"));
+        const std::vector<float> x = Uniform(rng, rows * in_features);
+        const std::vector<float> w = Uniform(rng, out_features * in_features);
+        const std::vector<float> bias =
+            with_panels ? Uniform(rng, out_features) : std::vector<float>{};
+        const PackedWeight packed(w, out_features, in_features);
+        const float* panels = with_panels ? packed.panels() : nullptr;
+        const Float32Linear linear(w, bias, out_features, in_features, panels, set);
+        std::vector<float> y(rows * out_features, 7.0f);
+        linear.Forward(pool, x.data(), rows, y.data());
+        ExpectGemm(
+            x, in_features, rows, in_features,
+            [&](int64_t k, int64_t j) { return w[j * in_features + k]; }, 0, out_features,
+            out_features, 1.0f, bias.empty() ? nullptr : bias.data(), y, 7.0f, stats);
+        std::vector<float> named(rows * out_features);
+        if (set == Float32Projection::kOneDnn && rows >= kOneDnnFloat32MinRows) {
+          OneDnnMatmul(w.data(), DType::kFloat32, out_features, in_features,
+                       OneDnnMatmul::WeightCopy::kInPlace)
+              .Forward(x.data(), rows, bias, named.data(), DType::kFloat32, threads);
+        } else {
+          LinearForward(pool, x.data(), rows, in_features, w, bias, out_features, named.data(),
+                        panels);
+        }
+        EXPECT_EQ(y, named) << "not the kernel the set names";
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Sets, Float32LinearTest,
+                         ::testing::Values(Float32Projection::kOwn, Float32Projection::kOneDnn),
+                         [](const ::testing::TestParamInfo<Float32Projection>& info) {
+                           return std::string(Float32ProjectionName(info.param));
+                         });
+
+TEST(Float32ProjectionTest, NamesParseAndTheMeasuredChoiceRunsHere) {
+  for (const Float32Projection set : {Float32Projection::kOwn, Float32Projection::kOneDnn}) {
+    EXPECT_EQ(*ParseFloat32Projection(Float32ProjectionName(set)), set);
+  }
+  const absl::StatusOr<Float32Projection> unknown = ParseFloat32Projection("openblas");
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(unknown.status().message(), "float32 kernel \"openblas\" is not one of own, onednn");
+  // The measurement runs both sets (forced) and names each with its speed and kernel.
+  const Float32Projection fastest = FastestFloat32Projection(2);
+  const std::string report = Float32ProjectionReport(2);
+  EXPECT_TRUE(fastest == Float32Projection::kOwn || fastest == Float32Projection::kOneDnn);
+  EXPECT_EQ(report.rfind("onednn ", 0), 0u) << report;
+  EXPECT_NE(report.find(" GFLOPS ("), std::string::npos) << report;
+  EXPECT_NE(report.find(", own "), std::string::npos) << report;
+  const std::string path = CpuBackend(2).Float32Path();
+  EXPECT_NE(
+      path.find(std::string("on ") + Float32ProjectionName(fastest) + " (measured: " + report),
+      std::string::npos)
+      << path;
 }
 
 }  // namespace

@@ -50,8 +50,11 @@ class Bf16LayerTest : public ::testing::TestWithParam<Bf16Path> {
       GTEST_SKIP() << "this CPU has no " << Bf16KernelName(GetParam().kernel) << " or "
                    << Bf16ProjectionName(GetParam().projection) << " instructions";
     }
-    cpu_backend_ = std::make_shared<CpuBackend>(2, GetParam().kernel, GetParam().projection,
-                                                GetParam().as_float32_layer);
+    CpuKernelChoice forced;
+    forced.bf16_products = GetParam().kernel;
+    forced.bf16_projection = GetParam().projection;
+    forced.bf16_layers_as_float32 = GetParam().as_float32_layer;
+    cpu_backend_ = std::make_shared<CpuBackend>(2, forced);
     backend_ = cpu_backend_;
   }
 

@@ -430,7 +430,9 @@ TEST(DevicesTest, CpuKvStorageMultipliesSharedBf16PrefixesOnTheBackendsKernel) {
     SCOPED_TRACE(absl::StrCat(Bf16ProductsName(kernel), ", seed ", kSeed));
     PagedPool pool = ForkPool(c, DType::kBFloat16, kSeed);
     const std::vector<size_t> all = AddForks(pool, c, kSeed);
-    Devices devices(2, std::nullopt, kernel);
+    CpuKernelChoice kernels;
+    kernels.bf16_products = kernel;
+    Devices devices(2, kernels);
     absl::StatusOr<std::unique_ptr<kv_cache::KvStorage>> storage =
         devices.CreateKvStorage("cpu", pool.num_blocks(), pool.block_bytes());
     ASSERT_TRUE(storage.ok()) << storage.status();

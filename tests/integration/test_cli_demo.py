@@ -10,7 +10,7 @@ lower-triangular (and sum to 1 within bfloat16 precision); an unknown layer is N
 `--health` (the image's HEALTHCHECK) prints SERVING and exits 0 against the server, and
 exits 1 naming UNAVAILABLE against a closed port; --lb_policy other than pick_first or
 round_robin exits 2 naming the flag; the server refuses to start on an unknown
---bf16_kernels or --bf16_attention_kernels name. `--version` of both binaries prints
+--bf16_kernels, --bf16_attention_kernels or --float32_kernels name. `--version` of both binaries prints
 "<program> <version> (revision <rev>)", the version and revision CMake configured
 ($ATTENTION_EXPECTED_VERSION, "0.1.0 (revision abc1234)").
 """
@@ -105,7 +105,8 @@ def check_version_health_flags(t, server_bin, cli, target):
     # A kernel name the server does not know stops it at start-up, naming the flag and the
     # names it takes.
     for flag, names in (("--bf16_kernels", "onednn, avx512_bf16, float32"),
-                        ("--bf16_attention_kernels", "amx, avx512_bf16, float32")):
+                        ("--bf16_attention_kernels", "amx, avx512_bf16, float32"),
+                        ("--float32_kernels", "own, onednn")):
         result = run(server_bin, flag + "=tpu", "--listen=127.0.0.1:0")
         t.check(result.returncode == 1 and flag + ":" in result.stderr
                 and '"tpu" is not one of ' + names in result.stderr,

@@ -1,0 +1,81 @@
+// The projections of float32 layers. Batches of kOneDnnFloat32MinRows rows or more run on
+// the faster of two kernel sets, measured once per process (issue 39: float32 GEMMs chosen
+// by measured speed, as bf16 ones are):
+//   own     the project's packed microkernel, with OpenBLAS past PackedLinearMaxRows
+//           (core/cpu/gemm.h);
+//   onednn  Debian's oneDNN matmul, reading the layer's weights in place (no copy).
+// Fewer rows (decode steps) always run on the packed microkernel, the fastest there. Both
+// multiply the same float32 values and sum in float32 in different orders: each answers
+// within the float32 rule, and the choice may change a layer's last bits.
+#ifndef ATTENTION_CORE_CPU_FLOAT32_LINEAR_H_
+#define ATTENTION_CORE_CPU_FLOAT32_LINEAR_H_
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "core/cpu/thread_pool.h"
+
+namespace attention::core {
+
+enum class Float32Projection { kOwn, kOneDnn };
+
+const char* Float32ProjectionName(Float32Projection projection);
+// "own" or "onednn"; INVALID_ARGUMENT naming the choices otherwise.
+absl::StatusOr<Float32Projection> ParseFloat32Projection(absl::string_view name);
+
+// Rows from which a projection may run on oneDNN. attention_bench's neighbour
+// bench/bf16_gemm_bench, 768 -> 2304 on 2 threads (Zen 3): at 16 rows the microkernel ran at
+// 95 GFLOPS against oneDNN's 75, at 64 rows 98 against 110.
+inline constexpr int64_t kOneDnnFloat32MinRows = 64;
+
+// The faster set for batches of many rows: each times 384 tokens of 1024 -> 1024 features on
+// `threads` threads, best of five runs (own first), once per process; oneDNN
+// must be 3% faster to be chosen (the first caller's thread count; about
+// 60 ms on 2 threads of a Zen 3). Measured when first asked, so that a process that never
+// projects a large batch never pays for it.
+Float32Projection FastestFloat32Projection(int threads);
+// What that measurement found, for the start-up log, e.g.
+// "onednn 131 GFLOPS (gemm:jit), own 125 (OpenBLAS Zen)"; measures if nothing has yet.
+std::string Float32ProjectionReport(int threads);
+
+class OneDnnMatmul;
+
+// One Linear of a float32 layer: y[rows, out] = x[rows, in] * W^T + bias.
+class Float32Linear {
+ public:
+  // `weight` W [out_features, in_features] and `bias` (may be empty) are read in place and
+  // must outlive this; `panels`: W packed by PackTransposed, or null (OpenBLAS at every row
+  // count). `projection`: forced, or unset for the measured choice.
+  Float32Linear(absl::Span<const float> weight, absl::Span<const float> bias, int64_t out_features,
+                int64_t in_features, const float* panels,
+                std::optional<Float32Projection> projection);
+  ~Float32Linear();
+  Float32Linear(const Float32Linear&) = delete;
+  Float32Linear& operator=(const Float32Linear&) = delete;
+
+  // On the pool's threads (oneDNN's OpenMP threads, as many, for its part).
+  void Forward(ThreadPool& pool, const float* x, int64_t rows, float* y) const;
+
+ private:
+  const OneDnnMatmul& OneDnn() const;
+  // The forced set, or the measured one.
+  Float32Projection Projection(int threads) const;
+
+  const absl::Span<const float> weight_, bias_;
+  const int64_t out_features_, in_features_;
+  const float* const panels_;
+  const std::optional<Float32Projection> projection_;
+  // Made on the first batch that runs on oneDNN.
+  mutable std::once_flag onednn_made_;
+  mutable std::unique_ptr<const OneDnnMatmul> onednn_;
+};
+
+}  // namespace attention::core
+
+#endif  // ATTENTION_CORE_CPU_FLOAT32_LINEAR_H_

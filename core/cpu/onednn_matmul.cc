@@ -1,0 +1,110 @@
+#include "core/cpu/onednn_matmul.h"
+
+#include <omp.h>
+
+#include <cstddef>
+#include <vector>
+
+namespace attention::core {
+
+using dnnl::memory;
+
+namespace {
+
+dnnl::engine& CpuEngine() {
+  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+memory::data_type OneDnnType(DType type) {
+  return type == DType::kBFloat16 ? memory::data_type::bf16 : memory::data_type::f32;
+}
+
+// Row counts a primitive is described for before the first call (the preferred weight
+// layout does not depend on it).
+constexpr int64_t kTypicalRows = 512;
+constexpr size_t kMaxPrimitives = 64;
+
+}  // namespace
+
+OneDnnMatmul::OneDnnMatmul(const void* weight, DType type, int64_t out_features,
+                           int64_t in_features, WeightCopy copy)
+    : out_features_(out_features), in_features_(in_features), type_(OneDnnType(type)), copy_(copy) {
+  // W [out][in] row-major is B [in][out] in the "ba" layout.
+  const memory::desc plain({in_features, out_features}, type_, memory::format_tag::ba);
+  weights_desc_ = copy == WeightCopy::kInPlace
+                      ? plain
+                      : memory::desc({in_features, out_features}, type_, memory::format_tag::any);
+  const dnnl::matmul::primitive_desc typical = Describe(kTypicalRows, memory::data_type::f32);
+  weights_desc_ = typical.weights_desc();
+  implementation_ = typical.impl_info_str();
+  memory source(plain, CpuEngine(), const_cast<void*>(weight));
+  if (copy == WeightCopy::kInPlace) {
+    weights_ = source;
+    return;
+  }
+  weights_ = memory(weights_desc_, CpuEngine());
+  dnnl::stream stream(CpuEngine());
+  dnnl::reorder(source, weights_).execute(stream, source, weights_);
+  stream.wait();
+}
+
+void OneDnnMatmul::Forward(const void* x, int64_t rows, absl::Span<const float> bias, void* y,
+                           DType y_type, int threads) const {
+  if (rows == 0) return;
+  const memory::data_type y_data_type = OneDnnType(y_type);
+  const std::shared_ptr<const Cached> cached = Primitive(rows, y_data_type);
+  memory source({{rows, in_features_}, type_, memory::format_tag::ab}, CpuEngine(),
+                const_cast<void*>(x));
+  memory destination({{rows, out_features_}, y_data_type, memory::format_tag::ab}, CpuEngine(), y);
+  // Without a bias the primitive adds zeros: one primitive per shape serves both.
+  thread_local std::vector<float> zeros;
+  if (bias.empty() && zeros.size() < static_cast<size_t>(out_features_)) {
+    zeros.assign(out_features_, 0.0f);
+  }
+  memory bias_memory({{1, out_features_}, memory::data_type::f32, memory::format_tag::ab},
+                     CpuEngine(), const_cast<float*>(bias.empty() ? zeros.data() : bias.data()));
+  // oneDNN's OpenMP threads: as many as the caller's pool has.
+  omp_set_num_threads(threads);
+  // The scratchpad is the caller's: the library's own is shared by concurrent executions.
+  thread_local std::vector<std::byte> scratch;
+  scratch.resize(cached->scratchpad.get_size());
+  memory scratchpad(cached->scratchpad, CpuEngine(), scratch.data());
+  thread_local dnnl::stream stream(CpuEngine());
+  cached->matmul.execute(stream, {{DNNL_ARG_SRC, source},
+                                  {DNNL_ARG_WEIGHTS, weights_},
+                                  {DNNL_ARG_BIAS, bias_memory},
+                                  {DNNL_ARG_DST, destination},
+                                  {DNNL_ARG_SCRATCHPAD, scratchpad}});
+  stream.wait();
+}
+
+int64_t OneDnnMatmul::bytes() const {
+  return copy_ == WeightCopy::kInPlace ? 0 : static_cast<int64_t>(weights_desc_.get_size());
+}
+
+dnnl::matmul::primitive_desc OneDnnMatmul::Describe(int64_t rows, memory::data_type y_type) const {
+  const memory::desc source({rows, in_features_}, type_, memory::format_tag::ab);
+  const memory::desc bias({1, out_features_}, memory::data_type::f32, memory::format_tag::ab);
+  const memory::desc destination({rows, out_features_}, y_type, memory::format_tag::ab);
+  dnnl::primitive_attr attributes;
+  attributes.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  return dnnl::matmul::primitive_desc(dnnl::matmul::desc(source, weights_desc_, bias, destination),
+                                      attributes, CpuEngine());
+}
+
+std::shared_ptr<const OneDnnMatmul::Cached> OneDnnMatmul::Primitive(
+    int64_t rows, memory::data_type y_type) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto key = std::make_pair(rows, y_type);
+  auto found = primitives_.find(key);
+  if (found != primitives_.end()) return found->second;
+  if (primitives_.size() >= kMaxPrimitives) primitives_.erase(primitives_.begin());
+  const dnnl::matmul::primitive_desc description = Describe(rows, y_type);
+  auto cached = std::make_shared<const Cached>(
+      Cached{dnnl::matmul(description), description.scratchpad_desc()});
+  primitives_.emplace(key, cached);
+  return cached;
+}
+
+}  // namespace attention::core

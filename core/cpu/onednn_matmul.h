@@ -1,0 +1,66 @@
+// One Linear (y = x * W^T + bias) on Debian's oneDNN matmul primitive, on oneDNN's OpenMP
+// threads: the projections of bf16 layers (AMX tiles where the Xeon has them) and, where it
+// measured faster than the project's own kernels, of float32 layers (core/cpu/float32_linear.h).
+#ifndef ATTENTION_CORE_CPU_ONEDNN_MATMUL_H_
+#define ATTENTION_CORE_CPU_ONEDNN_MATMUL_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "absl/types/span.h"
+#include "core/dtype.h"
+#include "oneapi/dnnl/dnnl.hpp"
+
+namespace attention::core {
+
+class OneDnnMatmul {
+ public:
+  // Where the weight lives: copied once into the blocked layout the primitive prefers, or
+  // read where the caller keeps it (no memory of its own; the weight must outlive this).
+  enum class WeightCopy { kPreferredLayout, kInPlace };
+
+  // `weight`: W [out_features][in_features] row-major, of `type` (kFloat32 or kBFloat16);
+  // the tokens x are of `type` too.
+  OneDnnMatmul(const void* weight, DType type, int64_t out_features, int64_t in_features,
+               WeightCopy copy);
+
+  // y [rows, out_features] of `y_type` (kFloat32, or kBFloat16 rounded as written) = x *
+  // W^T + bias (empty: none), on `threads` OpenMP threads.
+  void Forward(const void* x, int64_t rows, absl::Span<const float> bias, void* y, DType y_type,
+               int threads) const;
+
+  // The weight's copy (0 in place).
+  int64_t bytes() const;
+  // The implementation oneDNN picked for this CPU, e.g. "brg:avx512_core_amx_bf16" or
+  // "gemm:jit".
+  const std::string& implementation() const { return implementation_; }
+
+ private:
+  struct Cached {
+    dnnl::matmul matmul;
+    dnnl::memory::desc scratchpad;
+  };
+
+  dnnl::matmul::primitive_desc Describe(int64_t rows, dnnl::memory::data_type y_type) const;
+  // Made per row count and output type (about a millisecond each) and kept, up to
+  // kMaxPrimitives; shared, so that one evicted while another thread runs it lives on.
+  std::shared_ptr<const Cached> Primitive(int64_t rows, dnnl::memory::data_type y_type) const;
+
+  const int64_t out_features_, in_features_;
+  const dnnl::memory::data_type type_;
+  const WeightCopy copy_;
+  dnnl::memory::desc weights_desc_;
+  dnnl::memory weights_;
+  std::string implementation_;
+  mutable std::mutex mu_;
+  mutable std::map<std::pair<int64_t, dnnl::memory::data_type>, std::shared_ptr<const Cached>>
+      primitives_;
+};
+
+}  // namespace attention::core
+
+#endif  // ATTENTION_CORE_CPU_ONEDNN_MATMUL_H_
