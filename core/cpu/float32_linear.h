@@ -34,11 +34,11 @@ absl::StatusOr<Float32Projection> ParseFloat32Projection(absl::string_view name)
 // 95 GFLOPS against oneDNN's 75, at 64 rows 98 against 110.
 inline constexpr int64_t kOneDnnFloat32MinRows = 64;
 
-// The faster set for batches of many rows: each times 384 tokens of 1024 -> 1024 features on
-// `threads` threads, best of five runs (own first), once per process; oneDNN
-// must be 3% faster to be chosen (the first caller's thread count; about
-// 60 ms on 2 threads of a Zen 3). Measured when first asked, so that a process that never
-// projects a large batch never pays for it.
+// The faster set for batches of many rows: each projects 512 tokens of 768 -> 2304 features
+// (a BERT-base layer's fused QKV) on `threads` threads, best of four runs after warming up,
+// once per process (the first caller's thread count; about 250 ms on 2 threads of a Zen 3); oneDNN
+// must be 5% faster to be chosen. Measured when first asked, so that a process that never projects
+// a large batch never pays for it.
 Float32Projection FastestFloat32Projection(int threads);
 // What that measurement found, for the start-up log, e.g.
 // "onednn 131 GFLOPS (gemm:jit), own 125 (OpenBLAS Zen)"; measures if nothing has yet.
