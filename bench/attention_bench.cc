@@ -277,6 +277,7 @@ BENCHMARK(BM_MhaBf16Projection)
     ->ArgNames({"threads", "kernel", "shape"})
     ->ArgsProduct({{2},
                    {static_cast<int64_t>(Bf16Projection::kOneDnn),
+                    static_cast<int64_t>(Bf16Projection::kAmx),
                     static_cast<int64_t>(Bf16Projection::kAvx512Bf16),
                     static_cast<int64_t>(Bf16Projection::kFloat32)},
                    {0, 1, 2}})

@@ -21,17 +21,18 @@ const char* Bf16ProjectionName(Bf16Projection projection) {
       return "avx512_bf16";
     case Bf16Projection::kFloat32:
       return "float32";
+    case Bf16Projection::kAmx:
+      return "amx";
   }
   return "unknown";
 }
 
 absl::StatusOr<Bf16Projection> ParseBf16Projection(absl::string_view name) {
-  for (const Bf16Projection projection :
-       {Bf16Projection::kOneDnn, Bf16Projection::kAvx512Bf16, Bf16Projection::kFloat32}) {
+  for (const Bf16Projection projection : kBf16Projections) {
     if (name == Bf16ProjectionName(projection)) return projection;
   }
-  return absl::InvalidArgumentError(absl::StrCat("bf16 kernel \"", name.substr(0, 64),
-                                                 "\" is not one of onednn, avx512_bf16, float32"));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "bf16 kernel \"", name.substr(0, 64), "\" is not one of onednn, amx, avx512_bf16, float32"));
 }
 
 namespace {
@@ -65,6 +66,8 @@ bool CpuSupports(Bf16Projection projection) {
       return CpuSupports(Bf16Kernel::kAvx512Bf16);
     case Bf16Projection::kFloat32:
       return true;
+    case Bf16Projection::kAmx:
+      return CpuSupports(Bf16Kernel::kAmx);
   }
   return false;
 }
@@ -79,7 +82,10 @@ Bf16Linear::Bf16Linear(absl::Span<const uint16_t> weight, int64_t out_features, 
                                          OneDnnMatmul::WeightCopy::kPreferredLayout);
       return;
     case Bf16Projection::kAvx512Bf16:
+    case Bf16Projection::kAmx:
       bf16_.emplace(weight, out_features, in_features);
+      bf16_kernel_ =
+          projection == Bf16Projection::kAmx ? Bf16Kernel::kAmx : Bf16Kernel::kAvx512Bf16;
       return;
     case Bf16Projection::kFloat32:
       break;
@@ -99,7 +105,7 @@ void Bf16Linear::Forward(ThreadPool& pool, const uint16_t* x, int64_t rows,
     return;
   }
   if (bf16_.has_value()) {
-    LinearForwardBf16(pool, x, rows, in_features_, *bf16_, bias, out_features_, y);
+    LinearForwardBf16(pool, x, rows, in_features_, *bf16_, bias, out_features_, y, bf16_kernel_);
     return;
   }
   thread_local std::vector<float> widened;
@@ -117,7 +123,7 @@ void Bf16Linear::Forward(ThreadPool& pool, const uint16_t* x, int64_t rows,
     onednn_->Forward(x, rows, bias, y, DType::kBFloat16, pool.size());
     return;
   }
-  LinearForwardBf16(pool, x, rows, in_features_, *bf16_, bias, out_features_, y);
+  LinearForwardBf16(pool, x, rows, in_features_, *bf16_, bias, out_features_, y, bf16_kernel_);
 }
 
 int64_t Bf16Linear::bytes() const {
@@ -144,8 +150,7 @@ Calibration Calibrate() {
   ThreadPool one_thread(1);
   Calibration calibration;
   double best_gflops = 0;
-  for (const Bf16Projection projection :
-       {Bf16Projection::kOneDnn, Bf16Projection::kAvx512Bf16, Bf16Projection::kFloat32}) {
+  for (const Bf16Projection projection : kBf16Projections) {
     if (!CpuSupports(projection)) continue;
     const Bf16Linear linear(weight, kFeatures, kFeatures, projection);
     linear.Forward(one_thread, x.data(), kRows, {}, y.data());  // primitives, pages, caches

@@ -1,10 +1,11 @@
 // The projections of a BFLOAT16 layer (bf16 tokens and weights, float32 accumulation) on
-// the fastest of three kernels this host has, measured once per process:
+// the fastest of the kernels this host has, measured once per process:
 //   onednn       Debian's oneDNN matmul: AMX tiles on Intel Xeons that have them, else its
 //                AVX512-BF16 or float32 kernels;
+//   amx          this project's AMX tiles (core/cpu/amx_tiles.h) on the vdpbf16ps panels;
 //   avx512_bf16  this project's vdpbf16ps panels (core/cpu/gemm_bf16.h);
 //   float32      the same bf16 values widened to float32 panels (core/cpu/gemm.h).
-// All three multiply the same bf16 values exactly and sum in float32; only the order of the
+// All of them multiply the same bf16 values exactly and sum in float32; only the order of the
 // sums differs, so each answers within the bf16 rule.
 #ifndef ATTENTION_CORE_CPU_BF16_LINEAR_H_
 #define ATTENTION_CORE_CPU_BF16_LINEAR_H_
@@ -23,13 +24,17 @@
 
 namespace attention::core {
 
-enum class Bf16Projection { kOneDnn, kAvx512Bf16, kFloat32 };
+enum class Bf16Projection { kOneDnn, kAvx512Bf16, kFloat32, kAmx };
+inline constexpr Bf16Projection kBf16Projections[] = {Bf16Projection::kOneDnn, Bf16Projection::kAmx,
+                                                      Bf16Projection::kAvx512Bf16,
+                                                      Bf16Projection::kFloat32};
 
 const char* Bf16ProjectionName(Bf16Projection projection);
-// "onednn", "avx512_bf16" or "float32"; INVALID_ARGUMENT naming the choices otherwise.
+// "onednn", "amx", "avx512_bf16" or "float32"; INVALID_ARGUMENT naming the choices otherwise.
 absl::StatusOr<Bf16Projection> ParseBf16Projection(absl::string_view name);
-// Whether this host runs `projection`: avx512_bf16 needs the instructions, onednn a bf16
-// matmul of oneDNN's for this CPU, float32 runs everywhere.
+// Whether this host runs `projection`: avx512_bf16 and amx need the instructions (amx the
+// kernel's permission for the tile state too), onednn a bf16 matmul of oneDNN's for this
+// CPU, float32 runs everywhere.
 bool CpuSupports(Bf16Projection projection);
 
 // The fastest projection kernel of this host: each candidate multiplies 256 tokens of
@@ -37,7 +42,8 @@ bool CpuSupports(Bf16Projection projection);
 // best of three timings counting.
 Bf16Projection FastestBf16Projection();
 // What that measurement found, for the start-up log, e.g.
-// "onednn 612 GFLOPS (brg:avx512_core_amx_bf16), avx512_bf16 104, float32 131".
+// "onednn 612 GFLOPS (brg:avx512_core_amx_bf16), avx512_bf16 104, float32 131" (and
+// "amx N" where AMX runs).
 std::string Bf16ProjectionReport();
 
 class OneDnnMatmul;
@@ -64,6 +70,7 @@ class Bf16Linear {
  private:
   int64_t out_features_, in_features_;
   std::optional<PackedBf16Weight> bf16_;
+  Bf16Kernel bf16_kernel_ = Bf16Kernel::kAvx512Bf16;  // what multiplies bf16_
   std::optional<PackedWeight> widened_;
   std::unique_ptr<OneDnnMatmul> onednn_;
 };

@@ -153,7 +153,8 @@ ABSL_FLAG(absl::Duration, session_sweep_interval, absl::Seconds(1),
 ABSL_FLAG(std::string, bf16_kernels, "auto",
           "how BFLOAT16 layers multiply their projections on the CPU: auto (the fastest of this "
           "host's kernels, measured at start-up and logged), onednn (oneDNN's matmul: AMX "
-          "tiles where the CPU has them), avx512_bf16, or float32 (the bf16 values widened)");
+          "tiles where the CPU has them), amx (this project's AMX tiles), avx512_bf16, or "
+          "float32 (the bf16 values widened)");
 ABSL_FLAG(std::string, bf16_attention_kernels, "auto",
           "how BFLOAT16 layers multiply attention's scores and values on the CPU: auto (the "
           "fastest of this host's kernels, measured at start-up and logged), amx (AMX tiles), "

@@ -53,13 +53,17 @@ TEST(CopyOverlapPlanTest, EveryChunkMovesEnoughOnRandomParts) {
     ASSERT_FALSE(firsts.empty());
     EXPECT_EQ(firsts[0], 0u);
     EXPECT_LE(firsts.size(), static_cast<size_t>(kMaxOverlapChunks));
-    if (total < 2 * kOverlapChunkBytes) EXPECT_EQ(firsts.size(), 1u);
+    if (total < 2 * kOverlapChunkBytes) {
+      EXPECT_EQ(firsts.size(), 1u);
+    }
     for (size_t c = 0; c < firsts.size(); ++c) {
       const size_t end = c + 1 < firsts.size() ? firsts[c + 1] : parts.size();
       ASSERT_LT(firsts[c], end) << "chunk " << c << " is empty";
       int64_t moved = 0;
       for (size_t p = firsts[c]; p < end; ++p) moved += parts[p];
-      if (firsts.size() > 1) EXPECT_GE(moved, kOverlapChunkBytes) << "chunk " << c;
+      if (firsts.size() > 1) {
+        EXPECT_GE(moved, kOverlapChunkBytes) << "chunk " << c;
+      }
     }
     // A pass that moves many chunks' bytes in many small parts is cut.
     if (total >= 4 * kOverlapChunkBytes && largest <= kOverlapChunkBytes / 4) {

@@ -102,7 +102,9 @@ TEST(MmaLaunchPlanTest, SharedRegionsAreAlignedAndApart) {
                              3 * 16 * 4};
     for (int r = 0; r < 7; ++r) {
       EXPECT_EQ(starts[r] % 128, 0) << r;
-      if (r + 1 < 7) EXPECT_GE(starts[r + 1], starts[r] + sizes[r]) << r;
+      if (r + 1 < 7) {
+        EXPECT_GE(starts[r + 1], starts[r] + sizes[r]) << r;
+      }
     }
     EXPECT_EQ(l.per_warp_bytes % 128, 0);
     EXPECT_GE(l.scores + l.per_warp_bytes, l.row_state + 3 * 16 * 4);

@@ -228,7 +228,8 @@ INSTANTIATE_TEST_SUITE_P(Kernels, GemmBf16Test,
                          });
 
 // The projection kernels of bf16 layers (core/cpu/bf16_linear.h): oneDNN's matmul (AMX
-// tiles where the CPU has them), the avx512_bf16 panels and the float32 fallback, each
+// tiles where the CPU has them), this project's AMX tiles, the avx512_bf16 panels and the
+// float32 fallback, each
 // against the float64 sum of the same bf16 products by FlashAttention's rule, with and
 // without a bias, on one thread and two, in float32 and rounded to bf16.
 class Bf16LinearTest : public ::testing::TestWithParam<Bf16Projection> {
@@ -291,14 +292,13 @@ TEST_P(Bf16LinearTest, EveryKernelSumsTheSameBf16ProductsByTheRule) {
 }
 
 TEST(Bf16ProjectionTest, NamesParseAndTheMeasuredChoiceRunsHere) {
-  for (const Bf16Projection projection :
-       {Bf16Projection::kOneDnn, Bf16Projection::kAvx512Bf16, Bf16Projection::kFloat32}) {
+  for (const Bf16Projection projection : kBf16Projections) {
     EXPECT_EQ(*ParseBf16Projection(Bf16ProjectionName(projection)), projection);
   }
-  const absl::StatusOr<Bf16Projection> unknown = ParseBf16Projection("amx");
+  const absl::StatusOr<Bf16Projection> unknown = ParseBf16Projection("tpu");
   EXPECT_EQ(unknown.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(unknown.status().message(),
-            "bf16 kernel \"amx\" is not one of onednn, avx512_bf16, float32");
+            "bf16 kernel \"tpu\" is not one of onednn, amx, avx512_bf16, float32");
   EXPECT_TRUE(CpuSupports(FastestBf16Projection()));
   // The report names every kernel this host runs, with its speed.
   const std::string report = Bf16ProjectionReport();
@@ -308,11 +308,10 @@ TEST(Bf16ProjectionTest, NamesParseAndTheMeasuredChoiceRunsHere) {
   EXPECT_EQ(report.find("avx512_bf16 ") != std::string::npos,
             CpuSupports(Bf16Projection::kAvx512Bf16))
       << report;
+  EXPECT_EQ(report.find("amx ") != std::string::npos, CpuSupports(Bf16Projection::kAmx)) << report;
 }
 
-INSTANTIATE_TEST_SUITE_P(Kernels, Bf16LinearTest,
-                         ::testing::Values(Bf16Projection::kOneDnn, Bf16Projection::kAvx512Bf16,
-                                           Bf16Projection::kFloat32),
+INSTANTIATE_TEST_SUITE_P(Kernels, Bf16LinearTest, ::testing::ValuesIn(kBf16Projections),
                          [](const ::testing::TestParamInfo<Bf16Projection>& info) {
                            return std::string(Bf16ProjectionName(info.param));
                          });

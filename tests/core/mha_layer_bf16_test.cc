@@ -743,6 +743,7 @@ INSTANTIATE_TEST_SUITE_P(
                       Bf16Path{Bf16Kernel::kAvx512Bf16, Bf16Projection::kFloat32},
                       Bf16Path{Bf16Kernel::kAvx512Bf16, Bf16Projection::kOneDnn},
                       Bf16Path{Bf16Kernel::kAmx, Bf16Projection::kOneDnn},
+                      Bf16Path{Bf16Kernel::kAmx, Bf16Projection::kAmx},
                       Bf16Path{Bf16Kernel::kPortable, Bf16Projection::kOneDnn}),
     [](const ::testing::TestParamInfo<Bf16Path>& info) {
       return std::string(Bf16KernelName(info.param.kernel)) + "_" +

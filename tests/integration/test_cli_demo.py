@@ -104,7 +104,7 @@ def check_version_health_flags(t, server_bin, cli, target):
             "--lb_policy=random: exit %d, stderr %r" % (result.returncode, result.stderr))
     # A kernel name the server does not know stops it at start-up, naming the flag and the
     # names it takes.
-    for flag, names in (("--bf16_kernels", "onednn, avx512_bf16, float32"),
+    for flag, names in (("--bf16_kernels", "onednn, amx, avx512_bf16, float32"),
                         ("--bf16_attention_kernels", "amx, avx512_bf16, float32"),
                         ("--float32_kernels", "own, onednn")):
         result = run(server_bin, flag + "=tpu", "--listen=127.0.0.1:0")

@@ -130,9 +130,9 @@ TEST_F(SessionLayersTest, IncrementalDecodeIsTheOneShotCausalForward) {
     std::vector<float> x;                    // [T, E]
     std::vector<std::vector<float>> output;  // per layer, [T, E] as the steps answered
   };
-  std::vector<Sequence> sequences = {{a.session_id(), {"llama", "qwen"}},
-                                     {b.session_id(), {"llama", "qwen"}},
-                                     {windowed.session_id(), {"mistral", "llama"}}};
+  std::vector<Sequence> sequences = {{a.session_id(), {"llama", "qwen"}, {}, {}},
+                                     {b.session_id(), {"llama", "qwen"}, {}, {}},
+                                     {windowed.session_id(), {"mistral", "llama"}, {}, {}}};
   for (Sequence& s : sequences) {
     s.x = RandomValues(rng, kTokens * kEmbed);
     s.output.assign(s.layers.size(), std::vector<float>(kTokens * kEmbed));
