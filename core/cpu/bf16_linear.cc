@@ -46,8 +46,7 @@ bool OneDnnHasBf16Matmul() {
       const memory::desc a({4, 64}, memory::data_type::bf16, memory::format_tag::ab);
       const memory::desc b({64, 16}, memory::data_type::bf16, memory::format_tag::any);
       const memory::desc c({4, 16}, memory::data_type::f32, memory::format_tag::ab);
-      const dnnl::matmul::primitive_desc probe(dnnl::matmul::desc(a, b, c),
-                                               dnnl::engine(dnnl::engine::kind::cpu, 0));
+      const dnnl::matmul::primitive_desc probe(dnnl::matmul::desc(a, b, c), OneDnnCpuEngine());
       return probe.get(/*allow_empty=*/true) != nullptr;
     } catch (const dnnl::error&) {
       return false;

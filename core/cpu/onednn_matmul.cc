@@ -9,12 +9,12 @@ namespace attention::core {
 
 using dnnl::memory;
 
-namespace {
-
-dnnl::engine& CpuEngine() {
+dnnl::engine& OneDnnCpuEngine() {
   static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
   return engine;
 }
+
+namespace {
 
 memory::data_type OneDnnType(DType type) {
   return type == DType::kBFloat16 ? memory::data_type::bf16 : memory::data_type::f32;
@@ -38,13 +38,13 @@ OneDnnMatmul::OneDnnMatmul(const void* weight, DType type, int64_t out_features,
   const dnnl::matmul::primitive_desc typical = Describe(kTypicalRows, memory::data_type::f32);
   weights_desc_ = typical.weights_desc();
   implementation_ = typical.impl_info_str();
-  memory source(plain, CpuEngine(), const_cast<void*>(weight));
+  memory source(plain, OneDnnCpuEngine(), const_cast<void*>(weight));
   if (copy == WeightCopy::kInPlace) {
     weights_ = source;
     return;
   }
-  weights_ = memory(weights_desc_, CpuEngine());
-  dnnl::stream stream(CpuEngine());
+  weights_ = memory(weights_desc_, OneDnnCpuEngine());
+  dnnl::stream stream(OneDnnCpuEngine());
   dnnl::reorder(source, weights_).execute(stream, source, weights_);
   stream.wait();
 }
@@ -54,23 +54,25 @@ void OneDnnMatmul::Forward(const void* x, int64_t rows, absl::Span<const float> 
   if (rows == 0) return;
   const memory::data_type y_data_type = OneDnnType(y_type);
   const std::shared_ptr<const Cached> cached = Primitive(rows, y_data_type);
-  memory source({{rows, in_features_}, type_, memory::format_tag::ab}, CpuEngine(),
+  memory source({{rows, in_features_}, type_, memory::format_tag::ab}, OneDnnCpuEngine(),
                 const_cast<void*>(x));
-  memory destination({{rows, out_features_}, y_data_type, memory::format_tag::ab}, CpuEngine(), y);
+  memory destination({{rows, out_features_}, y_data_type, memory::format_tag::ab},
+                     OneDnnCpuEngine(), y);
   // Without a bias the primitive adds zeros: one primitive per shape serves both.
   thread_local std::vector<float> zeros;
   if (bias.empty() && zeros.size() < static_cast<size_t>(out_features_)) {
     zeros.assign(out_features_, 0.0f);
   }
   memory bias_memory({{1, out_features_}, memory::data_type::f32, memory::format_tag::ab},
-                     CpuEngine(), const_cast<float*>(bias.empty() ? zeros.data() : bias.data()));
+                     OneDnnCpuEngine(),
+                     const_cast<float*>(bias.empty() ? zeros.data() : bias.data()));
   // oneDNN's OpenMP threads: as many as the caller's pool has.
   omp_set_num_threads(threads);
   // The scratchpad is the caller's: the library's own is shared by concurrent executions.
   thread_local std::vector<std::byte> scratch;
   scratch.resize(cached->scratchpad.get_size());
-  memory scratchpad(cached->scratchpad, CpuEngine(), scratch.data());
-  thread_local dnnl::stream stream(CpuEngine());
+  memory scratchpad(cached->scratchpad, OneDnnCpuEngine(), scratch.data());
+  thread_local dnnl::stream stream(OneDnnCpuEngine());
   cached->matmul.execute(stream, {{DNNL_ARG_SRC, source},
                                   {DNNL_ARG_WEIGHTS, weights_},
                                   {DNNL_ARG_BIAS, bias_memory},
@@ -90,7 +92,7 @@ dnnl::matmul::primitive_desc OneDnnMatmul::Describe(int64_t rows, memory::data_t
   dnnl::primitive_attr attributes;
   attributes.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   return dnnl::matmul::primitive_desc(dnnl::matmul::desc(source, weights_desc_, bias, destination),
-                                      attributes, CpuEngine());
+                                      attributes, OneDnnCpuEngine());
 }
 
 std::shared_ptr<const OneDnnMatmul::Cached> OneDnnMatmul::Primitive(

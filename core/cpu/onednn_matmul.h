@@ -17,6 +17,9 @@
 
 namespace attention::core {
 
+// The process's oneDNN CPU engine, made once.
+dnnl::engine& OneDnnCpuEngine();
+
 class OneDnnMatmul {
  public:
   // Where the weight lives: copied once into the blocked layout the primitive prefers, or
