@@ -4,11 +4,14 @@
 #include <cmath>
 #include <fstream>
 #include <sstream>
+#include <tuple>
+#include <utility>
 
 #include <grpcpp/client_context.h>
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
@@ -74,6 +77,28 @@ std::string HolderIn(absl::string_view message) {
   }
   if (end == 0 || end == rest.size() || rest[end] != '"') return "";
   return std::string(rest.substr(0, end));
+}
+
+// The session and address a WRONG_REPLICA message names for a session a draining replica
+// handed over: `session "ID" is held by replica "NAME" at "ADDRESS"`; empty when not.
+std::pair<std::string, std::string> HandedOffIn(absl::string_view message) {
+  constexpr absl::string_view kSession = "session \"", kAt = "\" at \"";
+  const size_t id_start = message.find(kSession);
+  if (id_start == absl::string_view::npos) return {};
+  message.remove_prefix(id_start);
+  const size_t id_end = message.find('"', kSession.size());
+  const size_t at = message.find(kAt);
+  if (id_end == absl::string_view::npos || at == absl::string_view::npos) return {};
+  const size_t address_end = message.find('"', at + kAt.size());
+  if (address_end == absl::string_view::npos) return {};
+  return {std::string(message.substr(kSession.size(), id_end - kSession.size())),
+          std::string(message.substr(at + kAt.size(), address_end - at - kAt.size()))};
+}
+
+const absl::Status& StatusOfResult(const absl::Status& status) { return status; }
+template <typename T>
+const absl::Status& StatusOfResult(const absl::StatusOr<T>& result) {
+  return result.status();
 }
 
 void SetDeadline(grpc::ClientContext& context, absl::Duration timeout) {
@@ -278,6 +303,21 @@ v1::AttentionService::Stub* AttentionClient::StubFor(const std::string& session_
   return stub.get();
 }
 
+template <typename Result>
+Result AttentionClient::FollowingHandoffs(int sessions, const std::function<Result()>& attempt) {
+  absl::flat_hash_set<std::string> followed;
+  while (true) {
+    Result result = attempt();
+    const std::optional<SessionRefusal> refusal = SessionRefusalOf(StatusOfResult(result));
+    if (!refusal.has_value() || refusal->holder_address.empty() ||
+        static_cast<int>(followed.size()) >= sessions ||
+        !followed.insert(refusal->session_id).second) {
+      return result;
+    }
+    PinSession(refusal->session_id, refusal->holder_address);
+  }
+}
+
 absl::StatusOr<v1::SessionInfo> AttentionClient::CreateSession(
     const v1::CreateSessionRequest& request, absl::Duration timeout) {
   auto response = Call<v1::CreateSessionResponse>(
@@ -289,6 +329,12 @@ absl::StatusOr<v1::SessionInfo> AttentionClient::CreateSession(
 }
 
 absl::StatusOr<v1::SessionStepResponse> AttentionClient::SessionStep(
+    const v1::SessionStepRequest& request, absl::Duration timeout) {
+  return FollowingHandoffs<absl::StatusOr<v1::SessionStepResponse>>(
+      request.entries_size(), [&] { return SessionStepOnce(request, timeout); });
+}
+
+absl::StatusOr<v1::SessionStepResponse> AttentionClient::SessionStepOnce(
     const v1::SessionStepRequest& request, absl::Duration timeout) {
   // Entries grouped by replica, in order of first appearance.
   std::vector<std::pair<v1::AttentionService::Stub*, std::vector<int>>> groups;
@@ -333,10 +379,12 @@ absl::StatusOr<v1::SessionStepResponse> AttentionClient::SessionStep(
 
 absl::StatusOr<v1::SessionInfo> AttentionClient::ForkSession(const v1::ForkSessionRequest& request,
                                                              absl::Duration timeout) {
-  v1::AttentionService::Stub* stub = StubFor(request.session_id());
-  auto response = Call<v1::ForkSessionResponse>(
-      [stub](auto* c, const auto& q, auto* r) { return stub->ForkSession(c, q, r); }, request,
-      timeout, channel_status_, session_token_);
+  auto response = FollowingHandoffs<absl::StatusOr<v1::ForkSessionResponse>>(1, [&] {
+    v1::AttentionService::Stub* stub = StubFor(request.session_id());
+    return Call<v1::ForkSessionResponse>(
+        [stub](auto* c, const auto& q, auto* r) { return stub->ForkSession(c, q, r); }, request,
+        timeout, channel_status_, session_token_);
+  });
   if (!response.ok()) return response.status();
   Pin(response->session());
   return response->session();
@@ -348,10 +396,12 @@ absl::StatusOr<v1::SessionInfo> AttentionClient::TruncateSession(const std::stri
   v1::TruncateSessionRequest request;
   request.set_session_id(session_id);
   request.set_tokens(tokens);
-  v1::AttentionService::Stub* stub = StubFor(session_id);
-  auto response = Call<v1::TruncateSessionResponse>(
-      [stub](auto* c, const auto& q, auto* r) { return stub->TruncateSession(c, q, r); }, request,
-      timeout, channel_status_, session_token_);
+  auto response = FollowingHandoffs<absl::StatusOr<v1::TruncateSessionResponse>>(1, [&] {
+    v1::AttentionService::Stub* stub = StubFor(session_id);
+    return Call<v1::TruncateSessionResponse>(
+        [stub](auto* c, const auto& q, auto* r) { return stub->TruncateSession(c, q, r); }, request,
+        timeout, channel_status_, session_token_);
+  });
   if (!response.ok()) return response.status();
   return response->session();
 }
@@ -359,12 +409,13 @@ absl::StatusOr<v1::SessionInfo> AttentionClient::TruncateSession(const std::stri
 absl::Status AttentionClient::DropSession(const std::string& session_id, absl::Duration timeout) {
   v1::DropSessionRequest request;
   request.set_session_id(session_id);
-  v1::AttentionService::Stub* stub = StubFor(session_id);
-  absl::Status status =
-      Call<v1::DropSessionResponse>(
-          [stub](auto* c, const auto& q, auto* r) { return stub->DropSession(c, q, r); }, request,
-          timeout, channel_status_, session_token_)
-          .status();
+  absl::Status status = FollowingHandoffs<absl::Status>(1, [&] {
+    v1::AttentionService::Stub* stub = StubFor(session_id);
+    return Call<v1::DropSessionResponse>(
+               [stub](auto* c, const auto& q, auto* r) { return stub->DropSession(c, q, r); },
+               request, timeout, channel_status_, session_token_)
+        .status();
+  });
   if (status.ok()) PinSession(session_id, "");
   return status;
 }
@@ -373,10 +424,12 @@ absl::StatusOr<v1::SessionInfo> AttentionClient::GetSession(const std::string& s
                                                             absl::Duration timeout) {
   v1::GetSessionRequest request;
   request.set_session_id(session_id);
-  v1::AttentionService::Stub* stub = StubFor(session_id);
-  auto response = Call<v1::GetSessionResponse>(
-      [stub](auto* c, const auto& q, auto* r) { return stub->GetSession(c, q, r); }, request,
-      timeout, channel_status_, session_token_);
+  auto response = FollowingHandoffs<absl::StatusOr<v1::GetSessionResponse>>(1, [&] {
+    v1::AttentionService::Stub* stub = StubFor(session_id);
+    return Call<v1::GetSessionResponse>(
+        [stub](auto* c, const auto& q, auto* r) { return stub->GetSession(c, q, r); }, request,
+        timeout, channel_status_, session_token_);
+  });
   if (!response.ok()) return response.status();
   return response->session();
 }
@@ -388,7 +441,10 @@ std::optional<SessionRefusal> SessionRefusalOf(const absl::Status& status) {
   if (!info.has_value()) return std::nullopt;
   SessionRefusal refusal;
   refusal.reason = info->reason();
-  if (refusal.reason == "WRONG_REPLICA") refusal.holder = HolderIn(status.message());
+  if (refusal.reason == "WRONG_REPLICA") {
+    refusal.holder = HolderIn(status.message());
+    std::tie(refusal.session_id, refusal.holder_address) = HandedOffIn(status.message());
+  }
   return refusal;
 }
 

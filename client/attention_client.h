@@ -2,6 +2,7 @@
 #ifndef ATTENTION_CLIENT_ATTENTION_CLIENT_H_
 #define ATTENTION_CLIENT_ATTENTION_CLIENT_H_
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -69,6 +70,9 @@ struct SessionRefusal {
   // For WRONG_REPLICA, the replica that holds the session, as the server's message names it
   // ("" when the message does not: a name too long to quote whole); "" for other reasons.
   std::string holder;
+  // For a session a draining replica handed to `holder`: its id and where the holder
+  // answers (the client follows it); "" otherwise.
+  std::string session_id, holder_address;
 };
 
 // The refusal `status` carries, or nullopt: OK, or an error the server gave no reason for
@@ -108,7 +112,9 @@ class AttentionClient {
   // KV-cache sessions. Sessions live in one replica's memory, so each session's calls go to
   // the replica_address its CreateSession or ForkSession answer gave, over a channel of that
   // replica's own (same credentials), whatever load balancer the target goes through. A
-  // step with entries on several replicas is sent to each, its results kept in order.
+  // step with entries on several replicas is sent to each, its results kept in order. A
+  // call answered WRONG_REPLICA naming where a draining replica handed its session
+  // (--session_handoff_peer) is sent there, and the session's later calls too.
   absl::StatusOr<v1::SessionInfo> CreateSession(const v1::CreateSessionRequest& request,
                                                 absl::Duration timeout = absl::Seconds(30));
   absl::StatusOr<v1::SessionStepResponse> SessionStep(const v1::SessionStepRequest& request,
@@ -128,11 +134,17 @@ class AttentionClient {
   const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
 
  private:
+  absl::StatusOr<v1::SessionStepResponse> SessionStepOnce(const v1::SessionStepRequest& request,
+                                                          absl::Duration timeout);
   // The stub for `session_id`'s replica: the target's unless the session is pinned.
   v1::AttentionService::Stub* StubFor(const std::string& session_id);
   void Pin(const v1::SessionInfo& session) {
     PinSession(session.session_id(), session.replica_address());
   }
+  // Makes `attempt` again while it answers WRONG_REPLICA naming where a handed-off session
+  // went, pinning that session there: once per session, for at most `sessions` of them.
+  template <typename Result>
+  Result FollowingHandoffs(int sessions, const std::function<Result()>& attempt);
 
   const std::string admin_token_;
   const std::string session_token_;

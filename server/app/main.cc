@@ -174,6 +174,18 @@ ABSL_FLAG(std::string, session_snapshot_dir, "",
           "session is written to <dir>/<replica_name>.kvsnap, and the next server with this "
           "replica name restores it at start-up (a persistent volume; see the statefulset "
           "overlay). Empty: sessions end with the process");
+ABSL_FLAG(std::string, session_handoff_peer, "",
+          "on SIGTERM, after --drain_delay, hand every live session to the replica at this "
+          "address (host:port, plaintext; it runs with --accept_session_handoff), then keep "
+          "answering for --session_handoff_linger so callers learn where their sessions went; "
+          "sessions it refuses stay for the snapshot. Empty: no handoff");
+ABSL_FLAG(absl::Duration, session_handoff_linger, absl::Seconds(5),
+          "after a handoff, how long the draining server still answers the moved sessions' "
+          "calls (WRONG_REPLICA naming the peer and its address) before its port closes");
+ABSL_FLAG(bool, accept_session_handoff, false,
+          "adopt the sessions of draining peers (the SessionHandoff service). Off by default: "
+          "whoever reaches the port may then add sessions (with --admin_token_file, only "
+          "holders of the admin token)");
 ABSL_FLAG(std::string, replica_address, "",
           "where callers reach this replica, told in every session's answer so that clients "
           "pin its calls here: host or host:port (without a port, the listening port), e.g. "
@@ -349,6 +361,9 @@ int main(int argc, char** argv) {
   options.sessions.replica = absl::GetFlag(FLAGS_replica_name);
   options.session_snapshot_dir = absl::GetFlag(FLAGS_session_snapshot_dir);
   options.replica_address = absl::GetFlag(FLAGS_replica_address);
+  options.session_handoff_peer = absl::GetFlag(FLAGS_session_handoff_peer);
+  options.session_handoff_linger = absl::GetFlag(FLAGS_session_handoff_linger);
+  options.accept_session_handoff = absl::GetFlag(FLAGS_accept_session_handoff);
   options.keepalive_min_ping_interval = absl::GetFlag(FLAGS_keepalive_min_ping_interval);
   options.max_connection_age = absl::GetFlag(FLAGS_max_connection_age);
   options.max_connection_age_grace = absl::GetFlag(FLAGS_max_connection_age_grace);

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <climits>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <thread>
@@ -82,6 +83,14 @@ std::string WithPort(const std::string& address, int port) {
   return has_port ? address : absl::StrCat(address, ":", port);
 }
 
+// Where snapshots in transit between replicas are spooled: the snapshot directory, else
+// the system's temporary one.
+std::string SpoolDir(const ServerOptions& options) {
+  if (!options.session_snapshot_dir.empty()) return options.session_snapshot_dir;
+  const char* tmpdir = std::getenv("TMPDIR");
+  return tmpdir != nullptr && *tmpdir != '\0' ? tmpdir : "/tmp";
+}
+
 // Where this replica's sessions are snapshot, or "" when snapshots are off.
 std::string SnapshotPath(const ServerOptions& options) {
   if (options.session_snapshot_dir.empty() || options.sessions.kv_cache_bytes == 0) return "";
@@ -157,6 +166,22 @@ absl::Status ServerOptions::Validate() const {
         absl::StrCat("session_snapshot_dir = \"", session_snapshot_dir.substr(0, 256),
                      "\" is not a directory this server may write: ", std::strerror(errno)));
   }
+  const bool sessions_on = sessions.kv_cache_bytes != 0;
+  if ((!session_handoff_peer.empty() || accept_session_handoff) &&
+      (sessions.replica.empty() || !sessions_on)) {
+    return absl::InvalidArgumentError(
+        "session_handoff_peer and accept_session_handoff need sessions (kv_cache_bytes > 0) "
+        "and a replica_name: a peer holds another replica's sessions under their ids");
+  }
+  if (!session_handoff_peer.empty() && !tls.cert_file.empty()) {
+    return absl::InvalidArgumentError(
+        "session_handoff_peer sends over plaintext gRPC; it is not supported with TLS yet");
+  }
+  if (session_handoff_linger < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("session_handoff_linger = ", absl::FormatDuration(session_handoff_linger),
+                     " must be >= 0"));
+  }
   RETURN_IF_ERROR(RequestBudgetWithMessageLimit().Validate());
   RETURN_IF_ERROR(tls.Validate());
   if (access.session_identity_from_client_certificate && tls.client_ca_file.empty()) {
@@ -188,6 +213,10 @@ AttentionServer::AttentionServer(const ServerOptions& options,
       loader_({options.max_concurrent_loads, options.max_queued_loads}, &batcher_, &metrics_),
       sessions_(std::move(sessions)),
       session_snapshot_path_(SnapshotPath(options)),
+      session_handoff_peer_(options.session_handoff_peer),
+      session_spool_dir_(SpoolDir(options)),
+      admin_token_(options.access.admin_token),
+      session_handoff_linger_(options.session_handoff_linger),
       service_(registry_, batcher_, metrics_, request_log_, options.RequestBudgetWithMessageLimit(),
                *devices_, default_backend_, options.access, loader_,
                options.inline_layer_cache_bytes, sessions_.get()),
@@ -237,6 +266,11 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   builder.RegisterService(&server->service_);
   builder.RegisterService(&server->kserve_service_);
+  if (options.accept_session_handoff) {
+    server->handoff_service_ = std::make_unique<SessionHandoffService>(
+        *server->sessions_, server->registry_, options.access, server->session_spool_dir_);
+    builder.RegisterService(server->handoff_service_.get());
+  }
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || server->port_ == 0) {
     return absl::UnavailableError(
@@ -244,6 +278,9 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
   }
   if (!options.replica_address.empty()) {
     server->service_.SetReplicaAddress(WithPort(options.replica_address, server->port_));
+    if (server->handoff_service_ != nullptr) {
+      server->handoff_service_->SetReplicaAddress(WithPort(options.replica_address, server->port_));
+    }
   }
   // The port is open, but health says NOT_SERVING until every layer is loaded, so probes
   // and load balancers can tell "starting" from "down" during a long repository load.
@@ -316,6 +353,8 @@ void AttentionServer::Shutdown(absl::Duration grace) {
     ready_ = false;
     // Health Check and Watch answer NOT_SERVING while calls are still accepted.
     absl::SleepFor(drain_delay_);
+    // The port stays open meanwhile, so moved sessions' callers learn where they went.
+    if (!session_handoff_peer_.empty()) HandOffSessions(grace);
     // In-flight calls finish on batcher workers, which keep running until after this.
     server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
     server_->Wait();
@@ -363,6 +402,30 @@ void AttentionServer::RestoreSessions() {
   for (const std::string& refusal : restored->refused) {
     std::cerr << "attention-service: session " << refusal << "; left out" << std::endl;
   }
+}
+
+void AttentionServer::HandOffSessions(absl::Duration grace) {
+  if (sessions_ == nullptr || sessions_->Counters().sessions == 0) return;
+  const absl::Time start = absl::Now();
+  absl::StatusOr<HandoffReport> handed = server::HandOffSessions(
+      *sessions_, session_handoff_peer_,
+      absl::StrCat(session_spool_dir_, "/", sessions_->replica(), ".handoff.kvsnap"), admin_token_,
+      start + grace);
+  if (!handed.ok()) {
+    std::cerr << "attention-service: could not hand the sessions to " << session_handoff_peer_
+              << " (" << absl::StatusCodeToString(handed.status().code()) << ": "
+              << handed.status().message() << "); they stay for the snapshot" << std::endl;
+    return;
+  }
+  std::cerr << "attention-service: handed " << handed->adopted << " of " << handed->sessions
+            << " sessions (" << handed->bytes << " bytes) to replica \"" << handed->holder
+            << "\" at " << handed->address << " in " << absl::FormatDuration(absl::Now() - start)
+            << "; " << handed->refused_sessions << " refused stay for the snapshot" << std::endl;
+  for (const std::string& refusal : handed->refused) {
+    std::cerr << "attention-service: session " << refusal << "; stays" << std::endl;
+  }
+  // Callers in the middle of a decode learn the holder from their next call.
+  absl::SleepFor(session_handoff_linger_);
 }
 
 void AttentionServer::SnapshotSessions() {

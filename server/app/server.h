@@ -22,6 +22,7 @@
 #include "server/kserve/kserve_service.h"
 #include "server/models/layer_registry.h"
 #include "server/native/attention_service.h"
+#include "server/native/session_handoff.h"
 #include "server/observability/metrics.h"
 #include "server/observability/request_log.h"
 #include "server/validation/request_validation.h"
@@ -90,6 +91,18 @@ struct ServerOptions {
   // session to <dir>/<replica or "sessions">.kvsnap once calls have drained, and Start
   // restores that file, then removes it. "" (default): sessions end with the process.
   std::string session_snapshot_dir;
+  // Live handoff (--session_handoff_peer): on Shutdown, once the drain delay has passed, the
+  // live sessions go to the peer replica at this address (plaintext gRPC; its
+  // --accept_session_handoff), and this server keeps listening for
+  // session_handoff_linger, answering the moved sessions' calls WRONG_REPLICA with the
+  // peer's address, before it closes its port. Sessions the peer refuses stay here for the
+  // snapshot. Needs replica_name and sessions. "" for none.
+  std::string session_handoff_peer;
+  absl::Duration session_handoff_linger = absl::Seconds(5);
+  // Serve SessionHandoff (--accept_session_handoff): adopt a draining peer's sessions. Off
+  // by default: whoever reaches the port may then add sessions (with the admin token
+  // where there is one). Needs replica_name and sessions.
+  bool accept_session_handoff = false;
   // How often a thread ends the sessions idle past their TTL and refreshes the session and
   // weight gauges (--session_sweep_interval), so both are true without a call coming. > 0;
   // default 1 s.
@@ -156,6 +169,7 @@ class AttentionServer {
   const InlineLayerCache& inline_layer_cache() const { return service_.inline_layer_cache(); }
   // Null when sessions are off.
   const SessionTable* sessions() const { return sessions_.get(); }
+  SessionTable* sessions() { return sessions_.get(); }
   // The snapshot file of this replica's sessions; "" when snapshots are off.
   const std::string& session_snapshot_path() const { return session_snapshot_path_; }
   // Files skipped while loading persisted layers at start-up (also printed to stderr).
@@ -178,6 +192,8 @@ class AttentionServer {
   void RestoreSessions();
   // Writes the live sessions to session_snapshot_path_ and logs it (on Shutdown).
   void SnapshotSessions();
+  // Hands the live sessions to session_handoff_peer_, logs it, and lingers (on Shutdown).
+  void HandOffSessions(absl::Duration grace);
 
   const std::unique_ptr<core::Devices> devices_;
   const std::shared_ptr<const core::Backend> default_backend_;
@@ -189,6 +205,9 @@ class AttentionServer {
   LoaderPool loader_;
   const std::unique_ptr<SessionTable> sessions_;
   const std::string session_snapshot_path_;
+  const std::string session_handoff_peer_, session_spool_dir_, admin_token_;
+  const absl::Duration session_handoff_linger_;
+  std::unique_ptr<SessionHandoffService> handoff_service_;  // with accept_session_handoff
   // Set once Start has restored the snapshot: a server that failed to start before then
   // must not overwrite a snapshot it never read.
   bool snapshot_on_shutdown_ = false;

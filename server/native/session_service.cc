@@ -139,6 +139,8 @@ void AttentionServiceImpl::RefreshSessionMetrics() {
   snapshot.dropped = counters.dropped;
   snapshot.expired = counters.expired;
   snapshot.restored = counters.restored;
+  snapshot.adopted = counters.adopted;
+  snapshot.handed_off = counters.handed_off;
   snapshot.kv_bytes_read = counters.kv_bytes_read;
   snapshot.shared_blocks_read = counters.shared_blocks_read;
   snapshot.step_compute_seconds = absl::ToDoubleSeconds(counters.step_compute);

@@ -122,8 +122,9 @@ Metrics::Metrics(absl::string_view default_device, absl::string_view blas_core)
                              .Register(*registry_)),
       kv_session_events_(prometheus::BuildCounter()
                              .Name("attention_kv_session_events_total")
-                             .Help("KV-cache sessions created, forked, dropped, expired and "
-                                   "restored from a snapshot at start-up")
+                             .Help("KV-cache sessions created, forked, dropped, expired, "
+                                   "restored from a snapshot at start-up, adopted from a "
+                                   "draining peer and handed off to one")
                              .Register(*registry_)),
       kv_session_refusals_(prometheus::BuildCounter()
                                .Name("attention_kv_session_refusals_total")
@@ -250,6 +251,8 @@ void Metrics::SetKvCache(const KvCacheSnapshot& s) {
   FollowTotal(kv_session_events_.Add({{"event", "dropped"}}), static_cast<double>(s.dropped));
   FollowTotal(kv_session_events_.Add({{"event", "expired"}}), static_cast<double>(s.expired));
   FollowTotal(kv_session_events_.Add({{"event", "restored"}}), static_cast<double>(s.restored));
+  FollowTotal(kv_session_events_.Add({{"event", "adopted"}}), static_cast<double>(s.adopted));
+  FollowTotal(kv_session_events_.Add({{"event", "handed_off"}}), static_cast<double>(s.handed_off));
   FollowTotal(kv_read_bytes_, static_cast<double>(s.kv_bytes_read));
   FollowTotal(kv_shared_blocks_read_, static_cast<double>(s.shared_blocks_read));
   FollowTotal(kv_step_compute_seconds_, s.step_compute_seconds);

@@ -68,6 +68,8 @@ class Metrics {
     int64_t written_tokens = 0, reserved_tokens = 0;  // of live sessions
     int64_t created = 0, forked = 0, dropped = 0, expired = 0;
     int64_t restored = 0;            // from a snapshot at start-up
+    int64_t adopted = 0;             // from a draining peer
+    int64_t handed_off = 0;          // to a peer while draining
     int64_t kv_bytes_read = 0;       // by the steps' kernels, a shared prefix once a step
     int64_t shared_blocks_read = 0;  // blocks of prefixes read once for a step's forks
     double step_compute_seconds = 0;

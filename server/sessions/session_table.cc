@@ -343,14 +343,30 @@ absl::StatusOr<SessionTable::Session*> SessionTable::FindLocked(const std::strin
   auto found = sessions_.find(id);
   if (found != sessions_.end() && now - found->second.last_used > found->second.ttl &&
       !pins_.contains(found->second.sequence)) {  // a step in flight is a use
-    EndLocked(id, Ending::kExpired, now);
+    EndLocked(id, Tombstone{Ending::kExpired, now, "", ""});
     found = sessions_.end();
   }
   if (found != sessions_.end()) {
+    if (moving_) {
+      return WithReason(absl::UnavailableError(absl::StrCat(
+                            "session ", Quoted(id),
+                            " is being handed to another replica while this one drains; "
+                            "retry, and follow the replica its answer names")),
+                        "SESSION_MOVING");
+    }
     if (renew_ttl) found->second.last_used = now;  // every use renews the TTL
     return &found->second;
   }
   const auto tombstone = tombstones_.find(id);
+  if (tombstone != tombstones_.end() && tombstone->second.ending == Ending::kHandedOff) {
+    // Clients parse `is held by replica "NAME" at "ADDRESS"` and send the call there.
+    return WithReason(
+        absl::FailedPreconditionError(absl::StrCat(
+            "session ", Quoted(id), " is held by replica ", Quoted(tombstone->second.holder),
+            " at ", Quoted(tombstone->second.address), ", not this one (", Quoted(options_.replica),
+            "), which handed it over while draining; send its calls there")),
+        "WRONG_REPLICA");
+  }
   const size_t slash = id.rfind('/');
   if (tombstone == tombstones_.end() && slash != std::string::npos &&
       absl::string_view(id).substr(0, slash) != options_.replica && IsWellFormedId(id)) {
@@ -473,7 +489,7 @@ absl::StatusOr<SessionInfo> SessionTable::Truncate(const std::string& id, int64_
 absl::Status SessionTable::Drop(const std::string& id, absl::Time now) {
   core::MutexLock lock(mu_);
   RETURN_IF_ERROR(FindLocked(id, now).status());
-  EndLocked(id, Ending::kDropped, now);
+  EndLocked(id, Tombstone{Ending::kDropped, now, "", ""});
   return absl::OkStatus();
 }
 
@@ -503,12 +519,22 @@ int64_t SessionTable::ExpireIdle(absl::Time now) {
       idle.push_back(id);
     }
   }
-  for (const std::string& id : idle) EndLocked(id, Ending::kExpired, now);
+  for (const std::string& id : idle) EndLocked(id, Tombstone{Ending::kExpired, now, "", ""});
   return static_cast<int64_t>(idle.size());
 }
 
-void SessionTable::EndLocked(const std::string& id, Ending ending, absl::Time now) {
-  ++(ending == Ending::kExpired ? totals_.expired : totals_.dropped);
+void SessionTable::EndLocked(const std::string& id, Tombstone tombstone) {
+  switch (tombstone.ending) {
+    case Ending::kDropped:
+      ++totals_.dropped;
+      break;
+    case Ending::kExpired:
+      ++totals_.expired;
+      break;
+    case Ending::kHandedOff:
+      ++totals_.handed_off;
+      break;
+  }
   const auto found = sessions_.find(id);
   CountOwnerLocked(found->second.owner,
                    (*block_pool_.Find(found->second.sequence))->reserved_tokens, -1);
@@ -519,7 +545,7 @@ void SessionTable::EndLocked(const std::string& id, Ending ending, absl::Time no
     tombstones_.erase(tombstone_order_.front());
     tombstone_order_.pop_front();
   }
-  tombstones_[id] = Tombstone{ending, now};
+  tombstones_[id] = std::move(tombstone);
   tombstone_order_.push_back(id);
 }
 
@@ -818,6 +844,30 @@ absl::StatusOr<SnapshotReport> SessionTable::WriteSnapshot(const std::string& pa
                                                            absl::Time now) {
   const StorageTurns::Turn turn(storage_turns_);
   core::MutexLock lock(mu_);
+  return WriteSnapshotLocked(path, now);
+}
+
+absl::StatusOr<SnapshotReport> SessionTable::BeginHandoff(const std::string& path, absl::Time now) {
+  const StorageTurns::Turn turn(storage_turns_);
+  core::MutexLock lock(mu_);
+  ASSIGN_OR_RETURN(SnapshotReport written, WriteSnapshotLocked(path, now));
+  // Under the same lock: no step lands between the file and the peer taking it over.
+  moving_ = true;
+  return written;
+}
+
+void SessionTable::EndHandoff(absl::Span<const std::string> adopted, const std::string& holder,
+                              const std::string& address, absl::Time now) {
+  core::MutexLock lock(mu_);
+  moving_ = false;
+  for (const std::string& id : adopted) {
+    if (!sessions_.contains(id)) continue;  // the peer's answer names only what it was sent
+    EndLocked(id, Tombstone{Ending::kHandedOff, now, holder, address});
+  }
+}
+
+absl::StatusOr<SnapshotReport> SessionTable::WriteSnapshotLocked(const std::string& path,
+                                                                 absl::Time now) {
   snapshot::SnapshotIndex index;
   index.set_replica(options_.replica);
   index.set_block_bytes(options_.block_bytes);
@@ -881,12 +931,12 @@ absl::StatusOr<SnapshotReport> SessionTable::WriteSnapshot(const std::string& pa
 
 absl::StatusOr<SessionTable::Session> SessionTable::RestoredSessionLocked(
     const snapshot::SnapshotSession& saved, const LayerLookup& find_layer, LayerDigests& digests,
-    absl::Time now) {
-  const std::string prefix = options_.replica.empty() ? "" : options_.replica + "/";
+    absl::Time now, const std::string& replica) {
+  const std::string prefix = replica.empty() ? "" : replica + "/";
   if (!IsWellFormedId(saved.id()) || !absl::StartsWith(saved.id(), prefix)) {
-    return Invalid("its id is not one of replica \"", options_.replica, "\"");
+    return Invalid("its id is not one of replica \"", replica, "\"");
   }
-  if (sessions_.contains(saved.id())) return Invalid("its id is in the snapshot twice");
+  if (sessions_.contains(saved.id())) return Invalid("its id is held here already");
   if (saved.kv_dtype() != static_cast<int32_t>(core::DType::kFloat32) &&
       saved.kv_dtype() != static_cast<int32_t>(core::DType::kBFloat16)) {
     return Invalid("kv_dtype ", saved.kv_dtype(), " is not FLOAT32 or BFLOAT16");
@@ -948,86 +998,130 @@ absl::StatusOr<SessionTable::Session> SessionTable::RestoredSessionLocked(
 absl::StatusOr<SnapshotReport> SessionTable::RestoreSnapshot(const std::string& path,
                                                              const LayerLookup& find_layer,
                                                              absl::Time now) {
+  return TakeSnapshot(path, find_layer, now, Origin::kOwn);
+}
+
+absl::StatusOr<SnapshotReport> SessionTable::AdoptSnapshot(const std::string& path,
+                                                           const LayerLookup& find_layer,
+                                                           absl::Time now) {
+  return TakeSnapshot(path, find_layer, now, Origin::kPeer);
+}
+
+absl::StatusOr<SnapshotReport> SessionTable::TakeSnapshot(const std::string& path,
+                                                          const LayerLookup& find_layer,
+                                                          absl::Time now, Origin origin) {
   ASSIGN_OR_RETURN(std::unique_ptr<SnapshotReader> reader, SnapshotReader::Open(path));
   const snapshot::SnapshotIndex& index = reader->index();
-  if (index.replica() != options_.replica || index.block_bytes() != options_.block_bytes) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("session snapshot of replica \"", index.replica(), "\" with KV blocks of ",
-                     index.block_bytes(), " bytes; this server is replica \"", options_.replica,
-                     "\" (--replica_name) with blocks of ", options_.block_bytes));
-  }
-  const StorageTurns::Turn turn(storage_turns_);
-  core::MutexLock lock(mu_);
-  if (!sessions_.empty()) {
+  const bool own = origin == Origin::kOwn;
+  // A peer's snapshot comes from another named replica: its ids say who created them.
+  const bool right_replica = own ? index.replica() == options_.replica
+                                 : !index.replica().empty() && index.replica() != options_.replica;
+  if (!right_replica || index.block_bytes() != options_.block_bytes) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "a snapshot restores into an empty table; this one holds ", sessions_.size(), " sessions"));
+        "session snapshot of replica ", Quoted(index.replica()), " with KV blocks of ",
+        index.block_bytes(), " bytes; this server is replica ", Quoted(options_.replica),
+        " (--replica_name) with blocks of ", options_.block_bytes,
+        own ? "" : ", and adopts only other named replicas' sessions"));
+  }
+  // Layers are hashed before the table's lock is taken: their weights may be gigabytes.
+  LayerDigests digests;
+  for (const snapshot::SnapshotSession& saved : index.sessions()) {
+    for (const snapshot::SnapshotLayer& saved_layer : saved.layers()) {
+      absl::StatusOr<std::shared_ptr<const core::MhaLayer>> layer = find_layer(saved_layer.name());
+      if (layer.ok()) digests.Of(**layer);
+    }
   }
   SnapshotReport report;
   absl::flat_hash_map<int64_t, BlockId> placed;  // snapshot block -> pool block
-  LayerDigests digests;
-  std::vector<std::string> restored;
-  for (const snapshot::SnapshotSession& saved : index.sessions()) {
-    absl::StatusOr<Session> session = RestoredSessionLocked(saved, find_layer, digests, now);
-    if (session.ok() && static_cast<int64_t>(sessions_.size()) >= options_.max_sessions) {
-      session = absl::ResourceExhaustedError(
-          absl::StrCat("this server's max_sessions is ", options_.max_sessions));
+  std::vector<std::pair<std::string, Session>> taken;
+  const auto refuse = [&report](const std::string& id, absl::string_view why) {
+    if (report.refused_sessions++ < kMaxRefusalsTold) {
+      report.refused.push_back(absl::StrCat(id.substr(0, 300), ": ", why.substr(0, 500)));
     }
-    core::kv_cache::KvSequence sequence;
-    if (session.ok()) {
-      sequence.layout = LayoutOf(session->shape);
-      sequence.tokens_per_block =
-          core::kv_cache::TokensPerBlock(sequence.layout, options_.block_bytes).value_or(0);
-      sequence.num_layers = session->shape.num_layers;
-      sequence.length = saved.length();
-      sequence.reserved_tokens = saved.reserved_tokens();
-      for (const snapshot::SnapshotBlockTable& table : saved.block_tables()) {
-        sequence.block_tables.emplace_back(table.blocks().begin(), table.blocks().end());
-        for (const BlockId block : table.blocks()) {
-          if (block >= index.num_blocks()) {
-            session = Invalid("its block table names block ", block, " of ", index.num_blocks());
+  };
+  {
+    core::MutexLock lock(mu_);
+    if (own && !sessions_.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("a snapshot restores into an empty table; this one holds ", sessions_.size(),
+                       " sessions"));
+    }
+    absl::flat_hash_set<std::string> ids;
+    for (const snapshot::SnapshotSession& saved : index.sessions()) {
+      absl::StatusOr<Session> session =
+          ids.insert(saved.id()).second
+              ? RestoredSessionLocked(saved, find_layer, digests, now, index.replica())
+              : Invalid("its id is in the snapshot twice");
+      if (session.ok() &&
+          static_cast<int64_t>(sessions_.size() + taken.size()) >= options_.max_sessions) {
+        session = absl::ResourceExhaustedError(
+            absl::StrCat("this server's max_sessions is ", options_.max_sessions));
+      }
+      core::kv_cache::KvSequence sequence;
+      if (session.ok()) {
+        sequence.layout = LayoutOf(session->shape);
+        sequence.tokens_per_block =
+            core::kv_cache::TokensPerBlock(sequence.layout, options_.block_bytes).value_or(0);
+        sequence.num_layers = session->shape.num_layers;
+        sequence.length = saved.length();
+        sequence.reserved_tokens = saved.reserved_tokens();
+        for (const snapshot::SnapshotBlockTable& table : saved.block_tables()) {
+          sequence.block_tables.emplace_back(table.blocks().begin(), table.blocks().end());
+          for (const BlockId block : table.blocks()) {
+            if (block >= index.num_blocks()) {
+              session = Invalid("its block table names block ", block, " of ", index.num_blocks());
+            }
           }
         }
       }
-    }
-    absl::StatusOr<core::kv_cache::SequenceId> adopted =
-        session.ok() ? block_pool_.Adopt(sequence, placed) : session.status();
-    if (!adopted.ok()) {
-      if (report.refused_sessions++ < kMaxRefusalsTold) {
-        report.refused.push_back(absl::StrCat(saved.id().substr(0, 300), ": ",
-                                              adopted.status().message().substr(0, 500)));
+      absl::StatusOr<core::kv_cache::SequenceId> adopted =
+          session.ok() ? block_pool_.Adopt(sequence, placed) : session.status();
+      if (!adopted.ok()) {
+        refuse(saved.id(), adopted.status().message());
+        continue;
       }
+      session->sequence = *adopted;
+      taken.emplace_back(saved.id(), *std::move(session));
+    }
+  }
+  // Every block is checked, those of sessions left out too: a torn file takes in nothing.
+  // Outside the table's lock (the pool's new blocks belong to no session yet), in one turn
+  // on the storage.
+  absl::Status read;
+  {
+    const StorageTurns::Turn turn(storage_turns_);
+    std::vector<std::byte> bytes(options_.block_bytes);
+    for (int64_t block = 0; read.ok() && block < index.num_blocks(); ++block) {
+      read = reader->ReadBlock(bytes.data());
+      const auto here = placed.find(block);
+      if (read.ok() && here != placed.end()) {
+        read = storage_->WriteBlock(here->second, bytes.data());
+      }
+    }
+    if (read.ok()) read = reader->Finish();
+  }
+  core::MutexLock lock(mu_);
+  std::vector<std::string> added;
+  for (auto& [id, session] : taken) {
+    // Sessions created meanwhile have this replica's ids; only another adoption could
+    // have brought the same id.
+    if (!read.ok() || sessions_.contains(id)) {
+      std::vector<BlockId> freed;
+      block_pool_.Release(session.sequence, &freed).IgnoreError();  // adopted above
+      FreeBlocksLocked(freed);
+      if (read.ok()) refuse(id, "its id is held here already");
       continue;
     }
-    session->sequence = *adopted;
-    sessions_[saved.id()] = *std::move(session);
-    restored.push_back(saved.id());
-  }
-  // Every block is checked, those of sessions left out too: a torn file restores nothing.
-  std::vector<std::byte> bytes(options_.block_bytes);
-  absl::Status read;
-  for (int64_t block = 0; read.ok() && block < index.num_blocks(); ++block) {
-    read = reader->ReadBlock(bytes.data());
-    const auto here = placed.find(block);
-    if (read.ok() && here != placed.end()) read = storage_->WriteBlock(here->second, bytes.data());
-  }
-  if (read.ok()) read = reader->Finish();
-  if (!read.ok()) {
-    for (const std::string& id : restored) {
-      std::vector<BlockId> freed;
-      block_pool_.Release(sessions_[id].sequence, &freed).IgnoreError();  // adopted above
-      FreeBlocksLocked(freed);
-      sessions_.erase(id);
-    }
-    return read;
-  }
-  for (const std::string& id : restored) {
-    const Session& session = sessions_[id];
     CountOwnerLocked(session.owner, (*block_pool_.Find(session.sequence))->reserved_tokens, +1);
+    sessions_[id] = std::move(session);
+    added.push_back(id);
   }
-  totals_.restored += static_cast<int64_t>(restored.size());
-  report.sessions = static_cast<int64_t>(restored.size());
+  if (!read.ok()) return read;
+  (own ? totals_.restored : totals_.adopted) += static_cast<int64_t>(added.size());
+  report.sessions = static_cast<int64_t>(added.size());
   report.blocks = static_cast<int64_t>(placed.size());
   report.bytes = reader->bytes();
+  if (!own) report.adopted = std::move(added);
   return report;
 }
 
@@ -1045,6 +1139,8 @@ SessionCounters SessionTable::Counters() const {
   counters.created = totals_.created;
   counters.forked = totals_.forked;
   counters.restored = totals_.restored;
+  counters.adopted = totals_.adopted;
+  counters.handed_off = totals_.handed_off;
   counters.dropped = totals_.dropped;
   counters.expired = totals_.expired;
   counters.kv_bytes_read = totals_.kv_bytes_read;

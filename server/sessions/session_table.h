@@ -14,7 +14,9 @@
 //   apart from "unknown".
 // - Time is passed in, so tests drive expiry with a fake clock.
 // - Sessions live in one replica's memory: an id names its replica, and an id of another
-//   replica is FAILED_PRECONDITION naming the holder, not "unknown".
+//   replica is FAILED_PRECONDITION naming the holder, not "unknown". A draining replica may
+//   hand its sessions to a peer (BeginHandoff, AdoptSnapshot, EndHandoff); the peer holds
+//   them under their ids, and the sender names the peer and its address.
 #ifndef ATTENTION_SERVER_SESSIONS_SESSION_TABLE_H_
 #define ATTENTION_SERVER_SESSIONS_SESSION_TABLE_H_
 
@@ -165,6 +167,8 @@ struct SnapshotReport {
   // of this server), at most kMaxRefusalsTold of them; `refused_sessions` counts them all.
   std::vector<std::string> refused;
   int64_t refused_sessions = 0;
+  // AdoptSnapshot: the ids of the sessions adopted.
+  std::vector<std::string> adopted;
 };
 inline constexpr int64_t kMaxRefusalsTold = 16;
 
@@ -180,7 +184,9 @@ struct SessionCounters {
   // prefill chunks are compute-bound); blocks of shared prefixes read once for all the forks
   // a step batched (core::FindSharedPrefixes).
   int64_t created = 0, forked = 0, dropped = 0, expired = 0;
-  int64_t restored = 0;  // from a snapshot at start-up
+  int64_t restored = 0;    // from a snapshot at start-up
+  int64_t adopted = 0;     // from a draining peer (AdoptSnapshot)
+  int64_t handed_off = 0;  // to a peer while draining (EndHandoff)
   int64_t kv_bytes_read = 0;
   int64_t shared_blocks_read = 0;
   absl::Duration step_compute;
@@ -246,10 +252,26 @@ class SessionTable {
   absl::StatusOr<SnapshotReport> RestoreSnapshot(const std::string& path,
                                                  const LayerLookup& find_layer, absl::Time now);
 
+  // A draining replica hands its sessions to a peer (--session_handoff_peer):
+  // BeginHandoff writes every live session to `path` as WriteSnapshot does and marks them
+  // moving: until EndHandoff their calls are UNAVAILABLE (SESSION_MOVING), which clients
+  // retry. The peer adopts the file (AdoptSnapshot); EndHandoff then ends the sessions it
+  // adopted here, and their calls answer FAILED_PRECONDITION (WRONG_REPLICA) naming `holder`
+  // at `address` for as long as a tombstone lasts; every other session answers again.
+  absl::StatusOr<SnapshotReport> BeginHandoff(const std::string& path, absl::Time now);
+  void EndHandoff(absl::Span<const std::string> adopted, const std::string& holder,
+                  const std::string& address, absl::Time now);
+  // Adds the sessions of another named replica's snapshot beside this table's own, under
+  // their ids, as RestoreSnapshot restores (the same checks; a session whose id is held
+  // here already is left out). `report.adopted` names them.
+  absl::StatusOr<SnapshotReport> AdoptSnapshot(const std::string& path,
+                                               const LayerLookup& find_layer, absl::Time now);
+
   SessionCounters Counters() const;
   // Steps waiting for their turn on the storage behind another step's writes or chunk.
   int64_t StepsWaitingForATurn() const { return storage_turns_.Waiting(); }
   int64_t block_bytes() const { return options_.block_bytes; }
+  int64_t kv_cache_bytes() const { return options_.kv_cache_bytes; }
   int64_t prefill_chunk_tokens() const { return options_.prefill_chunk_tokens; }
   // Where the KV blocks are and attention over them runs: "cpu", "cuda:0".
   const std::string& device() const { return device_; }
@@ -291,11 +313,19 @@ class SessionTable {
     int64_t sessions = 0;
     int64_t reserved_tokens = 0;
   };
-  enum class Ending { kDropped, kExpired };
+  enum class Ending { kDropped, kExpired, kHandedOff };
   struct Tombstone {
     Ending ending;
     absl::Time when;
+    std::string holder, address;  // kHandedOff: the peer that holds it now
   };
+  absl::StatusOr<SnapshotReport> WriteSnapshotLocked(const std::string& path, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A snapshot's sessions into this table: its own (restoring) or a peer's (adopting).
+  enum class Origin { kOwn, kPeer };
+  absl::StatusOr<SnapshotReport> TakeSnapshot(const std::string& path,
+                                              const LayerLookup& find_layer, absl::Time now,
+                                              Origin origin);
 
   SessionTable(const SessionTableOptions& options, core::kv_cache::KvBlockPool block_pool,
                std::unique_ptr<core::kv_cache::KvStorage> storage);
@@ -314,8 +344,8 @@ class SessionTable {
   std::string NewIdLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   SessionInfo InfoLocked(const std::string& id, const Session& session) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void EndLocked(const std::string& id, Ending ending, absl::Time now)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends a live session; its tombstone says how.
+  void EndLocked(const std::string& id, Tombstone tombstone) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ForgetTombstonesLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Copies and poisons blocks as the pool says.
   absl::Status CopyBlocksLocked(absl::Span<const core::kv_cache::BlockCopy> copies)
@@ -338,7 +368,8 @@ class SessionTable {
   // A snapshot's session as this table holds it, its layers found and checked, or why not.
   absl::StatusOr<Session> RestoredSessionLocked(const snapshot::SnapshotSession& saved,
                                                 const LayerLookup& find_layer,
-                                                LayerDigests& digests, absl::Time now)
+                                                LayerDigests& digests, absl::Time now,
+                                                const std::string& replica)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const SessionTableOptions options_;
@@ -351,6 +382,8 @@ class SessionTable {
   absl::node_hash_map<std::string, Session> sessions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, Tombstone> tombstones_ ABSL_GUARDED_BY(mu_);
   std::deque<std::string> tombstone_order_ ABSL_GUARDED_BY(mu_);  // oldest first
+  // Between BeginHandoff and EndHandoff: live sessions' calls are UNAVAILABLE.
+  bool moving_ ABSL_GUARDED_BY(mu_) = false;
   SessionCounters totals_ ABSL_GUARDED_BY(mu_);                   // the "since start" fields
   absl::flat_hash_map<std::string, OwnerUsage> owner_usage_ ABSL_GUARDED_BY(mu_);
   // Steps in flight per sequence, and the sequences whose session ended meanwhile.

@@ -9,6 +9,11 @@
 2. SIGKILL writes nothing: the next server has none of the sessions (SESSION_UNKNOWN).
 3. A snapshot corrupted on purpose in 5 ways is refused at start-up with a log line, kept
    as .refused, and the server serves new sessions.
+4. Live handoff: the same 16 sessions decode on a replica started with
+   --session_handoff_peer; it is sent SIGTERM mid-step and not restarted. It hands every
+   session to its peer (--accept_session_handoff), whose answers the clients follow
+   (WRONG_REPLICA naming the peer's address): no call fails, nothing waits for a restart,
+   every answer holds the rule, and the peer holds all 16 sessions.
 
 usage: test_session_restart.py PATH/TO/attention-server
 """
@@ -43,6 +48,47 @@ def reference(q, k, v, dtype):
     scores = np.where(np.tril(np.ones(scores.shape[1:], dtype=bool)), scores, dtype(-np.inf))
     p = np.exp(scores - scores.max(axis=-1, keepdims=True))
     return np.einsum("hij,jhd->ihd", p / p.sum(axis=-1, keepdims=True), v)
+
+
+def check_answers(decoder, sessions, tokens, check, t, label):
+    """Every session holds TOKENS tokens on `check`'s server, and every answer the decoder
+    got holds FlashAttention's rule; returns the worst error / bound."""
+    worst = 0.0
+    for session in sessions:
+        try:
+            length = check.get_session(session).length
+        except SessionError as error:
+            t.check(False, "%s: session %s lost: %s %s"
+                    % (label, session, error.reason, error.details()))
+            continue
+        t.check(length == TOKENS, "%s: session %s holds %d tokens, want %d"
+                % (label, session, length, TOKENS))
+        q, k, v = tokens[session]
+        for layer in range(LAYERS):
+            if any(a is None for a in decoder.answers[session][layer]):
+                continue  # counted by the caller
+            ours = np.stack(decoder.answers[session][layer]).astype(np.float64)
+            oracle = reference(q[layer], k[layer], v[layer], np.float64)
+            plain = reference(q[layer], k[layer], v[layer], np.float32).astype(np.float64)
+            bound = 2 * np.max(np.abs(plain - oracle)) + 1e-6 * np.max(np.abs(oracle))
+            error = np.max(np.abs(ours - oracle))
+            worst = max(worst, error / bound)
+            t.check(error <= bound, "%s: session %s layer %d: max|ours - fp64| = %.3g > %.3g "
+                    "(2 x max|numpy fp32 - fp64| + 1e-6 x max|fp64|)"
+                    % (label, session, layer, error, bound))
+    return worst
+
+
+def new_sessions(client, rng):
+    """SESSIONS sessions on `client`'s server, and each one's random Q, K and V."""
+    sessions, tokens = [], {}
+    for _ in range(SESSIONS):
+        info = client.create_session(LAYERS, HEADS, KV_HEADS, HEAD_DIM, reserved_tokens=TOKENS)
+        sessions.append(info.session_id)
+        tokens[info.session_id] = tuple(
+            [rng.normal(size=(TOKENS, heads, HEAD_DIM)).astype(np.float32) for _ in range(LAYERS)]
+            for heads in (HEADS, KV_HEADS, KV_HEADS))
+    return sessions, tokens
 
 
 class Decoder:
@@ -103,14 +149,7 @@ def restart(binary, server, snapshot_dir, t, label):
 def decode_through_two_restarts(binary, snapshot_dir, t, seed):
     rng = np.random.default_rng(seed)
     server = harness.ServerProcess(binary, *server_flags(snapshot_dir)).start()
-    setup = AttentionClient(server.target)
-    sessions, tokens = [], {}
-    for _ in range(SESSIONS):
-        info = setup.create_session(LAYERS, HEADS, KV_HEADS, HEAD_DIM, reserved_tokens=TOKENS)
-        sessions.append(info.session_id)
-        tokens[info.session_id] = tuple(
-            [rng.normal(size=(TOKENS, heads, HEAD_DIM)).astype(np.float32) for _ in range(LAYERS)]
-            for heads in (HEADS, KV_HEADS, KV_HEADS))
+    sessions, tokens = new_sessions(AttentionClient(server.target), rng)
     decoder = Decoder(server.target, sessions, tokens)
     threads = [threading.Thread(target=decoder.run, args=(i,)) for i in range(THREADS)]
     for thread in threads:
@@ -124,28 +163,8 @@ def decode_through_two_restarts(binary, snapshot_dir, t, seed):
     t.check(not decoder.errors, "calls failed through the restarts: %s" % decoder.errors[:4])
     t.check(decoder.steps == total, "%d of %d steps answered" % (decoder.steps, total))
     # No session lost, and every answer within the rule.
-    check = AttentionClient(server.target)
-    worst = 0.0
-    for session in sessions:
-        try:
-            length = check.get_session(session).length
-        except SessionError as error:
-            t.check(False, "session %s lost: %s %s" % (session, error.reason, error.details()))
-            continue
-        t.check(length == TOKENS, "session %s holds %d tokens, want %d" % (session, length, TOKENS))
-        q, k, v = tokens[session]
-        for layer in range(LAYERS):
-            if any(a is None for a in decoder.answers[session][layer]):
-                continue  # counted above
-            ours = np.stack(decoder.answers[session][layer]).astype(np.float64)
-            oracle = reference(q[layer], k[layer], v[layer], np.float64)
-            plain = reference(q[layer], k[layer], v[layer], np.float32).astype(np.float64)
-            bound = 2 * np.max(np.abs(plain - oracle)) + 1e-6 * np.max(np.abs(oracle))
-            error = np.max(np.abs(ours - oracle))
-            worst = max(worst, error / bound)
-            t.check(error <= bound, "session %s layer %d: max|ours - fp64| = %.3g > %.3g "
-                    "(2 x max|numpy fp32 - fp64| + 1e-6 x max|fp64|)"
-                    % (session, layer, error, bound))
+    worst = check_answers(decoder, sessions, tokens, AttentionClient(server.target), t,
+                          "restarts")
     print("16 sessions x %d tokens through 2 restarts; worst error / bound %.3f" % (TOKENS, worst))
     return server, sessions[0]
 
@@ -216,6 +235,50 @@ def corrupt_snapshots_are_refused(binary, server, snapshot_dir, t, seed):
         os.remove(path + ".refused")
 
 
+def hand_off_to_a_peer(binary, t, seed):
+    """Replica attention-0 decodes, is drained with SIGTERM mid-step and hands its sessions to
+    attention-1, which the clients follow; attention-0 is never restarted."""
+    rng = np.random.default_rng(seed + 1)
+    common = ["--compute_threads=1", "--kv_cache_bytes=%d" % (64 << 20),
+              "--replica_address=127.0.0.1"]
+    peer = harness.ServerProcess(binary, *common, "--replica_name=attention-1",
+                                 "--accept_session_handoff").start()
+    # The linger outlasts any client's next call: each of the 2 threads steps without pause.
+    draining = harness.ServerProcess(binary, *common, "--replica_name=" + REPLICA,
+                                     "--session_handoff_peer=" + peer.target,
+                                     "--session_handoff_linger=10s").start()
+    try:
+        sessions, tokens = new_sessions(AttentionClient(draining.target), rng)
+        decoder = Decoder(draining.target, sessions, tokens)
+        threads = [threading.Thread(target=decoder.run, args=(i,)) for i in range(THREADS)]
+        for thread in threads:
+            thread.start()
+        decoder.wait_for_steps(SESSIONS * TOKENS // 2)
+        draining.process.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(timeout=600)
+        code = draining.process.wait(timeout=120)
+        log = draining.stderr_text()
+        t.check(code == 0, "handoff: exit code %s after SIGTERM; stderr:\n%s" % (code, log[-3000:]))
+        t.check(re.search(r"handed %d of %d sessions .* to replica \"attention-1\"" % (SESSIONS, SESSIONS), log),
+                "handoff: no 'handed %d of %d sessions' line; stderr:\n%s"
+                % (SESSIONS, SESSIONS, log[-3000:]))
+        t.check(not decoder.errors, "handoff: calls failed: %s" % decoder.errors[:4])
+        total = SESSIONS * TOKENS
+        t.check(decoder.steps == total, "handoff: %d of %d steps answered" % (decoder.steps, total))
+        worst = check_answers(decoder, sessions, tokens, AttentionClient(peer.target), t,
+                              "handoff")
+        holder = AttentionClient(peer.target)
+        t.check(all(holder.get_session(s).replica == "attention-1" for s in sessions),
+                "handoff: the peer does not name itself as the holder")
+        print("16 sessions x %d tokens handed to a peer mid-decode; worst error / bound %.3f"
+              % (TOKENS, worst))
+    finally:
+        if draining.process.poll() is None:
+            draining.process.kill()
+        t.check(peer.stop() == 0, "handoff: the peer's exit code after SIGTERM")
+
+
 def main():
     binary = harness.server_binary()
     seed = int(os.environ.get("ATTENTION_TEST_SEED", "4141"))
@@ -228,6 +291,7 @@ def main():
         server = sigkill_loses_the_sessions(binary, server, snapshot_dir, session, t)
         corrupt_snapshots_are_refused(binary, server, snapshot_dir, t, seed)
         server = None
+        hand_off_to_a_peer(binary, t, seed)
     finally:
         if server is not None and server.process.poll() is None:
             server.process.kill()

@@ -457,7 +457,9 @@ TEST_F(SessionTableTest, ForksTruncationsAndReservationsPastTheLimitsSayWhy) {
   // cannot be promised.
   ASSERT_TRUE(table->Fork(source.id, 300, 300, {}, kT0).ok());
   const int64_t available = table->Counters().pool.blocks_available;
-  if (available > 0) ASSERT_TRUE(table->CreateSession(shape, available * 256, {}, kT0).ok());
+  if (available > 0) {
+    ASSERT_TRUE(table->CreateSession(shape, available * 256, {}, kT0).ok());
+  }
   const absl::StatusOr<SessionInfo> rolled_back = table->Truncate(source.id, 200, kT0);
   EXPECT_EQ(rolled_back.status().code(), absl::StatusCode::kResourceExhausted)
       << rolled_back.status();

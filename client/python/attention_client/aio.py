@@ -16,7 +16,7 @@ import grpc.aio
 
 from . import messages
 from .client import AttentionClient, ClientBase
-from .errors import from_stream_answer, raises_session_errors
+from .errors import follows_handoffs, from_stream_answer, raises_session_errors
 
 
 class AsyncAttentionClient(ClientBase):
@@ -97,6 +97,7 @@ class AsyncAttentionClient(ClientBase):
         return self._pin((await self._stub.CreateSession(
             request, timeout=self._timeout(timeout), metadata=self._session_metadata)).session)
 
+    @follows_handoffs
     @raises_session_errors
     async def session_step(self, entries, *, return_log_sum_exp=False, output_dtype=None,
                            timeout=None):
@@ -142,6 +143,7 @@ class AsyncAttentionClient(ClientBase):
                 yield answer.request_id, self._step_outputs(answer.response.results,
                                                             return_log_sum_exp)
 
+    @follows_handoffs
     @raises_session_errors
     async def fork_session(self, session_id, tokens, reserved_tokens=0, *, ttl_ms=0,
                            timeout=None):
@@ -150,12 +152,14 @@ class AsyncAttentionClient(ClientBase):
         return self._pin((await stub.ForkSession(request, timeout=self._timeout(timeout),
                                                  metadata=self._session_metadata)).session)
 
+    @follows_handoffs
     @raises_session_errors
     async def truncate_session(self, session_id, tokens, timeout=None):
         request = self._pb2.TruncateSessionRequest(session_id=session_id, tokens=tokens)
         return (await self._session_stub(session_id).TruncateSession(
             request, timeout=self._timeout(timeout), metadata=self._session_metadata)).session
 
+    @follows_handoffs
     @raises_session_errors
     async def drop_session(self, session_id, timeout=None):
         await self._session_stub(session_id).DropSession(
@@ -163,6 +167,7 @@ class AsyncAttentionClient(ClientBase):
             metadata=self._session_metadata)
         self.pin_session(session_id, "")
 
+    @follows_handoffs
     @raises_session_errors
     async def get_session(self, session_id, *, keep_idle=False, timeout=None):
         return (await self._session_stub(session_id).GetSession(

@@ -17,7 +17,7 @@ from . import errors
 from . import messages
 from . import stubs
 from . import tensors
-from .errors import SessionError, raises_session_errors  # noqa: F401
+from .errors import SessionError, follows_handoffs, raises_session_errors  # noqa: F401
 from .messages import AttentionResult, make_layer_config, make_layer_spec  # noqa: F401
 
 
@@ -280,6 +280,7 @@ class AttentionClient(ClientBase):
         return self._pin(self._stub.CreateSession(request, timeout=self._timeout(timeout),
                                                   metadata=self._session_metadata).session)
 
+    @follows_handoffs
     @raises_session_errors
     def session_step(self, entries, *, return_log_sum_exp=False, output_dtype=None,
                      timeout=None):
@@ -328,6 +329,7 @@ class AttentionClient(ClientBase):
                 yield answer.request_id, self._step_outputs(answer.response.results,
                                                             return_log_sum_exp)
 
+    @follows_handoffs
     @raises_session_errors
     def fork_session(self, session_id, tokens, reserved_tokens=0, *, ttl_ms=0, timeout=None):
         """A new session sharing the first `tokens` tokens (copy-on-write); its SessionInfo.
@@ -337,6 +339,7 @@ class AttentionClient(ClientBase):
         return self._pin(stub.ForkSession(request, timeout=self._timeout(timeout),
                                           metadata=self._session_metadata).session)
 
+    @follows_handoffs
     @raises_session_errors
     def truncate_session(self, session_id, tokens, timeout=None):
         request = self._pb2.TruncateSessionRequest(session_id=session_id, tokens=tokens)
@@ -344,6 +347,7 @@ class AttentionClient(ClientBase):
         return stub.TruncateSession(request, timeout=self._timeout(timeout),
                                     metadata=self._session_metadata).session
 
+    @follows_handoffs
     @raises_session_errors
     def drop_session(self, session_id, timeout=None):
         self._session_stub(session_id).DropSession(
@@ -351,6 +355,7 @@ class AttentionClient(ClientBase):
             metadata=self._session_metadata)
         self.pin_session(session_id, "")
 
+    @follows_handoffs
     @raises_session_errors
     def get_session(self, session_id, *, keep_idle=False, timeout=None):
         """The session's SessionInfo; keep_idle reads it without renewing its TTL."""

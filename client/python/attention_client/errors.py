@@ -21,6 +21,11 @@ _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 # How a WRONG_REPLICA message names the holder (server/sessions/session_table.cc); replica
 # names are DNS labels or pod names, so a name the server cut short ("...") does not match.
 _HOLDER = re.compile(r'is held by replica "([A-Za-z0-9._-]+)"')
+# ... and, for a session a draining replica handed over, the session and the holder's address.
+_HANDED_OFF = re.compile(r'session "([^"]+)" is held by replica "[^"]+" at "([^"]+)"')
+# A call is sent on to where a session was handed at most once per session, and for at most
+# this many sessions of a call.
+_MAX_HANDOFFS_FOLLOWED = 1024
 
 
 class SessionError(grpc.RpcError):
@@ -33,7 +38,9 @@ class SessionError(grpc.RpcError):
         "MAX_RESERVED_TOKENS_PER_IDENTITY", ...), or None where it gave none (a
         malformed request, a deadline, an unreachable server);
     holder: for WRONG_REPLICA the name of the replica holding the session (None when its
-        message does not name it whole), else None.
+        message does not name it whole), else None;
+    session_id, holder_address: for a session a draining replica handed to `holder`, the
+        session and where the holder answers (the client follows it), else None.
     A failed step of session_step_stream is yielded, not raised, and still unpacks as the
     (grpc.StatusCode, message) pair that stream yielded before."""
 
@@ -44,6 +51,8 @@ class SessionError(grpc.RpcError):
         self.reason = reason or None
         match = _HOLDER.search(details or "") if reason == "WRONG_REPLICA" else None
         self.holder = match.group(1) if match else None
+        handed = _HANDED_OFF.search(details or "") if reason == "WRONG_REPLICA" else None
+        self.session_id, self.holder_address = handed.groups() if handed else (None, None)
 
     def code(self):
         return self._code
@@ -81,6 +90,44 @@ def from_stream_answer(answer):
     """The SessionError of a failed SessionStepStreamResponse."""
     code = _STATUS_CODES.get(answer.error_code, grpc.StatusCode.UNKNOWN)
     return SessionError(code, answer.error_message, answer.error_reason)
+
+
+def follows_handoffs(method):
+    """Makes a session method (function or coroutine, already raising SessionError) call
+    again where a WRONG_REPLICA answer says a draining replica handed a session, pinning
+    that session there (self.pin_session): once per session."""
+    def handed(self, error, followed):
+        if (error.holder_address is None or error.session_id in followed
+                or len(followed) >= _MAX_HANDOFFS_FOLLOWED):
+            return False
+        followed.add(error.session_id)
+        self.pin_session(error.session_id, error.holder_address)
+        return True
+
+    if inspect.iscoroutinefunction(method):
+        @functools.wraps(method)
+        async def coroutine(self, *args, **kwargs):
+            followed = set()
+            while True:
+                try:
+                    return await method(self, *args, **kwargs)
+                except SessionError as error:
+                    if not handed(self, error, followed):
+                        raise
+
+        return coroutine
+
+    @functools.wraps(method)
+    def function(self, *args, **kwargs):
+        followed = set()
+        while True:
+            try:
+                return method(self, *args, **kwargs)
+            except SessionError as error:
+                if not handed(self, error, followed):
+                    raise
+
+    return function
 
 
 @contextlib.contextmanager

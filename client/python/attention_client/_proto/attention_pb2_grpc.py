@@ -576,3 +576,79 @@ class AttentionService(object):
             attention_dot_v1_dot_attention__pb2.ListSessionsResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+
+class SessionHandoffStub(object):
+    """Replica to replica, during a drain (--session_handoff_peer on the sender,
+    --accept_session_handoff on the receiver): a draining replica sends its live sessions to
+    a peer, which then answers their calls, so they do not wait for a restart. The sender
+    answers each moved session's calls FAILED_PRECONDITION (WRONG_REPLICA) naming the peer and
+    its address; the clients follow. Needs the receiver's admin token where it has one.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.AdoptSessions = channel.stream_unary(
+                '/attention.v1.SessionHandoff/AdoptSessions',
+                request_serializer=attention_dot_v1_dot_attention__pb2.SessionSnapshotChunk.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.AdoptSessionsResponse.FromString,
+                )
+
+
+class SessionHandoffServicer(object):
+    """Replica to replica, during a drain (--session_handoff_peer on the sender,
+    --accept_session_handoff on the receiver): a draining replica sends its live sessions to
+    a peer, which then answers their calls, so they do not wait for a restart. The sender
+    answers each moved session's calls FAILED_PRECONDITION (WRONG_REPLICA) naming the peer and
+    its address; the clients follow. Needs the receiver's admin token where it has one.
+    """
+
+    def AdoptSessions(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_SessionHandoffServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'AdoptSessions': grpc.stream_unary_rpc_method_handler(
+                    servicer.AdoptSessions,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.SessionSnapshotChunk.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.AdoptSessionsResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'attention.v1.SessionHandoff', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+
+
+ # This class is part of an EXPERIMENTAL API.
+class SessionHandoff(object):
+    """Replica to replica, during a drain (--session_handoff_peer on the sender,
+    --accept_session_handoff on the receiver): a draining replica sends its live sessions to
+    a peer, which then answers their calls, so they do not wait for a restart. The sender
+    answers each moved session's calls FAILED_PRECONDITION (WRONG_REPLICA) naming the peer and
+    its address; the clients follow. Needs the receiver's admin token where it has one.
+    """
+
+    @staticmethod
+    def AdoptSessions(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(request_iterator, target, '/attention.v1.SessionHandoff/AdoptSessions',
+            attention_dot_v1_dot_attention__pb2.SessionSnapshotChunk.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.AdoptSessionsResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
