@@ -116,6 +116,11 @@ absl::Status SessionHandoffService::Adopt(grpc::ServerContext& context,
             return loaded->layer;
           },
           absl::Now()));
+  if (context.IsCancelled()) {
+    // The sender gave up (its deadline) and keeps the sessions: copies here would be orphans.
+    for (const std::string& id : adopted.adopted) sessions_.Drop(id, absl::Now()).IgnoreError();
+    return absl::CancelledError("the sender cancelled the handoff; nothing adopted");
+  }
   response.set_replica(sessions_.replica());
   response.set_replica_address(replica_address_);
   for (const std::string& id : adopted.adopted) response.add_adopted(id);

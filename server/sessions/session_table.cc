@@ -540,7 +540,11 @@ void SessionTable::EndLocked(const std::string& id, Tombstone tombstone) {
                    (*block_pool_.Find(found->second.sequence))->reserved_tokens, -1);
   ReleaseLocked(found->second.sequence);
   sessions_.erase(found);
-  if (options_.max_tombstones == 0) return;
+  AddTombstoneLocked(id, std::move(tombstone));
+}
+
+void SessionTable::AddTombstoneLocked(const std::string& id, Tombstone tombstone) {
+  if (options_.max_tombstones == 0 || tombstones_.contains(id)) return;
   while (static_cast<int64_t>(tombstones_.size()) >= options_.max_tombstones) {
     tombstones_.erase(tombstone_order_.front());
     tombstone_order_.pop_front();
@@ -914,6 +918,15 @@ absl::StatusOr<SnapshotReport> SessionTable::WriteSnapshotLocked(const std::stri
     saved.set_ttl_ms(absl::ToInt64Milliseconds(session.ttl));
     saved.set_idle_ms(std::max<int64_t>(0, absl::ToInt64Milliseconds(now - session.last_used)));
   }
+  for (const std::string& id : tombstone_order_) {
+    const Tombstone& tombstone = tombstones_.at(id);
+    if (tombstone.ending != Ending::kHandedOff) continue;
+    snapshot::SnapshotForward& forward = *index.add_forwarded();
+    forward.set_id(id);
+    forward.set_holder(tombstone.holder);
+    forward.set_address(tombstone.address);
+    forward.set_handed_unix_ms(absl::ToUnixMillis(tombstone.when));
+  }
   index.set_num_blocks(static_cast<int64_t>(order.size()));
   ASSIGN_OR_RETURN(std::unique_ptr<SnapshotWriter> writer, SnapshotWriter::Open(path, index));
   std::vector<std::byte> bytes(options_.block_bytes);
@@ -1117,6 +1130,16 @@ absl::StatusOr<SnapshotReport> SessionTable::TakeSnapshot(const std::string& pat
     added.push_back(id);
   }
   if (!read.ok()) return read;
+  if (own) {
+    // Sessions handed to a peer before the restart are still found there.
+    for (const snapshot::SnapshotForward& forward : index.forwarded()) {
+      if (!IsWellFormedId(forward.id()) || sessions_.contains(forward.id())) continue;
+      AddTombstoneLocked(forward.id(), Tombstone{Ending::kHandedOff,
+                                                 absl::FromUnixMillis(forward.handed_unix_ms()),
+                                                 forward.holder(), forward.address()});
+    }
+    ForgetTombstonesLocked(now);
+  }
   (own ? totals_.restored : totals_.adopted) += static_cast<int64_t>(added.size());
   report.sessions = static_cast<int64_t>(added.size());
   report.blocks = static_cast<int64_t>(placed.size());

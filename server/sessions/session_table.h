@@ -346,6 +346,9 @@ class SessionTable {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends a live session; its tombstone says how.
   void EndLocked(const std::string& id, Tombstone tombstone) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Remembers `id`'s end, the oldest tombstone forgotten past max_tombstones.
+  void AddTombstoneLocked(const std::string& id, Tombstone tombstone)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ForgetTombstonesLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Copies and poisons blocks as the pool says.
   absl::Status CopyBlocksLocked(absl::Span<const core::kv_cache::BlockCopy> copies)

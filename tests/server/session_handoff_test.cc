@@ -1,7 +1,7 @@
 // Sessions handed from a draining replica to a peer (issue 41's live handoff): the peer
 // answers a handed session's next steps with the bits the sender would have given, the
-// sender names the peer and its address, the C++ client follows it, and every refusal of
-// the handoff service and its options is specific.
+// sender names the peer and its address (after its restart too), the C++ client follows
+// it, and every refusal of the handoff service and its options is specific.
 #include "server/native/session_handoff.h"
 
 #include <cstring>
@@ -141,6 +141,17 @@ TEST_F(SessionHandoffTableTest, ThePeerAnswersWithTheSendersBitsAndTheSenderName
   EXPECT_TRUE(absl::StrContains(moved.message(),
                                 "is held by replica \"attention-1\" at \"10.0.0.2:50051\""))
       << moved;
+  // A restart keeps telling it: the sender's snapshot carries where its sessions went.
+  const std::string after_path = directory + "/after.kvsnap";
+  ASSERT_TRUE(sender->WriteSnapshot(after_path, kT0).ok());
+  auto restarted = Table("attention-0");
+  const absl::StatusOr<SnapshotReport> restored =
+      restarted->RestoreSnapshot(after_path, NoLayer, kT0 + absl::Minutes(1));
+  ASSERT_TRUE(restored.ok()) << restored.status();
+  EXPECT_EQ(restored->sessions, 0);
+  const absl::Status still = restarted->Get(fork.id, kT0 + absl::Minutes(1)).status();
+  EXPECT_EQ(ReasonOf(still), "WRONG_REPLICA") << still;
+  EXPECT_TRUE(absl::StrContains(still.message(), "at \"10.0.0.2:50051\"")) << still;
 
   // The next steps on the peer: the bits the sender would have given.
   std::vector<float> expected, got;
