@@ -13,10 +13,12 @@
    --session_handoff_peer; it is sent SIGTERM mid-step and not restarted. It hands every
    session to its peer (--accept_session_handoff), whose answers the clients follow
    (WRONG_REPLICA naming the peer's address): no call fails, nothing waits for a restart,
-   every answer holds the rule, and the peer holds all 16 sessions.
+   every answer holds the rule, and the peer holds all 16 sessions. Restarted, the drained
+   replica still sends fresh clients (blocking and asyncio) on to the peer.
 
 usage: test_session_restart.py PATH/TO/attention-server
 """
+import asyncio
 import os
 import random
 import re
@@ -235,7 +237,13 @@ def corrupt_snapshots_are_refused(binary, server, snapshot_dir, t, seed):
         os.remove(path + ".refused")
 
 
-def hand_off_to_a_peer(binary, t, seed):
+async def read_through_async(target, session):
+    from attention_client.aio import AsyncAttentionClient
+    async with AsyncAttentionClient(target) as client:
+        return await client.get_session(session)
+
+
+def hand_off_to_a_peer(binary, snapshot_dir, t, seed):
     """Replica attention-0 decodes, is drained with SIGTERM mid-step and hands its sessions to
     attention-1, which the clients follow; attention-0 is never restarted."""
     rng = np.random.default_rng(seed + 1)
@@ -244,7 +252,8 @@ def hand_off_to_a_peer(binary, t, seed):
     peer = harness.ServerProcess(binary, *common, "--replica_name=attention-1",
                                  "--accept_session_handoff").start()
     # The linger outlasts any client's next call: each of the 2 threads steps without pause.
-    draining = harness.ServerProcess(binary, *common, "--replica_name=" + REPLICA,
+    draining_flags = common + ["--replica_name=" + REPLICA, "--session_snapshot_dir=" + snapshot_dir]
+    draining = harness.ServerProcess(binary, *draining_flags,
                                      "--session_handoff_peer=" + peer.target,
                                      "--session_handoff_linger=10s").start()
     try:
@@ -273,6 +282,13 @@ def hand_off_to_a_peer(binary, t, seed):
                 "handoff: the peer does not name itself as the holder")
         print("16 sessions x %d tokens handed to a peer mid-decode; worst error / bound %.3f"
               % (TOKENS, worst))
+        # The drained replica, restarted on its port, remembers where its sessions went.
+        draining = harness.ServerProcess(binary, *draining_flags,
+                                         listen="127.0.0.1:%d" % draining.port).start()
+        t.check(AttentionClient(draining.target).get_session(sessions[0]).length == TOKENS,
+                "handoff: a fresh client of the restarted replica did not reach the peer")
+        t.check(asyncio.run(read_through_async(draining.target, sessions[1])).length == TOKENS,
+                "handoff: a fresh asyncio client of the restarted replica did not reach the peer")
     finally:
         if draining.process.poll() is None:
             draining.process.kill()
@@ -291,7 +307,7 @@ def main():
         server = sigkill_loses_the_sessions(binary, server, snapshot_dir, session, t)
         corrupt_snapshots_are_refused(binary, server, snapshot_dir, t, seed)
         server = None
-        hand_off_to_a_peer(binary, t, seed)
+        hand_off_to_a_peer(binary, snapshot_dir, t, seed)
     finally:
         if server is not None and server.process.poll() is None:
             server.process.kill()
