@@ -13,6 +13,7 @@ SIGTERM.
 
 import asyncio
 import tempfile
+import time
 
 import grpc
 import numpy as np
@@ -314,10 +315,16 @@ def check_replicas(t, binary):
         rng = np.random.default_rng(4)
         with AttentionClient(target, lb_policy="round_robin") as client:
             sessions = []
-            for _ in range(40):  # round robin alternates once both replicas are connected
-                sessions.append(client.create_session(1, 4, 2, 16, reserved_tokens=16))
-                if len({s.replica for s in sessions}) == 2 and len(sessions) >= 4:
-                    break
+            # Round robin alternates once both replicas are connected, which under load can
+            # take longer than a few creates: wait for two sessions on each (up to 20 s),
+            # dropping the extra ones of the replica that answered first.
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and len(sessions) < 4:
+                created = client.create_session(1, 4, 2, 16, reserved_tokens=16)
+                if sum(s.replica == created.replica for s in sessions) < 2:
+                    sessions.append(created)
+                else:
+                    client.drop_session(created.session_id)
             address = {"py-a": replicas[0].target, "py-b": replicas[1].target}
             t.check({s.replica for s in sessions} == {"py-a", "py-b"},
                     "sessions on both replicas: %s" % sorted({s.replica for s in sessions}))
