@@ -32,24 +32,8 @@ namespace {
 
 const absl::Time kT0 = absl::FromUnixSeconds(2'000'000);
 
-std::string FreshDirectory(const std::string& name) {
-  const std::string path = absl::StrCat(::testing::TempDir(), "/handoff-", name, "-", getpid());
-  std::filesystem::remove_all(path);
-  std::filesystem::create_directories(path);
-  return path;
-}
-
 absl::StatusOr<std::shared_ptr<const core::MhaLayer>> NoLayer(const std::string& name) {
   return absl::NotFoundError(name);
-}
-
-SessionShape GqaShape() {
-  SessionShape shape;
-  shape.num_layers = 2;
-  shape.num_heads = 4;
-  shape.num_kv_heads = 2;
-  shape.head_dim = 16;
-  return shape;
 }
 
 class SessionHandoffTableTest : public ::testing::Test {
@@ -65,18 +49,9 @@ class SessionHandoffTableTest : public ::testing::Test {
     return *std::move(table);
   }
 
-  // Steps tokens [from, to) of every layer of `session`, appending the answers to `answers`.
   static void Step(SessionTable& table, const SessionInfo& session, const Tokens& tokens,
                    int64_t from, int64_t to, std::vector<float>* answers) {
-    for (int64_t position = from; position < to; ++position) {
-      for (int64_t layer = 0; layer < session.shape.num_layers; ++layer) {
-        std::vector<float> output;
-        const StepEntry entry = Entry(session, tokens, layer, position, 1, &output);
-        const absl::Status status = table.Step({&entry, 1}, kT0)[0];
-        ASSERT_TRUE(status.ok()) << status;
-        answers->insert(answers->end(), output.begin(), output.end());
-      }
-    }
+    StepOneTokenAtATime(table, session, tokens, from, to, kT0, answers);
   }
 
   core::ThreadPool pool_;
@@ -98,7 +73,7 @@ TEST_F(SessionHandoffTableTest, ThePeerAnswersWithTheSendersBitsAndTheSenderName
   const Tokens own_tokens = RandomTokens(shape, 64, seed + 1);
   Step(*peer, own, own_tokens, 0, 10, &ignored);
 
-  const std::string directory = FreshDirectory("table");
+  const std::string directory = FreshDirectory("handoff-table");
   ASSERT_TRUE(sender->WriteSnapshot(directory + "/attention-0.kvsnap", kT0).ok());
   ASSERT_TRUE(control->RestoreSnapshot(directory + "/attention-0.kvsnap", NoLayer, kT0).ok());
 
@@ -170,7 +145,7 @@ TEST_F(SessionHandoffTableTest, AHandoffThePeerRefusesLeavesTheSessionsAnswering
   auto peer = Table("attention-1");
   const SessionShape shape = GqaShape();
   const SessionInfo session = *sender->CreateSession(shape, 16, absl::ZeroDuration(), kT0);
-  const std::string directory = FreshDirectory("refused");
+  const std::string directory = FreshDirectory("handoff-refused");
   ASSERT_TRUE(sender->BeginHandoff(directory + "/handoff.kvsnap", kT0).ok());
   // A replica adopts only other replicas' sessions.
   const absl::StatusOr<SnapshotReport> own =
@@ -258,9 +233,10 @@ TEST_F(SessionHandoffServerTest, TheClientFollowsASessionHandedToThePeer) {
   ASSERT_TRUE(session.ok()) << session.status();
   ASSERT_TRUE(client.SessionStep(OneToken(session->session_id(), 0)).ok());
 
-  const absl::StatusOr<HandoffReport> handed = HandOffSessions(
-      *sender->sessions(), Target(*peer), FreshDirectory("server") + "/replica-a.handoff.kvsnap",
-      "", absl::Now() + absl::Seconds(60));
+  const absl::StatusOr<HandoffReport> handed =
+      HandOffSessions(*sender->sessions(), Target(*peer),
+                      FreshDirectory("handoff-server") + "/replica-a.handoff.kvsnap", "",
+                      absl::Now() + absl::Seconds(60));
   ASSERT_TRUE(handed.ok()) << handed.status();
   EXPECT_EQ(handed->adopted, 1);
   EXPECT_EQ(handed->holder, "replica-b");
@@ -315,7 +291,7 @@ TEST_F(SessionHandoffServerTest, AnUnreachablePeerLeavesTheSessionsHere) {
   }
   const absl::StatusOr<HandoffReport> handed =
       HandOffSessions(*sender->sessions(), absl::StrCat("127.0.0.1:", closed_port),
-                      FreshDirectory("unreachable") + "/replica-a.handoff.kvsnap", "",
+                      FreshDirectory("handoff-unreachable") + "/replica-a.handoff.kvsnap", "",
                       absl::Now() + absl::Seconds(1));
   EXPECT_FALSE(handed.ok());
   EXPECT_TRUE(absl::StrContains(handed.status().message(), "adopted nothing")) << handed.status();

@@ -43,14 +43,6 @@ void WriteAll(const std::string& path, const std::string& bytes) {
   std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
 }
 
-// A fresh directory under the test's temporary directory.
-std::string FreshDirectory(const std::string& name) {
-  std::string path = absl::StrCat(::testing::TempDir(), "/", name, "-", getpid());
-  std::filesystem::remove_all(path);
-  std::filesystem::create_directories(path);
-  return path;
-}
-
 class SessionSnapshotTest : public ::testing::Test {
  protected:
   SessionSnapshotTest() : pool_(2) {}
@@ -69,19 +61,9 @@ class SessionSnapshotTest : public ::testing::Test {
     return *std::move(table);
   }
 
-  // Steps tokens [from, to) of every layer of `session`, one token per step, appending the
-  // answers to `answers`.
-  void Step(SessionTable& table, const SessionInfo& session, const Tokens& tokens, int64_t from,
-            int64_t to, std::vector<float>* answers) {
-    for (int64_t position = from; position < to; ++position) {
-      for (int64_t layer = 0; layer < session.shape.num_layers; ++layer) {
-        std::vector<float> output;
-        const StepEntry entry = Entry(session, tokens, layer, position, 1, &output);
-        const absl::Status status = table.Step({&entry, 1}, kT0)[0];
-        ASSERT_TRUE(status.ok()) << status;
-        answers->insert(answers->end(), output.begin(), output.end());
-      }
-    }
+  static void Step(SessionTable& table, const SessionInfo& session, const Tokens& tokens,
+                   int64_t from, int64_t to, std::vector<float>* answers) {
+    StepOneTokenAtATime(table, session, tokens, from, to, kT0, answers);
   }
 
   void ExpectTheSameBitsAfterARestore(
@@ -89,15 +71,6 @@ class SessionSnapshotTest : public ::testing::Test {
 
   core::ThreadPool pool_;
 };
-
-SessionShape GqaShape() {
-  SessionShape shape;
-  shape.num_layers = 2;
-  shape.num_heads = 4;
-  shape.num_kv_heads = 2;
-  shape.head_dim = 16;
-  return shape;
-}
 
 SessionShape Bf16WindowShape() {
   SessionShape shape;

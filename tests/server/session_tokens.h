@@ -1,12 +1,19 @@
-// Session-table test helpers: a caller's random tokens, step entries over them, and a
-// table's options by pool and block size.
+// Session-table test helpers: a caller's random tokens, step entries over them, steps one
+// token at a time, a table's options by pool and block size, a GQA shape and a fresh
+// directory.
 #ifndef ATTENTION_TESTS_SERVER_SESSION_TOKENS_H_
 #define ATTENTION_TESTS_SERVER_SESSION_TOKENS_H_
 
+#include <unistd.h>
+
 #include <cstdint>
+#include <filesystem>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
 #include "server/sessions/session_table.h"
 
 namespace attention::server::testing {
@@ -46,6 +53,40 @@ inline StepEntry Entry(const SessionInfo& session, const Tokens& tokens, int64_t
   entry.value = tokens.v.data() + position * shape.num_kv_heads * dv;
   entry.output = output->data();
   return entry;
+}
+
+// Steps tokens [from, to) of every layer of `session` at `now`, one token per step,
+// appending the answers to `answers`.
+inline void StepOneTokenAtATime(SessionTable& table, const SessionInfo& session,
+                                const Tokens& tokens, int64_t from, int64_t to, absl::Time now,
+                                std::vector<float>* answers) {
+  for (int64_t position = from; position < to; ++position) {
+    for (int64_t layer = 0; layer < session.shape.num_layers; ++layer) {
+      std::vector<float> output;
+      const StepEntry entry = Entry(session, tokens, layer, position, 1, &output);
+      const absl::Status status = table.Step({&entry, 1}, now)[0];
+      ASSERT_TRUE(status.ok()) << status;
+      answers->insert(answers->end(), output.begin(), output.end());
+    }
+  }
+}
+
+// Two layers of 4 query heads over 2 KV heads of 16 dims.
+inline SessionShape GqaShape() {
+  SessionShape shape;
+  shape.num_layers = 2;
+  shape.num_heads = 4;
+  shape.num_kv_heads = 2;
+  shape.head_dim = 16;
+  return shape;
+}
+
+// A fresh directory under the test's temporary directory.
+inline std::string FreshDirectory(const std::string& name) {
+  std::string path = absl::StrCat(::testing::TempDir(), "/", name, "-", getpid());
+  std::filesystem::remove_all(path);
+  std::filesystem::create_directories(path);
+  return path;
 }
 
 // A pool of `kv_cache_bytes` in blocks of `block_bytes`.
