@@ -48,7 +48,7 @@ class SessionHandoffService final : public v1::SessionHandoff::Service {
 
   SessionTable& sessions_;
   const LayerRegistry& registry_;
-  const AccessPolicy& access_;
+  const AccessPolicy access_;  // a copy: the options it came from may go first
   const std::string spool_dir_;
   const int64_t max_snapshot_bytes_;
   core::Mutex adopting_;
