@@ -34,6 +34,24 @@ std::optional<std::string> CertificateIdentity(const grpc::ServerContextBase& co
 
 }  // namespace
 
+absl::Status CheckAdminToken(const grpc::ServerContextBase& context, const AccessPolicy& access,
+                             absl::string_view method, absl::string_view what) {
+  if (access.admin_token.empty()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(const std::optional<absl::string_view> token, BearerToken(context));
+  if (!token.has_value()) {
+    return absl::UnauthenticatedError(
+        absl::StrCat(method,
+                     " needs \"authorization: Bearer <token>\" metadata: this server "
+                     "restricts ",
+                     what, " (--admin_token_file)"));
+  }
+  if (!ConstantTimeEquals(*token, access.admin_token)) {
+    return absl::PermissionDeniedError(
+        absl::StrCat(method, ": the bearer token is not this server's admin token"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::optional<absl::string_view>> BearerToken(
     const grpc::ServerContextBase& context) {
   const auto& metadata = context.client_metadata();

@@ -63,6 +63,11 @@ struct SessionCaller {
 absl::StatusOr<std::optional<absl::string_view>> BearerToken(
     const grpc::ServerContextBase& context);
 
+// OK when `access` has no admin token or the call sends it; else UNAUTHENTICATED (no
+// token; the message says the server restricts `what`) or PERMISSION_DENIED (another one).
+absl::Status CheckAdminToken(const grpc::ServerContextBase& context, const AccessPolicy& access,
+                             absl::string_view method, absl::string_view what);
+
 // The caller of a session call named `method`: UNAUTHENTICATED (CREDENTIAL_MISSING or
 // CREDENTIAL_UNKNOWN) where the server needs a credential and the call has none it knows;
 // on a server that needs none, anyone (the admin token still names the admin).

@@ -90,19 +90,7 @@ absl::Status AttentionServiceImpl::DoInspectCheckpoint(const v1::InspectCheckpoi
 
 absl::Status AttentionServiceImpl::CheckAdmin(const grpc::CallbackServerContext& context,
                                               absl::string_view method) const {
-  if (access_.admin_token.empty()) return absl::OkStatus();
-  ASSIGN_OR_RETURN(const std::optional<absl::string_view> token, BearerToken(context));
-  if (!token.has_value()) {
-    return absl::UnauthenticatedError(
-        absl::StrCat(method,
-                     " needs \"authorization: Bearer <token>\" metadata: this server restricts "
-                     "layer management (--admin_token_file)"));
-  }
-  if (!ConstantTimeEquals(*token, access_.admin_token)) {
-    return absl::PermissionDeniedError(
-        absl::StrCat(method, ": the bearer token is not this server's admin token"));
-  }
-  return absl::OkStatus();
+  return CheckAdminToken(context, access_, method, "layer management");
 }
 
 absl::Status AttentionServiceImpl::DoLoadLayer(const v1::LoadLayerRequest& request,

@@ -8,14 +8,12 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
-#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
 #include "server/common/status_util.h"
 #include "server/sessions/session_snapshot.h"
-#include "server/validation/request_validation.h"
 
 namespace attention::server {
 namespace {
@@ -24,6 +22,8 @@ namespace {
 constexpr int64_t kChunkBytes = int64_t{1} << 20;
 // Room for a snapshot's header, index and trailer beyond its blocks and their digests.
 constexpr int64_t kSnapshotIndexRoom = int64_t{64} << 20;
+// The largest answer of a peer a sender reads.
+constexpr int kMaxAdoptAnswerBytes = 256 << 20;
 // A block's SHA-256 in the file.
 constexpr int64_t kBlockDigestBytes = 32;
 
@@ -66,18 +66,8 @@ grpc::Status SessionHandoffService::AdoptSessions(
 absl::Status SessionHandoffService::Adopt(grpc::ServerContext& context,
                                           grpc::ServerReader<v1::SessionSnapshotChunk>& reader,
                                           v1::AdoptSessionsResponse& response) {
-  if (!access_.admin_token.empty()) {
-    ASSIGN_OR_RETURN(const std::optional<absl::string_view> token, BearerToken(context));
-    if (!token.has_value()) {
-      return absl::UnauthenticatedError(
-          "AdoptSessions needs \"authorization: Bearer <token>\" metadata with this server's "
-          "admin token (--admin_token_file)");
-    }
-    if (!ConstantTimeEquals(*token, access_.admin_token)) {
-      return absl::PermissionDeniedError(
-          "AdoptSessions: the bearer token is not this server's admin token");
-    }
-  }
+  RETURN_IF_ERROR(CheckAdminToken(context, access_, "AdoptSessions",
+                                  "adopting sessions to holders of its admin token"));
   core::MutexLock one_at_a_time(adopting_);
   std::string pattern = absl::StrCat(spool_dir_, "/adopt-XXXXXX");
   const int descriptor = mkstemp(pattern.data());
@@ -144,7 +134,8 @@ absl::StatusOr<HandoffReport> HandOffSessions(SessionTable& sessions,
   v1::AdoptSessionsResponse answer;
   const absl::Status sent = [&]() -> absl::Status {
     grpc::ChannelArguments arguments;
-    arguments.SetMaxReceiveMessageSize(-1);  // the adopted ids of up to max_sessions
+    // The adopted ids: a million sessions' fit.
+    arguments.SetMaxReceiveMessageSize(kMaxAdoptAnswerBytes);
     auto channel =
         grpc::CreateCustomChannel(peer_address, grpc::InsecureChannelCredentials(), arguments);
     auto stub = v1::SessionHandoff::NewStub(channel);
