@@ -73,32 +73,43 @@ float AttentionOptions::Scale(const AttentionDims& dims) const {
   return scale.has_value() ? *scale : 1.0f / std::sqrt(static_cast<float>(dims.head_dim));
 }
 
-AttentionOptions AttentionOptions::OneSequence(const AttentionDims& dims, int64_t b) const {
-  AttentionOptions one;
-  one.causal = causal;
-  one.scale = scale;
-  one.dropout_p = dropout_p;
-  one.dropout_seed = dropout_seed;
-  one.need_weights = need_weights;
-  one.sliding_window = sliding_window;
-  if (!key_lengths.empty()) one.key_lengths = {key_lengths[b]};
-  if (!key_padding_keep.empty()) {
-    const auto first = key_padding_keep.begin() + b * dims.kv_len;
-    one.key_padding_keep.assign(first, first + dims.kv_len);
+AttentionOptions AttentionOptions::Sequences(const AttentionDims& dims, int64_t first,
+                                             int64_t count) const {
+  AttentionOptions some;
+  some.causal = causal;
+  some.scale = scale;
+  some.dropout_p = dropout_p;
+  some.dropout_seed = dropout_seed;
+  some.need_weights = need_weights;
+  some.sliding_window = sliding_window;
+  if (!key_lengths.empty()) {
+    some.key_lengths.assign(key_lengths.begin() + first, key_lengths.begin() + first + count);
   }
-  one.attn_mask_dims = attn_mask_dims;
-  one.attn_mask_dims[0] = 1;
+  if (!key_padding_keep.empty()) {
+    const auto begin = key_padding_keep.begin() + first * dims.kv_len;
+    some.key_padding_keep.assign(begin, begin + count * dims.kv_len);
+  }
+  some.attn_mask_dims = attn_mask_dims;
+  const bool per_sequence = attn_mask_dims[0] != 1;
+  some.attn_mask_dims[0] = per_sequence ? count : 1;
   const int64_t block = attn_mask_dims[1] * attn_mask_dims[2] * attn_mask_dims[3];
-  const int64_t offset = attn_mask_dims[0] == 1 ? 0 : b * block;
+  const int64_t offset = per_sequence ? first * block : 0;
+  const int64_t length = per_sequence ? count * block : block;
   if (!attn_mask_keep.empty()) {
-    one.attn_mask_keep.assign(attn_mask_keep.begin() + offset,
-                              attn_mask_keep.begin() + offset + block);
+    some.attn_mask_keep.assign(attn_mask_keep.begin() + offset,
+                               attn_mask_keep.begin() + offset + length);
   }
   if (!attn_mask_bias.empty()) {
-    one.attn_mask_bias.assign(attn_mask_bias.begin() + offset,
-                              attn_mask_bias.begin() + offset + block);
+    some.attn_mask_bias.assign(attn_mask_bias.begin() + offset,
+                               attn_mask_bias.begin() + offset + length);
   }
-  return one;
+  return some;
+}
+
+bool AttentionOptions::SplitsBetweenSequences() const {
+  const bool shared_mask =
+      attn_mask_dims[0] == 1 && !(attn_mask_keep.empty() && attn_mask_bias.empty());
+  return need_weights == NeedWeights::kNone && dropout_p == 0.0f && !shared_mask;
 }
 
 MaskView AttentionOptions::View(const AttentionDims& dims) const {

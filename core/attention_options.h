@@ -66,10 +66,18 @@ struct AttentionOptions {
            !attn_mask_bias.empty() || sliding_window > 0;
   }
 
-  // The options of sequence `b` alone, of a batch of `dims.batch` attending `dims.kv_len`
-  // keys: its key length, padding row and block of the explicit mask (a mask shared by the
-  // batch is copied whole). Dropout's pattern follows the batch index: not for dropout_p > 0.
-  AttentionOptions OneSequence(const AttentionDims& dims, int64_t b) const;
+  // The options of sequences [first, first + count) alone, of a batch of `dims.batch`
+  // attending `dims.kv_len` keys: their key lengths, padding rows and blocks of the explicit
+  // mask (a mask shared by the batch is copied whole). Dropout's pattern follows the batch
+  // index: not for dropout_p > 0.
+  AttentionOptions Sequences(const AttentionDims& dims, int64_t first, int64_t count) const;
+  AttentionOptions OneSequence(const AttentionDims& dims, int64_t b) const {
+    return Sequences(dims, b, 1);
+  }
+  // Whether a batch with these options may run in pieces of whole sequences: no attention
+  // weights, no dropout, and no explicit mask shared by the whole batch (each piece would
+  // copy it).
+  bool SplitsBetweenSequences() const;
   // The masks as every kernel reads them (see core/attention_math.h), pointing into this
   // object: valid while it lives unchanged.
   MaskView View(const AttentionDims& dims) const;

@@ -377,11 +377,7 @@ void DeliverOutput(const MhaInput& input, const float* rows, int64_t count,
 }
 
 bool SplitsIntoSequences(const MhaInput& input) {
-  const AttentionOptions& options = input.options;
-  const bool shared_mask = options.attn_mask_dims[0] == 1 &&
-                           !(options.attn_mask_keep.empty() && options.attn_mask_bias.empty());
-  return input.batch > 1 && options.need_weights == NeedWeights::kNone &&
-         options.dropout_p == 0.0f && !shared_mask;
+  return input.batch > 1 && input.options.SplitsBetweenSequences();
 }
 
 MhaInput OneSequence(const MhaInput& input, int64_t b, absl::Span<float> batch_destination) {
@@ -589,6 +585,21 @@ absl::Status ValidateSdpaInput(const SdpaInput& in) {
                    " is not a compute precision; expected FLOAT32 or BFLOAT16");
   }
   return in.options.Validate(d);
+}
+
+SdpaInput SdpaSequences(const SdpaInput& in, int64_t first, int64_t count) {
+  const AttentionDims& d = in.dims;
+  const auto rows = [&](absl::Span<const float> tensor) {
+    const size_t each = tensor.size() / d.batch;
+    return tensor.subspan(first * each, count * each);
+  };
+  SdpaInput some = in;
+  some.dims.batch = count;
+  some.query = rows(in.query);
+  some.key = rows(in.key);
+  some.value = rows(in.value);
+  some.options = in.options.Sequences(d, first, count);
+  return some;
 }
 
 template <typename T>

@@ -130,6 +130,10 @@ class MhaLayer {
 };
 
 absl::Status ValidateSdpaInput(const SdpaInput& input);
+// Sequences [first, first + count) of `input`'s batch as a call of their own: their rows of
+// Q, K and V (pointing into the input's) and their masks (AttentionOptions::Sequences). Their
+// answer is rows [first, first + count) of the whole call's.
+SdpaInput SdpaSequences(const SdpaInput& input, int64_t first, int64_t count);
 // Scaled dot-product attention in T, as ForwardTextbook.
 template <typename T>
 TextbookResult<T> SdpaTextbook(const SdpaInput& input);

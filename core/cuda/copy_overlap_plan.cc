@@ -1,9 +1,19 @@
 #include "core/cuda/copy_overlap_plan.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <numeric>
+#include <string_view>
 
 namespace attention::core::cuda {
+
+bool CopyOverlapEnabled() {
+  static const bool enabled = [] {
+    const char* setting = std::getenv("ATTENTION_CUDA_OVERLAP");
+    return setting == nullptr || std::string_view(setting) != "off";
+  }();
+  return enabled;
+}
 
 std::vector<int64_t> CopyOverlapPartBytes(absl::Span<const MhaInput* const> inputs,
                                           int64_t output_dim) {
@@ -22,6 +32,16 @@ std::vector<int64_t> CopyOverlapPartBytes(absl::Span<const MhaInput* const> inpu
     }
   }
   return bytes;
+}
+
+std::vector<int64_t> SdpaOverlapPartBytes(const SdpaInput& input) {
+  const AttentionDims& d = input.dims;
+  const int64_t output_elements = d.batch * d.num_heads * d.q_len * d.v_head_dim;
+  const int64_t total = static_cast<int64_t>(input.query.size() + input.key.size() +
+                                             input.value.size() + output_elements) *
+                        static_cast<int64_t>(sizeof(float));
+  if (d.batch < 2 || !input.options.SplitsBetweenSequences()) return {total};
+  return std::vector<int64_t>(d.batch, total / d.batch);
 }
 
 std::vector<size_t> PlanCopyOverlap(absl::Span<const int64_t> part_bytes, int64_t chunk_bytes) {

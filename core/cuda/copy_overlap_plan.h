@@ -1,6 +1,7 @@
-// How a large forward pass on the GPU is cut into chunks whose copies overlap its compute
-// (prepared_layer.cc): chunk i + 1 goes host -> device on one stream while chunk i computes
-// on the other and chunk i - 1's answers come back. Plain C++, tested on every host.
+// How a large forward pass or scaled dot-product attention call on the GPU is cut into chunks
+// whose copies overlap its compute (prepared_layer.cc, sdpa.cc): chunk i + 1 goes host -> device on
+// one stream while chunk i computes on the other and chunk i - 1's answers come back. Plain C++,
+// tested on every host.
 #ifndef ATTENTION_CORE_CUDA_COPY_OVERLAP_PLAN_H_
 #define ATTENTION_CORE_CUDA_COPY_OVERLAP_PLAN_H_
 
@@ -18,9 +19,17 @@ inline constexpr int64_t kOverlapChunkBytes = int64_t{4} << 20;
 // Chunks of one pass at most: enough for the copies of all but the first and last to hide.
 inline constexpr int kMaxOverlapChunks = 8;
 
+// False when ATTENTION_CUDA_OVERLAP=off, which runs every call as one chunk (to tell the two
+// apart on a GPU).
+bool CopyOverlapEnabled();
+
 // Bytes each part of SplitBatch(inputs) moves: its tensors in as sent, its answer out.
 std::vector<int64_t> CopyOverlapPartBytes(absl::Span<const MhaInput* const> inputs,
                                           int64_t output_dim);
+
+// Bytes each sequence of an SDPA call moves: its Q, K and V in, its output out. One part,
+// the whole call, when it may not run in pieces (AttentionOptions::SplitsBetweenSequences).
+std::vector<int64_t> SdpaOverlapPartBytes(const SdpaInput& input);
 
 // The first part of each chunk, for parts (consecutive, in order) that move `part_bytes`:
 // {0} (one chunk, the pass as it is) when the parts move less than 2 x chunk_bytes in all;

@@ -2,10 +2,8 @@
 
 #include <algorithm>
 #include <array>
-#include <cstdlib>
 #include <cstring>
 #include <optional>
-#include <string_view>
 #include <utility>
 
 #include <cuda_runtime.h>
@@ -326,25 +324,12 @@ absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::Deliver(
   return results;
 }
 
-namespace {
-
-// ATTENTION_CUDA_OVERLAP=off runs every pass as one chunk (to tell the two apart on a GPU).
-bool OverlapsCopies() {
-  static const bool overlaps = [] {
-    const char* setting = std::getenv("ATTENTION_CUDA_OVERLAP");
-    return setting == nullptr || std::string_view(setting) != "off";
-  }();
-  return overlaps;
-}
-
-}  // namespace
-
 absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::ForwardBatch(
     absl::Span<const MhaInput* const> inputs) const {
   ASSIGN_OR_RETURN(StreamContext * first_lane, backend_.Context(0));
   const std::vector<size_t> chunks =
-      OverlapsCopies() ? PlanCopyOverlap(CopyOverlapPartBytes(inputs, config_.output_dim))
-                       : std::vector<size_t>{0};
+      CopyOverlapEnabled() ? PlanCopyOverlap(CopyOverlapPartBytes(inputs, config_.output_dim))
+                           : std::vector<size_t>{0};
   if (chunks.size() == 1) {
     ASSIGN_OR_RETURN(InFlight flight, Enqueue(inputs, *first_lane));
     return Deliver(flight);

@@ -1,17 +1,37 @@
 // Scaled dot-product attention of one request on the GPU: its tensors (by several host
 // threads) and masks copied in at once, the attention kernel, the output and weights copied
-// back at once.
+// back at once. A call that moves many megabytes runs as chunks of whole sequences on two
+// streams (copy_overlap_plan.h), so that one chunk's copies overlap another's compute.
+#include <array>
+#include <optional>
+#include <vector>
+
 #include <cuda_runtime.h>
 
 #include "core/attention_kernels.h"
+#include "core/cuda/copy_overlap_plan.h"
 #include "core/cuda/cuda_status.h"
 #include "core/cuda/device_backend.h"
 #include "core/cuda/staging.h"
+#include "core/mha_layer.h"
 #include "core/status_macros.h"
 
 namespace attention::core::cuda {
+namespace {
 
-absl::StatusOr<AttentionResult> CudaBackend::ScaledDotProductAttention(const SdpaInput& in) const {
+// One call (or chunk of one) enqueued on a stream: where its answers arrive in staging.
+struct SdpaFlight {
+  StreamContext* context = nullptr;
+  const char* staging = nullptr;
+  StagedWeights weights;
+  int64_t output_at = 0;
+  int64_t output_count = 0;
+};
+
+// Stages `in`, copies it to the device, attends and copies the answers back, all on
+// `context`'s stream; nothing waits for the stream.
+absl::StatusOr<SdpaFlight> EnqueueSdpa(const CudaBackend& backend, const SdpaInput& in,
+                                       StreamContext& context) {
   const AttentionDims& d = in.dims;
   Arena arena;
   const int64_t q_at = arena.Add(in.query.size() * sizeof(float));
@@ -21,38 +41,98 @@ absl::StatusOr<AttentionResult> CudaBackend::ScaledDotProductAttention(const Sdp
   mask.Plan(in.options, arena);
   Staged staged;
   staged.input_bytes = arena.size();
-  StagedWeights weights;
-  weights.PlanScratch(d, in.options.need_weights, arena);
+  SdpaFlight flight;
+  flight.context = &context;
+  flight.weights.PlanScratch(d, in.options.need_weights, arena);
   staged.output_offset = arena.Add(0);
-  const int64_t output_count = d.batch * d.num_heads * d.q_len * d.v_head_dim;
-  const int64_t output_at = arena.Add(output_count * sizeof(float));
-  weights.PlanOutput(d, in.options.need_weights, arena);
+  flight.output_count = d.batch * d.num_heads * d.q_len * d.v_head_dim;
+  flight.output_at = arena.Add(flight.output_count * sizeof(float));
+  flight.weights.PlanOutput(d, in.options.need_weights, arena);
   staged.output_bytes = arena.size() - staged.output_offset;
 
-  ASSIGN_OR_RETURN(StreamContext * context, Context());
-  ASSIGN_OR_RETURN(char* device, context->device.Reserve(arena.size()));
-  ASSIGN_OR_RETURN(char* staging, context->staging.Reserve(arena.size()));
-  ParallelCopy(host_copies_, staging + q_at, in.query.data(), in.query.size() * sizeof(float));
-  ParallelCopy(host_copies_, staging + k_at, in.key.data(), in.key.size() * sizeof(float));
-  ParallelCopy(host_copies_, staging + v_at, in.value.data(), in.value.size() * sizeof(float));
+  ASSIGN_OR_RETURN(char* device, context.device.Reserve(arena.size()));
+  ASSIGN_OR_RETURN(char* staging, context.staging.Reserve(arena.size()));
+  flight.staging = staging;
+  ThreadPool& copiers = backend.host_copies();
+  ParallelCopy(copiers, staging + q_at, in.query.data(), in.query.size() * sizeof(float));
+  ParallelCopy(copiers, staging + k_at, in.key.data(), in.key.size() * sizeof(float));
+  ParallelCopy(copiers, staging + v_at, in.value.data(), in.value.size() * sizeof(float));
   mask.Stage(in.options, staging);
   RETURN_IF_ERROR(CudaStatus(
-      cudaMemcpyAsync(device, staging, staged.input_bytes, cudaMemcpyHostToDevice, context->stream),
+      cudaMemcpyAsync(device, staging, staged.input_bytes, cudaMemcpyHostToDevice, context.stream),
       "cudaMemcpyAsync(inputs)"));
   auto on_device = [device](int64_t at) { return reinterpret_cast<float*>(device + at); };
   const AttentionProblem problem = SdpaProblem<float>(
-      in, on_device(q_at), on_device(k_at), on_device(v_at), on_device(output_at), nullptr);
-  RETURN_IF_ERROR(Attend(ToDeviceProblem(problem, mask, weights, device), *context));
+      in, on_device(q_at), on_device(k_at), on_device(v_at), on_device(flight.output_at), nullptr);
+  RETURN_IF_ERROR(backend.Attend(ToDeviceProblem(problem, mask, flight.weights, device), context));
   RETURN_IF_ERROR(
       CudaStatus(cudaMemcpyAsync(staging + staged.output_offset, device + staged.output_offset,
-                                 staged.output_bytes, cudaMemcpyDeviceToHost, context->stream),
+                                 staged.output_bytes, cudaMemcpyDeviceToHost, context.stream),
                  "cudaMemcpyAsync(outputs)"));
-  RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(context->stream), "attention"));
+  return flight;
+}
+
+// Waits for `flight`, then copies its output into `output` (output_count floats).
+absl::Status ReceiveSdpa(const CudaBackend& backend, const SdpaFlight& flight, float* output) {
+  RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(flight.context->stream), "attention"));
+  ParallelCopy(backend.host_copies(), output, flight.staging + flight.output_at,
+               flight.output_count * sizeof(float));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<AttentionResult> CudaBackend::ScaledDotProductAttention(const SdpaInput& in) const {
+  const AttentionDims& d = in.dims;
   AttentionResult result;
-  const float* output = reinterpret_cast<const float*>(staging + output_at);
-  result.output.assign(output, output + output_count);
-  weights.CopyOut(staging, result.weights);
-  FinishWeights(result, d, in.options.need_weights);
+  result.output.resize(d.batch * d.num_heads * d.q_len * d.v_head_dim);
+  ASSIGN_OR_RETURN(StreamContext * first_lane, Context(0));
+  const std::vector<size_t> chunks =
+      CopyOverlapEnabled() ? PlanCopyOverlap(SdpaOverlapPartBytes(in)) : std::vector<size_t>{0};
+  if (chunks.size() == 1) {
+    ASSIGN_OR_RETURN(const SdpaFlight flight, EnqueueSdpa(*this, in, *first_lane));
+    RETURN_IF_ERROR(ReceiveSdpa(*this, flight, result.output.data()));
+    flight.weights.CopyOut(flight.staging, result.weights);
+    FinishWeights(result, d, in.options.need_weights);
+    return result;
+  }
+  // Chunks of whole sequences alternate between two streams, as a layer's forward pass does
+  // (prepared_layer.cc): chunk i + 1 is staged and copied in while chunk i computes.
+  ASSIGN_OR_RETURN(StreamContext * second_lane, Context(1));
+  const std::array<StreamContext*, 2> lanes = {first_lane, second_lane};
+  const int64_t sequence_output = d.num_heads * d.q_len * d.v_head_dim;
+  std::vector<std::optional<SdpaFlight>> flights(chunks.size());
+  const auto receive = [&](size_t chunk) -> absl::Status {
+    const absl::Status received =
+        ReceiveSdpa(*this, *flights[chunk],
+                    result.output.data() + static_cast<int64_t>(chunks[chunk]) * sequence_output);
+    flights[chunk].reset();
+    return received;
+  };
+  absl::Status status;
+  for (size_t chunk = 0; chunk < chunks.size() && status.ok(); ++chunk) {
+    // A lane's staging is reused once the chunk before on it is received.
+    if (chunk >= 2) status = receive(chunk - 2);
+    if (!status.ok()) break;
+    const auto first = static_cast<int64_t>(chunks[chunk]);
+    const int64_t end =
+        chunk + 1 < chunks.size() ? static_cast<int64_t>(chunks[chunk + 1]) : d.batch;
+    absl::StatusOr<SdpaFlight> flight =
+        EnqueueSdpa(*this, SdpaSequences(in, first, end - first), *lanes[chunk % 2]);
+    if (flight.ok()) {
+      flights[chunk] = *flight;
+    } else {
+      status = flight.status();
+    }
+  }
+  for (size_t chunk = 0; chunk < chunks.size() && status.ok(); ++chunk) {
+    if (flights[chunk].has_value()) status = receive(chunk);
+  }
+  if (!status.ok()) {
+    // Nothing of this call may still run once it returns.
+    for (StreamContext* lane : lanes) cudaStreamSynchronize(lane->stream);
+    return status;
+  }
   return result;
 }
 

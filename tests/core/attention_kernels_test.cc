@@ -12,6 +12,7 @@
 #include "core/cpu/attention_cpu.h"
 #include "core/cpu/cpu_backend.h"
 #include "core/cpu/gemm_bf16.h"
+#include "core/cuda/copy_overlap_plan.h"
 #include "core/mha_layer.h"
 #include "gtest/gtest.h"
 #include "tests/core/fidelity.h"
@@ -134,6 +135,51 @@ TEST(AttentionCpuTest, SdpaInBf16OnFloat32ProductsIsTheFloat32Answer) {
   EXPECT_EQ(bf16->output, float32->output);
 }
 
+// Sequences of a call run as a call of their own (SdpaSequences, the chunks a GPU call's
+// copies overlap in) answer bitwise as their rows of the whole call, masks and weights
+// included.
+TEST(SdpaSequencesTest, PiecesAnswerAsTheirRowsOfTheWholeCall) {
+  const uint64_t seed = TestSeed(4022);
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
+  std::mt19937_64 rng(seed);
+  const int64_t lengths[] = {1, 5, 33, 70};
+  const int64_t head_dims[] = {3, 16};
+  const std::pair<int64_t, int64_t> heads[] = {{1, 1}, {4, 2}};
+  const Backend& cpu = *testing::CpuForTests();
+  for (int trial = 0; trial < TrialsForThisBuild(40) && !HasFailure(); ++trial) {
+    SdpaInput input;
+    input.dims = RandomSdpaDims(rng, 5, lengths, lengths, head_dims, heads);
+    const AttentionDims& dims = input.dims;
+    const auto q = RandomFloats(rng, dims.batch * dims.num_heads * dims.q_len * dims.head_dim);
+    const auto k = RandomFloats(rng, dims.batch * dims.num_kv_heads * dims.kv_len * dims.head_dim);
+    const auto v =
+        RandomFloats(rng, dims.batch * dims.num_kv_heads * dims.kv_len * dims.v_head_dim);
+    input.query = q;
+    input.key = k;
+    input.value = v;
+    input.options = RandomOptions(rng, dims);
+    input.options.dropout_p = 0.0f;  // its pattern follows the batch index
+    const std::string what =
+        "trial " + std::to_string(trial) + ": " + Describe(dims, input.options);
+    const absl::StatusOr<AttentionResult> whole = cpu.ScaledDotProductAttention(input);
+    ASSERT_TRUE(whole.ok()) << whole.status();
+    const int64_t first = std::uniform_int_distribution<int64_t>(0, dims.batch - 1)(rng);
+    const int64_t count = std::uniform_int_distribution<int64_t>(1, dims.batch - first)(rng);
+    const SdpaInput piece = SdpaSequences(input, first, count);
+    ASSERT_TRUE(ValidateSdpaInput(piece).ok()) << what << ": " << ValidateSdpaInput(piece);
+    const absl::StatusOr<AttentionResult> answer = cpu.ScaledDotProductAttention(piece);
+    ASSERT_TRUE(answer.ok()) << answer.status();
+    const auto rows = [&](const std::vector<float>& all) {
+      const size_t each = all.size() / dims.batch;
+      return std::vector<float>(all.begin() + first * each, all.begin() + (first + count) * each);
+    };
+    EXPECT_EQ(answer->output, rows(whole->output))
+        << what << ", sequences " << first << " + " << count;
+    EXPECT_EQ(answer->weights, whole->weights.empty() ? whole->weights : rows(whole->weights))
+        << what << ", sequences " << first << " + " << count;
+  }
+}
+
 TEST(SdpaValidationTest, ComputeDTypeIsFloat32OrBf16) {
   SdpaInput input;
   input.dims = {1, 1, 1, 1, 1, 1, 1};
@@ -201,6 +247,38 @@ TEST_P(SdpaBackendTest, SdpaMatchesReferenceWithLongKeys) {
     ASSERT_TRUE(forward.ok()) << forward.status();
     ExpectFaithful(*forward, input, what, outputs, weights);
   }
+}
+
+// A call that moves more than twice kOverlapChunkBytes with masks of its own per sequence:
+// on the GPU it runs in chunks of sequences over two streams (core/cuda/copy_overlap_plan.h),
+// elsewhere whole; within FlashAttention's rule either way. Few keys keep the oracle cheap.
+TEST_P(SdpaBackendTest, CallsLargeEnoughToOverlapCopiesMatchTheReference) {
+  const uint64_t seed = TestSeed(4021);
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
+  std::mt19937_64 rng(seed);
+  SdpaInput input;
+  AttentionDims& dims = input.dims;
+  dims = {16, 4, 2, 512, 24, 64, 64};
+  const auto q = RandomFloats(rng, dims.batch * dims.num_heads * dims.q_len * dims.head_dim);
+  const auto k = RandomFloats(rng, dims.batch * dims.num_kv_heads * dims.kv_len * dims.head_dim);
+  const auto v = RandomFloats(rng, dims.batch * dims.num_kv_heads * dims.kv_len * dims.v_head_dim);
+  input.query = q;
+  input.key = k;
+  input.value = v;
+  for (int64_t b = 0; b < dims.batch; ++b) {
+    input.options.key_lengths.push_back(
+        std::uniform_int_distribution<int64_t>(1, dims.kv_len)(rng));
+  }
+  input.options.attn_mask_dims = {dims.batch, 1, 1, dims.kv_len};
+  input.options.attn_mask_bias = RandomFloats(rng, dims.batch * dims.kv_len);
+  ASSERT_TRUE(ValidateSdpaInput(input).ok()) << ValidateSdpaInput(input);
+  ASSERT_GE(cuda::PlanCopyOverlap(cuda::SdpaOverlapPartBytes(input)).size(), 3u)
+      << "the call should be cut into chunks on a GPU";
+  const absl::StatusOr<AttentionResult> forward = backend_->ScaledDotProductAttention(input);
+  ASSERT_TRUE(forward.ok()) << forward.status();
+  FidelityStats outputs("SDPA overlapped output (" + GetParam() + ")"),
+      weights("SDPA overlapped weights (" + GetParam() + ")");
+  ExpectFaithful(*forward, input, Describe(dims, input.options), outputs, weights);
 }
 
 TEST_P(SdpaBackendTest, CausalIsBottomRightAligned) {

@@ -72,5 +72,37 @@ TEST(CopyOverlapPlanTest, EveryChunkMovesEnoughOnRandomParts) {
   }
 }
 
+// An SDPA call moves its Q, K and V in and its output out, cut between sequences only when
+// each piece would compute what the whole does.
+TEST(CopyOverlapPlanTest, SdpaCallsAreCutBetweenSequencesUnlessTheyMayNotBe) {
+  SdpaInput input;
+  input.dims = {4, 2, 1, 8, 16, 4, 2};  // B, H, Hkv, Nq, Nk, dk, dv
+  const std::vector<float> q(4 * 2 * 8 * 4), k(4 * 16 * 4), v(4 * 16 * 2);
+  input.query = q;
+  input.key = k;
+  input.value = v;
+  const int64_t per_sequence = (2 * 8 * 4 + 16 * 4 + 16 * 2 + 2 * 8 * 2) * 4;
+  EXPECT_EQ(SdpaOverlapPartBytes(input), std::vector<int64_t>(4, per_sequence));
+  input.options.attn_mask_dims = {4, 1, 8, 16};  // a mask per sequence is cut with it
+  input.options.attn_mask_keep.assign(4 * 8 * 16, 1);
+  EXPECT_EQ(SdpaOverlapPartBytes(input).size(), 4u);
+
+  const std::vector<int64_t> whole = {4 * per_sequence};
+  SdpaInput shared_mask = input;
+  shared_mask.options.attn_mask_dims = {1, 1, 8, 16};
+  shared_mask.options.attn_mask_keep.assign(8 * 16, 1);
+  EXPECT_EQ(SdpaOverlapPartBytes(shared_mask), whole) << "each chunk would copy the mask";
+  SdpaInput weights = input;
+  weights.options.need_weights = NeedWeights::kPerHead;
+  EXPECT_EQ(SdpaOverlapPartBytes(weights), whole);
+  SdpaInput dropout = input;
+  dropout.options.dropout_p = 0.5f;
+  EXPECT_EQ(SdpaOverlapPartBytes(dropout), whole) << "dropout's pattern follows the batch index";
+  SdpaInput one = input;
+  one.dims.batch = 1;
+  one.options = {};
+  EXPECT_EQ(SdpaOverlapPartBytes(one).size(), 1u);
+}
+
 }  // namespace
 }  // namespace attention::core::cuda
