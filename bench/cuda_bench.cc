@@ -123,6 +123,46 @@ BENCHMARK(BM_CudaMhaS4)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_CudaMhaS5)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_CudaMhaLarge)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_CudaMhaCausal16k)->UseRealTime()->Unit(benchmark::kMillisecond);
+// Scaled dot-product attention alone on host tensors (B sequences, 12 heads of 64, N query
+// and key tokens, float32 in and out, as a served ScaledDotProductAttention call), as
+// attention GFLOPS (4 * N^2 * 64 per head) and the bytes a second it moves each way. Calls of
+// this size run in chunks on two streams unless ATTENTION_CUDA_OVERLAP=off.
+void RunCudaSdpa(benchmark::State& state, int64_t batch, int64_t tokens) {
+  std::string why_none;
+  const std::shared_ptr<const Backend> gpu = Gpu(&why_none);
+  if (gpu == nullptr) {
+    state.SkipWithError(why_none.c_str());
+    return;
+  }
+  SdpaInput input;
+  input.dims = {batch, 12, 12, tokens, tokens, 64, 64};
+  std::mt19937_64 rng(2);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  std::vector<float> q(batch * 12 * tokens * 64), k(q.size()), v(q.size());
+  for (std::vector<float>* tensor : {&q, &k, &v}) {
+    for (float& x : *tensor) x = uniform(rng);
+  }
+  input.query = q;
+  input.key = k;
+  input.value = v;
+  if (auto warmup = gpu->ScaledDotProductAttention(input); !warmup.ok()) {
+    state.SkipWithError(std::string(warmup.status().message()).c_str());
+    return;
+  }
+  for (auto _ : state) benchmark::DoNotOptimize(gpu->ScaledDotProductAttention(input));
+  const double flops = 4.0 * batch * 12 * static_cast<double>(tokens) * tokens * 64;
+  state.counters["GFLOPS"] =
+      benchmark::Counter(flops * state.iterations() / 1e9, benchmark::Counter::kIsRate);
+  state.counters["moved_GBps"] = benchmark::Counter(
+      4.0 * q.size() * sizeof(float) * state.iterations() / 1e9, benchmark::Counter::kIsRate);
+}
+void BM_CudaSdpaS1(benchmark::State& s) { RunCudaSdpa(s, 32, 128); }
+void BM_CudaSdpaS2(benchmark::State& s) { RunCudaSdpa(s, 8, 512); }
+void BM_CudaSdpaLarge(benchmark::State& s) { RunCudaSdpa(s, 64, 1024); }
+BENCHMARK(BM_CudaSdpaS1)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_CudaSdpaS2)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_CudaSdpaLarge)->UseRealTime()->Unit(benchmark::kMillisecond);
+
 void BM_CudaMhaBf16S1(benchmark::State& s) {
   RunCudaMha(s, 32, 128, 768, 12, false, DType::kBFloat16);
 }
