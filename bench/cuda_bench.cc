@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -32,6 +33,7 @@
 #include "core/cuda/paged_decode_plan.h"
 #include "core/devices.h"
 #include "core/half_bits.h"
+#include "core/kv_cache/kv_storage.h"
 #include "core/mha_layer.h"
 
 namespace attention::core {
@@ -431,6 +433,86 @@ BENCHMARK(BM_CudaPagedDecode)
     ->ArgNames({"context", "B", "bf16"})
     ->ArgsProduct({{4096, 32768}, {1, 8}, {0, 1}})
     ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+
+// A session step as the session table makes it: a GPU KV storage's Attend (block tables,
+// queries and outputs in host memory) over B sequences of `context` bf16 tokens of a
+// Llama-3-8B layer, one query each, as a BFLOAT16 layer's step (`cudnn`: cuDNN's paged SDPA
+// where it loads) or a float32 session's (the project's paged decode kernel), rotating
+// through copies of the cache as BM_CudaPagedDecode does. Wall time per step.
+void BM_CudaSessionStep(benchmark::State& state) {
+  if (const std::string why = NoGpuReason(); !why.empty()) {
+    state.SkipWithError(why.c_str());
+    return;
+  }
+  const int64_t context = state.range(0), batch = state.range(1);
+  constexpr int64_t kHeads = 32, kDim = 128;
+  const kv_cache::KvLayout layout{8, kDim, kDim, DType::kBFloat16};
+  const int64_t block_bytes = kv_cache::kDefaultBlockBytes;
+  const int64_t tokens_per_block = *kv_cache::TokensPerBlock(layout, block_bytes);
+  const int64_t blocks_per_sequence = (context + tokens_per_block - 1) / tokens_per_block;
+  const int64_t kv_bytes = batch * context * layout.TokenBytes();
+  const int64_t copies = std::max<int64_t>(1, (int64_t{512} << 20) / kv_bytes);
+  const int64_t num_blocks = copies * batch * blocks_per_sequence;
+  static Devices* devices = new Devices(1);
+  absl::StatusOr<std::unique_ptr<kv_cache::KvStorage>> storage =
+      devices->CreateKvStorage("cuda:0", num_blocks, block_bytes);
+  if (!storage.ok()) {
+    state.SkipWithError(std::string(storage.status().message()).c_str());
+    return;
+  }
+  const std::vector<char> filled(block_bytes, 0x3c);  // 0.0115 in bf16
+  for (kv_cache::BlockId block = 0; block < num_blocks; ++block) {
+    if (!(*storage)->WriteBlock(block, filled.data()).ok()) {
+      state.SkipWithError("WriteBlock failed");
+      return;
+    }
+  }
+  std::mt19937_64 rng(1);
+  std::vector<kv_cache::BlockId> tables(num_blocks);
+  std::iota(tables.begin(), tables.end(), 0);
+  std::shuffle(tables.begin(), tables.end(), rng);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  std::vector<float> query(batch * kHeads * kDim), output(query.size());
+  for (float& x : query) x = uniform(rng);
+  std::vector<std::vector<PagedDecodeSequence>> sequences(copies);
+  std::vector<PagedDecodeBatch> batches(copies);
+  for (int64_t copy = 0; copy < copies; ++copy) {
+    for (int64_t b = 0; b < batch; ++b) {
+      sequences[copy].push_back({absl::MakeConstSpan(tables).subspan(
+                                     (copy * batch + b) * blocks_per_sequence, blocks_per_sequence),
+                                 context, 1, query.data() + b * kHeads * kDim,
+                                 output.data() + b * kHeads * kDim, nullptr});
+    }
+    PagedDecodeBatch& p = batches[copy];
+    p.layout = layout;
+    p.tokens_per_block = tokens_per_block;
+    p.num_heads = kHeads;
+    p.scale = 1.0f / std::sqrt(static_cast<float>(kDim));
+    p.bf16_products = state.range(2) == 1;
+    p.sequences = sequences[copy];
+  }
+  int64_t step = 0;
+  for (auto _ : state) {
+    if (const absl::Status status = (*storage)->Attend(batches[step++ % copies]); !status.ok()) {
+      state.SkipWithError(std::string(status.message()).c_str());
+      return;
+    }
+  }
+  const std::map<std::string, int64_t> paths = (*storage)->AttendCallsByPath();
+  state.SetLabel(absl::StrCat("cudnn steps ", paths.count("cudnn") ? paths.at("cudnn") : 0,
+                              ", kernel steps ", paths.count("kernels") ? paths.at("kernels") : 0));
+  const double bytes = static_cast<double>(kv_bytes) * state.iterations();
+  state.counters["kv_GBps"] = benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsRate);
+  const double roof = ReadRoofBytesPerSecond();
+  if (roof > 0) {
+    state.counters["of_read_roof"] = benchmark::Counter(bytes / roof, benchmark::Counter::kIsRate);
+  }
+}
+BENCHMARK(BM_CudaSessionStep)
+    ->ArgNames({"context", "B", "cudnn"})
+    ->ArgsProduct({{4096, 32768}, {1, 8}, {0, 1}})
+    ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 
 enum PrefixMode { kShared = 0, kForksUnshared = 1, kPrivateCopies = 2 };

@@ -24,6 +24,9 @@ absl::StatusOr<std::unique_ptr<kv_cache::KvStorage>> CudaKvStorage::Create(int d
                              absl::StrCat("cudaMalloc of the KV cache (", num_blocks, " blocks of ",
                                           block_bytes, " bytes) on cuda:", device)));
   storage->blocks_ = static_cast<char*>(blocks);
+  RETURN_IF_ERROR(CudaStatus(
+      cudaDeviceGetAttribute(&storage->sm_major_, cudaDevAttrComputeCapabilityMajor, device),
+      "cudaDeviceGetAttribute(compute capability)"));
   RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&storage->stream_, cudaStreamNonBlocking),
                              "cudaStreamCreateWithFlags"));
   return std::unique_ptr<kv_cache::KvStorage>(std::move(storage));
@@ -125,6 +128,13 @@ absl::Status CudaKvStorage::Attend(const PagedDecodeBatch& batch) {
   // Forks of one prefix, found while the tables are host memory: their shared splits run once.
   const std::vector<SharedPrefixGroup> shared =
       FindSharedPrefixes(device_batch, kCudaPagedSplitKeys);
+  ASSIGN_OR_RETURN(const bool on_cudnn, AttendPagedOnCudnn(device_batch, !shared.empty(), blocks_,
+                                                           device_, sm_major_, cudnn_, stream_));
+  if (on_cudnn) {
+    ++cudnn_steps_;
+    return absl::OkStatus();
+  }
+  ++kernel_steps_;
   // One arena for every sequence's block table, query, output and log-sum-exp: one copy in
   // and one copy out. A group's queries first, one after another in member order (as the
   // kernels read a group's rows).
@@ -189,6 +199,10 @@ absl::Status CudaKvStorage::Attend(const PagedDecodeBatch& batch) {
     }
   }
   return absl::OkStatus();
+}
+
+std::map<std::string, int64_t> CudaKvStorage::AttendCallsByPath() const {
+  return {{"cudnn", cudnn_steps_.load()}, {"kernels", kernel_steps_.load()}};
 }
 
 }  // namespace attention::core::cuda

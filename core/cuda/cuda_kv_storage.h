@@ -1,15 +1,20 @@
 // The CUDA backend's KV storage: the pool's blocks in one GPU's memory, attended there by
-// the CUDA paged decode kernel (paged_decode.h). Every call is synchronous: the session
-// table calls it under its lock, one at a time, with host memory in and out.
+// cuDNN's paged SDPA where it takes the step (cudnn_sdpa.h: bfloat16 layers' steps over
+// bfloat16 KV) and by the CUDA paged decode kernel (paged_decode.h) otherwise. Every call
+// is synchronous: the session table calls it under its lock, one at a time, with host
+// memory in and out.
 #ifndef ATTENTION_CORE_CUDA_CUDA_KV_STORAGE_H_
 #define ATTENTION_CORE_CUDA_CUDA_KV_STORAGE_H_
 
+#include <atomic>
+#include <map>
 #include <memory>
 #include <string>
 
 #include <cuda_runtime.h>
 
 #include "absl/status/statusor.h"
+#include "core/cuda/cudnn_sdpa.h"
 #include "core/cuda/device_buffer.h"
 #include "core/kv_cache/kv_storage.h"
 
@@ -34,6 +39,7 @@ class CudaKvStorage final : public kv_cache::KvStorage {
   absl::Status CopyBlock(kv_cache::BlockId from, kv_cache::BlockId to) override;
   absl::Status Poison(kv_cache::BlockId block) override;
   absl::Status Attend(const PagedDecodeBatch& batch) override;
+  std::map<std::string, int64_t> AttendCallsByPath() const override;
 
  private:
   CudaKvStorage(int device, int64_t num_blocks, int64_t block_bytes);
@@ -53,6 +59,9 @@ class CudaKvStorage final : public kv_cache::KvStorage {
   // Attend's block tables, queries and outputs, laid out once per call (Arena).
   PinnedBuffer host_staging_;
   DeviceBuffer device_staging_;
+  int sm_major_ = 0;
+  CudnnPagedContext cudnn_;
+  std::atomic<int64_t> cudnn_steps_{0}, kernel_steps_{0};
 };
 
 }  // namespace attention::core::cuda

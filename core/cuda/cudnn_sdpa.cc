@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/cuda/cuda_status.h"
+#include "core/half_bits.h"
 #include "core/status_macros.h"
 
 namespace attention::core::cuda {
@@ -153,6 +154,46 @@ absl::Status EnqueueOnCudnn(const DeviceAttentionProblem& problem, const CudnnSd
       "cuDNN SDPA output unpacking");
 }
 
+// Makes `runner` on first use: false when it cannot be made (logged once, for `whom`).
+bool MakeRunner(const CudnnSdpaLibrary& library, int device, const char* whom,
+                std::unique_ptr<CudnnSdpaRunner>& runner, bool& unavailable) {
+  if (runner != nullptr) return true;
+  if (unavailable) return false;
+  std::string error;
+  runner.reset(library.create_runner(device, &error));
+  if (runner == nullptr) {
+    unavailable = true;
+    std::cerr << "attention-service: cuda:" << device << ": cuDNN SDPA off for " << whom << ": "
+              << error << std::endl;
+    return false;
+  }
+  return true;
+}
+
+// The facts of a session step that CudnnPagedIneligibleReason judges.
+CudnnPagedCall CudnnPagedCallOf(const PagedDecodeBatch& batch, bool shared_prefixes,
+                                const char* pool) {
+  CudnnPagedCall call;
+  call.num_heads = batch.num_heads;
+  call.num_kv_heads = batch.layout.num_kv_heads;
+  call.head_dim = batch.layout.key_dim;
+  call.v_head_dim = batch.layout.value_dim;
+  call.bf16_kv = batch.layout.dtype == DType::kBFloat16;
+  call.bf16_products = batch.bf16_products;
+  call.shared_prefixes = shared_prefixes;
+  call.tokens_per_block = batch.tokens_per_block;
+  call.block_bytes = batch.storage.block_bytes;
+  call.num_blocks = batch.storage.num_blocks;
+  call.storage_address = reinterpret_cast<uint64_t>(pool);
+  call.sliding_window = batch.sliding_window;
+  for (const PagedDecodeSequence& s : batch.sequences) {
+    call.lengths.push_back(s.length);
+    call.num_queries.push_back(s.num_queries);
+    call.log_sum_exp = call.log_sum_exp || s.log_sum_exp != nullptr;
+  }
+  return call;
+}
+
 }  // namespace
 
 std::string CudnnSdpaSummary(int sm_major) {
@@ -172,7 +213,8 @@ std::string CudnnSdpaSummary(int sm_major) {
       "cuDNN ", library->version(),
       " fused SDPA for bfloat16 attention: head sizes multiples of 8 up to ", kCudnnSdpaMaxHeadDim,
       ", GQA and MQA, no mask, causal (bottom-right), a sliding window, key lengths or "
-      "right-padded key masks; "
+      "right-padded key masks; session steps of bfloat16 layers over bfloat16 KV on its paged "
+      "SDPA (no log-sum-exps, no forks of one prefix in the step); "
       "float32, attention weights, dropout and other masks on this project's kernels");
 }
 
@@ -182,16 +224,8 @@ absl::StatusOr<bool> AttendOnCudnn(const DeviceAttentionProblem& problem, int de
   if (library == nullptr) return false;
   const CudnnSdpaCall call = CudnnSdpaCallOf(problem);
   if (!CudnnSdpaIneligibleReason(call, sm_major, library->version()).empty()) return false;
-  if (context.cudnn == nullptr) {
-    if (context.cudnn_unavailable) return false;
-    std::string error;
-    context.cudnn.reset(library->create_runner(device, &error));
-    if (context.cudnn == nullptr) {
-      context.cudnn_unavailable = true;
-      std::cerr << "attention-service: cuda:" << device
-                << ": cuDNN SDPA off for this worker: " << error << std::endl;
-      return false;
-    }
+  if (!MakeRunner(*library, device, "this worker", context.cudnn, context.cudnn_unavailable)) {
+    return false;
   }
   const CudnnSdpaGraphKey key = CudnnSdpaKeyOf(call, problem.scale);
   int64_t workspace_bytes = 0;
@@ -208,6 +242,81 @@ absl::StatusOr<bool> AttendOnCudnn(const DeviceAttentionProblem& problem, int de
   const absl::Status freed = CudaStatus(cudaFreeAsync(scratch, context.stream), "cudaFreeAsync");
   RETURN_IF_ERROR(status);
   RETURN_IF_ERROR(freed);
+  return true;
+}
+
+absl::StatusOr<bool> AttendPagedOnCudnn(const PagedDecodeBatch& batch, bool shared_prefixes,
+                                        const char* pool, int device, int sm_major,
+                                        CudnnPagedContext& context, cudaStream_t stream) {
+  const CudnnSdpaLibrary* library = LoadCudnnSdpa(nullptr);
+  if (library == nullptr) return false;
+  const CudnnPagedCall call = CudnnPagedCallOf(batch, shared_prefixes, pool);
+  if (!CudnnPagedIneligibleReason(call, sm_major, library->version()).empty()) return false;
+  if (!MakeRunner(*library, device, "session steps", context.runner, context.unavailable)) {
+    return false;
+  }
+  const CudnnSdpaGraphKey key = CudnnPagedKeyOf(call, batch.scale);
+  int64_t workspace_bytes = 0;
+  if (!context.runner->WorkspaceBytes(key, &workspace_bytes).empty()) return false;
+
+  std::vector<std::vector<int32_t>> tables;
+  for (const PagedDecodeSequence& s : batch.sequences) {
+    tables.emplace_back(s.block_table.begin(), s.block_table.end());
+  }
+  const CudnnPagedArrays arrays = CudnnPagedArraysOf(key, tables, call.lengths, call.num_queries);
+  // The rows, lengths and page table go over in one copy; the answers come back in one.
+  const int64_t h = key.num_heads, dk = key.head_dim, dv = key.v_head_dim;
+  const int64_t query_rows = key.q_bucket * h * dk, output_rows = key.q_bucket * h * dv;
+  Arena arena;
+  const int64_t query_at = arena.Add(key.batch * query_rows * 2);
+  const int64_t q_lengths_at = arena.Add(key.batch * 4);
+  const int64_t kv_lengths_at = arena.Add(key.batch * 4);
+  const int64_t table_at = arena.Add(static_cast<int64_t>(arrays.page_table.size()) * 4);
+  const int64_t inputs_end = arena.size();
+  const int64_t output_at = arena.Add(key.batch * output_rows * 2);
+  const int64_t outputs_end = arena.size();
+  const int64_t workspace_at = arena.Add(workspace_bytes);
+  ASSIGN_OR_RETURN(char* host, context.host.Reserve(outputs_end));
+  ASSIGN_OR_RETURN(char* on_device, context.device.Reserve(arena.size()));
+  auto* query = reinterpret_cast<uint16_t*>(host + query_at);
+  std::fill(query, query + key.batch * query_rows, uint16_t{0});
+  for (size_t b = 0; b < batch.sequences.size(); ++b) {
+    const PagedDecodeSequence& s = batch.sequences[b];
+    // A sequence's [n][H][dk] rows are its rows of the [batch][q_bucket][H][dk] queries.
+    for (int64_t e = 0; e < s.num_queries * h * dk; ++e) {
+      query[static_cast<int64_t>(b) * query_rows + e] = FloatToBFloat16Bits(s.query[e]);
+    }
+  }
+  std::memcpy(host + q_lengths_at, arrays.q_lengths.data(), arrays.q_lengths.size() * 4);
+  std::memcpy(host + kv_lengths_at, arrays.kv_lengths.data(), arrays.kv_lengths.size() * 4);
+  std::memcpy(host + table_at, arrays.page_table.data(), arrays.page_table.size() * 4);
+  RETURN_IF_ERROR(
+      CudaStatus(cudaMemcpyAsync(on_device, host, inputs_end, cudaMemcpyHostToDevice, stream),
+                 "cudaMemcpyAsync of the step's queries and page tables"));
+  CudnnSdpaBuffers buffers;
+  buffers.query = on_device + query_at;
+  buffers.key = pool;
+  buffers.value = pool + key.tokens_per_block * key.num_kv_heads * dk * 2;  // after the keys
+  buffers.output = on_device + output_at;
+  buffers.q_lengths = reinterpret_cast<const int32_t*>(on_device + q_lengths_at);
+  buffers.kv_lengths = reinterpret_cast<const int32_t*>(on_device + kv_lengths_at);
+  buffers.page_table = reinterpret_cast<const int32_t*>(on_device + table_at);
+  if (std::string error = context.runner->Run(key, buffers, on_device + workspace_at, stream);
+      !error.empty()) {
+    return absl::InternalError(absl::StrCat("cuda:", device, ": ", error));
+  }
+  RETURN_IF_ERROR(
+      CudaStatus(cudaMemcpyAsync(host + output_at, on_device + output_at, outputs_end - output_at,
+                                 cudaMemcpyDeviceToHost, stream),
+                 "cudaMemcpyAsync of the step's outputs"));
+  RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream), "cuDNN paged SDPA"));
+  const auto* output = reinterpret_cast<const uint16_t*>(host + output_at);
+  for (size_t b = 0; b < batch.sequences.size(); ++b) {
+    const PagedDecodeSequence& s = batch.sequences[b];
+    for (int64_t e = 0; e < s.num_queries * h * dv; ++e) {
+      s.output[e] = BFloat16BitsToFloat(output[static_cast<int64_t>(b) * output_rows + e]);
+    }
+  }
   return true;
 }
 

@@ -22,7 +22,7 @@ namespace {
 namespace fe = cudnn_frontend;
 
 // Tensor ids of the variant pack.
-enum Uid : int64_t { kQ = 1, kK, kV, kO, kQLengths, kKvLengths };
+enum Uid : int64_t { kQ = 1, kK, kV, kO, kQLengths, kKvLengths, kPageTableK, kPageTableV };
 
 std::string CudnnError(const char* what, cudnnStatus_t status) {
   return std::string(what) + ": " + cudnnGetErrorString(status);
@@ -31,6 +31,11 @@ std::string CudnnError(const char* what, cudnnStatus_t status) {
 // Dense row-major strides of [b, h, s, d].
 std::vector<int64_t> DenseStrides(int64_t heads, int64_t length, int64_t dim) {
   return {heads * length * dim, length * dim, dim, 1};
+}
+
+// Strides of [b, h, s, d] laid out as [b][s][h][d] (a session step's rows).
+std::vector<int64_t> RowStrides(int64_t heads, int64_t length, int64_t dim) {
+  return {length * heads * dim, dim, heads * dim, 1};
 }
 
 struct BuiltGraph {
@@ -60,9 +65,35 @@ BuiltGraph Build(cudnnHandle_t handle, const CudnnSdpaGraphKey& key) {
                              .set_stride({1, 1, 1, 1})
                              .set_data_type(fe::DataType_t::INT32));
   };
-  auto q = tensor("Q", kQ, key.num_heads, key.q_bucket, key.head_dim);
-  auto k = tensor("K", kK, key.num_kv_heads, key.kv_bucket, key.head_dim);
-  auto v = tensor("V", kV, key.num_kv_heads, key.kv_bucket, key.v_head_dim);
+  // A paged graph's keys and values are the pool's blocks: [num_blocks, Hkv, tpb, d] each,
+  // a block's values after its keys, and a page table per sequence.
+  auto container = [&](const char* name, int64_t uid, int64_t dim) {
+    return graph->tensor(fe::graph::Tensor_attributes()
+                             .set_name(name)
+                             .set_uid(uid)
+                             .set_dim({key.num_blocks, key.num_kv_heads, key.tokens_per_block, dim})
+                             .set_stride({key.block_elements, key.tokens_per_block * dim, dim, 1}));
+  };
+  auto page_table = [&](const char* name, int64_t uid) {
+    return graph->tensor(fe::graph::Tensor_attributes()
+                             .set_name(name)
+                             .set_uid(uid)
+                             .set_dim({key.batch, 1, key.pages, 1})
+                             .set_stride({key.pages, key.pages, 1, 1})
+                             .set_data_type(fe::DataType_t::INT32));
+  };
+  auto q =
+      key.paged()
+          ? graph->tensor(fe::graph::Tensor_attributes()
+                              .set_name("Q")
+                              .set_uid(kQ)
+                              .set_dim({key.batch, key.num_heads, key.q_bucket, key.head_dim})
+                              .set_stride(RowStrides(key.num_heads, key.q_bucket, key.head_dim)))
+          : tensor("Q", kQ, key.num_heads, key.q_bucket, key.head_dim);
+  auto k = key.paged() ? container("K", kK, key.head_dim)
+                       : tensor("K", kK, key.num_kv_heads, key.kv_bucket, key.head_dim);
+  auto v = key.paged() ? container("V", kV, key.v_head_dim)
+                       : tensor("V", kV, key.num_kv_heads, key.kv_bucket, key.v_head_dim);
   float scale = 0.0f;
   std::memcpy(&scale, &key.scale_bits, sizeof(scale));
   auto options = fe::graph::SDPA_attributes()
@@ -79,12 +110,18 @@ BuiltGraph Build(cudnnHandle_t handle, const CudnnSdpaGraphKey& key) {
   if (key.sliding_window > 0) {
     options.set_diagonal_band_left_bound(static_cast<int>(key.sliding_window));
   }
+  if (key.paged()) {
+    options.set_paged_attention_k_table(page_table("page_table_k", kPageTableK))
+        .set_paged_attention_v_table(page_table("page_table_v", kPageTableV))
+        .set_paged_attention_max_seq_len_kv(static_cast<int>(key.kv_bucket));
+  }
   auto [o, stats] = graph->sdpa(q, k, v, options);
   (void)stats;
   o->set_output(true)
       .set_uid(kO)
       .set_dim({key.batch, key.num_heads, key.q_bucket, key.v_head_dim})
-      .set_stride(DenseStrides(key.num_heads, key.q_bucket, key.v_head_dim));
+      .set_stride(key.paged() ? RowStrides(key.num_heads, key.q_bucket, key.v_head_dim)
+                              : DenseStrides(key.num_heads, key.q_bucket, key.v_head_dim));
   if (fe::error_t status = graph->build(handle, {fe::HeurMode_t::A}); !status.is_good()) {
     built.refused = status.get_message();
     return built;
@@ -117,8 +154,8 @@ class Runner final : public CudnnSdpaRunner {
                   << " H=" << key.num_heads << " Hkv=" << key.num_kv_heads
                   << " Nq<=" << key.q_bucket << " Nk<=" << key.kv_bucket << " dk=" << key.head_dim
                   << " dv=" << key.v_head_dim << " causal=" << key.causal
-                  << " window=" << key.sliding_window << "]: " << built->refused.substr(0, 400)
-                  << std::endl;
+                  << " window=" << key.sliding_window << " pages=" << key.pages
+                  << "]: " << built->refused.substr(0, 400) << std::endl;
       }
     }
     if (!built->refused.empty()) return built->refused;
@@ -140,6 +177,10 @@ class Runner final : public CudnnSdpaRunner {
         {kO, buffers.output},
         {kQLengths, const_cast<int32_t*>(buffers.q_lengths)},
         {kKvLengths, const_cast<int32_t*>(buffers.kv_lengths)}};
+    if (key.paged()) {
+      pack[kPageTableK] = const_cast<int32_t*>(buffers.page_table);
+      pack[kPageTableV] = const_cast<int32_t*>(buffers.page_table);
+    }
     try {
       if (fe::error_t status = built->graph->execute(handle_, pack, workspace); !status.is_good()) {
         return "cuDNN SDPA: " + status.get_message();

@@ -18,7 +18,7 @@
 
 namespace attention::core::cuda {
 
-// Device buffers of one call, dense and padded to the key's buckets (row-major):
+// Device buffers of one call, dense and padded to the key's buckets (row-major) unless paged:
 // query [B][H][q_bucket][dk], key [B][Hkv][kv_bucket][dk], value [B][Hkv][kv_bucket][dv],
 // output [B][H][q_bucket][dv], all bf16; q_lengths and kv_lengths [B] int32 (cuDNN's padding
 // sequence lengths: the true q_len and kv_len).
@@ -29,6 +29,10 @@ struct CudnnSdpaBuffers {
   void* output = nullptr;
   const int32_t* q_lengths = nullptr;
   const int32_t* kv_lengths = nullptr;
+  // A paged graph (CudnnSdpaGraphKey::paged): query and output are [B][q_bucket][H][d] bf16,
+  // key and value the pool's first block's key and value rows (containers of num_blocks
+  // blocks, block_elements apart), and the page table [B][pages] int32.
+  const int32_t* page_table = nullptr;
 };
 
 // A cuDNN handle and its graphs, for one stream (one batch worker thread).

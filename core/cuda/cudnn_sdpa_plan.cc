@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 namespace attention::core::cuda {
 
@@ -89,6 +90,95 @@ CudnnSdpaGraphKey CudnnSdpaKeyOf(const CudnnSdpaCall& call, float scale) {
   key.sliding_window = call.sliding_window;
   std::memcpy(&key.scale_bits, &scale, sizeof(scale));
   return key;
+}
+
+std::string CudnnPagedIneligibleReason(const CudnnPagedCall& call, int sm_major,
+                                       int64_t cudnn_version) {
+  if (cudnn_version < kCudnnSdpaMinVersion) {
+    return "cuDNN " + std::to_string(cudnn_version) + " is older than " +
+           std::to_string(kCudnnSdpaMinVersion);
+  }
+  if (sm_major < 8) {
+    return "compute capability " + std::to_string(sm_major) + ".x: cuDNN's SDPA needs 8.0";
+  }
+  if (!call.bf16_kv) return "float32 KV: cuDNN's SDPA is bf16 or fp16";
+  if (!call.bf16_products) {
+    return "a session that computes in float32 (no BFLOAT16 layer): cuDNN rounds the queries "
+           "and probabilities to bf16";
+  }
+  if (call.log_sum_exp) return "log-sum-exps asked for: the project's kernel returns them";
+  if (call.shared_prefixes) return "forks of one prefix: the project's kernel reads it once";
+  for (const auto& [name, dim] : {std::pair<const char*, int64_t>{"head_dim", call.head_dim},
+                                  std::pair<const char*, int64_t>{"v_head_dim", call.v_head_dim}}) {
+    if (dim % 8 != 0 || dim > kCudnnSdpaMaxHeadDim) {
+      return std::string(name) + " " + std::to_string(dim) + ": cuDNN takes multiples of 8 up to " +
+             std::to_string(kCudnnSdpaMaxHeadDim);
+    }
+  }
+  if (call.num_kv_heads <= 0 || call.num_heads % call.num_kv_heads != 0) {
+    return "num_heads " + std::to_string(call.num_heads) + " not a multiple of num_kv_heads " +
+           std::to_string(call.num_kv_heads);
+  }
+  // cuDNN reads 16-byte rows: the pool, each block and each key and value row start aligned.
+  if (call.block_bytes % 16 != 0 || call.storage_address % 16 != 0) {
+    return "block_bytes " + std::to_string(call.block_bytes) +
+           " or the pool's address not 16-byte aligned";
+  }
+  if (call.num_blocks > std::numeric_limits<int32_t>::max()) {
+    return "num_blocks " + std::to_string(call.num_blocks) + ": page tables are int32";
+  }
+  if (call.lengths.empty() || call.lengths.size() != call.num_queries.size()) {
+    return "no sequences";
+  }
+  for (size_t b = 0; b < call.lengths.size(); ++b) {
+    if (call.lengths[b] > std::numeric_limits<int32_t>::max()) {
+      return "lengths[" + std::to_string(b) + "] = " + std::to_string(call.lengths[b]) +
+             ": lengths are int32";
+    }
+  }
+  return "";
+}
+
+CudnnSdpaGraphKey CudnnPagedKeyOf(const CudnnPagedCall& call, float scale) {
+  CudnnSdpaGraphKey key;
+  key.batch = 1;
+  while (key.batch < static_cast<int64_t>(call.lengths.size())) key.batch *= 2;
+  key.num_heads = call.num_heads;
+  key.num_kv_heads = call.num_kv_heads;
+  const int64_t most_queries = *std::max_element(call.num_queries.begin(), call.num_queries.end());
+  key.q_bucket = most_queries == 1 ? 1 : CudnnSdpaSequenceBucket(most_queries);
+  const int64_t longest = *std::max_element(call.lengths.begin(), call.lengths.end());
+  key.tokens_per_block = call.tokens_per_block;
+  key.pages =
+      (CudnnSdpaSequenceBucket(longest) + call.tokens_per_block - 1) / call.tokens_per_block;
+  key.kv_bucket = key.pages * call.tokens_per_block;
+  key.num_blocks = call.num_blocks;
+  key.block_elements = call.block_bytes / 2;
+  key.head_dim = call.head_dim;
+  key.v_head_dim = call.v_head_dim;
+  // One query per sequence sees every key it holds; more see them bottom-right aligned.
+  key.causal = key.q_bucket > 1;
+  key.sliding_window = call.sliding_window;
+  std::memcpy(&key.scale_bits, &scale, sizeof(scale));
+  return key;
+}
+
+CudnnPagedArrays CudnnPagedArraysOf(const CudnnSdpaGraphKey& key,
+                                    const std::vector<std::vector<int32_t>>& block_tables,
+                                    const std::vector<int64_t>& lengths,
+                                    const std::vector<int64_t>& num_queries) {
+  CudnnPagedArrays arrays;
+  arrays.q_lengths.assign(key.batch, 1);
+  arrays.kv_lengths.assign(key.batch, 1);
+  arrays.page_table.assign(key.batch * key.pages, 0);
+  for (size_t b = 0; b < lengths.size(); ++b) {
+    arrays.q_lengths[b] = static_cast<int32_t>(num_queries[b]);
+    arrays.kv_lengths[b] = static_cast<int32_t>(lengths[b]);
+    const int64_t used = (lengths[b] + key.tokens_per_block - 1) / key.tokens_per_block;
+    std::copy(block_tables[b].begin(), block_tables[b].begin() + used,
+              arrays.page_table.begin() + static_cast<int64_t>(b) * key.pages);
+  }
+  return arrays;
 }
 
 }  // namespace attention::core::cuda

@@ -75,15 +75,65 @@ struct CudnnSdpaGraphKey {
   bool causal = false;
   int64_t sliding_window = 0;
   uint32_t scale_bits = 0;  // the float scale's bits: the graph bakes it in
+  // A session step over a paged pool (CudnnPagedKeyOf), 0 otherwise: the pool's blocks, the
+  // elements from one block to the next, tokens per block, and each sequence's page-table
+  // entries (kv_bucket = pages * tokens_per_block keys at most).
+  int64_t num_blocks = 0, block_elements = 0, tokens_per_block = 0, pages = 0;
 
+  bool paged() const { return pages > 0; }
   auto Tie() const {
     return std::tie(batch, num_heads, num_kv_heads, q_bucket, kv_bucket, head_dim, v_head_dim,
-                    causal, sliding_window, scale_bits);
+                    causal, sliding_window, scale_bits, num_blocks, block_elements,
+                    tokens_per_block, pages);
   }
   bool operator<(const CudnnSdpaGraphKey& other) const { return Tie() < other.Tie(); }
   bool operator==(const CudnnSdpaGraphKey& other) const { return Tie() == other.Tie(); }
 };
 CudnnSdpaGraphKey CudnnSdpaKeyOf(const CudnnSdpaCall& call, float scale);
+
+// A session step over the paged KV pool of a GPU (CudaKvStorage::Attend) on cuDNN's paged
+// SDPA: sequences whose n new queries attend to their L cached keys through a page table of
+// the pool's blocks, in place (a block holds, per KV head, tokens_per_block key rows and then
+// as many value rows: two strided containers over the one pool). Taken for the steps of
+// BFLOAT16 layers over bfloat16 KV (PagedDecodeBatch::bf16_products) with head sizes cuDNN
+// takes, no log-sum-exps asked for, and no forks of one prefix in the batch (this project's
+// kernel reads a shared prefix once for them all). Queries and answers travel as
+// [batch][q_bucket][H][d] bf16 (cuDNN's BSHD strides), the batch padded to a power of two
+// with one-key sequences whose answers are dropped.
+struct CudnnPagedCall {
+  int64_t num_heads = 1, num_kv_heads = 1, head_dim = 1, v_head_dim = 1;
+  bool bf16_kv = false;          // the pool holds bfloat16 keys and values
+  bool bf16_products = false;    // PagedDecodeBatch::bf16_products
+  bool log_sum_exp = false;      // some sequence asks for its log-sum-exps
+  bool shared_prefixes = false;  // forks of one prefix (FindSharedPrefixes) in the batch
+  int64_t tokens_per_block = 1, block_bytes = 2, num_blocks = 1;
+  uint64_t storage_address = 0;
+  int64_t sliding_window = 0;
+  std::vector<int64_t> lengths;      // L of each sequence
+  std::vector<int64_t> num_queries;  // n of each sequence
+};
+
+// Empty when cuDNN runs `call` on a GPU of compute capability `sm_major` with cuDNN
+// `cudnn_version`; otherwise why not, naming the field.
+std::string CudnnPagedIneligibleReason(const CudnnPagedCall& call, int sm_major,
+                                       int64_t cudnn_version);
+
+// The graph of an eligible call: the batch padded to a power of two, q_bucket 1 for a batch
+// of decode steps (cuDNN's decode path) or the bucket of the most queries, and the pages of
+// the bucket of the longest sequence.
+CudnnSdpaGraphKey CudnnPagedKeyOf(const CudnnPagedCall& call, float scale);
+
+// The int32 arrays a paged graph reads: the sequences' true query counts and lengths
+// (cuDNN's padding sequence lengths, [key.batch] each) and their page tables
+// ([key.batch][key.pages], entry p the block of keys [p * tpb, (p + 1) * tpb)). Padding
+// sequences and pages past a sequence's end read block 0 and are masked by the lengths.
+struct CudnnPagedArrays {
+  std::vector<int32_t> q_lengths, kv_lengths, page_table;
+};
+CudnnPagedArrays CudnnPagedArraysOf(const CudnnSdpaGraphKey& key,
+                                    const std::vector<std::vector<int32_t>>& block_tables,
+                                    const std::vector<int64_t>& lengths,
+                                    const std::vector<int64_t>& num_queries);
 
 // Elements of a dense [batch, heads, bucket, dim] packed tensor.
 inline int64_t CudnnSdpaPackedElements(int64_t batch, int64_t heads, int64_t bucket, int64_t dim) {

@@ -5,6 +5,7 @@
 #define ATTENTION_CORE_KV_CACHE_KV_STORAGE_H_
 
 #include <cstdint>
+#include <map>
 #include <string>
 
 #include "absl/status/status.h"
@@ -50,6 +51,9 @@ class KvStorage {
   virtual absl::Status Attend(const PagedDecodeBatch& batch) = 0;
   // Whether Attend may run on several threads at once (it then keeps no state of its own).
   virtual bool attends_concurrently() const { return false; }
+  // Attend calls since start by the path that ran them, where a storage has several (a
+  // GPU's: "cudnn", cuDNN's paged SDPA, and "kernels", the project's); empty otherwise.
+  virtual std::map<std::string, int64_t> AttendCallsByPath() const { return {}; }
 
  private:
   const int64_t num_blocks_;

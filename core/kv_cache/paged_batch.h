@@ -44,6 +44,10 @@ struct PagedDecodeBatch {
   int64_t num_heads = 0;  // H, a multiple of layout.num_kv_heads
   float scale = 1.0f;
   int64_t sliding_window = 0;  // W keys seen by each query, its own included; 0: all
+  // Over bfloat16 KV: the step of a BFLOAT16 layer, whose products may round the queries and
+  // the probabilities to bf16 (within the bf16 rule, as the layer's own attention does), so
+  // a GPU may run it on cuDNN. Unset, kernels compute in float32 on the widened KV.
+  bool bf16_products = false;
   absl::Span<const PagedDecodeSequence> sequences;
   PagedAttendStats* stats = nullptr;  // when set, what the kernel shared is added to it
 };

@@ -145,6 +145,9 @@ void AttentionServiceImpl::RefreshSessionMetrics() {
   snapshot.shared_blocks_read = counters.shared_blocks_read;
   snapshot.step_compute_seconds = absl::ToDoubleSeconds(counters.step_compute);
   metrics_.SetKvCache(snapshot);
+  for (const auto& [path, calls] : counters.attend_calls_by_path) {
+    metrics_.SetAttentionCalls(counters.kv_device, "session_" + path, calls);
+  }
 }
 
 void AttentionServiceImpl::CountSessionRefusal(const absl::Status& status) {

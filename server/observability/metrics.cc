@@ -162,7 +162,8 @@ Metrics::Metrics(absl::string_view default_device, absl::string_view blas_core)
           prometheus::BuildCounter()
               .Name("attention_device_attention_calls_total")
               .Help("Attention calls on an accelerator by the path that ran them: cudnn "
-                    "(cuDNN's fused SDPA) or kernels (this project's)")
+                    "(cuDNN's fused SDPA) or kernels (this project's); session steps as "
+                    "session_cudnn (cuDNN's paged SDPA) or session_kernels")
               .Register(*registry_)) {
   prometheus::BuildGauge()
       .Name("attention_build_info")

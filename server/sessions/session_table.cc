@@ -66,6 +66,13 @@ float ScaleOf(const SessionShape& shape) {
   return shape.scale > 0 ? shape.scale : 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
 }
 
+// A session over BFLOAT16 layers attends as those layers do: its products may round the
+// queries and probabilities to bf16 (core::PagedDecodeBatch::bf16_products).
+bool Bf16Products(const SessionShape& shape) {
+  return shape.layers != nullptr && !shape.layers->layers.empty() &&
+         shape.layers->layers.front()->config().compute_dtype == core::DType::kBFloat16;
+}
+
 absl::Status CheckShape(const SessionShape& shape) {
   if (shape.num_layers < 1 || shape.num_layers > kMaxSessionLayers) {
     return Invalid("num_layers = ", shape.num_layers, " must be in [1, ", kMaxSessionLayers, "]");
@@ -702,14 +709,14 @@ std::vector<SessionTable::AttendPass> SessionTable::PlanStepLocked(
   // One group per KV layout, heads, scale and window; the dispatcher sends decode entries
   // to the decode kernel and prefill chunks to the blocked flash-style kernel
   // (core/cpu/paged_prefill_cpu.h). Pass k of a group holds chunk k of each of its entries.
-  using GroupKey = std::tuple<int64_t, int64_t, int64_t, int, int64_t, float, int64_t>;
+  using GroupKey = std::tuple<int64_t, int64_t, int64_t, int, int64_t, float, int64_t, bool>;
   std::map<GroupKey, std::vector<size_t>> groups;
   for (size_t i = 0; i < entries.size(); ++i) {
     if (sessions[i] == nullptr) continue;
     const SessionShape& shape = sessions[i]->shape;
     const KvLayout layout = LayoutOf(shape);
     groups[{layout.num_kv_heads, layout.key_dim, layout.value_dim, static_cast<int>(layout.dtype),
-            shape.num_heads, ScaleOf(shape), shape.WindowOf(entries[i].layer)}]
+            shape.num_heads, ScaleOf(shape), shape.WindowOf(entries[i].layer), Bf16Products(shape)}]
         .push_back(i);
   }
   // Every group's first chunks (all of a decode entry) first, then the second chunks, ...
@@ -746,6 +753,7 @@ std::vector<SessionTable::AttendPass> SessionTable::PlanStepLocked(
       pass.batch.num_heads = shape.num_heads;
       pass.batch.scale = ScaleOf(shape);
       pass.batch.sliding_window = std::get<6>(key);  // the group's window
+      pass.batch.bf16_products = std::get<7>(key);
       passes.push_back(std::move(pass));
     }
     if (passes.size() == before) break;
@@ -1154,6 +1162,8 @@ SessionCounters SessionTable::Counters() const {
   counters.sessions = static_cast<int64_t>(sessions_.size());
   counters.tombstones = static_cast<int64_t>(tombstones_.size());
   counters.pool = block_pool_.Counters();
+  counters.kv_device = storage_->device();
+  counters.attend_calls_by_path = storage_->AttendCallsByPath();
   for (const auto& [id, session] : sessions_) {
     counters.written_tokens +=
         *std::min_element(session.layer_lengths.begin(), session.layer_lengths.end());

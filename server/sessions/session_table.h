@@ -190,6 +190,10 @@ struct SessionCounters {
   int64_t kv_bytes_read = 0;
   int64_t shared_blocks_read = 0;
   absl::Duration step_compute;
+  // The KV storage's attention calls by the path that ran them, on its device
+  // (core::kv_cache::KvStorage::AttendCallsByPath: a GPU's "cudnn" and "kernels").
+  std::string kv_device;
+  std::map<std::string, int64_t> attend_calls_by_path;
 };
 
 // Thread-safe. A mutex covers the table and the pool, held only for bookkeeping: never

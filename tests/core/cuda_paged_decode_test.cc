@@ -16,6 +16,7 @@
 
 #include "core/cuda/paged_decode_plan.h"
 #include "core/devices.h"
+#include "core/mha_layer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/core/fidelity.h"
@@ -413,6 +414,78 @@ TEST_F(CudaPagedDecodeTest, ForksSharingTheirPrefixGetTheirOwnResultsBitwise) {
     ASSERT_TRUE((*storage)->Attend(batch).ok());
     EXPECT_EQ(session_stats.shared_blocks, 128);
     EXPECT_EQ(Results(pool), alone);
+  }
+}
+
+// `ours` ([n][H][dv], a session step's output rows) of sequence `s` against PyTorch's bf16
+// attention on the same queries, keys and values (SdpaBf16Textbook), by the bf16 rule.
+::testing::AssertionResult StepFollowsTheBf16Rule(const PagedShape& shape, const PagedSequence& s,
+                                                  int64_t sliding_window, FidelityStats& stats) {
+  const int64_t n = s.queries, l = s.length, h = shape.heads, hkv = shape.kv_heads;
+  const int64_t dk = shape.key_dim, dv = shape.value_dim;
+  // The step's rows [n][H][d] and the cache's [L][Hkv][d] as SDPA's [H][n][d] and [Hkv][L][d].
+  std::vector<float> query(h * n * dk), keys(hkv * l * dk), values(hkv * l * dv), ours(h * n * dv);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t head = 0; head < h; ++head) {
+      std::memcpy(&query[(head * n + i) * dk], &s.query[(i * h + head) * dk], dk * sizeof(float));
+      std::memcpy(&ours[(head * n + i) * dv], &s.output[(i * h + head) * dv], dv * sizeof(float));
+    }
+  }
+  for (int64_t t = 0; t < l; ++t) {
+    for (int64_t head = 0; head < hkv; ++head) {
+      std::memcpy(&keys[(head * l + t) * dk], &s.keys[(t * hkv + head) * dk], dk * sizeof(float));
+      std::memcpy(&values[(head * l + t) * dv], &s.values[(t * hkv + head) * dv],
+                  dv * sizeof(float));
+    }
+  }
+  SdpaInput input;
+  input.dims = {1, h, hkv, n, l, dk, dv};
+  input.query = query;
+  input.key = keys;
+  input.value = values;
+  input.options.causal = true;  // bottom-right: query i at position L - n + i
+  input.options.sliding_window = sliding_window;
+  input.compute_dtype = DType::kBFloat16;
+  const TextbookResult<float> reference = SdpaBf16Textbook(input);
+  const TextbookResult<double> oracle = SdpaTextbook<double>(input);
+  return stats.CheckBf16(ours, reference.output, oracle.output);
+}
+
+// Steps of BFLOAT16 layers' sessions over bf16 KV run on cuDNN's paged SDPA over the GPU
+// storage's blocks in place (the storage counts the path), decode steps and chunks of
+// queries in one batch, with and without a sliding window, within the bf16 rule; the
+// blocks past each sequence's keys hold NaN, which must not show. Sessions that compute in
+// float32 stay on the project's kernel.
+TEST_F(CudaPagedDecodeTest, Bf16LayerStepsRunOnCudnnWithinTheBf16Rule) {
+  constexpr uint64_t kSeed = 4023;
+  const PagedShape shape{8, 2, 64, 64, 16, DType::kBFloat16};
+  for (const int64_t window : {int64_t{0}, int64_t{200}}) {
+    SCOPED_TRACE(::testing::Message() << "window " << window << ", seed " << kSeed);
+    HostPagedPool pool(shape, {{300, 1}, {1000, 1}, {77, 1}, {2050, 16}, {513, 40}}, kSeed, 16);
+    pool.sliding_window = window;
+    Devices devices(1);
+    absl::StatusOr<std::unique_ptr<kv_cache::KvStorage>> storage =
+        devices.CreateKvStorage("cuda:0", pool.num_blocks(), pool.block_bytes());
+    ASSERT_TRUE(storage.ok()) << storage.status();
+    ASSERT_TRUE(pool.WriteBlocksTo(**storage).ok());
+    std::vector<PagedDecodeSequence> entries;
+    PagedDecodeBatch batch = pool.Batch({0, 1, 2, 3, 4}, entries, /*with_log_sum_exp=*/false);
+    const int64_t kernels = (*storage)->AttendCallsByPath()["kernels"];
+    ASSERT_TRUE((*storage)->Attend(batch).ok());
+    EXPECT_EQ((*storage)->AttendCallsByPath()["kernels"], kernels + 1) << "a float32 session";
+    batch.bf16_products = true;
+    const int64_t cudnn = (*storage)->AttendCallsByPath()["cudnn"];
+    const absl::Status attended = (*storage)->Attend(batch);
+    ASSERT_TRUE(attended.ok()) << attended;
+    if ((*storage)->AttendCallsByPath()["cudnn"] == cudnn) {
+      GTEST_SKIP() << "cuDNN's paged SDPA did not take the step on this GPU (the plugin's "
+                      "start-up line says why)";
+    }
+    FidelityStats stats("cuDNN paged SDPA output");
+    for (size_t i = 0; i < pool.sequences().size(); ++i) {
+      EXPECT_TRUE(StepFollowsTheBf16Rule(shape, pool.sequences()[i], window, stats))
+          << "sequence " << i;
+    }
   }
 }
 

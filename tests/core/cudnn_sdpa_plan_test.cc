@@ -2,7 +2,9 @@
 // (core/cuda/cudnn_sdpa_plan.h): host-side logic, checked on any machine.
 #include "core/cuda/cudnn_sdpa_plan.h"
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -160,6 +162,110 @@ TEST(CudnnSdpaPlanTest, CacheEvictsTheLeastRecentlyUsedPastItsCapacity) {
   EXPECT_EQ(*cache.Find(key(1)), 10);
   ASSERT_NE(cache.Find(key(3)), nullptr);
   EXPECT_EQ(*cache.Find(key(3)), 30);
+}
+
+// A bf16 layer's session step over a bf16 pool of 256 KiB blocks cuDNN takes: Llama heads,
+// decode steps of three sessions.
+CudnnPagedCall EligibleStep() {
+  CudnnPagedCall call;
+  call.num_heads = 32;
+  call.num_kv_heads = 8;
+  call.head_dim = call.v_head_dim = 128;
+  call.bf16_kv = call.bf16_products = true;
+  call.block_bytes = 256 << 10;
+  call.tokens_per_block = call.block_bytes / (8 * 256 * 2);
+  call.num_blocks = 4096;
+  call.storage_address = 0x7f0000000000;
+  call.lengths = {4096, 17, 900};
+  call.num_queries = {1, 1, 1};
+  return call;
+}
+
+TEST(CudnnPagedPlanTest, TakesBf16LayersStepsAndRefusesTheRestNamingWhy) {
+  EXPECT_EQ(CudnnPagedIneligibleReason(EligibleStep(), kHopper, kCudnn919), "");
+  CudnnPagedCall windowed = EligibleStep();
+  windowed.sliding_window = 4096;
+  windowed.num_queries = {1, 17, 256};  // chunks of a prefill beside decode steps
+  EXPECT_EQ(CudnnPagedIneligibleReason(windowed, 8, kCudnn919), "");
+
+  const auto refused = [](void (*change)(CudnnPagedCall&), int sm_major, int64_t version) {
+    CudnnPagedCall call = EligibleStep();
+    change(call);
+    return CudnnPagedIneligibleReason(call, sm_major, version);
+  };
+  const auto same = [](CudnnPagedCall&) {};
+  EXPECT_EQ(refused(same, kHopper, 90400), "cuDNN 90400 is older than 90500");
+  EXPECT_EQ(refused(same, 7, kCudnn919), "compute capability 7.x: cuDNN's SDPA needs 8.0");
+  EXPECT_EQ(refused([](CudnnPagedCall& c) { c.bf16_kv = false; }, kHopper, kCudnn919),
+            "float32 KV: cuDNN's SDPA is bf16 or fp16");
+  EXPECT_EQ(refused([](CudnnPagedCall& c) { c.bf16_products = false; }, kHopper, kCudnn919),
+            "a session that computes in float32 (no BFLOAT16 layer): cuDNN rounds the queries "
+            "and probabilities to bf16");
+  EXPECT_EQ(refused([](CudnnPagedCall& c) { c.log_sum_exp = true; }, kHopper, kCudnn919),
+            "log-sum-exps asked for: the project's kernel returns them");
+  EXPECT_EQ(refused([](CudnnPagedCall& c) { c.shared_prefixes = true; }, kHopper, kCudnn919),
+            "forks of one prefix: the project's kernel reads it once");
+  EXPECT_EQ(refused([](CudnnPagedCall& c) { c.v_head_dim = 100; }, kHopper, kCudnn919),
+            "v_head_dim 100: cuDNN takes multiples of 8 up to 128");
+  EXPECT_EQ(refused([](CudnnPagedCall& c) { c.head_dim = 256; }, kHopper, kCudnn919),
+            "head_dim 256: cuDNN takes multiples of 8 up to 128");
+  EXPECT_EQ(refused([](CudnnPagedCall& c) { c.num_heads = 12; }, kHopper, kCudnn919),
+            "num_heads 12 not a multiple of num_kv_heads 8");
+  EXPECT_EQ(refused([](CudnnPagedCall& c) { c.block_bytes = 1000; }, kHopper, kCudnn919),
+            "block_bytes 1000 or the pool's address not 16-byte aligned");
+  EXPECT_EQ(refused([](CudnnPagedCall& c) { c.storage_address += 8; }, kHopper, kCudnn919),
+            "block_bytes 262144 or the pool's address not 16-byte aligned");
+  EXPECT_EQ(refused([](CudnnPagedCall& c) { c.lengths[1] = int64_t{1} << 31; }, kHopper, kCudnn919),
+            "lengths[1] = 2147483648: lengths are int32");
+}
+
+TEST(CudnnPagedPlanTest, GraphsPadTheBatchToAPowerOfTwoAndDecodeStepsToOneQuery) {
+  const CudnnPagedCall call = EligibleStep();  // 3 sequences, the longest 4096 keys
+  const CudnnSdpaGraphKey key = CudnnPagedKeyOf(call, 0.125f);
+  EXPECT_TRUE(key.paged());
+  EXPECT_EQ(key.batch, 4);
+  EXPECT_EQ(key.q_bucket, 1) << "cuDNN's decode path";
+  EXPECT_FALSE(key.causal) << "one query sees every key it holds";
+  EXPECT_EQ(key.tokens_per_block, 64);
+  EXPECT_EQ(key.pages, 64);
+  EXPECT_EQ(key.kv_bucket, 4096);
+  EXPECT_EQ(key.num_blocks, 4096);
+  EXPECT_EQ(key.block_elements, 128 << 10) << "bf16 elements from a block to the next";
+  // A context in the same bucket shares the graph; a longer one or a chunk of queries does not.
+  CudnnPagedCall shorter = call;
+  shorter.lengths[0] = 4000;
+  EXPECT_TRUE(CudnnPagedKeyOf(shorter, 0.125f) == key);
+  CudnnPagedCall longer = call;
+  longer.lengths[0] = 4100;
+  EXPECT_EQ(CudnnPagedKeyOf(longer, 0.125f).pages, 72) << "bucket 4608 keys";
+  CudnnPagedCall chunk = call;
+  chunk.num_queries = {1, 17, 200};
+  const CudnnSdpaGraphKey chunked = CudnnPagedKeyOf(chunk, 0.125f);
+  EXPECT_EQ(chunked.q_bucket, CudnnSdpaSequenceBucket(200));
+  EXPECT_TRUE(chunked.causal) << "bottom-right, as the sessions' queries sit at the end";
+  EXPECT_FALSE(chunked == key);
+  CudnnPagedCall five = call;
+  five.lengths = {1, 2, 3, 4, 5};
+  five.num_queries = {1, 1, 1, 1, 1};
+  EXPECT_EQ(CudnnPagedKeyOf(five, 0.125f).batch, 8);
+  // A paged graph is never a dense one of the same heads.
+  CudnnSdpaCall dense;
+  dense.shape = {4, 32, 8, 1, 4096, 128, 128};
+  EXPECT_FALSE(CudnnSdpaKeyOf(dense, 0.125f) == key);
+  EXPECT_FALSE(CudnnSdpaKeyOf(dense, 0.125f).paged());
+}
+
+TEST(CudnnPagedPlanTest, PageTablesHoldEachSequencesBlocksAndPadWithBlockZero) {
+  CudnnSdpaGraphKey key;
+  key.batch = 4;
+  key.pages = 3;
+  key.tokens_per_block = 16;
+  const std::vector<std::vector<int32_t>> tables = {{7, 9}, {4, 5, 6, 8}, {2}};
+  const CudnnPagedArrays arrays = CudnnPagedArraysOf(key, tables, {20, 33, 16}, {1, 2, 16});
+  EXPECT_EQ(arrays.q_lengths, (std::vector<int32_t>{1, 2, 16, 1}));
+  EXPECT_EQ(arrays.kv_lengths, (std::vector<int32_t>{20, 33, 16, 1}));
+  // Sequence 1 reserves a fourth block past its 33 keys: only the three it uses are read.
+  EXPECT_EQ(arrays.page_table, (std::vector<int32_t>{7, 9, 0, 4, 5, 6, 2, 0, 0, 0, 0, 0}));
 }
 
 }  // namespace

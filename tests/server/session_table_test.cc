@@ -4,8 +4,10 @@
 // expiry on a fake clock, admission control and the pool back at its baseline.
 #include "server/sessions/session_table.h"
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -22,6 +24,7 @@
 #include "gtest/gtest.h"
 #include "server/common/status_util.h"
 #include "tests/core/fidelity.h"
+#include "tests/core/test_backends.h"
 #include "tests/server/session_tokens.h"
 
 namespace attention::server {
@@ -611,6 +614,7 @@ class HeldStorage final : public core::kv_cache::KvStorage {
     {
       std::lock_guard<std::mutex> lock(mu_);
       passes_.push_back(batch.sequences[0].length);
+      bf16_products_.push_back(batch.bf16_products);
       std::swap(hold, hold_);
     }
     if (hold) {
@@ -628,15 +632,63 @@ class HeldStorage final : public core::kv_cache::KvStorage {
     std::lock_guard<std::mutex> lock(mu_);
     return passes_;
   }
+  std::vector<bool> Bf16Products() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return bf16_products_;
+  }
+  std::map<std::string, int64_t> AttendCallsByPath() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return {{"held", static_cast<int64_t>(passes_.size())}};
+  }
 
   absl::Notification held, release;
 
  private:
   core::HostKvStorage host_;
-  std::mutex mu_;
+  mutable std::mutex mu_;
   bool hold_ = false;
   std::vector<int64_t> passes_;  // the first sequence's length in each pass
+  std::vector<bool> bf16_products_;  // each pass's PagedDecodeBatch::bf16_products
 };
+
+// Steps of sessions over BFLOAT16 layers reach the storage marked bf16_products (a GPU may
+// then run them on cuDNN's paged SDPA), in passes apart from other sessions' steps, which
+// stay unmarked; the storage's calls by path reach the table's counters.
+TEST_F(SessionTableTest, StepsOfBf16LayersAreMarkedForBf16Products) {
+  SessionTableOptions options = Options();
+  auto owned = std::make_unique<HeldStorage>(options, pool_);
+  HeldStorage& storage = *owned;
+  const std::unique_ptr<SessionTable> table = *SessionTable::Create(options, std::move(owned));
+  core::MhaConfig config;
+  config.embed_dim = 64;
+  config.num_heads = 4;
+  config.num_kv_heads = 2;
+  config.compute_dtype = core::DType::kBFloat16;
+  const core::MhaConfig resolved = *core::MhaConfig::Resolve(config);
+  const auto layer = core::MhaLayer::Create(resolved, core::MhaWeights::Random(resolved, 3),
+                                            core::testing::CpuForTests());
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  SessionShape over_bf16_layer{1, 4, 2, 16, 0, core::DType::kBFloat16, 0};
+  over_bf16_layer.layers = std::make_shared<const ServedLayers>(
+      ServedLayers{{std::shared_ptr<const core::MhaLayer>(*std::move(layer))}, {"bf16-layer"}});
+  const SessionShape raw{1, 4, 2, 16, 0, core::DType::kBFloat16, 0};
+  const SessionInfo marked = *table->CreateSession(over_bf16_layer, 8, {}, kT0);
+  const SessionInfo unmarked = *table->CreateSession(raw, 8, {}, kT0);
+  const Tokens tokens = RandomTokens(raw, 1, 5);
+  std::vector<float> marked_output, unmarked_output;
+  const StepEntry entries[] = {Entry(marked, tokens, 0, 0, 1, &marked_output),
+                               Entry(unmarked, tokens, 0, 0, 1, &unmarked_output)};
+  for (const absl::Status& status : table->Step(entries, kT0)) {
+    ASSERT_TRUE(status.ok()) << status;
+  }
+  std::vector<bool> passes = storage.Bf16Products();
+  std::sort(passes.begin(), passes.end());
+  EXPECT_EQ(passes, (std::vector<bool>{false, true})) << "one pass each";
+  EXPECT_EQ(marked_output, unmarked_output) << "the host's kernels compute both alike";
+  const SessionCounters counters = table->Counters();
+  EXPECT_EQ(counters.kv_device, "cpu");
+  EXPECT_EQ(counters.attend_calls_by_path, (std::map<std::string, int64_t>{{"held", 2}}));
+}
 
 class SessionTableConcurrencyTest : public SessionTableTest {
  protected:
