@@ -156,8 +156,9 @@ CudnnSdpaGraphKey CudnnPagedKeyOf(const CudnnPagedCall& call, float scale) {
   key.block_elements = call.block_bytes / 2;
   key.head_dim = call.head_dim;
   key.v_head_dim = call.v_head_dim;
-  // One query per sequence sees every key it holds; more see them bottom-right aligned.
-  key.causal = key.q_bucket > 1;
+  // One query per sequence sees every key it holds; more see them bottom-right aligned, as
+  // does a window (cuDNN's band is aligned to the top left otherwise).
+  key.causal = key.q_bucket > 1 || call.sliding_window > 0;
   key.sliding_window = call.sliding_window;
   std::memcpy(&key.scale_bits, &scale, sizeof(scale));
   return key;

@@ -226,6 +226,9 @@ TEST(CudnnPagedPlanTest, GraphsPadTheBatchToAPowerOfTwoAndDecodeStepsToOneQuery)
   EXPECT_EQ(key.batch, 4);
   EXPECT_EQ(key.q_bucket, 1) << "cuDNN's decode path";
   EXPECT_FALSE(key.causal) << "one query sees every key it holds";
+  CudnnPagedCall windowed = call;
+  windowed.sliding_window = 1024;
+  EXPECT_TRUE(CudnnPagedKeyOf(windowed, 0.125f).causal) << "a band aligned to the bottom right";
   EXPECT_EQ(key.tokens_per_block, 64);
   EXPECT_EQ(key.pages, 64);
   EXPECT_EQ(key.kv_bucket, 4096);
