@@ -303,6 +303,7 @@ absl::StatusOr<bool> AttendPagedOnCudnn(const PagedDecodeBatch& batch, bool shar
   buffers.page_table = reinterpret_cast<const int32_t*>(on_device + table_at);
   if (std::string error = context.runner->Run(key, buffers, on_device + workspace_at, stream);
       !error.empty()) {
+    cudaStreamSynchronize(stream);  // the staging is not reused while the copy in may run
     return absl::InternalError(absl::StrCat("cuda:", device, ": ", error));
   }
   RETURN_IF_ERROR(
