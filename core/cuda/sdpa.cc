@@ -103,7 +103,7 @@ absl::StatusOr<AttentionResult> CudaBackend::ScaledDotProductAttention(const Sdp
   const int64_t sequence_output = d.num_heads * d.q_len * d.v_head_dim;
   std::vector<std::optional<SdpaFlight>> flights(chunks.size());
   const auto receive = [&](size_t chunk) -> absl::Status {
-    const absl::Status received =
+    absl::Status received =
         ReceiveSdpa(*this, *flights[chunk],
                     result.output.data() + static_cast<int64_t>(chunks[chunk]) * sequence_output);
     flights[chunk].reset();

@@ -665,8 +665,8 @@ TEST_F(SessionTableTest, StepsOfBf16LayersAreMarkedForBf16Products) {
   config.num_kv_heads = 2;
   config.compute_dtype = core::DType::kBFloat16;
   const core::MhaConfig resolved = *core::MhaConfig::Resolve(config);
-  const auto layer = core::MhaLayer::Create(resolved, core::MhaWeights::Random(resolved, 3),
-                                            core::testing::CpuForTests());
+  auto layer = core::MhaLayer::Create(resolved, core::MhaWeights::Random(resolved, 3),
+                                      core::testing::CpuForTests());
   ASSERT_TRUE(layer.ok()) << layer.status();
   SessionShape over_bf16_layer{1, 4, 2, 16, 0, core::DType::kBFloat16, 0};
   over_bf16_layer.layers = std::make_shared<const ServedLayers>(
