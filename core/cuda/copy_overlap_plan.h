@@ -8,8 +8,10 @@
 #include <cstdint>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "core/mha_types.h"
+#include "core/status_macros.h"
 
 namespace attention::core::cuda {
 
@@ -37,6 +39,23 @@ std::vector<int64_t> SdpaOverlapPartBytes(const SdpaInput& input);
 // bytes and at least chunk_bytes (a part is never cut).
 std::vector<size_t> PlanCopyOverlap(absl::Span<const int64_t> part_bytes,
                                     int64_t chunk_bytes = kOverlapChunkBytes);
+
+// Runs `chunks` chunks over two lanes (streams): chunk c is enqueued on lane c % 2 once
+// chunk c - 2, that lane's previous one, is received, so that chunk c + 1 is staged and
+// copied in while chunk c computes; every chunk is received, in order. `enqueue(chunk,
+// lane)` and `receive(chunk)` return absl::Status; the first error ends the run and is
+// returned, and the caller waits for its lanes (chunks may still be in flight).
+template <typename Enqueue, typename Receive>
+absl::Status RunOverlappedChunks(size_t chunks, Enqueue&& enqueue, Receive&& receive) {
+  for (size_t chunk = 0; chunk < chunks; ++chunk) {
+    if (chunk >= 2) RETURN_IF_ERROR(receive(chunk - 2));
+    RETURN_IF_ERROR(enqueue(chunk, static_cast<int>(chunk % 2)));
+  }
+  for (size_t chunk = chunks >= 2 ? chunks - 2 : 0; chunk < chunks; ++chunk) {
+    RETURN_IF_ERROR(receive(chunk));
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace attention::core::cuda
 

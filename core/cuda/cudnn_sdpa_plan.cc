@@ -3,12 +3,13 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <utility>
 
 namespace attention::core::cuda {
+namespace {
 
-std::string CudnnSdpaIneligibleReason(const CudnnSdpaCall& call, int sm_major,
-                                      int64_t cudnn_version) {
-  const AttentionShape& s = call.shape;
+// Why cuDNN `cudnn_version` on a GPU of compute capability `sm_major` runs no SDPA, or "".
+std::string DeviceIneligibleReason(int sm_major, int64_t cudnn_version) {
   if (cudnn_version < kCudnnSdpaMinVersion) {
     return "cuDNN " + std::to_string(cudnn_version) + " is older than " +
            std::to_string(kCudnnSdpaMinVersion);
@@ -16,6 +17,32 @@ std::string CudnnSdpaIneligibleReason(const CudnnSdpaCall& call, int sm_major,
   if (sm_major < 8) {
     return "compute capability " + std::to_string(sm_major) + ".x: cuDNN's SDPA needs 8.0";
   }
+  return "";
+}
+
+// Why cuDNN takes no call of these heads, or "".
+std::string HeadsIneligibleReason(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                  int64_t v_head_dim) {
+  for (const auto& [name, dim] : {std::pair<const char*, int64_t>{"head_dim", head_dim},
+                                  std::pair<const char*, int64_t>{"v_head_dim", v_head_dim}}) {
+    if (dim % 8 != 0 || dim > kCudnnSdpaMaxHeadDim) {
+      return std::string(name) + " " + std::to_string(dim) + ": cuDNN takes multiples of 8 up to " +
+             std::to_string(kCudnnSdpaMaxHeadDim);
+    }
+  }
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) {
+    return "num_heads " + std::to_string(num_heads) + " not a multiple of num_kv_heads " +
+           std::to_string(num_kv_heads);
+  }
+  return "";
+}
+
+}  // namespace
+
+std::string CudnnSdpaIneligibleReason(const CudnnSdpaCall& call, int sm_major,
+                                      int64_t cudnn_version) {
+  const AttentionShape& s = call.shape;
+  if (std::string why = DeviceIneligibleReason(sm_major, cudnn_version); !why.empty()) return why;
   if (!call.bf16_products) return "compute precision float32: cuDNN's SDPA is bf16 or fp16";
   if (call.weights) return "need_weights: cuDNN's SDPA returns no attention weights";
   if (call.dropout) return "dropout_p > 0: the service's dropout is its own";
@@ -39,18 +66,7 @@ std::string CudnnSdpaIneligibleReason(const CudnnSdpaCall& call, int sm_major,
     return "causal with q_len " + std::to_string(s.q_len) + " > kv_len " +
            std::to_string(s.kv_len) + ": rows with no key";
   }
-  for (const auto& [name, dim] : {std::pair<const char*, int64_t>{"head_dim", s.head_dim},
-                                  std::pair<const char*, int64_t>{"v_head_dim", s.v_head_dim}}) {
-    if (dim % 8 != 0 || dim > kCudnnSdpaMaxHeadDim) {
-      return std::string(name) + " " + std::to_string(dim) + ": cuDNN takes multiples of 8 up to " +
-             std::to_string(kCudnnSdpaMaxHeadDim);
-    }
-  }
-  if (s.num_kv_heads <= 0 || s.num_heads % s.num_kv_heads != 0) {
-    return "num_heads " + std::to_string(s.num_heads) + " not a multiple of num_kv_heads " +
-           std::to_string(s.num_kv_heads);
-  }
-  return "";
+  return HeadsIneligibleReason(s.num_heads, s.num_kv_heads, s.head_dim, s.v_head_dim);
 }
 
 bool PrefixKeyLengths(const int64_t* key_lengths, const uint8_t* key_padding_keep, int64_t batch,
@@ -94,13 +110,7 @@ CudnnSdpaGraphKey CudnnSdpaKeyOf(const CudnnSdpaCall& call, float scale) {
 
 std::string CudnnPagedIneligibleReason(const CudnnPagedCall& call, int sm_major,
                                        int64_t cudnn_version) {
-  if (cudnn_version < kCudnnSdpaMinVersion) {
-    return "cuDNN " + std::to_string(cudnn_version) + " is older than " +
-           std::to_string(kCudnnSdpaMinVersion);
-  }
-  if (sm_major < 8) {
-    return "compute capability " + std::to_string(sm_major) + ".x: cuDNN's SDPA needs 8.0";
-  }
+  if (std::string why = DeviceIneligibleReason(sm_major, cudnn_version); !why.empty()) return why;
   if (!call.bf16_kv) return "float32 KV: cuDNN's SDPA is bf16 or fp16";
   if (!call.bf16_products) {
     return "a session that computes in float32 (no BFLOAT16 layer): cuDNN rounds the queries "
@@ -108,16 +118,10 @@ std::string CudnnPagedIneligibleReason(const CudnnPagedCall& call, int sm_major,
   }
   if (call.log_sum_exp) return "log-sum-exps asked for: the project's kernel returns them";
   if (call.shared_prefixes) return "forks of one prefix: the project's kernel reads it once";
-  for (const auto& [name, dim] : {std::pair<const char*, int64_t>{"head_dim", call.head_dim},
-                                  std::pair<const char*, int64_t>{"v_head_dim", call.v_head_dim}}) {
-    if (dim % 8 != 0 || dim > kCudnnSdpaMaxHeadDim) {
-      return std::string(name) + " " + std::to_string(dim) + ": cuDNN takes multiples of 8 up to " +
-             std::to_string(kCudnnSdpaMaxHeadDim);
-    }
-  }
-  if (call.num_kv_heads <= 0 || call.num_heads % call.num_kv_heads != 0) {
-    return "num_heads " + std::to_string(call.num_heads) + " not a multiple of num_kv_heads " +
-           std::to_string(call.num_kv_heads);
+  if (std::string why =
+          HeadsIneligibleReason(call.num_heads, call.num_kv_heads, call.head_dim, call.v_head_dim);
+      !why.empty()) {
+    return why;
   }
   // cuDNN reads 16-byte rows: the pool, each block and each key and value row start aligned.
   if (call.block_bytes % 16 != 0 || call.storage_address % 16 != 0) {

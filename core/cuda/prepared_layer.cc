@@ -341,33 +341,25 @@ absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::ForwardBatch(
   std::vector<AttentionResult> results;
   const BatchParts split = SplitBatch(inputs, config_.output_dim, results);
   std::vector<std::optional<InFlight>> flights(chunks.size());
-  const auto finish = [&](size_t chunk) -> absl::Status {
-    ASSIGN_OR_RETURN(std::vector<AttentionResult> answers, Deliver(*flights[chunk]));
-    flights[chunk].reset();
-    for (size_t i = 0; i < answers.size(); ++i) {
-      const int64_t n = split.whole_input[chunks[chunk] + i];
-      if (n >= 0) results[n] = std::move(answers[i]);
-    }
-    return absl::OkStatus();
-  };
-  absl::Status status;
-  for (size_t chunk = 0; chunk < chunks.size() && status.ok(); ++chunk) {
-    // A lane's staging is reused once the chunk before on it is delivered.
-    if (chunk >= 2) status = finish(chunk - 2);
-    if (!status.ok()) break;
-    const size_t end = chunk + 1 < chunks.size() ? chunks[chunk + 1] : split.parts.size();
-    absl::StatusOr<InFlight> flight =
-        Enqueue(absl::MakeConstSpan(split.parts).subspan(chunks[chunk], end - chunks[chunk]),
-                *lanes[chunk % 2]);
-    if (flight.ok()) {
-      flights[chunk] = std::move(*flight);
-    } else {
-      status = flight.status();
-    }
-  }
-  for (size_t chunk = 0; chunk < chunks.size() && status.ok(); ++chunk) {
-    if (flights[chunk].has_value()) status = finish(chunk);
-  }
+  const absl::Status status = RunOverlappedChunks(
+      chunks.size(),
+      [&](size_t chunk, int lane) -> absl::Status {
+        const size_t end = chunk + 1 < chunks.size() ? chunks[chunk + 1] : split.parts.size();
+        ASSIGN_OR_RETURN(
+            flights[chunk],
+            Enqueue(absl::MakeConstSpan(split.parts).subspan(chunks[chunk], end - chunks[chunk]),
+                    *lanes[lane]));
+        return absl::OkStatus();
+      },
+      [&](size_t chunk) -> absl::Status {
+        ASSIGN_OR_RETURN(std::vector<AttentionResult> answers, Deliver(*flights[chunk]));
+        flights[chunk].reset();
+        for (size_t i = 0; i < answers.size(); ++i) {
+          const int64_t n = split.whole_input[chunks[chunk] + i];
+          if (n >= 0) results[n] = std::move(answers[i]);
+        }
+        return absl::OkStatus();
+      });
   if (!status.ok()) {
     // Nothing of this call may still run once it returns.
     for (StreamContext* lane : lanes) cudaStreamSynchronize(lane->stream);

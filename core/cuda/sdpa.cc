@@ -102,32 +102,23 @@ absl::StatusOr<AttentionResult> CudaBackend::ScaledDotProductAttention(const Sdp
   const std::array<StreamContext*, 2> lanes = {first_lane, second_lane};
   const int64_t sequence_output = d.num_heads * d.q_len * d.v_head_dim;
   std::vector<std::optional<SdpaFlight>> flights(chunks.size());
-  const auto receive = [&](size_t chunk) -> absl::Status {
-    absl::Status received =
-        ReceiveSdpa(*this, *flights[chunk],
-                    result.output.data() + static_cast<int64_t>(chunks[chunk]) * sequence_output);
-    flights[chunk].reset();
-    return received;
-  };
-  absl::Status status;
-  for (size_t chunk = 0; chunk < chunks.size() && status.ok(); ++chunk) {
-    // A lane's staging is reused once the chunk before on it is received.
-    if (chunk >= 2) status = receive(chunk - 2);
-    if (!status.ok()) break;
-    const auto first = static_cast<int64_t>(chunks[chunk]);
-    const int64_t end =
-        chunk + 1 < chunks.size() ? static_cast<int64_t>(chunks[chunk + 1]) : d.batch;
-    absl::StatusOr<SdpaFlight> flight =
-        EnqueueSdpa(*this, SdpaSequences(in, first, end - first), *lanes[chunk % 2]);
-    if (flight.ok()) {
-      flights[chunk] = *flight;
-    } else {
-      status = flight.status();
-    }
-  }
-  for (size_t chunk = 0; chunk < chunks.size() && status.ok(); ++chunk) {
-    if (flights[chunk].has_value()) status = receive(chunk);
-  }
+  const absl::Status status = RunOverlappedChunks(
+      chunks.size(),
+      [&](size_t chunk, int lane) -> absl::Status {
+        const auto first = static_cast<int64_t>(chunks[chunk]);
+        const int64_t end =
+            chunk + 1 < chunks.size() ? static_cast<int64_t>(chunks[chunk + 1]) : d.batch;
+        ASSIGN_OR_RETURN(flights[chunk],
+                         EnqueueSdpa(*this, SdpaSequences(in, first, end - first), *lanes[lane]));
+        return absl::OkStatus();
+      },
+      [&](size_t chunk) -> absl::Status {
+        RETURN_IF_ERROR(ReceiveSdpa(
+            *this, *flights[chunk],
+            result.output.data() + static_cast<int64_t>(chunks[chunk]) * sequence_output));
+        flights[chunk].reset();
+        return absl::OkStatus();
+      });
   if (!status.ok()) {
     // Nothing of this call may still run once it returns.
     for (StreamContext* lane : lanes) cudaStreamSynchronize(lane->stream);

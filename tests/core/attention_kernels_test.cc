@@ -69,6 +69,22 @@ AttentionDims RandomSdpaDims(std::mt19937_64& rng, int64_t max_batch,
   return dims;
 }
 
+// Q, K and V of `dims` uniform in [-1, 1) (RandomFloats, drawn in that order); PointAt makes
+// an input read them.
+struct SdpaTensors {
+  std::vector<float> query, key, value;
+  void PointAt(SdpaInput& input) const {
+    input.query = query;
+    input.key = key;
+    input.value = value;
+  }
+};
+SdpaTensors RandomSdpaTensors(std::mt19937_64& rng, const AttentionDims& d) {
+  return {RandomFloats(rng, d.batch * d.num_heads * d.q_len * d.head_dim),
+          RandomFloats(rng, d.batch * d.num_kv_heads * d.kv_len * d.head_dim),
+          RandomFloats(rng, d.batch * d.num_kv_heads * d.kv_len * d.v_head_dim)};
+}
+
 // SDPA with compute_dtype BFLOAT16 on `backend` over a random grid of bf16 tensors, against
 // PyTorch's bf16 computation (SdpaBf16Textbook) by the bf16 rule (tests/core/fidelity.h).
 void ExpectSdpaBf16Rule(const Backend& backend, const std::string& name, uint64_t seed) {
@@ -150,13 +166,8 @@ TEST(SdpaSequencesTest, PiecesAnswerAsTheirRowsOfTheWholeCall) {
     SdpaInput input;
     input.dims = RandomSdpaDims(rng, 5, lengths, lengths, head_dims, heads);
     const AttentionDims& dims = input.dims;
-    const auto q = RandomFloats(rng, dims.batch * dims.num_heads * dims.q_len * dims.head_dim);
-    const auto k = RandomFloats(rng, dims.batch * dims.num_kv_heads * dims.kv_len * dims.head_dim);
-    const auto v =
-        RandomFloats(rng, dims.batch * dims.num_kv_heads * dims.kv_len * dims.v_head_dim);
-    input.query = q;
-    input.key = k;
-    input.value = v;
+    const SdpaTensors tensors = RandomSdpaTensors(rng, dims);
+    tensors.PointAt(input);
     input.options = RandomOptions(rng, dims);
     input.options.dropout_p = 0.0f;  // its pattern follows the batch index
     const std::string what =
@@ -207,13 +218,8 @@ TEST_P(SdpaBackendTest, SdpaMatchesReferenceOnRandomGrid) {
     const AttentionDims dims = RandomSdpaDims(rng, 3, lengths, lengths, head_dims, heads);
     SdpaInput input;
     input.dims = dims;
-    const auto q = RandomFloats(rng, dims.batch * dims.num_heads * dims.q_len * dims.head_dim);
-    const auto k = RandomFloats(rng, dims.batch * dims.num_kv_heads * dims.kv_len * dims.head_dim);
-    const auto v =
-        RandomFloats(rng, dims.batch * dims.num_kv_heads * dims.kv_len * dims.v_head_dim);
-    input.query = q;
-    input.key = k;
-    input.value = v;
+    const SdpaTensors tensors = RandomSdpaTensors(rng, dims);
+    tensors.PointAt(input);
     input.options = RandomOptions(rng, dims);
     ASSERT_TRUE(ValidateSdpaInput(input).ok()) << ValidateSdpaInput(input);
     const std::string what = "trial " + std::to_string(trial) + ": " + Describe(dims, input.options);
@@ -259,12 +265,8 @@ TEST_P(SdpaBackendTest, CallsLargeEnoughToOverlapCopiesMatchTheReference) {
   SdpaInput input;
   AttentionDims& dims = input.dims;
   dims = {16, 4, 2, 512, 24, 64, 64};
-  const auto q = RandomFloats(rng, dims.batch * dims.num_heads * dims.q_len * dims.head_dim);
-  const auto k = RandomFloats(rng, dims.batch * dims.num_kv_heads * dims.kv_len * dims.head_dim);
-  const auto v = RandomFloats(rng, dims.batch * dims.num_kv_heads * dims.kv_len * dims.v_head_dim);
-  input.query = q;
-  input.key = k;
-  input.value = v;
+  const SdpaTensors tensors = RandomSdpaTensors(rng, dims);
+  tensors.PointAt(input);
   for (int64_t b = 0; b < dims.batch; ++b) {
     input.options.key_lengths.push_back(
         std::uniform_int_distribution<int64_t>(1, dims.kv_len)(rng));

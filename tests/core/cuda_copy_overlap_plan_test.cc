@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "gtest/gtest.h"
 #include "tests/core/random_options.h"
 
@@ -70,6 +71,32 @@ TEST(CopyOverlapPlanTest, EveryChunkMovesEnoughOnRandomParts) {
       EXPECT_GE(firsts.size(), 2u) << total << " bytes in parts of at most " << largest;
     }
   }
+}
+
+// Chunks alternate between the two lanes; a lane's next chunk waits for its previous one to
+// be received, and every chunk is received in order.
+TEST(CopyOverlapPlanTest, ChunksAlternateLanesAndAreReceivedInOrder) {
+  const auto run = [](size_t chunks, size_t failing_enqueue, std::string* events) {
+    return RunOverlappedChunks(
+        chunks,
+        [&](size_t chunk, int lane) {
+          *events += "E" + std::to_string(chunk) + "@" + std::to_string(lane) + " ";
+          return chunk == failing_enqueue ? absl::InternalError("lost") : absl::OkStatus();
+        },
+        [&](size_t chunk) {
+          *events += "R" + std::to_string(chunk) + " ";
+          return absl::OkStatus();
+        });
+  };
+  std::string events;
+  EXPECT_TRUE(run(5, 99, &events).ok());
+  EXPECT_EQ(events, "E0@0 E1@1 R0 E2@0 R1 E3@1 R2 E4@0 R3 R4 ");
+  events.clear();
+  EXPECT_TRUE(run(1, 99, &events).ok());
+  EXPECT_EQ(events, "E0@0 R0 ");
+  events.clear();
+  EXPECT_EQ(run(5, 2, &events).code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(events, "E0@0 E1@1 R0 E2@0 ") << "nothing runs after the first error";
 }
 
 // An SDPA call moves its Q, K and V in and its output out, cut between sequences only when

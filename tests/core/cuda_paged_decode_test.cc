@@ -187,6 +187,19 @@ bool VectorLoads(HostPagedPool& pool, uint64_t storage_address) {
   return PlanPagedDecode(d, {{1, 1}}).vector > 1;
 }
 
+// A KV storage on GPU 0 holding every block of `pool`, as a session table's would; null
+// (the test failed) when it cannot be made.
+std::unique_ptr<kv_cache::KvStorage> GpuStorageHolding(Devices& devices,
+                                                       const HostPagedPool& pool) {
+  absl::StatusOr<std::unique_ptr<kv_cache::KvStorage>> storage =
+      devices.CreateKvStorage("cuda:0", pool.num_blocks(), pool.block_bytes());
+  EXPECT_TRUE(storage.ok()) << storage.status();
+  if (!storage.ok()) return nullptr;
+  const absl::Status written = pool.WriteBlocksTo(**storage);
+  EXPECT_TRUE(written.ok()) << written;
+  return written.ok() ? *std::move(storage) : nullptr;
+}
+
 class CudaPagedDecodeTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -403,15 +416,13 @@ TEST_F(CudaPagedDecodeTest, ForksSharingTheirPrefixGetTheirOwnResultsBitwise) {
     EXPECT_EQ(Results(pool), alone);
 
     Devices devices(1);
-    absl::StatusOr<std::unique_ptr<kv_cache::KvStorage>> storage =
-        devices.CreateKvStorage("cuda:0", pool.num_blocks(), pool.block_bytes());
-    ASSERT_TRUE(storage.ok()) << storage.status();
-    ASSERT_TRUE(pool.WriteBlocksTo(**storage).ok());
+    const std::unique_ptr<kv_cache::KvStorage> storage = GpuStorageHolding(devices, pool);
+    ASSERT_NE(storage, nullptr);
     std::vector<PagedDecodeSequence> entries;
     PagedDecodeBatch batch = pool.Batch(forks, entries);
     PagedAttendStats session_stats;
     batch.stats = &session_stats;
-    ASSERT_TRUE((*storage)->Attend(batch).ok());
+    ASSERT_TRUE(storage->Attend(batch).ok());
     EXPECT_EQ(session_stats.shared_blocks, 128);
     EXPECT_EQ(Results(pool), alone);
   }
@@ -464,20 +475,18 @@ TEST_F(CudaPagedDecodeTest, Bf16LayerStepsRunOnCudnnWithinTheBf16Rule) {
     HostPagedPool pool(shape, {{300, 1}, {1000, 1}, {77, 1}, {2050, 16}, {513, 40}}, kSeed, 16);
     pool.sliding_window = window;
     Devices devices(1);
-    absl::StatusOr<std::unique_ptr<kv_cache::KvStorage>> storage =
-        devices.CreateKvStorage("cuda:0", pool.num_blocks(), pool.block_bytes());
-    ASSERT_TRUE(storage.ok()) << storage.status();
-    ASSERT_TRUE(pool.WriteBlocksTo(**storage).ok());
+    const std::unique_ptr<kv_cache::KvStorage> storage = GpuStorageHolding(devices, pool);
+    ASSERT_NE(storage, nullptr);
     std::vector<PagedDecodeSequence> entries;
     PagedDecodeBatch batch = pool.Batch({0, 1, 2, 3, 4}, entries, /*with_log_sum_exp=*/false);
-    const int64_t kernels = (*storage)->AttendCallsByPath()["kernels"];
-    ASSERT_TRUE((*storage)->Attend(batch).ok());
-    EXPECT_EQ((*storage)->AttendCallsByPath()["kernels"], kernels + 1) << "a float32 session";
+    const int64_t kernels = storage->AttendCallsByPath()["kernels"];
+    ASSERT_TRUE(storage->Attend(batch).ok());
+    EXPECT_EQ(storage->AttendCallsByPath()["kernels"], kernels + 1) << "a float32 session";
     batch.bf16_products = true;
-    const int64_t cudnn = (*storage)->AttendCallsByPath()["cudnn"];
-    const absl::Status attended = (*storage)->Attend(batch);
+    const int64_t cudnn = storage->AttendCallsByPath()["cudnn"];
+    const absl::Status attended = storage->Attend(batch);
     ASSERT_TRUE(attended.ok()) << attended;
-    if ((*storage)->AttendCallsByPath()["cudnn"] == cudnn) {
+    if (storage->AttendCallsByPath()["cudnn"] == cudnn) {
       GTEST_SKIP() << "cuDNN's paged SDPA did not take the step on this GPU (the plugin's "
                       "start-up line says why)";
     }
