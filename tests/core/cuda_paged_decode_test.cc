@@ -469,7 +469,7 @@ TEST_F(CudaPagedDecodeTest, ForksSharingTheirPrefixGetTheirOwnResultsBitwise) {
 // float32 stay on the project's kernel.
 TEST_F(CudaPagedDecodeTest, Bf16LayerStepsRunOnCudnnWithinTheBf16Rule) {
   constexpr uint64_t kSeed = 4023;
-  const PagedShape shape{8, 2, 64, 64, 16, DType::kBFloat16};
+  const PagedShape shape{8, 2, 64, 64, 64, DType::kBFloat16};  // 64 tokens a block, as Llama's
   for (const int64_t window : {int64_t{0}, int64_t{200}}) {
     SCOPED_TRACE(::testing::Message() << "window " << window << ", seed " << kSeed);
     HostPagedPool pool(shape, {{300, 1}, {1000, 1}, {77, 1}, {2050, 16}, {513, 40}}, kSeed, 16);
