@@ -58,7 +58,8 @@ struct ServedLayers {
 
 // The heads a session attends with. The caller projects and rotates (RoPE) its queries and
 // keys, or the session's served layers do; the session stores K/V in `kv_dtype` (float32 or
-// bfloat16) and computes in float32.
+// bfloat16) and computes in float32, but for a session over BFLOAT16 layers, whose steps may
+// round the queries and probabilities to bf16 as those layers do (cuDNN's paged SDPA on a GPU).
 // Bounds of a session's shape, checked before anything is derived from it: layers (the
 // largest models have about 130), each head count and head size (a layer's own bound), and
 // one token's query or output row, num_heads x head_dim or v_head_dim (4 MiB in float32).
