@@ -259,11 +259,6 @@ absl::StatusOr<bool> AttendPagedOnCudnn(const PagedDecodeBatch& batch, bool shar
   int64_t workspace_bytes = 0;
   if (!context.runner->WorkspaceBytes(key, &workspace_bytes).empty()) return false;
 
-  std::vector<std::vector<int32_t>> tables;
-  for (const PagedDecodeSequence& s : batch.sequences) {
-    tables.emplace_back(s.block_table.begin(), s.block_table.end());
-  }
-  const CudnnPagedArrays arrays = CudnnPagedArraysOf(key, tables, call.lengths, call.num_queries);
   // The rows, lengths and page table go over in one copy; the answers come back in one.
   const int64_t h = key.num_heads, dk = key.head_dim, dv = key.v_head_dim;
   const int64_t query_rows = key.q_bucket * h * dk, output_rows = key.q_bucket * h * dv;
@@ -271,7 +266,7 @@ absl::StatusOr<bool> AttendPagedOnCudnn(const PagedDecodeBatch& batch, bool shar
   const int64_t query_at = arena.Add(key.batch * query_rows * 2);
   const int64_t q_lengths_at = arena.Add(key.batch * 4);
   const int64_t kv_lengths_at = arena.Add(key.batch * 4);
-  const int64_t table_at = arena.Add(static_cast<int64_t>(arrays.page_table.size()) * 4);
+  const int64_t table_at = arena.Add(key.batch * key.pages * 4);
   const int64_t inputs_end = arena.size();
   const int64_t output_at = arena.Add(key.batch * output_rows * 2);
   const int64_t outputs_end = arena.size();
@@ -287,9 +282,9 @@ absl::StatusOr<bool> AttendPagedOnCudnn(const PagedDecodeBatch& batch, bool shar
       query[static_cast<int64_t>(b) * query_rows + e] = FloatToBFloat16Bits(s.query[e]);
     }
   }
-  std::memcpy(host + q_lengths_at, arrays.q_lengths.data(), arrays.q_lengths.size() * 4);
-  std::memcpy(host + kv_lengths_at, arrays.kv_lengths.data(), arrays.kv_lengths.size() * 4);
-  std::memcpy(host + table_at, arrays.page_table.data(), arrays.page_table.size() * 4);
+  WriteCudnnPagedArrays(key, batch.sequences, reinterpret_cast<int32_t*>(host + q_lengths_at),
+                        reinterpret_cast<int32_t*>(host + kv_lengths_at),
+                        reinterpret_cast<int32_t*>(host + table_at));
   RETURN_IF_ERROR(
       CudaStatus(cudaMemcpyAsync(on_device, host, inputs_end, cudaMemcpyHostToDevice, stream),
                  "cudaMemcpyAsync of the step's queries and page tables"));

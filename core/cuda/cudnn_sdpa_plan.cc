@@ -168,22 +168,20 @@ CudnnSdpaGraphKey CudnnPagedKeyOf(const CudnnPagedCall& call, float scale) {
   return key;
 }
 
-CudnnPagedArrays CudnnPagedArraysOf(const CudnnSdpaGraphKey& key,
-                                    const std::vector<std::vector<int32_t>>& block_tables,
-                                    const std::vector<int64_t>& lengths,
-                                    const std::vector<int64_t>& num_queries) {
-  CudnnPagedArrays arrays;
-  arrays.q_lengths.assign(key.batch, 1);
-  arrays.kv_lengths.assign(key.batch, 1);
-  arrays.page_table.assign(key.batch * key.pages, 0);
-  for (size_t b = 0; b < lengths.size(); ++b) {
-    arrays.q_lengths[b] = static_cast<int32_t>(num_queries[b]);
-    arrays.kv_lengths[b] = static_cast<int32_t>(lengths[b]);
-    const int64_t used = (lengths[b] + key.tokens_per_block - 1) / key.tokens_per_block;
-    std::copy(block_tables[b].begin(), block_tables[b].begin() + used,
-              arrays.page_table.begin() + static_cast<int64_t>(b) * key.pages);
+void WriteCudnnPagedArrays(const CudnnSdpaGraphKey& key,
+                           absl::Span<const PagedDecodeSequence> sequences, int32_t* q_lengths,
+                           int32_t* kv_lengths, int32_t* page_table) {
+  std::fill(q_lengths, q_lengths + key.batch, 1);
+  std::fill(kv_lengths, kv_lengths + key.batch, 1);
+  std::fill(page_table, page_table + key.batch * key.pages, 0);
+  for (size_t b = 0; b < sequences.size(); ++b) {
+    const PagedDecodeSequence& s = sequences[b];
+    q_lengths[b] = static_cast<int32_t>(s.num_queries);
+    kv_lengths[b] = static_cast<int32_t>(s.length);
+    const int64_t used = (s.length + key.tokens_per_block - 1) / key.tokens_per_block;
+    std::copy(s.block_table.begin(), s.block_table.begin() + used,
+              page_table + static_cast<int64_t>(b) * key.pages);
   }
-  return arrays;
 }
 
 }  // namespace attention::core::cuda

@@ -26,7 +26,9 @@
 #include <utility>
 #include <vector>
 
+#include "absl/types/span.h"
 #include "core/cuda/launch_plan.h"
+#include "core/kv_cache/paged_batch.h"
 
 namespace attention::core::cuda {
 
@@ -123,17 +125,14 @@ std::string CudnnPagedIneligibleReason(const CudnnPagedCall& call, int sm_major,
 // the bucket of the longest sequence.
 CudnnSdpaGraphKey CudnnPagedKeyOf(const CudnnPagedCall& call, float scale);
 
-// The int32 arrays a paged graph reads: the sequences' true query counts and lengths
-// (cuDNN's padding sequence lengths, [key.batch] each) and their page tables
-// ([key.batch][key.pages], entry p the block of keys [p * tpb, (p + 1) * tpb)). Padding
-// sequences and pages past a sequence's end read block 0 and are masked by the lengths.
-struct CudnnPagedArrays {
-  std::vector<int32_t> q_lengths, kv_lengths, page_table;
-};
-CudnnPagedArrays CudnnPagedArraysOf(const CudnnSdpaGraphKey& key,
-                                    const std::vector<std::vector<int32_t>>& block_tables,
-                                    const std::vector<int64_t>& lengths,
-                                    const std::vector<int64_t>& num_queries);
+// Writes the int32 arrays a paged graph reads for `sequences` (block tables in host memory):
+// their true query counts and lengths (cuDNN's padding sequence lengths, [key.batch] each)
+// and their page tables ([key.batch][key.pages], entry p the block of keys
+// [p * tpb, (p + 1) * tpb)). Padding sequences and pages past a sequence's end read block 0
+// and are masked by the lengths.
+void WriteCudnnPagedArrays(const CudnnSdpaGraphKey& key,
+                           absl::Span<const PagedDecodeSequence> sequences, int32_t* q_lengths,
+                           int32_t* kv_lengths, int32_t* page_table);
 
 // Elements of a dense [batch, heads, bucket, dim] packed tensor.
 inline int64_t CudnnSdpaPackedElements(int64_t batch, int64_t heads, int64_t bucket, int64_t dim) {

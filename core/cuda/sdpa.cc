@@ -72,12 +72,10 @@ absl::StatusOr<SdpaFlight> EnqueueSdpa(const CudaBackend& backend, const SdpaInp
   return flight;
 }
 
-// Waits for `flight`, then copies its output into `output` (output_count floats).
-absl::Status ReceiveSdpa(const CudaBackend& backend, const SdpaFlight& flight, float* output) {
+// Waits for `flight`: its output_count floats of output are then at the pointer returned.
+absl::StatusOr<const float*> ReceiveSdpa(const SdpaFlight& flight) {
   RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(flight.context->stream), "attention"));
-  ParallelCopy(backend.host_copies(), output, flight.staging + flight.output_at,
-               flight.output_count * sizeof(float));
-  return absl::OkStatus();
+  return reinterpret_cast<const float*>(flight.staging + flight.output_at);
 }
 
 }  // namespace
@@ -85,13 +83,13 @@ absl::Status ReceiveSdpa(const CudaBackend& backend, const SdpaFlight& flight, f
 absl::StatusOr<AttentionResult> CudaBackend::ScaledDotProductAttention(const SdpaInput& in) const {
   const AttentionDims& d = in.dims;
   AttentionResult result;
-  result.output.resize(d.batch * d.num_heads * d.q_len * d.v_head_dim);
   ASSIGN_OR_RETURN(StreamContext * first_lane, Context(0));
   const std::vector<size_t> chunks =
       CopyOverlapEnabled() ? PlanCopyOverlap(SdpaOverlapPartBytes(in)) : std::vector<size_t>{0};
   if (chunks.size() == 1) {
     ASSIGN_OR_RETURN(const SdpaFlight flight, EnqueueSdpa(*this, in, *first_lane));
-    RETURN_IF_ERROR(ReceiveSdpa(*this, flight, result.output.data()));
+    ASSIGN_OR_RETURN(const float* output, ReceiveSdpa(flight));
+    result.output.assign(output, output + flight.output_count);
     flight.weights.CopyOut(flight.staging, result.weights);
     FinishWeights(result, d, in.options.need_weights);
     return result;
@@ -101,6 +99,7 @@ absl::StatusOr<AttentionResult> CudaBackend::ScaledDotProductAttention(const Sdp
   ASSIGN_OR_RETURN(StreamContext * second_lane, Context(1));
   const std::array<StreamContext*, 2> lanes = {first_lane, second_lane};
   const int64_t sequence_output = d.num_heads * d.q_len * d.v_head_dim;
+  result.output.resize(d.batch * sequence_output);
   std::vector<std::optional<SdpaFlight>> flights(chunks.size());
   const absl::Status status = RunOverlappedChunks(
       chunks.size(),
@@ -113,9 +112,10 @@ absl::StatusOr<AttentionResult> CudaBackend::ScaledDotProductAttention(const Sdp
         return absl::OkStatus();
       },
       [&](size_t chunk) -> absl::Status {
-        RETURN_IF_ERROR(ReceiveSdpa(
-            *this, *flights[chunk],
-            result.output.data() + static_cast<int64_t>(chunks[chunk]) * sequence_output));
+        ASSIGN_OR_RETURN(const float* output, ReceiveSdpa(*flights[chunk]));
+        ParallelCopy(host_copies_,
+                     result.output.data() + static_cast<int64_t>(chunks[chunk]) * sequence_output,
+                     output, flights[chunk]->output_count * sizeof(float));
         flights[chunk].reset();
         return absl::OkStatus();
       });

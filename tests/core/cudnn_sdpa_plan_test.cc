@@ -264,7 +264,18 @@ TEST(CudnnPagedPlanTest, PageTablesHoldEachSequencesBlocksAndPadWithBlockZero) {
   key.pages = 3;
   key.tokens_per_block = 16;
   const std::vector<std::vector<int32_t>> tables = {{7, 9}, {4, 5, 6, 8}, {2}};
-  const CudnnPagedArrays arrays = CudnnPagedArraysOf(key, tables, {20, 33, 16}, {1, 2, 16});
+  const std::vector<PagedDecodeSequence> sequences = {
+      {tables[0], 20, 1, nullptr, nullptr, nullptr},
+      {tables[1], 33, 2, nullptr, nullptr, nullptr},
+      {tables[2], 16, 16, nullptr, nullptr, nullptr}};
+  struct {
+    std::vector<int32_t> q_lengths, kv_lengths, page_table;
+  } arrays;
+  arrays.q_lengths.assign(4, -1);
+  arrays.kv_lengths.assign(4, -1);
+  arrays.page_table.assign(12, -1);
+  WriteCudnnPagedArrays(key, sequences, arrays.q_lengths.data(), arrays.kv_lengths.data(),
+                        arrays.page_table.data());
   EXPECT_EQ(arrays.q_lengths, (std::vector<int32_t>{1, 2, 16, 1}));
   EXPECT_EQ(arrays.kv_lengths, (std::vector<int32_t>{20, 33, 16, 1}));
   // Sequence 1 reserves a fourth block past its 33 keys: only the three it uses are read.
