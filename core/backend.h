@@ -102,6 +102,10 @@ class Backend {
   // them on the device; otherwise the caller decodes them to float32 first.
   virtual bool ConvertsHalfInputs() const { return false; }
 
+  // The GPU whose memory this backend's prepared layers read inputs from and write answers
+  // to in place (MhaInput::inputs_on_gpu, output_on_gpu); nullopt: host memory only.
+  virtual std::optional<int> InPlaceGpu() const { return std::nullopt; }
+
   // The device's memory; nullopt for the host.
   virtual std::optional<DeviceMemory> Memory() const { return std::nullopt; }
 

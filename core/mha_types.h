@@ -99,6 +99,12 @@ struct MhaInput {
   // answer. A BFLOAT16 layer's output projection writes them so; other layers round their
   // float32 rows once on delivery.
   absl::Span<uint16_t> output_destination_bf16;
+  // Whether query, key and value (float32 or 16-bit, as above), and the output destination,
+  // are addresses in the memory of the GPU the layer runs on instead of host memory: a
+  // caller's CUDA shared memory region, read and written there by the layer itself. Only
+  // for a backend that takes them so (Backend::InPlaceGpu); nothing on the host reads them.
+  bool inputs_on_gpu = false;
+  bool output_on_gpu = false;
 
   bool is_half() const { return half_dtype != DType::kFloat32; }
   bool has_output_destination() const {

@@ -60,13 +60,32 @@ absl::Status CheckByteCount(size_t bytes, int64_t count, int64_t element_size,
   return Invalid(bytes_field, " has ", bytes, " bytes; ", needs(expected));
 }
 
-absl::Status CheckByteCount(const v1::Tensor& tensor, DType dtype, int64_t count,
-                            absl::string_view field) {
-  return CheckByteCount(tensor.raw_data().size(), count, core::ElementSize(dtype),
+namespace {
+
+// CheckByteCount of a wire tensor's `raw_bytes` raw bytes of `dtype`, wherever they are.
+absl::Status CheckRawByteCount(const v1::Tensor& tensor, uint64_t raw_bytes, DType dtype,
+                               int64_t count, absl::string_view field) {
+  return CheckByteCount(raw_bytes, count, core::ElementSize(dtype),
                         absl::StrCat(field, ".raw_data"), [&](int64_t expected) {
                           return absl::StrCat("shape ", ShapeString(tensor.shape()), " of ",
                                               core::DTypeName(dtype), " needs ", expected);
                         });
+}
+
+// The dtype of a tensor's raw float bytes: FLOAT32, FLOAT16 or BFLOAT16.
+absl::StatusOr<DType> RawFloatDType(const v1::Tensor& tensor, absl::string_view field) {
+  ASSIGN_OR_RETURN(const DType dtype, ConvertDType(tensor.dtype(), absl::StrCat(field, ".dtype")));
+  if (dtype == DType::kBool) {
+    return Invalid(field, ".dtype is BOOL; expected FLOAT32, FLOAT16 or BFLOAT16");
+  }
+  return dtype;
+}
+
+}  // namespace
+
+absl::Status CheckByteCount(const v1::Tensor& tensor, DType dtype, int64_t count,
+                            absl::string_view field) {
+  return CheckRawByteCount(tensor, tensor.raw_data().size(), dtype, count, field);
 }
 
 bool HasContent(const v1::Tensor& tensor) {
@@ -95,13 +114,18 @@ absl::StatusOr<int64_t> CheckFloatTensor(const v1::Tensor& tensor, absl::string_
                      ShapeString(tensor.shape()), " needs ", count);
     }
   } else {
-    ASSIGN_OR_RETURN(values_dtype, ConvertDType(tensor.dtype(), absl::StrCat(field, ".dtype")));
-    if (values_dtype == DType::kBool) {
-      return Invalid(field, ".dtype is BOOL; expected FLOAT32, FLOAT16 or BFLOAT16");
-    }
+    ASSIGN_OR_RETURN(values_dtype, RawFloatDType(tensor, field));
     RETURN_IF_ERROR(CheckByteCount(tensor, values_dtype, count, field));
   }
   if (dtype != nullptr) *dtype = values_dtype;
+  return count;
+}
+
+absl::StatusOr<int64_t> CheckFloatTensorBytes(const v1::Tensor& tensor, absl::string_view field,
+                                              uint64_t raw_bytes, DType* dtype) {
+  ASSIGN_OR_RETURN(const int64_t count, CheckShape(tensor, field));
+  ASSIGN_OR_RETURN(*dtype, RawFloatDType(tensor, field));
+  RETURN_IF_ERROR(CheckRawByteCount(tensor, raw_bytes, *dtype, count, field));
   return count;
 }
 

@@ -66,6 +66,10 @@ std::string ShapeString(absl::Span<const int64_t> shape);
 // `*dtype` (when given) to the dtype the values are in (kFloat32 for float_data).
 absl::StatusOr<int64_t> CheckFloatTensor(const v1::Tensor& tensor, absl::string_view field,
                                          core::DType* dtype = nullptr);
+// The same for a tensor whose `raw_bytes` raw bytes lie elsewhere (its raw_data and
+// float_data empty; messages still name raw_data).
+absl::StatusOr<int64_t> CheckFloatTensorBytes(const v1::Tensor& tensor, absl::string_view field,
+                                              uint64_t raw_bytes, core::DType* dtype);
 
 // Checks dtype, shape and byte count of `tensor` (CheckFloatTensor) and returns its float32
 // values. `field` is the request field name used in error messages, e.g. "query".

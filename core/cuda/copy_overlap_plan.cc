@@ -20,8 +20,10 @@ std::vector<int64_t> CopyOverlapPartBytes(absl::Span<const MhaInput* const> inpu
   std::vector<int64_t> bytes;
   for (const MhaInput* input : inputs) {
     const MhaInput& in = *input;
-    const int64_t element_bytes = in.is_half() ? 2 : 4;
-    const int64_t answer_bytes = in.output_destination_bf16.empty() ? 4 : 2;
+    // Tensors already in the GPU's memory cross no bus.
+    const int64_t element_bytes = in.inputs_on_gpu ? 0 : (in.is_half() ? 2 : 4);
+    const int64_t answer_bytes =
+        in.output_on_gpu ? 0 : (in.output_destination_bf16.empty() ? 4 : 2);
     const int64_t total =
         (in.query_elements() + in.key_elements() + in.value_elements()) * element_bytes +
         in.batch * in.q_len * output_dim * answer_bytes;

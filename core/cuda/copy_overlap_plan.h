@@ -25,7 +25,8 @@ inline constexpr int kMaxOverlapChunks = 8;
 // apart on a GPU).
 bool CopyOverlapEnabled();
 
-// Bytes each part of SplitBatch(inputs) moves: its tensors in as sent, its answer out.
+// Bytes each part of SplitBatch(inputs) moves over the bus: its tensors in as sent, its
+// answer out (none for those already in the GPU's memory: MhaInput::inputs_on_gpu).
 std::vector<int64_t> CopyOverlapPartBytes(absl::Span<const MhaInput* const> inputs,
                                           int64_t output_dim);
 

@@ -18,18 +18,27 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "core/backend.h"
+#include "core/dtype.h"
 #include "core/kv_cache/kv_storage.h"
 
 namespace attention::core {
 
 // GPU memory another process exported with cudaIpcGetMemHandle, opened in this one (Triton's
-// CUDA shared memory regions): copies between it and host memory. Closed when destroyed.
+// CUDA shared memory regions): copies between it and host memory, and its address for a
+// backend on its GPU that reads and writes it in place. Closed when destroyed.
 class SharedDeviceMemory {
  public:
   virtual ~SharedDeviceMemory() = default;
   // Bytes [offset, offset + bytes) of the region to `host`, or from it.
   virtual absl::Status CopyToHost(uint64_t offset, uint64_t bytes, void* host) const = 0;
   virtual absl::Status CopyFromHost(uint64_t offset, const void* host, uint64_t bytes) const = 0;
+  // The GPU it is on, and the address of its first byte there.
+  virtual int device() const = 0;
+  virtual char* data() const = 0;
+  // The index of the first NaN or infinity among `count` values of `dtype` (kFloat32,
+  // kFloat16 or kBFloat16) from byte `offset` (a multiple of the dtype's size), or -1.
+  virtual absl::StatusOr<int64_t> FindNonFinite(uint64_t offset, int64_t count,
+                                                DType dtype) const = 0;
 };
 
 // The bytes of a cudaIpcMemHandle_t (CUDA_IPC_HANDLE_SIZE).

@@ -36,6 +36,7 @@ class CudaBackend final : public Backend {
 
   // 16-bit inputs travel to the GPU as sent (half the bytes) and are converted there.
   bool ConvertsHalfInputs() const override { return true; }
+  std::optional<int> InPlaceGpu() const override { return device_; }
 
   std::optional<DeviceMemory> Memory() const override;
   std::map<std::string, int64_t> AttentionCallsByPath() const override;

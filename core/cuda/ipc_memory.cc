@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/cuda/cuda_status.h"
+#include "core/cuda/kernels.h"
 #include "core/status_macros.h"
 
 namespace attention::core::cuda {
@@ -33,6 +34,38 @@ class IpcDeviceMemory final : public SharedDeviceMemory {
     RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
     return CudaStatus(cudaMemcpy(base_ + offset, host, bytes, cudaMemcpyHostToDevice),
                       absl::StrCat("cudaMemcpy of ", bytes, " bytes to cuda:", device_));
+  }
+  int device() const override { return device_; }
+  char* data() const override { return base_; }
+
+  absl::StatusOr<int64_t> FindNonFinite(uint64_t offset, int64_t count,
+                                        DType dtype) const override {
+    const int element_bytes = static_cast<int>(ElementSize(dtype));
+    RETURN_IF_ERROR(CheckRange(offset, static_cast<uint64_t>(count) * element_bytes));
+    RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
+    // On this thread's own stream, so that no batch worker's stream waits for it.
+    const cudaStream_t stream = cudaStreamPerThread;
+    unsigned long long* first = nullptr;
+    RETURN_IF_ERROR(
+        CudaStatus(cudaMallocAsync(reinterpret_cast<void**>(&first), sizeof(*first), stream),
+                   "cudaMallocAsync(non-finite index)"));
+    unsigned long long found = ~0ull;  // none: every bit set, as the memset writes it
+    absl::Status status = CudaStatus(cudaMemsetAsync(first, 0xff, sizeof(*first), stream),
+                                     "cudaMemsetAsync(non-finite index)");
+    if (status.ok()) {
+      status = CudaStatus(LaunchFindNonFinite(base_ + offset, count, element_bytes,
+                                              dtype == DType::kBFloat16, first, stream),
+                          "non-finite search kernel");
+    }
+    if (status.ok()) {
+      status =
+          CudaStatus(cudaMemcpyAsync(&found, first, sizeof(found), cudaMemcpyDeviceToHost, stream),
+                     "cudaMemcpyAsync(non-finite index)");
+    }
+    cudaFreeAsync(first, stream);
+    if (status.ok()) status = CudaStatus(cudaStreamSynchronize(stream), "non-finite search");
+    RETURN_IF_ERROR(status);
+    return found == ~0ull ? int64_t{-1} : static_cast<int64_t>(found);
   }
 
  private:

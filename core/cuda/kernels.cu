@@ -347,6 +347,21 @@ __global__ void FloatToBFloat16Kernel(const float* in, uint16_t* out, int64_t co
   }
 }
 
+// *first = min(*first, the index of the first element whose exponent bits, `exponent`, are
+// all ones: NaN or an infinity). Each thread stops at its own first, the smallest it sees.
+template <typename Bits>
+__global__ void FindNonFiniteKernel(const Bits* values, int64_t count, Bits exponent,
+                                    unsigned long long* first) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < count;
+       e += stride) {
+    if ((values[e] & exponent) == exponent) {
+      atomicMin(first, static_cast<unsigned long long>(e));
+      return;
+    }
+  }
+}
+
 // Element e of a dense [batch][heads][padded_rows][dim] tensor: its (b, h, row, column).
 struct DenseIndex {
   int64_t b, h, row, column;
@@ -467,6 +482,19 @@ cudaError_t LaunchHalfToFloat(const uint16_t* in, float* out, int64_t count, boo
 cudaError_t LaunchFloatToBFloat16(const float* in, uint16_t* out, int64_t count,
                                   cudaStream_t stream) {
   FloatToBFloat16Kernel<<<GridFor(count), 256, 0, stream>>>(in, out, count);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchFindNonFinite(const void* values, int64_t count, int element_bytes, bool bfloat16,
+                                unsigned long long* first, cudaStream_t stream) {
+  if (element_bytes == 4) {
+    FindNonFiniteKernel<<<GridFor(count), 256, 0, stream>>>(static_cast<const uint32_t*>(values),
+                                                            count, 0x7f800000u, first);
+  } else {
+    const uint16_t exponent = bfloat16 ? 0x7f80 : 0x7c00;
+    FindNonFiniteKernel<<<GridFor(count), 256, 0, stream>>>(static_cast<const uint16_t*>(values),
+                                                            count, exponent, first);
+  }
   return cudaGetLastError();
 }
 

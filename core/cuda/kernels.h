@@ -67,6 +67,12 @@ cudaError_t LaunchHalfToFloat(const uint16_t* in, float* out, int64_t count, boo
 cudaError_t LaunchFloatToBFloat16(const float* in, uint16_t* out, int64_t count,
                                   cudaStream_t stream);
 
+// *first = min(*first, the index of the first NaN or infinity among `count` values of
+// `element_bytes` (4: float32; 2: IEEE half, or bfloat16 when `bfloat16`)); unchanged when
+// all are finite. `values` aligned to its element.
+cudaError_t LaunchFindNonFinite(const void* values, int64_t count, int element_bytes, bool bfloat16,
+                                unsigned long long* first, cudaStream_t stream);
+
 // dst, dense [batch][heads][padded_rows][dim] bf16 = src (at `layout`) rounded to bf16, for
 // rows < `rows`; zeros in the padding rows (cuDNN's SDPA inputs; see cudnn_sdpa_plan.h).
 cudaError_t LaunchPackBf16Rows(const float* src, const DeviceLayout& layout, int64_t batch,

@@ -110,9 +110,12 @@ absl::StatusOr<CudaPreparedLayer::InFlight> CudaPreparedLayer::Enqueue(
 
   // Memory: inputs (copied in at once), scratch, outputs (copied out at once). 16-bit
   // inputs are copied as sent and converted into the float32 token matrices on the device;
-  // when every input is 16-bit, those matrices are scratch and are not copied at all.
-  const bool all_half =
-      std::all_of(inputs.begin(), inputs.end(), [](const MhaInput* in) { return in->is_half(); });
+  // when no input brings float32 tokens from the host, those matrices are scratch and are
+  // not copied in at all. Inputs already in the GPU's memory are copied device to device
+  // into their rows (or their 16-bit area) once the host's part is in.
+  const bool tokens_from_host = std::any_of(inputs.begin(), inputs.end(), [](const MhaInput* in) {
+    return !in->is_half() && !in->inputs_on_gpu;
+  });
   Arena arena;
   auto plan_tokens = [&] {
     return std::array<int64_t, 3>{
@@ -121,23 +124,28 @@ absl::StatusOr<CudaPreparedLayer::InFlight> CudaPreparedLayer::Enqueue(
         all_self_attention ? -1 : arena.Add(kv_rows * c.vdim * sizeof(float))};
   };
   std::array<int64_t, 3> tokens_at = {-1, -1, -1};
-  if (!all_half) tokens_at = plan_tokens();
-  // Per input: where its 16-bit query, key and value are staged (-1: none).
+  if (tokens_from_host) tokens_at = plan_tokens();
+  // Per input: where its 16-bit query, key and value are (-1: none), staged from the host
+  // or, for inputs on the GPU, past the staged bytes.
   std::vector<std::array<int64_t, 3>> half_at(count, {-1, -1, -1});
-  for (size_t n = 0; n < count; ++n) {
-    const MhaInput& in = *inputs[n];
-    if (!in.is_half()) continue;
-    half_at[n][0] = arena.Add(in.query_half.size() * sizeof(uint16_t));
-    if (!in.key_half.empty()) {
-      half_at[n][1] = arena.Add(in.key_half.size() * sizeof(uint16_t));
-      half_at[n][2] = arena.Add(in.value_half.size() * sizeof(uint16_t));
+  const auto plan_half = [&](bool on_gpu) {
+    for (size_t n = 0; n < count; ++n) {
+      const MhaInput& in = *inputs[n];
+      if (!in.is_half() || in.inputs_on_gpu != on_gpu) continue;
+      half_at[n][0] = arena.Add(in.query_half.size() * sizeof(uint16_t));
+      if (!in.key_half.empty()) {
+        half_at[n][1] = arena.Add(in.key_half.size() * sizeof(uint16_t));
+        half_at[n][2] = arena.Add(in.value_half.size() * sizeof(uint16_t));
+      }
     }
-  }
+  };
+  plan_half(/*on_gpu=*/false);
   std::vector<StagedMask> masks(count);
   for (size_t n = 0; n < count; ++n) masks[n].Plan(inputs[n]->options, arena);
   Staged staged;
   staged.input_bytes = arena.size();
-  if (all_half) tokens_at = plan_tokens();
+  if (!tokens_from_host) tokens_at = plan_tokens();
+  plan_half(/*on_gpu=*/true);
   const int64_t x_at = tokens_at[0], xk_at = tokens_at[1], xv_at = tokens_at[2];
   // Projected Q, K and V: one [q_rows, Q + K + V] matrix when fused.
   const int64_t q_at = arena.Add(q_rows * plan.q_stride * sizeof(float));
@@ -167,10 +175,15 @@ absl::StatusOr<CudaPreparedLayer::InFlight> CudaPreparedLayer::Enqueue(
   const int64_t answers_at =
       arena.Add(bf16_answers ? q_rows * c.output_dim * sizeof(uint16_t) : float_output_bytes);
   const int64_t output_at = bf16_answers ? float_output_scratch_at : answers_at;
+  const int64_t answers_end_at = arena.Add(0);
   for (size_t n = 0; n < count; ++n) {
     weights[n].PlanOutput(plan.inputs[n].dims, inputs[n]->options.need_weights, arena);
   }
   staged.output_bytes = arena.size() - staged.output_offset;
+  // Answers written into GPU memory need no copy back; attention weights still come back.
+  const bool all_answers_on_gpu = std::all_of(inputs.begin(), inputs.end(),
+                                              [](const MhaInput* in) { return in->output_on_gpu; });
+  const int64_t copied_back_at = all_answers_on_gpu ? answers_end_at : staged.output_offset;
 
   StreamContext* context = &lane;
   ASSIGN_OR_RETURN(char* device, context->device.Reserve(arena.size()));
@@ -184,7 +197,9 @@ absl::StatusOr<CudaPreparedLayer::InFlight> CudaPreparedLayer::Enqueue(
 
   for (size_t n = 0; n < count; ++n) {
     const MhaInput& in = *inputs[n];
-    if (in.is_half()) {
+    if (in.inputs_on_gpu) {
+      // Copied on the device below.
+    } else if (in.is_half()) {
       for (auto [at, bits] : {std::pair{half_at[n][0], in.query_half},
                               {half_at[n][1], in.key_half},
                               {half_at[n][2], in.value_half}}) {
@@ -200,6 +215,33 @@ absl::StatusOr<CudaPreparedLayer::InFlight> CudaPreparedLayer::Enqueue(
   RETURN_IF_ERROR(CudaStatus(
       cudaMemcpyAsync(device, staging, staged.input_bytes, cudaMemcpyHostToDevice, context->stream),
       "cudaMemcpyAsync(inputs)"));
+  // Inputs in the GPU's memory, after the staged bytes (which may cover their rows).
+  absl::Status gpu_copies;
+  const auto copy_on_gpu = [&](const void* from, void* to, size_t bytes) {
+    if (!gpu_copies.ok() || bytes == 0) return;
+    gpu_copies =
+        CudaStatus(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, context->stream),
+                   "cudaMemcpyAsync(inputs on the GPU)");
+  };
+  for (size_t n = 0; n < count; ++n) {
+    const MhaInput& in = *inputs[n];
+    if (!in.inputs_on_gpu) continue;
+    if (in.is_half()) {
+      for (auto [at, bits] : {std::pair{half_at[n][0], in.query_half},
+                              {half_at[n][1], in.key_half},
+                              {half_at[n][2], in.value_half}}) {
+        if (at >= 0) copy_on_gpu(bits.data(), device + at, bits.size() * sizeof(uint16_t));
+      }
+    } else {
+      PackInputTokens(c, plan.inputs[n], in, on_device(x_at),
+                      all_self_attention ? nullptr : on_device(xk_at),
+                      all_self_attention ? nullptr : on_device(xv_at),
+                      [&](absl::Span<const float> from, float* to) {
+                        copy_on_gpu(from.data(), to, from.size() * sizeof(float));
+                      });
+    }
+  }
+  RETURN_IF_ERROR(gpu_copies);
   for (size_t n = 0; n < count; ++n) {
     const MhaInput& in = *inputs[n];
     if (!in.is_half()) continue;
@@ -285,10 +327,31 @@ absl::StatusOr<CudaPreparedLayer::InFlight> CudaPreparedLayer::Enqueue(
                                          q_rows * c.output_dim, context->stream),
                    "bf16 answer rounding kernel"));
   }
-  RETURN_IF_ERROR(
-      CudaStatus(cudaMemcpyAsync(staging + staged.output_offset, device + staged.output_offset,
-                                 staged.output_bytes, cudaMemcpyDeviceToHost, context->stream),
-                 "cudaMemcpyAsync(outputs)"));
+  // Answers into GPU memory: float32 rows copied, bf16 rows rounded straight there.
+  for (size_t n = 0; n < count; ++n) {
+    const MhaInput& in = *inputs[n];
+    if (!in.output_on_gpu) continue;
+    const ForwardPlan::Input& planned = plan.inputs[n];
+    const float* rows = on_device(output_at) + planned.q_row * c.output_dim;
+    const int64_t elements = planned.q_rows() * c.output_dim;
+    if (!in.output_destination_bf16.empty()) {
+      RETURN_IF_ERROR(CudaStatus(
+          LaunchFloatToBFloat16(rows, in.output_destination_bf16.data(), elements, context->stream),
+          "bf16 answer rounding kernel"));
+    } else {
+      RETURN_IF_ERROR(
+          CudaStatus(cudaMemcpyAsync(in.output_destination.data(), rows, elements * sizeof(float),
+                                     cudaMemcpyDeviceToDevice, context->stream),
+                     "cudaMemcpyAsync(answer on the GPU)"));
+    }
+  }
+  const int64_t copied_back_bytes = staged.output_offset + staged.output_bytes - copied_back_at;
+  if (copied_back_bytes > 0) {
+    RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpyAsync(staging + copied_back_at, device + copied_back_at,
+                                   copied_back_bytes, cudaMemcpyDeviceToHost, context->stream),
+                   "cudaMemcpyAsync(outputs)"));
+  }
   return InFlight{std::vector<const MhaInput*>(inputs.begin(), inputs.end()),
                   plan,
                   std::move(weights),
@@ -309,7 +372,9 @@ absl::StatusOr<std::vector<AttentionResult>> CudaPreparedLayer::Deliver(
     const MhaInput& in = *flight.inputs[n];
     const ForwardPlan::Input& planned = flight.plan.inputs[n];
     const int64_t first = planned.q_row * c.output_dim, elements = planned.q_rows() * c.output_dim;
-    if (flight.bf16_answers) {
+    if (in.output_on_gpu) {
+      // Written on the device by Enqueue.
+    } else if (flight.bf16_answers) {
       ParallelCopy(copiers, in.output_destination_bf16.data(), answers + first * sizeof(uint16_t),
                    elements * sizeof(uint16_t));
     } else if (!in.output_destination.empty()) {

@@ -190,7 +190,7 @@ absl::StatusOr<std::optional<SharedMemorySlice>> SharedMemoryParameters(
 
 // An input's parameters: binary_data_size, which the KServe SDK sends with every raw
 // input, must be its raw entry's size; shared memory ones were read before; nothing else.
-absl::Status CheckInputParameters(const InputTensor& input, const std::string* raw) {
+absl::Status CheckInputParameters(const InputTensor& input, std::optional<uint64_t> raw_size) {
   for (const auto& [key, parameter] : input.parameters()) {
     if (IsSharedMemoryParameter(key)) continue;
     if (key != "binary_data_size") {
@@ -204,18 +204,17 @@ absl::Status CheckInputParameters(const InputTensor& input, const std::string* r
     bool matches = false;
     if (parameter.parameter_choice_case() == Parameter::kInt64Param) {
       sent = absl::StrCat(parameter.int64_param());
-      matches = raw != nullptr && parameter.int64_param() >= 0 &&
-                static_cast<uint64_t>(parameter.int64_param()) == raw->size();
+      matches = raw_size.has_value() && parameter.int64_param() >= 0 &&
+                static_cast<uint64_t>(parameter.int64_param()) == *raw_size;
     } else if (parameter.parameter_choice_case() == Parameter::kUint64Param) {
       sent = absl::StrCat(parameter.uint64_param());
-      matches = raw != nullptr && parameter.uint64_param() == raw->size();
+      matches = raw_size.has_value() && parameter.uint64_param() == *raw_size;
     }
     if (!matches) {
-      return Invalid("inputs[", Quoted(input.name()), "].parameters[\"binary_data_size\"] = ",
-                     sent,
-                     " does not match its raw_input_contents entry (",
-                     raw == nullptr ? std::string("none") : absl::StrCat(raw->size(), " bytes"),
-                     ")");
+      return Invalid(
+          "inputs[", Quoted(input.name()), "].parameters[\"binary_data_size\"] = ", sent,
+          " does not match its raw_input_contents entry (",
+          !raw_size.has_value() ? std::string("none") : absl::StrCat(*raw_size, " bytes"), ")");
     }
   }
   return absl::OkStatus();
@@ -226,19 +225,26 @@ absl::Status CheckInputParameters(const InputTensor& input, const std::string* r
 struct RawBytes {
   const std::string* entry = nullptr;
   std::string* slice = nullptr;
+  // The size of a slice left in GPU memory (GpuTensors).
+  std::optional<uint64_t> on_gpu;
   const std::string* get() const { return slice != nullptr ? slice : entry; }
+  std::optional<uint64_t> size() const {
+    if (on_gpu.has_value()) return on_gpu;
+    return get() != nullptr ? std::optional<uint64_t>(get()->size()) : std::nullopt;
+  }
 };
 
 // One input into its native tensor.
 absl::Status ConvertInput(const InputTensor& input, RawBytes bytes,
                           const std::vector<std::string>& datatypes, v1::Tensor* tensor) {
   const std::string* raw = bytes.get();
-  RETURN_IF_ERROR(CheckInputParameters(input, raw));
+  RETURN_IF_ERROR(CheckInputParameters(input, bytes.size()));
   ASSIGN_OR_RETURN(const v1::DataType dtype, ParseDatatype(input, datatypes));
-  if (raw == nullptr) RETURN_IF_ERROR(CheckContentsField(input));
+  if (!bytes.size().has_value()) RETURN_IF_ERROR(CheckContentsField(input));
   tensor->mutable_shape()->CopyFrom(input.shape());
   if (dtype == v1::DATA_TYPE_UNSPECIFIED) return ConvertIntegerMask(input, raw, tensor);
   tensor->set_dtype(dtype);
+  if (bytes.on_gpu.has_value()) return absl::OkStatus();  // the layer reads them there
   if (raw != nullptr) {
     if (bytes.slice != nullptr) {
       tensor->mutable_raw_data()->swap(*bytes.slice);
@@ -396,11 +402,64 @@ absl::Status PlanOutputs(const inference::ModelInferRequest& request,
   return absl::OkStatus();
 }
 
+bool IsQueryKeyOrValue(const InputTensor& input) {
+  return input.name() == kQuery || input.name() == kKey || input.name() == kValue;
+}
+
+// Whether `slice` is in GPU `gpu`'s memory at an offset aligned to `datatype`, a float one.
+bool OnGpuAligned(const SharedMemorySlice& slice, int gpu, const std::string& datatype) {
+  const core::DTypeInfo* info = core::FindDType(datatype, &core::DTypeInfo::kserve_name);
+  return gpu >= 0 && slice.gpu() == gpu && info != nullptr && info->dtype != core::DType::kBool &&
+         slice.offset % core::ElementSize(info->dtype) == 0;
+}
+
+// Whether query, key and value stay in GPU `gpu`'s memory (ToNativeRequest's rule).
+bool InputsStayOnGpu(const inference::ModelInferRequest& request,
+                     const std::vector<std::optional<SharedMemorySlice>>& sources, int gpu) {
+  const std::string* datatype = nullptr;
+  for (int i = 0; i < request.inputs_size(); ++i) {
+    const InputTensor& input = request.inputs(i);
+    if (!IsQueryKeyOrValue(input)) continue;
+    if (!sources[i].has_value() || !OnGpuAligned(*sources[i], gpu, input.datatype()) ||
+        (datatype != nullptr && *datatype != input.datatype())) {
+      return false;
+    }
+    datatype = &input.datatype();
+  }
+  return datatype != nullptr;
+}
+
+// `slice` for the layer to read or write in place; `on_gpu` keeps its region open.
+GpuBytes KeepOnGpu(const SharedMemorySlice& slice, GpuTensors* on_gpu) {
+  on_gpu->regions.push_back(slice.region);
+  return GpuBytes{slice.region->gpu_memory(), slice.offset, slice.byte_size, slice.field};
+}
+
+// Leaves the output in GPU memory when ToNativeRequest's rule allows.
+void PlaceOutputOnGpu(const inference::ModelInferRequest& request, OutputPlan* plan,
+                      GpuTensors* on_gpu) {
+  const InputTensor* query = nullptr;
+  for (const InputTensor& input : request.inputs()) {
+    if (input.name() == kQuery) query = &input;
+  }
+  const bool answer_on_gpu = plan->binary_data && query != nullptr &&
+                             (query->datatype() == "FP32" || query->datatype() == "BF16");
+  for (size_t k = 0; k < plan->names.size() && answer_on_gpu; ++k) {
+    const std::optional<SharedMemorySlice>& destination = plan->destinations[k];
+    if (plan->names[k] != kOutputName || !destination.has_value() ||
+        !OnGpuAligned(*destination, on_gpu->gpu, query->datatype())) {
+      continue;
+    }
+    on_gpu->output = KeepOnGpu(*destination, on_gpu);
+    plan->output_on_gpu = true;
+  }
+}
+
 }  // namespace
 
 absl::Status ToNativeRequest(const inference::ModelInferRequest& request,
                              v1::MultiHeadAttentionRequest* native, OutputPlan* plan,
-                             const SharedMemory* shared_memory) {
+                             const SharedMemory* shared_memory, GpuTensors* on_gpu) {
   static const SharedMemory kOff(/*system_enabled=*/false, 0);
   const SharedMemory& regions = shared_memory != nullptr ? *shared_memory : kOff;
   RETURN_IF_ERROR(CheckKnownFields(request));
@@ -434,6 +493,7 @@ absl::Status ToNativeRequest(const inference::ModelInferRequest& request,
                    outside == request.inputs_size() ? "" : " outside shared memory",
                    "; give one per input");
   }
+  const bool inputs_on_gpu = on_gpu != nullptr && InputsStayOnGpu(request, sources, on_gpu->gpu);
   static const std::vector<std::string> kFloatTypes = {"FP32", "FP16", "BF16"};
   static const std::vector<std::string> kPaddingMaskTypes = {"BOOL", "INT64", "INT32"};
   static const std::vector<std::string> kAttnMaskTypes = {"BOOL", "FP32"};
@@ -454,7 +514,12 @@ absl::Status ToNativeRequest(const inference::ModelInferRequest& request,
     }
     std::string shared;
     RawBytes bytes;
-    if (sources[i].has_value()) {
+    if (sources[i].has_value() && inputs_on_gpu && IsQueryKeyOrValue(input)) {
+      const GpuBytes kept = KeepOnGpu(*sources[i], on_gpu);
+      bytes.on_gpu = kept.size;
+      (input.name() == kQuery ? on_gpu->query
+                              : (input.name() == kKey ? on_gpu->key : on_gpu->value)) = kept;
+    } else if (sources[i].has_value()) {
       RETURN_IF_ERROR(ReadSlice(*sources[i], &shared));
       bytes.slice = &shared;
     } else if (raw) {
@@ -483,7 +548,9 @@ absl::Status ToNativeRequest(const inference::ModelInferRequest& request,
   if (tokenizer_mask) options->set_key_padding_polarity(v1::TRUE_ATTENDS);
   // JSON callers read fp32_contents; the protocol has no typed 16-bit field.
   if (!plan->binary_data) native->set_output_dtype(v1::FLOAT32);
-  return PlanOutputs(request, regions, need_weights, plan, options);
+  RETURN_IF_ERROR(PlanOutputs(request, regions, need_weights, plan, options));
+  if (on_gpu != nullptr) PlaceOutputOnGpu(request, plan, on_gpu);
+  return absl::OkStatus();
 }
 
 }  // namespace attention::server::kserve

@@ -38,6 +38,7 @@
 #include "core/mha_layer.h"
 #include "inference/grpc_service.pb.h"
 #include "server/kserve/shared_memory.h"
+#include "server/validation/input_decoding.h"
 
 namespace attention::server::kserve {
 
@@ -58,14 +59,22 @@ struct OutputPlan {
   // Per name: the shared memory it is written to instead of the response, if any.
   std::vector<std::optional<SharedMemorySlice>> destinations;
   bool binary_data = true;
+  // The output's destination is GPU memory that the layer writes itself (GpuTensors).
+  bool output_on_gpu = false;
 };
 
 // Fills `native` (and `plan`) from `request`, reading inputs in shared memory from
 // `shared_memory` (null: off); INVALID_ARGUMENT or UNIMPLEMENTED naming the input,
 // parameter or output and its values otherwise (NOT_FOUND for an unknown region).
+// With `on_gpu`, whose `gpu` is the GPU the layer runs on (core::Backend::InPlaceGpu; -1:
+// none), tensors in CUDA shared memory on that GPU stay there for the layer to read and
+// write in place: query, key and value when every one given is in such a region, in one
+// float datatype at offsets aligned to it (their native tensors then have no bytes), and
+// the output when its destination is and its answer is FP32 or BF16 raw bytes.
 absl::Status ToNativeRequest(const inference::ModelInferRequest& request,
                              v1::MultiHeadAttentionRequest* native, OutputPlan* plan,
-                             const SharedMemory* shared_memory = nullptr);
+                             const SharedMemory* shared_memory = nullptr,
+                             GpuTensors* on_gpu = nullptr);
 
 // `status` of the native request ToNativeRequest made from `request`, its message in the
 // protocol's names: query.raw_data -> raw_input_contents[0] (inputs["query"]),

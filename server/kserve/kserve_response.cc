@@ -113,7 +113,10 @@ absl::Status ToInferResponse(v1::MultiHeadAttentionResponse& native, const Outpu
     output->set_datatype(DatatypeName(tensor.dtype()));
     output->mutable_shape()->CopyFrom(tensor.shape());
     if (k < plan.destinations.size() && plan.destinations[k].has_value()) {
-      RETURN_IF_ERROR(WriteSlice(*plan.destinations[k], tensor.raw_data()));
+      // The layer wrote an output on the GPU itself.
+      if (name != kOutputName || !plan.output_on_gpu) {
+        RETURN_IF_ERROR(WriteSlice(*plan.destinations[k], tensor.raw_data()));
+      }
       // An empty entry keeps raw_output_contents one per output, as tritonclient reads it.
       if (plan.binary_data) response->add_raw_output_contents();
     } else if (plan.binary_data) {

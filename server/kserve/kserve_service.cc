@@ -160,14 +160,18 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(
     v1::MultiHeadAttentionRequest request;
     v1::MultiHeadAttentionResponse response;
     kserve::OutputPlan plan;
+    GpuTensors on_gpu;
   };
   auto native = std::make_shared<Call>();
+  // Found first: CUDA shared memory on the layer's GPU stays there for the layer.
+  const absl::StatusOr<std::shared_ptr<const LayerSnapshot>> model =
+      FindModel("model_name", request->model_name(), request->model_version());
+  if (model.ok()) native->on_gpu.gpu = (*model)->layer->backend().InPlaceGpu().value_or(-1);
   absl::Status status = CatchExceptions("ModelInfer", [&] {
-    return kserve::ToNativeRequest(*request, &native->request, &native->plan, &shared_memory_);
+    return kserve::ToNativeRequest(*request, &native->request, &native->plan, &shared_memory_,
+                                   &native->on_gpu);
   });
-  if (status.ok()) {
-    status = FindModel("model_name", request->model_name(), request->model_version()).status();
-  }
+  if (status.ok()) status = model.status();
   if (status.ok()) {
     status = CatchExceptions("ModelInfer", [&] {
       return native_.SubmitMultiHeadAttention(
@@ -180,8 +184,8 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(
             }
             call.Answer(kserve::ToKserveStatus(answered, *request), request->id());
           },
-          /*borrow_inputs=*/true);
-    });  // `native` holds the request until then
+          /*borrow_inputs=*/true, *model, &native->on_gpu);
+    });  // `native` holds the request and the regions on the GPU until then
     status = kserve::ToKserveStatus(status, *request);
   }
   if (!status.ok()) call.Answer(status, request->id());

@@ -115,6 +115,7 @@ class CudaRegion final : public SharedMemoryRegion {
   absl::Status Write(uint64_t at, absl::string_view bytes) const override {
     return memory_->CopyFromHost(at, bytes.data(), bytes.size());
   }
+  const core::SharedDeviceMemory* gpu_memory() const override { return memory_.get(); }
 
   const int64_t device;
 
@@ -295,6 +296,11 @@ absl::StatusOr<SharedMemorySlice> SharedMemory::Find(absl::string_view field,
                    Quoted(region_name), ", which has ", region->byte_size);
   }
   return SharedMemorySlice{std::move(region), offset, byte_size, std::string(field)};
+}
+
+int SharedMemorySlice::gpu() const {
+  const core::SharedDeviceMemory* memory = region->gpu_memory();
+  return memory != nullptr ? memory->device() : -1;
 }
 
 absl::Status ReadSlice(const SharedMemorySlice& slice, std::string* bytes) {

@@ -45,6 +45,9 @@ class SharedMemoryRegion {
   // many could be moved when the memory no longer holds them.
   virtual absl::Status Read(uint64_t offset, uint64_t size, char* out) const = 0;
   virtual absl::Status Write(uint64_t offset, absl::string_view bytes) const = 0;
+  // A GPU region's memory, for a layer on its GPU to read and write in place; null for
+  // system shared memory.
+  virtual const core::SharedDeviceMemory* gpu_memory() const { return nullptr; }
 
   const std::string name;
   const uint64_t byte_size;
@@ -57,6 +60,9 @@ struct SharedMemorySlice {
   uint64_t offset = 0;
   uint64_t byte_size = 0;
   std::string field;
+
+  // The GPU the slice is on: its region's, or -1 for system shared memory.
+  int gpu() const;
 };
 
 // Opens `handle` (CudaSharedMemoryRegisterRequest.raw_handle) exported from GPU `device` as

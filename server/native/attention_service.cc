@@ -181,13 +181,31 @@ absl::StatusOr<std::shared_ptr<const LayerSnapshot>> AttentionServiceImpl::Build
 
 namespace {
 
+// INTERNAL unless tensors in GPU memory are in the memory of the GPU `layer` runs on (the
+// front-end that found them asked the same layer).
+absl::Status CheckGpuTensors(const GpuTensors& on_gpu, const core::MhaLayer& layer) {
+  if (!on_gpu.inputs() && !on_gpu.output.has_value()) return absl::OkStatus();
+  if (layer.backend().InPlaceGpu() == on_gpu.gpu) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("tensors in the memory of cuda:", on_gpu.gpu,
+                                          " were sent to a layer on ", layer.device()));
+}
+
+// One of query, key and value: from `request`, or its bytes on the GPU when `on_gpu` has them.
+absl::StatusOr<DecodedTensor> DecodeInput(const v1::Tensor& tensor, absl::string_view field,
+                                          const std::optional<GpuBytes>& on_gpu,
+                                          const TensorDecoding& how) {
+  if (on_gpu.has_value()) return DecodeGpuTensor(tensor, field, *on_gpu, how);
+  return DecodeTensor(tensor, field, how);
+}
+
 // Decodes a MultiHeadAttention request's inputs into `item`'s input for `layer`: query, key
 // and value under the shape rules of core/input_shapes.h, then the options' masks. 16-bit
 // inputs stay as sent when the layer takes them so (MhaLayer::TakesHalfInputs) and all three
-// share one 16-bit dtype; with `borrow`, FLOAT32 and 16-bit raw_data are read in place.
+// share one 16-bit dtype; with `borrow`, FLOAT32 and 16-bit raw_data are read in place, and
+// inputs in `on_gpu` always are (on the GPU).
 absl::Status DecodeMhaInputs(const v1::MultiHeadAttentionRequest& request,
                              const core::MhaLayer& layer, const RequestBudget& budget, bool borrow,
-                             LayerWorkItem* item) {
+                             const GpuTensors& on_gpu, LayerWorkItem* item) {
   const core::MhaConfig& config = layer.config();
   const bool has_key = request.has_key(), has_value = request.has_value();
   const core::DType half_dtype = HalfDType(request.query());
@@ -197,7 +215,7 @@ absl::Status DecodeMhaInputs(const v1::MultiHeadAttentionRequest& request,
                                 HalfDType(request.value()) == half_dtype));
   how.borrow = borrow;
   how.reject_non_finite = budget.reject_non_finite;
-  ASSIGN_OR_RETURN(DecodedTensor query, DecodeTensor(request.query(), "query", how));
+  ASSIGN_OR_RETURN(DecodedTensor query, DecodeInput(request.query(), "query", on_gpu.query, how));
   RETURN_IF_ERROR(core::CheckMhaQueryShape(config, query.shape));
   core::MhaInput& input = item->input;
   input.batch = query.shape[0];
@@ -208,8 +226,8 @@ absl::Status DecodeMhaInputs(const v1::MultiHeadAttentionRequest& request,
   absl::Span<const float> key_values, value_values;
   absl::Span<const uint16_t> key_half, value_half;
   if (has_key) {
-    ASSIGN_OR_RETURN(DecodedTensor key, DecodeTensor(request.key(), "key", how));
-    ASSIGN_OR_RETURN(DecodedTensor value, DecodeTensor(request.value(), "value", how));
+    ASSIGN_OR_RETURN(DecodedTensor key, DecodeInput(request.key(), "key", on_gpu.key, how));
+    ASSIGN_OR_RETURN(DecodedTensor value, DecodeInput(request.value(), "value", on_gpu.value, how));
     RETURN_IF_ERROR(core::CheckMhaKeyValueShapes(config, input.batch, key.shape, value.shape));
     input.kv_len = key.shape[1];
     item->storage.push_back(std::move(key.values));
@@ -233,6 +251,7 @@ absl::Status DecodeMhaInputs(const v1::MultiHeadAttentionRequest& request,
     input.key = key_values;
     input.value = value_values;
   }
+  input.inputs_on_gpu = on_gpu.inputs();
   ASSIGN_OR_RETURN(input.options,
                    ConvertCheckedOptions(request.options(), layer.Dims(input), budget));
   return absl::OkStatus();
@@ -263,24 +282,58 @@ absl::StatusOr<SdpaInputs> DecodeSdpaInputs(const v1::ScaledDotProductAttentionR
   return decoded;
 }
 
+// Points `input`'s output at `destination` in GPU memory, and gives `response`'s output
+// the answer's shape and dtype: FLOAT32 or BFLOAT16, which the layer writes there.
+absl::Status PlaceOutputOnGpu(const GpuBytes& destination, absl::Span<const int64_t> shape,
+                              core::DType dtype, v1::MultiHeadAttentionResponse* response,
+                              core::MhaInput* input) {
+  if (dtype != core::DType::kFloat32 && dtype != core::DType::kBFloat16) {
+    return absl::InternalError(
+        absl::StrCat(destination.field, " is ", core::DTypeName(dtype),
+                     "; only FLOAT32 and BFLOAT16 answers go to GPU memory"));
+  }
+  const int64_t elements = shape[0] * shape[1] * shape[2];
+  const uint64_t bytes = static_cast<uint64_t>(elements * core::ElementSize(dtype));
+  if (bytes > destination.size) {
+    return Invalid(destination.field,
+                   ".parameters[\"shared_memory_byte_size\"] = ", destination.size,
+                   " cannot hold the answer's ", bytes, " bytes");
+  }
+  v1::Tensor* output = response->mutable_output();
+  output->set_dtype(wire::WireDType(dtype));
+  for (int64_t dim : shape) output->add_shape(dim);
+  if (dtype == core::DType::kFloat32) {
+    input->output_destination =
+        absl::MakeSpan(reinterpret_cast<float*>(destination.data()), elements);
+  } else {
+    input->output_destination_bf16 =
+        absl::MakeSpan(reinterpret_cast<uint16_t*>(destination.data()), elements);
+  }
+  input->output_on_gpu = true;
+  return absl::OkStatus();
+}
+
 // What a MultiHeadAttention answer holds, fixed when its task is built.
 struct MhaAnswerShape {
   core::AttentionDims dims;
   int64_t output_dim = 0;
   core::NeedWeights need = core::NeedWeights::kNone;
   core::DType output_dtype = core::DType::kFloat32;
-  // The output was computed into the response (a FLOAT32 or BFLOAT16 raw_data answer).
+  // The output was computed into the response (a FLOAT32 or BFLOAT16 raw_data answer), or
+  // into GPU memory (the response then holds its shape and dtype only).
   bool output_in_response = false;
+  bool output_on_gpu = false;
   uint64_t layer_version = 0;
 };
 
 // Makes `item` a task of `snapshot`'s layer over its decoded input: the answer's dtype, the
 // request's cost against `budget`, the layer's own checks, queue fields, and the output
-// computed straight into `response` where its dtype allows.
+// computed straight into `response` where its dtype allows, or into `output_on_gpu`.
 absl::StatusOr<MhaAnswerShape> BuildMhaTask(const v1::MultiHeadAttentionRequest& request,
                                             const LayerSnapshot& snapshot,
                                             const RequestBudget& budget, absl::Time deadline,
                                             std::function<bool()> is_cancelled,
+                                            const std::optional<GpuBytes>& output_on_gpu,
                                             v1::MultiHeadAttentionResponse* response,
                                             LayerWorkItem* item) {
   const core::MhaLayer& layer = *snapshot.layer;
@@ -298,11 +351,16 @@ absl::StatusOr<MhaAnswerShape> BuildMhaTask(const v1::MultiHeadAttentionRequest&
   RETURN_IF_ERROR(layer.ValidateInput(input));
   RETURN_IF_ERROR(SetQueueFields(request, input.batch * input.q_len, cost, deadline,
                                  std::move(is_cancelled), item));
+  const int64_t shape[] = {answer.dims.batch, answer.dims.q_len, answer.output_dim};
+  if (output_on_gpu.has_value()) {
+    RETURN_IF_ERROR(PlaceOutputOnGpu(*output_on_gpu, shape, answer.output_dtype, response, &input));
+    answer.output_on_gpu = true;
+    return answer;
+  }
   answer.output_in_response = (answer.output_dtype == core::DType::kFloat32 ||
                                answer.output_dtype == core::DType::kBFloat16) &&
                               !request.float_data_output();
   if (answer.output_in_response) {
-    const int64_t shape[] = {answer.dims.batch, answer.dims.q_len, answer.output_dim};
     if (answer.output_dtype == core::DType::kFloat32) {
       input.output_destination = wire::ResizeFloat32Tensor(shape, response->mutable_output());
     } else {
@@ -324,7 +382,7 @@ std::function<void(absl::StatusOr<core::AttentionResult>)> MhaAnswer(
       finish(result.status());
       return;
     }
-    if (!shape.output_in_response) {
+    if (!shape.output_in_response && !shape.output_on_gpu) {
       EncodeTensor(result->output, {shape.dims.batch, shape.dims.q_len, shape.output_dim},
                    shape.output_dtype, response->mutable_output());
     }
@@ -339,10 +397,9 @@ std::function<void(absl::StatusOr<core::AttentionResult>)> MhaAnswer(
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<const LayerSnapshot>> AttentionServiceImpl::ResolveLayer(
-    const v1::MultiHeadAttentionRequest& request,
-    std::shared_ptr<const LayerSnapshot> inline_layer) {
+    const v1::MultiHeadAttentionRequest& request, std::shared_ptr<const LayerSnapshot> resolved) {
+  if (resolved != nullptr) return resolved;
   if (request.has_inline_layer()) {
-    if (inline_layer != nullptr) return inline_layer;
     ASSIGN_OR_RETURN(InlineLayerLookup lookup, LookUpInlineLayer(request));
     if (lookup.cached != nullptr) return lookup.cached;
     return BuildInlineLayer(request.inline_layer(), lookup.key);
@@ -357,15 +414,19 @@ absl::Status AttentionServiceImpl::SubmitMultiHeadAttention(
     const v1::MultiHeadAttentionRequest& request, absl::Time deadline,
     std::function<bool()> is_cancelled, v1::MultiHeadAttentionResponse* response,
     std::function<void(const absl::Status&)> finish, bool borrow_inputs,
-    std::shared_ptr<const LayerSnapshot> inline_layer) {
+    std::shared_ptr<const LayerSnapshot> resolved, const GpuTensors* on_gpu) {
   RETURN_IF_ERROR(CheckMultiHeadAttentionRequest(request));
   ASSIGN_OR_RETURN(std::shared_ptr<const LayerSnapshot> snapshot,
-                   ResolveLayer(request, std::move(inline_layer)));
+                   ResolveLayer(request, std::move(resolved)));
+  static const GpuTensors kNone;
+  const GpuTensors& gpu_tensors = on_gpu != nullptr ? *on_gpu : kNone;
+  RETURN_IF_ERROR(CheckGpuTensors(gpu_tensors, *snapshot->layer));
   auto item = std::make_unique<LayerWorkItem>();
-  RETURN_IF_ERROR(DecodeMhaInputs(request, *snapshot->layer, budget_, borrow_inputs, item.get()));
+  RETURN_IF_ERROR(
+      DecodeMhaInputs(request, *snapshot->layer, budget_, borrow_inputs, gpu_tensors, item.get()));
   ASSIGN_OR_RETURN(const MhaAnswerShape answer,
                    BuildMhaTask(request, *snapshot, budget_, deadline, std::move(is_cancelled),
-                                response, item.get()));
+                                gpu_tensors.output, response, item.get()));
   item->done = MhaAnswer(request, response, std::move(finish), answer);
   item->snapshot = std::move(snapshot);
   absl::Status submitted = batcher_.Submit(std::move(item));

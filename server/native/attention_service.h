@@ -19,6 +19,7 @@
 #include "server/observability/request_log.h"
 #include "server/rpc/call.h"
 #include "server/sessions/session_table.h"
+#include "server/validation/input_decoding.h"
 #include "server/validation/request_validation.h"
 
 namespace attention::server {
@@ -121,13 +122,17 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   // error, `finish` is never called.
   // With `borrow_inputs`, FLOAT32 inputs are read in place from `request`, which must then
   // outlive the call to `finish` (a unary call's request does; a stream reuses its own).
-  // A request's inline layer is `inline_layer` when given (looked up or built already),
-  // else it is taken from the cache or built on the calling thread.
-  absl::Status SubmitMultiHeadAttention(
-      const v1::MultiHeadAttentionRequest& request, absl::Time deadline,
-      std::function<bool()> is_cancelled, v1::MultiHeadAttentionResponse* response,
-      std::function<void(const absl::Status&)> finish, bool borrow_inputs = false,
-      std::shared_ptr<const LayerSnapshot> inline_layer = nullptr);
+  // The layer is `resolved` when given (an inline layer looked up or built already, or the
+  // model a KServe call named), else the one `request` names, or its inline layer from the
+  // cache or built on the calling thread. Tensors in `on_gpu` (which must outlive the call
+  // to `finish`) are read and written by that layer in its GPU's memory.
+  absl::Status SubmitMultiHeadAttention(const v1::MultiHeadAttentionRequest& request,
+                                        absl::Time deadline, std::function<bool()> is_cancelled,
+                                        v1::MultiHeadAttentionResponse* response,
+                                        std::function<void(const absl::Status&)> finish,
+                                        bool borrow_inputs = false,
+                                        std::shared_ptr<const LayerSnapshot> resolved = nullptr,
+                                        const GpuTensors* on_gpu = nullptr);
   // The same for scaled dot-product attention.
   absl::Status SubmitScaledDotProductAttention(
       const v1::ScaledDotProductAttentionRequest& request, absl::Time deadline,
@@ -180,11 +185,10 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
                              std::function<bool()> is_cancelled, const SubmitWithLayer& submit,
                              const std::function<void(const absl::Status&)>& refused,
                              bool copy_to_build);
-  // The layer a request names, or its inline layer: `inline_layer` when found or built
-  // already, else from the cache or built on this thread.
+  // The layer of a request: `resolved` when given, else the one it names, or its inline
+  // layer from the cache or built on this thread.
   absl::StatusOr<std::shared_ptr<const LayerSnapshot>> ResolveLayer(
-      const v1::MultiHeadAttentionRequest& request,
-      std::shared_ptr<const LayerSnapshot> inline_layer);
+      const v1::MultiHeadAttentionRequest& request, std::shared_ptr<const LayerSnapshot> resolved);
   // DoLoadLayer without the gauges.
   absl::Status PublishLayer(const v1::LoadLayerRequest& request, v1::LoadLayerResponse* response);
   // The checks of a MultiHeadAttention request that come before its layer is found.

@@ -3,6 +3,7 @@
 #include <cstring>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "core/half_bits.h"
 #include "core/status_macros.h"
 #include "server/validation/request_validation.h"
@@ -67,6 +68,39 @@ absl::StatusOr<DecodedTensor> DecodeTensor(const v1::Tensor& tensor, absl::strin
     values = decoded.values;
   }
   if (how.reject_non_finite) RETURN_IF_ERROR(CheckFinite(values, decoded.shape, field));
+  return decoded;
+}
+
+char* GpuBytes::data() const { return memory->data() + offset; }
+
+absl::StatusOr<DecodedTensor> DecodeGpuTensor(const v1::Tensor& tensor, absl::string_view field,
+                                              const GpuBytes& bytes, const TensorDecoding& how) {
+  core::DType dtype;
+  ASSIGN_OR_RETURN(const int64_t count,
+                   wire::CheckFloatTensorBytes(tensor, field, bytes.size, &dtype));
+  if (dtype != core::DType::kFloat32 && !how.keep_half) {
+    return absl::InternalError(absl::StrCat(field, " is ", core::DTypeName(dtype),
+                                            " in GPU memory, which only the GPU can widen"));
+  }
+  DecodedTensor decoded;
+  decoded.shape.assign(tensor.shape().begin(), tensor.shape().end());
+  if (how.reject_non_finite) {
+    ASSIGN_OR_RETURN(const int64_t first, bytes.memory->FindNonFinite(bytes.offset, count, dtype));
+    if (first >= 0) {
+      const int64_t element_bytes = core::ElementSize(dtype);
+      std::string value(element_bytes, '\0');
+      RETURN_IF_ERROR(bytes.memory->CopyToHost(bytes.offset + first * element_bytes, element_bytes,
+                                               value.data()));
+      ASSIGN_OR_RETURN(const std::vector<float> widened, core::DecodeFloats(value, dtype, field));
+      return NonFiniteAt(field, decoded.shape, first, widened[0]);
+    }
+  }
+  if (dtype == core::DType::kFloat32) {
+    decoded.borrowed = absl::MakeConstSpan(reinterpret_cast<const float*>(bytes.data()), count);
+  } else {
+    decoded.borrowed_half =
+        absl::MakeConstSpan(reinterpret_cast<const uint16_t*>(bytes.data()), count);
+  }
   return decoded;
 }
 

@@ -6,12 +6,16 @@
 #define ATTENTION_SERVER_VALIDATION_INPUT_DECODING_H_
 
 #include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "attention/v1/attention.pb.h"
+#include "core/cuda/cuda_backend.h"
 #include "core/dtype.h"
 
 namespace attention::server {
@@ -47,6 +51,29 @@ struct DecodedTensor {
   }
 };
 
+// A tensor's bytes in a GPU's memory: a slice of a CUDA shared memory region, which a layer
+// on that GPU reads or writes in place (core::MhaInput::inputs_on_gpu). `field` names it in
+// messages (outputs["output"]).
+struct GpuBytes {
+  const core::SharedDeviceMemory* memory = nullptr;
+  uint64_t offset = 0;
+  uint64_t size = 0;
+  std::string field;
+
+  char* data() const;
+};
+
+// The tensors of a MultiHeadAttention call that lie in the memory of GPU `gpu`, the one its
+// layer runs on (core::Backend::InPlaceGpu): query, key and value (all that the call gives,
+// or none) and the output's destination. `regions` keeps their memory open for the call.
+struct GpuTensors {
+  int gpu = -1;
+  std::optional<GpuBytes> query, key, value, output;
+  std::vector<std::shared_ptr<const void>> regions;
+
+  bool inputs() const { return query.has_value(); }
+};
+
 // The 16-bit dtype `tensor` is sent in as raw data, or kFloat32 when it is not.
 core::DType HalfDType(const v1::Tensor& tensor);
 
@@ -56,6 +83,13 @@ core::DType HalfDType(const v1::Tensor& tensor);
 // shares that dtype.
 absl::StatusOr<DecodedTensor> DecodeTensor(const v1::Tensor& tensor, absl::string_view field,
                                            const TensorDecoding& how);
+
+// The same for a tensor whose bytes are `bytes` on a GPU (its raw_data empty): shape, a
+// float dtype, the byte count and the non-finite check (on the GPU) as DecodeTensor makes
+// them, the values left where they are: `borrowed` or, 16-bit, `borrowed_half` are then GPU
+// addresses. A 16-bit tensor needs `keep_half` (the host cannot widen it).
+absl::StatusOr<DecodedTensor> DecodeGpuTensor(const v1::Tensor& tensor, absl::string_view field,
+                                              const GpuBytes& bytes, const TensorDecoding& how);
 
 }  // namespace attention::server
 

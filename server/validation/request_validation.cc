@@ -144,17 +144,22 @@ absl::Status CheckFinite(absl::Span<const float> values, absl::Span<const int64_
   for (size_t flat = 0; flat < values.size(); ++flat) {
     const float value = values[flat];
     if (std::isfinite(value) || (allow_negative_infinity && value == -INFINITY)) continue;
-    std::vector<int64_t> index(shape.size());
-    size_t rest = flat;
-    for (size_t d = shape.size(); d-- > 0;) {
-      index[d] = static_cast<int64_t>(rest % shape[d]);
-      rest /= shape[d];
-    }
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, " holds ", std::isnan(value) ? "NaN" : (value > 0 ? "+inf" : "-inf"), " at [",
-        absl::StrJoin(index, ", "), "]; non-finite inputs are refused (--reject_non_finite)"));
+    return NonFiniteAt(field, shape, static_cast<int64_t>(flat), value);
   }
   return absl::OkStatus();
+}
+
+absl::Status NonFiniteAt(absl::string_view field, absl::Span<const int64_t> shape, int64_t flat,
+                         float value) {
+  std::vector<int64_t> index(shape.size());
+  int64_t rest = flat;
+  for (size_t d = shape.size(); d-- > 0;) {
+    index[d] = rest % shape[d];
+    rest /= shape[d];
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, " holds ", std::isnan(value) ? "NaN" : (value > 0 ? "+inf" : "-inf"), " at [",
+      absl::StrJoin(index, ", "), "]; non-finite inputs are refused (--reject_non_finite)"));
 }
 
 absl::Status CheckKnownFields(const google::protobuf::Message& request) {

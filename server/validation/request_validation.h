@@ -89,6 +89,9 @@ absl::Status CheckInlineLayerBytes(int64_t weight_bytes, const RequestBudget& bu
 // -inf passes when `allow_negative_infinity` (additive masks).
 absl::Status CheckFinite(absl::Span<const float> values, absl::Span<const int64_t> shape,
                          absl::string_view field, bool allow_negative_infinity = false);
+// That INVALID_ARGUMENT for non-finite `value` at flat index `flat` of a tensor of `shape`.
+absl::Status NonFiniteAt(absl::string_view field, absl::Span<const int64_t> shape, int64_t flat,
+                         float value);
 
 // UNIMPLEMENTED naming the field numbers `request` (or any message inside it, map values
 // included, as parameters["timeout"]) carries that this server does not know, e.g. a mask

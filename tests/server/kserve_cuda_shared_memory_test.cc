@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <csignal>
 #include <cstring>
 #include <fstream>
@@ -24,9 +25,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/devices.h"
+#include "core/dtype.h"
+#include "core/half_bits.h"
 #include "inference/grpc_service.grpc.pb.h"
 #include "server/kserve/kserve_convert.h"
 #include "server/kserve/shared_memory.h"
+#include "server/validation/input_decoding.h"
 #include "tests/server/shared_memory_testing.h"
 #include "tests/server/test_server.h"
 
@@ -80,19 +84,25 @@ class TwinGpu {
                                                        buffers_[index]->size(), " bytes"));
       }
       return std::unique_ptr<core::SharedDeviceMemory>(
-          std::make_unique<Memory>(buffers_[index], broken_));
+          std::make_unique<Memory>(buffers_[index], broken_, copies_to_host_));
     };
   }
   // Copies fail from now on, as a lost device's would.
   void Break() { broken_->store(true); }
+  // Copies from the twin's memory to the host so far.
+  int copies_to_host() const { return *copies_to_host_; }
 
  private:
   class Memory final : public core::SharedDeviceMemory {
    public:
-    Memory(std::shared_ptr<std::string> bytes, std::shared_ptr<std::atomic<bool>> broken)
-        : bytes_(std::move(bytes)), broken_(std::move(broken)) {}
+    Memory(std::shared_ptr<std::string> bytes, std::shared_ptr<std::atomic<bool>> broken,
+           std::shared_ptr<std::atomic<int>> copies_to_host)
+        : bytes_(std::move(bytes)),
+          broken_(std::move(broken)),
+          copies_to_host_(std::move(copies_to_host)) {}
     absl::Status CopyToHost(uint64_t offset, uint64_t bytes, void* host) const override {
       if (*broken_) return absl::InternalError("cudaMemcpy: an illegal memory access");
+      ++*copies_to_host_;
       std::memcpy(host, bytes_->data() + offset, bytes);
       return absl::OkStatus();
     }
@@ -101,14 +111,30 @@ class TwinGpu {
       std::memcpy(bytes_->data() + offset, host, bytes);
       return absl::OkStatus();
     }
+    int device() const override { return 0; }
+    char* data() const override { return bytes_->data(); }
+    absl::StatusOr<int64_t> FindNonFinite(uint64_t offset, int64_t count,
+                                          core::DType dtype) const override {
+      if (*broken_)
+        return absl::InternalError("non-finite search kernel: an illegal memory access");
+      const std::string bytes = bytes_->substr(offset, count * core::ElementSize(dtype));
+      auto values = core::DecodeFloats(bytes, dtype, "twin");
+      if (!values.ok()) return values.status();
+      for (int64_t e = 0; e < count; ++e) {
+        if (!std::isfinite((*values)[e])) return e;
+      }
+      return -1;
+    }
 
    private:
     const std::shared_ptr<std::string> bytes_;
     const std::shared_ptr<std::atomic<bool>> broken_;
+    const std::shared_ptr<std::atomic<int>> copies_to_host_;
   };
   std::vector<std::shared_ptr<std::string>> buffers_;
   int opens_ = 0;
   std::shared_ptr<std::atomic<bool>> broken_ = std::make_shared<std::atomic<bool>>(false);
+  std::shared_ptr<std::atomic<int>> copies_to_host_ = std::make_shared<std::atomic<int>>(0);
 };
 
 CudaSharedMemoryRegisterRequest GpuRegistration(const std::string& name, const std::string& handle,
@@ -228,6 +254,165 @@ ModelInferRequest RegionRequest() {
   destination["shared_memory_byte_size"].set_uint64_param(kQueryBytes);
   destination["shared_memory_offset"].set_uint64_param(kQueryOffset + kQueryBytes);
   return request;
+}
+
+// What ToNativeRequest made of a request for a layer on GPU `layer_gpu` (-1: the CPU).
+struct Converted {
+  absl::Status status;
+  v1::MultiHeadAttentionRequest native;
+  kserve::OutputPlan plan;
+  GpuTensors on_gpu;
+};
+Converted Convert(const ModelInferRequest& request, const SharedMemory& regions, int layer_gpu) {
+  Converted converted;
+  converted.on_gpu.gpu = layer_gpu;
+  converted.status = kserve::ToNativeRequest(request, &converted.native, &converted.plan, &regions,
+                                             &converted.on_gpu);
+  return converted;
+}
+
+// Query, key, value and output in regions on the layer's GPU stay there: no byte reaches
+// the host, the native tensors keep shape and dtype only, and the regions stay open. Any
+// other case (another GPU, the CPU, a misaligned offset, an input elsewhere, an answer
+// that is FP16 or JSON) reads and writes through the host as before.
+TEST(CudaSharedMemoryTest, TensorsOnTheLayersGpuStayThere) {
+  TwinGpu gpu;
+  const size_t buffer = gpu.Add(kRegionBytes + 64);
+  SharedMemory regions(false, 1 << 20, gpu.Opener());
+  ASSERT_TRUE(
+      regions.RegisterCuda(GpuRegistration("io", TwinGpu::Handle(buffer), 0, kRegionBytes + 64))
+          .ok());
+  Converted in_place = Convert(RegionRequest(), regions, 0);
+  ASSERT_TRUE(in_place.status.ok()) << in_place.status;
+  EXPECT_EQ(gpu.copies_to_host(), 0);
+  ASSERT_TRUE(in_place.on_gpu.query.has_value());
+  EXPECT_EQ(in_place.on_gpu.query->offset, kQueryOffset);
+  EXPECT_EQ(in_place.on_gpu.query->size, kQueryBytes);
+  EXPECT_EQ(in_place.on_gpu.query->data(), gpu.buffer(buffer).data() + kQueryOffset);
+  EXPECT_FALSE(in_place.on_gpu.key.has_value());
+  EXPECT_TRUE(in_place.native.query().raw_data().empty());
+  EXPECT_EQ(in_place.native.query().shape_size(), 3);
+  EXPECT_EQ(in_place.native.query().dtype(), v1::FLOAT32);
+  EXPECT_TRUE(in_place.plan.output_on_gpu);
+  ASSERT_TRUE(in_place.on_gpu.output.has_value());
+  EXPECT_EQ(in_place.on_gpu.output->offset, kQueryOffset + kQueryBytes);
+  EXPECT_EQ(in_place.on_gpu.output->field, "outputs[\"output\"]");
+  EXPECT_EQ(in_place.on_gpu.regions.size(), 2u);
+
+  const auto through_host = [&](const ModelInferRequest& request, int layer_gpu,
+                                bool output_on_gpu) {
+    const int copies = gpu.copies_to_host();
+    const Converted converted = Convert(request, regions, layer_gpu);
+    ASSERT_TRUE(converted.status.ok()) << converted.status;
+    EXPECT_FALSE(converted.on_gpu.inputs());
+    EXPECT_EQ(converted.native.query().raw_data().size(), kQueryBytes);
+    EXPECT_EQ(gpu.copies_to_host(), copies + 1);
+    EXPECT_EQ(converted.plan.output_on_gpu, output_on_gpu);
+    EXPECT_EQ(converted.on_gpu.output.has_value(), output_on_gpu);
+  };
+  {
+    SCOPED_TRACE("a layer on the CPU");
+    through_host(RegionRequest(), -1, false);
+  }
+  {
+    SCOPED_TRACE("a layer on another GPU");
+    through_host(RegionRequest(), 1, false);
+  }
+  {
+    SCOPED_TRACE("a query at an offset no float32 is aligned to");
+    ModelInferRequest misaligned = RegionRequest();
+    (*misaligned.mutable_inputs(0)->mutable_parameters())["shared_memory_offset"].set_uint64_param(
+        kQueryOffset + 2);
+    through_host(misaligned, 0, true);
+  }
+  {
+    SCOPED_TRACE("a key from raw_input_contents");
+    ModelInferRequest cross = RegionRequest();
+    for (const char* name : {"key", "value"}) {
+      auto* input = cross.add_inputs();
+      input->set_name(name);
+      input->set_datatype("FP32");
+      for (int64_t dim : {int64_t{1}, int64_t{2}, kDemoEmbedDim}) input->add_shape(dim);
+      cross.add_raw_input_contents(std::string(2 * kDemoEmbedDim * sizeof(float), '\0'));
+    }
+    through_host(cross, 0, true);
+  }
+  {
+    SCOPED_TRACE("an FP16 query and answer");
+    ModelInferRequest fp16 = RegionRequest();
+    fp16.mutable_inputs(0)->set_datatype("FP16");
+    (*fp16.mutable_inputs(0)->mutable_parameters())["shared_memory_byte_size"].set_uint64_param(
+        kQueryBytes / 2);
+    const Converted converted = Convert(fp16, regions, 0);
+    ASSERT_TRUE(converted.status.ok()) << converted.status;
+    EXPECT_TRUE(converted.on_gpu.inputs());
+    EXPECT_FALSE(converted.plan.output_on_gpu);  // no FP16 answers on the GPU
+  }
+  {
+    SCOPED_TRACE("a JSON answer");
+    ModelInferRequest json = RegionRequest();
+    (*json.mutable_parameters())["binary_data_output"].set_bool_param(false);
+    const Converted converted = Convert(json, regions, 0);
+    ASSERT_TRUE(converted.status.ok()) << converted.status;
+    EXPECT_TRUE(converted.on_gpu.inputs());
+    EXPECT_FALSE(converted.plan.output_on_gpu);
+  }
+}
+
+// Inputs on the GPU are decoded where they are: shape, dtype and byte count as any input,
+// NaN and infinities found on the GPU and named by index, and spans that are the region's
+// own memory (no copy).
+TEST(CudaSharedMemoryTest, GpuInputsAreCheckedWhereTheyAre) {
+  using C = absl::StatusCode;
+  TwinGpu gpu;
+  const size_t buffer = gpu.Add(256);
+  const auto memory = gpu.Opener()(0, TwinGpu::Handle(buffer), 256);
+  ASSERT_TRUE(memory.ok()) << memory.status();
+  std::vector<float> values(12, 0.5f);
+  std::memcpy(gpu.buffer(buffer).data() + 64, values.data(), 48);
+  v1::Tensor tensor;
+  tensor.set_dtype(v1::FLOAT32);
+  for (int64_t dim : {1, 3, 4}) tensor.add_shape(dim);
+  const GpuBytes bytes{memory->get(), 64, 48, "query"};
+  TensorDecoding how;
+  auto decoded = DecodeGpuTensor(tensor, "query", bytes, how);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->borrowed.data(),
+            reinterpret_cast<const float*>(gpu.buffer(buffer).data() + 64));
+  EXPECT_EQ(decoded->borrowed.size(), 12u);
+  EXPECT_EQ(gpu.copies_to_host(), 0);
+
+  ExpectStatus(
+      DecodeGpuTensor(tensor, "query", GpuBytes{memory->get(), 64, 40, "query"}, how).status(),
+      C::kInvalidArgument, "query.raw_data has 40 bytes; shape [1, 3, 4] of FLOAT32 needs 48");
+  values[5] = std::nanf("");
+  std::memcpy(gpu.buffer(buffer).data() + 64, values.data(), 48);
+  ExpectStatus(DecodeGpuTensor(tensor, "query", bytes, how).status(), C::kInvalidArgument,
+               "query holds NaN at [0, 1, 1]; non-finite inputs are refused (--reject_non_finite)");
+  how.reject_non_finite = false;
+  EXPECT_TRUE(DecodeGpuTensor(tensor, "query", bytes, how).ok());
+
+  // bf16 bits: kept as sent, +inf named with its index.
+  tensor.set_dtype(v1::BFLOAT16);
+  how.reject_non_finite = true;
+  std::vector<uint16_t> bits(12, core::FloatToBFloat16(1.5f));
+  bits[2] = core::FloatToBFloat16(INFINITY);
+  std::memcpy(gpu.buffer(buffer).data() + 128, bits.data(), 24);
+  const GpuBytes bf16_bytes{memory->get(), 128, 24, "query"};
+  ExpectStatus(DecodeGpuTensor(tensor, "query", bf16_bytes, how).status(), C::kInternal,
+               "query is BFLOAT16 in GPU memory, which only the GPU can widen");
+  how.keep_half = true;
+  ExpectStatus(DecodeGpuTensor(tensor, "query", bf16_bytes, how).status(), C::kInvalidArgument,
+               "query holds +inf at [0, 0, 2]");
+  bits[2] = core::FloatToBFloat16(-2.0f);
+  std::memcpy(gpu.buffer(buffer).data() + 128, bits.data(), 24);
+  decoded = DecodeGpuTensor(tensor, "query", bf16_bytes, how);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->borrowed_half.data(),
+            reinterpret_cast<const uint16_t*>(gpu.buffer(buffer).data() + 128));
+  gpu.Break();  // the device's own failure reaches the caller
+  ExpectStatus(DecodeGpuTensor(tensor, "query", bf16_bytes, how).status(), C::kInternal,
+               "non-finite search kernel");
 }
 
 class KserveCudaSharedMemoryServerTest : public ServerTest {
@@ -460,6 +645,45 @@ TEST_F(KserveCudaSharedMemoryGpuTest, ARealIpcHandleFromAnotherProcess) {
   const std::string after = exporter.Dump(kRegionBytes);
   EXPECT_EQ(after.substr(kQueryOffset + kQueryBytes, kQueryBytes), expected);
   EXPECT_EQ(after.substr(kQueryOffset, kQueryBytes), query_bytes);
+}
+
+// On the GPU the layer runs on, the region's tensors stay there: the query's NaN is found
+// on the device and named by index, and a destination too small for the answer is refused
+// before anything runs. SKIPPED where no GPU can export a buffer.
+TEST_F(KserveCudaSharedMemoryGpuTest, InPlaceInputsAreCheckedOnTheGpu) {
+  if (!core::CudaBuilt()) GTEST_SKIP() << "this build has no CUDA backend";
+  std::vector<float> query(kTokens * kDemoEmbedDim, 0.25f);
+  query[kDemoEmbedDim + 7] = std::nanf("");
+  std::string contents(kRegionBytes, '\0');
+  std::memcpy(contents.data() + kQueryOffset, query.data(), kQueryBytes);
+  Exporter exporter;
+  ASSERT_TRUE(exporter.found()) << exporter.path() << " is missing from a build with CUDA";
+  std::string handle, failure;
+  if (!exporter.Start(contents, &handle, &failure)) {
+    GTEST_SKIP() << "no GPU buffer to share here: " << failure;
+  }
+  EXPECT_EQ(DemoLayer()->backend().InPlaceGpu(), 0)
+      << "the demo layer is on " << DemoLayer()->device();
+  const grpc::Status registered = Register(GpuRegistration("io", handle, 0, kRegionBytes));
+  ASSERT_TRUE(registered.ok()) << registered.error_message();
+  grpc::ClientContext context;
+  inference::ModelInferResponse response;
+  const grpc::Status refused = stub_->ModelInfer(&context, RegionRequest(), &response);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(refused.error_message().find("inputs[\"query\"] holds NaN at [0, 1, 7]"),
+            std::string::npos)
+      << refused.error_message();
+
+  ModelInferRequest small = RegionRequest();  // a finite query: the zeros after the first
+  (*small.mutable_inputs(0)->mutable_parameters())["shared_memory_offset"].set_uint64_param(
+      kQueryOffset + kQueryBytes);
+  (*small.mutable_outputs(0)->mutable_parameters())["shared_memory_byte_size"].set_uint64_param(
+      kQueryBytes - 4);
+  grpc::ClientContext small_context;
+  const grpc::Status too_small = stub_->ModelInfer(&small_context, small, &response);
+  EXPECT_EQ(too_small.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(too_small.error_message().find("cannot hold the answer's"), std::string::npos)
+      << too_small.error_message();
 }
 
 }  // namespace
