@@ -15,6 +15,9 @@
 //             query written into (each call) and its output read from POSIX shared
 //             memory regions (Triton's system shared memory extension): no tensor bytes in
 //             the messages;
+//   cuda shm  with --kserve_cuda_shared_memory, the same ModelInfer with the query in, and
+//             the output to, a GPU buffer another process exported (Triton's CUDA shared
+//             memory): on a layer on that GPU the tensors never reach the host;
 //   many      with --callers=N > 1, N callers at once, served and in process, timed until
 //             the last answer: throughput under load, where one caller's transport runs
 //             while another's request computes.
@@ -49,6 +52,7 @@
 #include "server/app/malloc_tuning.h"
 #include "server/app/server.h"
 #include "tensor_codec.h"
+#include "tests/server/cuda_ipc_exporter_process.h"
 
 ABSL_FLAG(int64_t, batch, 32, "sequences per request");
 ABSL_FLAG(int64_t, tokens, 128, "tokens per sequence");
@@ -66,6 +70,12 @@ ABSL_FLAG(int, callers, 1,
           "also time this many callers at once, served and in process (throughput under load)");
 ABSL_FLAG(bool, kserve_shared_memory, false,
           "also time KServe ModelInfer with the query and output in system shared memory");
+ABSL_FLAG(bool, kserve_cuda_shared_memory, false,
+          "also time KServe ModelInfer with the query in, and the output to, a GPU buffer that "
+          "another process exported (Triton's CUDA shared memory; see --cuda_ipc_exporter)");
+ABSL_FLAG(std::string, cuda_ipc_exporter, "",
+          "the exporting process's binary, tests/server/cuda_ipc_exporter (default: beside "
+          "this one, as scripts/gpu-bundle places it)");
 ABSL_FLAG(int, echo_lookahead_bytes, 0,
           "grpc.http2.lookahead_bytes of the echo client and server (0: gRPC's default)");
 ABSL_FLAG(int, echo_max_frame_bytes, 0,
@@ -158,6 +168,7 @@ int main(int argc, char** argv) {
   options.compute_threads = absl::GetFlag(FLAGS_compute_threads);
   options.batcher.num_workers = absl::GetFlag(FLAGS_batch_workers);
   options.kserve_system_shared_memory = absl::GetFlag(FLAGS_kserve_shared_memory);
+  options.kserve_cuda_shared_memory = absl::GetFlag(FLAGS_kserve_cuda_shared_memory);
   auto server = AttentionServer::Start(options);
   if (!server.ok()) {
     std::fprintf(stderr, "server: %s\n", server.status().ToString().c_str());
@@ -228,6 +239,31 @@ int main(int argc, char** argv) {
   auto kserve = inference::GRPCInferenceService::NewStub(
       grpc::CreateCustomChannel("127.0.0.1:" + std::to_string((*server)->port()),
                                 grpc::InsecureChannelCredentials(), LargeMessages()));
+  // ModelInfer of the query at `in_offset` of region `in` and the output at `out_offset` of
+  // region `out`.
+  const auto region_request = [&](const char* in, uint64_t in_offset, const char* out,
+                                  uint64_t out_offset) {
+    inference::ModelInferRequest request;
+    request.set_model_name(layer_name);
+    auto* query = request.add_inputs();
+    query->set_name("query");
+    query->set_datatype(bf16 ? "BF16" : "FP32");
+    for (int64_t dim : {batch, tokens, embed_dim}) query->add_shape(dim);
+    auto& query_parameters = *query->mutable_parameters();
+    query_parameters["shared_memory_region"].set_string_param(in);
+    query_parameters["shared_memory_byte_size"].set_uint64_param(tensor_bytes);
+    query_parameters["shared_memory_offset"].set_uint64_param(in_offset);
+    auto* output = request.add_outputs();
+    output->set_name("output");
+    auto& output_parameters = *output->mutable_parameters();
+    output_parameters["shared_memory_region"].set_string_param(out);
+    output_parameters["shared_memory_byte_size"].set_uint64_param(tensor_bytes);
+    output_parameters["shared_memory_offset"].set_uint64_param(out_offset);
+    (*request.mutable_parameters())["causal"].set_bool_param(absl::GetFlag(FLAGS_causal));
+    return request;
+  };
+  const void* query_bytes =
+      bf16 ? static_cast<const void*>(bf16_values.data()) : static_cast<const void*>(values.data());
   inference::ModelInferRequest shm_request;
   if (shm) {
     shm_in = std::make_unique<SharedObject>("in", tensor_bytes);
@@ -246,23 +282,39 @@ int main(int argc, char** argv) {
         return 1;
       }
     }
-    shm_request.set_model_name(layer_name);
-    auto* query = shm_request.add_inputs();
-    query->set_name("query");
-    query->set_datatype(bf16 ? "BF16" : "FP32");
-    for (int64_t dim : {batch, tokens, embed_dim}) query->add_shape(dim);
-    (*query->mutable_parameters())["shared_memory_region"].set_string_param("in");
-    (*query->mutable_parameters())["shared_memory_byte_size"].set_int64_param(
-        static_cast<int64_t>(tensor_bytes));
-    auto* output = shm_request.add_outputs();
-    output->set_name("output");
-    (*output->mutable_parameters())["shared_memory_region"].set_string_param("out");
-    (*output->mutable_parameters())["shared_memory_byte_size"].set_int64_param(
-        static_cast<int64_t>(tensor_bytes));
-    (*shm_request.mutable_parameters())["causal"].set_bool_param(absl::GetFlag(FLAGS_causal));
+    shm_request = region_request("in", 0, "out", 0);
   }
-  const void* query_bytes =
-      bf16 ? static_cast<const void*>(bf16_values.data()) : static_cast<const void*>(values.data());
+  // KServe ModelInfer over CUDA shared memory: the query sits in a GPU buffer of another
+  // process (left there once, as a producer on the GPU would), the answer goes right after it.
+  const bool cuda_shm = absl::GetFlag(FLAGS_kserve_cuda_shared_memory);
+  std::string exporter_path = absl::GetFlag(FLAGS_cuda_ipc_exporter);
+  if (exporter_path.empty())
+    exporter_path = attention::testing::CudaIpcExporter::BesideThisBinary();
+  attention::testing::CudaIpcExporter exporter(exporter_path);
+  inference::ModelInferRequest cuda_request;
+  if (cuda_shm) {
+    std::string contents(2 * tensor_bytes, '\0');
+    std::memcpy(contents.data(), query_bytes, tensor_bytes);
+    std::string handle, failure;
+    if (!exporter.Start(contents, &handle, &failure)) {
+      std::fprintf(stderr, "%s: %s\n", exporter_path.c_str(), failure.c_str());
+      return 1;
+    }
+    inference::CudaSharedMemoryRegisterRequest registration;
+    registration.set_name("gpu");
+    registration.set_raw_handle(handle);
+    registration.set_device_id(0);
+    registration.set_byte_size(contents.size());
+    grpc::ClientContext context;
+    inference::CudaSharedMemoryRegisterResponse registered;
+    if (const grpc::Status status =
+            kserve->CudaSharedMemoryRegister(&context, registration, &registered);
+        !status.ok()) {
+      std::fprintf(stderr, "CudaSharedMemoryRegister: %s\n", status.error_message().c_str());
+      return 1;
+    }
+    cuda_request = region_request("gpu", 0, "gpu", tensor_bytes);
+  }
 
   auto layer = (*(*server)->registry().Get(layer_name))->layer;
   attention::core::MhaInput input;
@@ -289,8 +341,9 @@ int main(int argc, char** argv) {
     return all_ok ? MillisecondsSince(start) / callers : -1.0;
   };
 
-  std::vector<double> echo_ms, served_ms, compute_ms, protobuf_ms, shm_ms, served_many_ms,
-      compute_many_ms;
+  std::vector<double> echo_ms, served_ms, compute_ms, protobuf_ms, shm_ms, cuda_shm_ms,
+      served_many_ms, compute_many_ms;
+  std::string served_answer;  // the last served call's output bytes
   const int warmup_rounds = absl::GetFlag(FLAGS_warmup_rounds);
   for (int round = -warmup_rounds; round < absl::GetFlag(FLAGS_rounds); ++round) {
     if (round == 0) {  // warmed up: time from here on
@@ -299,6 +352,7 @@ int main(int argc, char** argv) {
       compute_ms.clear();
       protobuf_ms.clear();
       shm_ms.clear();
+      cuda_shm_ms.clear();
       served_many_ms.clear();
       compute_many_ms.clear();
     }
@@ -320,6 +374,7 @@ int main(int argc, char** argv) {
     attention::v1::MultiHeadAttentionResponse response;
     const grpc::Status status = mha->MultiHeadAttention(&context, request, &response);
     served_ms.push_back(MillisecondsSince(start));
+    served_answer = response.output().raw_data();
     if (!status.ok() || !echo_status.ok()) {
       std::fprintf(stderr, "call failed: %s %s\n", status.error_message().c_str(),
                    echo_status.error_message().c_str());
@@ -340,6 +395,20 @@ int main(int argc, char** argv) {
       shm_ms.push_back(MillisecondsSince(start));
       if (!shm_status.ok()) {
         std::fprintf(stderr, "ModelInfer: %s\n", shm_status.error_message().c_str());
+        return 1;
+      }
+    }
+
+    if (cuda_shm) {
+      start = absl::Now();
+      grpc::ClientContext cuda_context;
+      inference::ModelInferResponse cuda_response;
+      const grpc::Status cuda_status =
+          kserve->ModelInfer(&cuda_context, cuda_request, &cuda_response);
+      cuda_shm_ms.push_back(MillisecondsSince(start));
+      if (!cuda_status.ok()) {
+        std::fprintf(stderr, "ModelInfer (CUDA shared memory): %s\n",
+                     cuda_status.error_message().c_str());
         return 1;
       }
     }
@@ -381,6 +450,21 @@ int main(int argc, char** argv) {
     std::printf("  KServe ModelInfer, shared memory      %8.2f ms\n", shared);
     std::printf("  shared memory - compute               %8.2f ms\n", shared - compute);
     std::printf("  shared memory / in-process throughput %8.3f\n", compute / shared);
+  }
+  if (cuda_shm) {
+    const double shared = Median(cuda_shm_ms);
+    std::printf("  KServe ModelInfer, CUDA shared memory %8.2f ms (layer on %s)\n", shared,
+                layer->device().c_str());
+    std::printf("  CUDA shared memory - compute          %8.2f ms\n", shared - compute);
+    std::printf("  CUDA shared memory / in-process throughput %6.3f\n", compute / shared);
+    std::string buffer;
+    if (!exporter.Dump(2 * tensor_bytes, &buffer)) {
+      std::fprintf(stderr, "%s: %s\n", exporter_path.c_str(), exporter.Errors().c_str());
+      return 1;
+    }
+    std::printf("  its answer in the GPU buffer: %s the served call's\n",
+                buffer.compare(tensor_bytes, tensor_bytes, served_answer) == 0 ? "bitwise"
+                                                                               : "DIFFERS from");
   }
   if (callers > 1) {
     const double served_many = Median(served_many_ms), compute_many = Median(compute_many_ms);

@@ -103,8 +103,13 @@ class Backend {
   virtual bool ConvertsHalfInputs() const { return false; }
 
   // The GPU whose memory this backend's prepared layers read inputs from and write answers
-  // to in place (MhaInput::inputs_on_gpu, output_on_gpu); nullopt: host memory only.
+  // to in place (InputMemory::kGpu, MhaInput::output_on_gpu); nullopt: host memory only.
   virtual std::optional<int> InPlaceGpu() const { return std::nullopt; }
+
+  // Page-locked host memory of at least `bytes` for a call's inputs (InputMemory::
+  // kPinnedHost): read straight into it, each is one DMA from the device. Null when the
+  // backend has none (the CPU) or cannot pin more now.
+  virtual std::shared_ptr<char> PinnedHostBuffer(size_t /*bytes*/) const { return nullptr; }
 
   // The device's memory; nullopt for the host.
   virtual std::optional<DeviceMemory> Memory() const { return std::nullopt; }

@@ -401,7 +401,7 @@ MhaInput OneSequence(const MhaInput& input, int64_t b, absl::Span<float> batch_d
   one.value_half = rows_of_b(input.value_half);
   one.output_destination = rows_of_b(batch_destination);
   one.output_destination_bf16 = rows_of_b(input.output_destination_bf16);
-  one.inputs_on_gpu = input.inputs_on_gpu;
+  one.inputs_memory = input.inputs_memory;
   one.output_on_gpu = input.output_on_gpu;
   return one;
 }

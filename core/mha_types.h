@@ -78,6 +78,19 @@ struct MhaWeights {
 };
 
 // One request to a layer: B sequences of Nq query rows (and Nk key rows), row-major.
+// Where a layer call's query, key and value lie.
+enum class InputMemory {
+  // Host memory, which a device backend packs into its staging.
+  kHost,
+  // Page-locked host memory of the layer's backend (Backend::PinnedHostBuffer), from which
+  // its device copies each tensor in one DMA.
+  kPinnedHost,
+  // The memory of the GPU the layer runs on (a caller's CUDA shared memory region, for a
+  // backend that takes it: Backend::InPlaceGpu), copied on the device; nothing on the host
+  // may read it.
+  kGpu,
+};
+
 struct MhaInput {
   int64_t batch = 1;
   int64_t q_len = 1;
@@ -99,11 +112,10 @@ struct MhaInput {
   // answer. A BFLOAT16 layer's output projection writes them so; other layers round their
   // float32 rows once on delivery.
   absl::Span<uint16_t> output_destination_bf16;
-  // Whether query, key and value (float32 or 16-bit, as above), and the output destination,
-  // are addresses in the memory of the GPU the layer runs on instead of host memory: a
-  // caller's CUDA shared memory region, read and written there by the layer itself. Only
-  // for a backend that takes them so (Backend::InPlaceGpu); nothing on the host reads them.
-  bool inputs_on_gpu = false;
+  // Where query, key and value (float32 or 16-bit, as above) are: see InputMemory.
+  InputMemory inputs_memory = InputMemory::kHost;
+  // Whether the output destination is an address in the memory of the GPU the layer runs
+  // on (a caller's CUDA shared memory region), written there by the layer itself.
   bool output_on_gpu = false;
 
   bool is_half() const { return half_dtype != DType::kFloat32; }

@@ -21,7 +21,8 @@ std::vector<int64_t> CopyOverlapPartBytes(absl::Span<const MhaInput* const> inpu
   for (const MhaInput* input : inputs) {
     const MhaInput& in = *input;
     // Tensors already in the GPU's memory cross no bus.
-    const int64_t element_bytes = in.inputs_on_gpu ? 0 : (in.is_half() ? 2 : 4);
+    const int64_t element_bytes =
+        in.inputs_memory == InputMemory::kGpu ? 0 : (in.is_half() ? 2 : 4);
     const int64_t answer_bytes =
         in.output_on_gpu ? 0 : (in.output_destination_bf16.empty() ? 4 : 2);
     const int64_t total =

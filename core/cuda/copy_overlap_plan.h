@@ -26,7 +26,7 @@ inline constexpr int kMaxOverlapChunks = 8;
 bool CopyOverlapEnabled();
 
 // Bytes each part of SplitBatch(inputs) moves over the bus: its tensors in as sent, its
-// answer out (none for those already in the GPU's memory: MhaInput::inputs_on_gpu).
+// answer out (none for those already in the GPU's memory: InputMemory::kGpu, output_on_gpu).
 std::vector<int64_t> CopyOverlapPartBytes(absl::Span<const MhaInput* const> inputs,
                                           int64_t output_dim);
 

@@ -27,7 +27,19 @@ CudaBackend::CudaBackend(int device, const cudaDeviceProp& properties)
       max_shared_bytes_(static_cast<int64_t>(properties.sharedMemPerBlockOptin)),
       compute_major_(properties.major),
       contexts_(device),
-      host_copies_(HostCopyThreads()) {}
+      host_copies_(HostCopyThreads()),
+      pinned_(PinnedBufferPool::Create(
+          {[](size_t bytes) -> void* {
+             void* buffer = nullptr;
+             // Portable: pinned for every CUDA context, whichever thread copies from it.
+             if (cudaHostAlloc(&buffer, bytes, cudaHostAllocPortable) != cudaSuccess) {
+               cudaGetLastError();  // not sticky: clear it for the next call on this thread
+               return nullptr;
+             }
+             return buffer;
+           },
+           [](void* buffer) { cudaFreeHost(buffer); }},
+          kMaxKeptPinnedBytes)) {}
 
 absl::Status CudaBackend::KernelSupports(const AttentionShape& shape) const {
   const std::string reason = FlashUnsupportedReason(shape, max_shared_bytes_);

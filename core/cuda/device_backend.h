@@ -18,6 +18,7 @@
 #include "core/backend.h"
 #include "core/cpu/thread_pool.h"
 #include "core/cuda/kernels.h"
+#include "core/cuda/pinned_pool.h"
 #include "core/cuda/streams.h"
 
 namespace attention::core::cuda {
@@ -37,6 +38,9 @@ class CudaBackend final : public Backend {
   // 16-bit inputs travel to the GPU as sent (half the bytes) and are converted there.
   bool ConvertsHalfInputs() const override { return true; }
   std::optional<int> InPlaceGpu() const override { return device_; }
+  std::shared_ptr<char> PinnedHostBuffer(size_t bytes) const override {
+    return pinned_->Get(bytes);
+  }
 
   std::optional<DeviceMemory> Memory() const override;
   std::map<std::string, int64_t> AttentionCallsByPath() const override;
@@ -65,6 +69,9 @@ class CudaBackend final : public Backend {
   StreamContexts contexts_;
   mutable ThreadPool host_copies_;
   mutable std::atomic<int64_t> cudnn_calls_{0}, kernel_calls_{0};
+  // Page-locked buffers kept for reuse: at most this many bytes of them.
+  static constexpr size_t kMaxKeptPinnedBytes = size_t{256} << 20;
+  const std::shared_ptr<PinnedBufferPool> pinned_;
 };
 
 }  // namespace attention::core::cuda

@@ -110,11 +110,14 @@ absl::StatusOr<CudaPreparedLayer::InFlight> CudaPreparedLayer::Enqueue(
 
   // Memory: inputs (copied in at once), scratch, outputs (copied out at once). 16-bit
   // inputs are copied as sent and converted into the float32 token matrices on the device;
-  // when no input brings float32 tokens from the host, those matrices are scratch and are
-  // not copied in at all. Inputs already in the GPU's memory are copied device to device
-  // into their rows (or their 16-bit area) once the host's part is in.
-  const bool tokens_from_host = std::any_of(inputs.begin(), inputs.end(), [](const MhaInput* in) {
-    return !in->is_half() && !in->inputs_on_gpu;
+  // when no input brings float32 tokens through the staging, those matrices are scratch
+  // and are not copied in at all. Inputs the device copies straight (from page-locked host
+  // memory or its own) go into their rows (or their 16-bit area) once the staging is in.
+  const auto copied_straight = [](const MhaInput& in) {
+    return in.inputs_memory != InputMemory::kHost;
+  };
+  const bool tokens_from_host = std::any_of(inputs.begin(), inputs.end(), [&](const MhaInput* in) {
+    return !in->is_half() && !copied_straight(*in);
   });
   Arena arena;
   auto plan_tokens = [&] {
@@ -126,12 +129,12 @@ absl::StatusOr<CudaPreparedLayer::InFlight> CudaPreparedLayer::Enqueue(
   std::array<int64_t, 3> tokens_at = {-1, -1, -1};
   if (tokens_from_host) tokens_at = plan_tokens();
   // Per input: where its 16-bit query, key and value are (-1: none), staged from the host
-  // or, for inputs on the GPU, past the staged bytes.
+  // or, for inputs copied straight, past the staged bytes.
   std::vector<std::array<int64_t, 3>> half_at(count, {-1, -1, -1});
-  const auto plan_half = [&](bool on_gpu) {
+  const auto plan_half = [&](bool straight) {
     for (size_t n = 0; n < count; ++n) {
       const MhaInput& in = *inputs[n];
-      if (!in.is_half() || in.inputs_on_gpu != on_gpu) continue;
+      if (!in.is_half() || copied_straight(in) != straight) continue;
       half_at[n][0] = arena.Add(in.query_half.size() * sizeof(uint16_t));
       if (!in.key_half.empty()) {
         half_at[n][1] = arena.Add(in.key_half.size() * sizeof(uint16_t));
@@ -139,13 +142,13 @@ absl::StatusOr<CudaPreparedLayer::InFlight> CudaPreparedLayer::Enqueue(
       }
     }
   };
-  plan_half(/*on_gpu=*/false);
+  plan_half(/*straight=*/false);
   std::vector<StagedMask> masks(count);
   for (size_t n = 0; n < count; ++n) masks[n].Plan(inputs[n]->options, arena);
   Staged staged;
   staged.input_bytes = arena.size();
   if (!tokens_from_host) tokens_at = plan_tokens();
-  plan_half(/*on_gpu=*/true);
+  plan_half(/*straight=*/true);
   const int64_t x_at = tokens_at[0], xk_at = tokens_at[1], xv_at = tokens_at[2];
   // Projected Q, K and V: one [q_rows, Q + K + V] matrix when fused.
   const int64_t q_at = arena.Add(q_rows * plan.q_stride * sizeof(float));
@@ -197,8 +200,8 @@ absl::StatusOr<CudaPreparedLayer::InFlight> CudaPreparedLayer::Enqueue(
 
   for (size_t n = 0; n < count; ++n) {
     const MhaInput& in = *inputs[n];
-    if (in.inputs_on_gpu) {
-      // Copied on the device below.
+    if (copied_straight(in)) {
+      // Copied by the device below.
     } else if (in.is_half()) {
       for (auto [at, bits] : {std::pair{half_at[n][0], in.query_half},
                               {half_at[n][1], in.key_half},
@@ -215,33 +218,34 @@ absl::StatusOr<CudaPreparedLayer::InFlight> CudaPreparedLayer::Enqueue(
   RETURN_IF_ERROR(CudaStatus(
       cudaMemcpyAsync(device, staging, staged.input_bytes, cudaMemcpyHostToDevice, context->stream),
       "cudaMemcpyAsync(inputs)"));
-  // Inputs in the GPU's memory, after the staged bytes (which may cover their rows).
-  absl::Status gpu_copies;
-  const auto copy_on_gpu = [&](const void* from, void* to, size_t bytes) {
-    if (!gpu_copies.ok() || bytes == 0) return;
-    gpu_copies =
-        CudaStatus(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, context->stream),
-                   "cudaMemcpyAsync(inputs on the GPU)");
+  // Inputs copied straight, after the staged bytes (which may cover their rows): from
+  // page-locked host memory or the GPU's own (the driver tells them apart).
+  absl::Status straight_copies;
+  const auto copy_straight = [&](const void* from, void* to, size_t bytes) {
+    if (!straight_copies.ok() || bytes == 0) return;
+    straight_copies =
+        CudaStatus(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDefault, context->stream),
+                   "cudaMemcpyAsync(inputs copied straight)");
   };
   for (size_t n = 0; n < count; ++n) {
     const MhaInput& in = *inputs[n];
-    if (!in.inputs_on_gpu) continue;
+    if (!copied_straight(in)) continue;
     if (in.is_half()) {
       for (auto [at, bits] : {std::pair{half_at[n][0], in.query_half},
                               {half_at[n][1], in.key_half},
                               {half_at[n][2], in.value_half}}) {
-        if (at >= 0) copy_on_gpu(bits.data(), device + at, bits.size() * sizeof(uint16_t));
+        if (at >= 0) copy_straight(bits.data(), device + at, bits.size() * sizeof(uint16_t));
       }
     } else {
       PackInputTokens(c, plan.inputs[n], in, on_device(x_at),
                       all_self_attention ? nullptr : on_device(xk_at),
                       all_self_attention ? nullptr : on_device(xv_at),
                       [&](absl::Span<const float> from, float* to) {
-                        copy_on_gpu(from.data(), to, from.size() * sizeof(float));
+                        copy_straight(from.data(), to, from.size() * sizeof(float));
                       });
     }
   }
-  RETURN_IF_ERROR(gpu_copies);
+  RETURN_IF_ERROR(straight_copies);
   for (size_t n = 0; n < count; ++n) {
     const MhaInput& in = *inputs[n];
     if (!in.is_half()) continue;

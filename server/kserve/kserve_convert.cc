@@ -225,11 +225,11 @@ absl::Status CheckInputParameters(const InputTensor& input, std::optional<uint64
 struct RawBytes {
   const std::string* entry = nullptr;
   std::string* slice = nullptr;
-  // The size of a slice left in GPU memory (GpuTensors).
-  std::optional<uint64_t> on_gpu;
+  // The size of a slice whose bytes stay outside the request (GpuTensors).
+  std::optional<uint64_t> elsewhere;
   const std::string* get() const { return slice != nullptr ? slice : entry; }
   std::optional<uint64_t> size() const {
-    if (on_gpu.has_value()) return on_gpu;
+    if (elsewhere.has_value()) return elsewhere;
     return get() != nullptr ? std::optional<uint64_t>(get()->size()) : std::nullopt;
   }
 };
@@ -244,7 +244,7 @@ absl::Status ConvertInput(const InputTensor& input, RawBytes bytes,
   tensor->mutable_shape()->CopyFrom(input.shape());
   if (dtype == v1::DATA_TYPE_UNSPECIFIED) return ConvertIntegerMask(input, raw, tensor);
   tensor->set_dtype(dtype);
-  if (bytes.on_gpu.has_value()) return absl::OkStatus();  // the layer reads them there
+  if (bytes.elsewhere.has_value()) return absl::OkStatus();  // the layer reads them there
   if (raw != nullptr) {
     if (bytes.slice != nullptr) {
       tensor->mutable_raw_data()->swap(*bytes.slice);
@@ -429,6 +429,19 @@ bool InputsStayOnGpu(const inference::ModelInferRequest& request,
   return datatype != nullptr;
 }
 
+// Whether query, key and value are read into page-locked memory: every one given is in
+// system shared memory.
+bool InputsGoPinned(const inference::ModelInferRequest& request,
+                    const std::vector<std::optional<SharedMemorySlice>>& sources) {
+  bool any = false;
+  for (int i = 0; i < request.inputs_size(); ++i) {
+    if (!IsQueryKeyOrValue(request.inputs(i))) continue;
+    if (!sources[i].has_value() || sources[i]->gpu() >= 0) return false;
+    any = true;
+  }
+  return any;
+}
+
 // `slice` for the layer to read or write in place; `on_gpu` keeps its region open.
 GpuBytes KeepOnGpu(const SharedMemorySlice& slice, GpuTensors* on_gpu) {
   on_gpu->regions.push_back(slice.region);
@@ -494,6 +507,8 @@ absl::Status ToNativeRequest(const inference::ModelInferRequest& request,
                    "; give one per input");
   }
   const bool inputs_on_gpu = on_gpu != nullptr && InputsStayOnGpu(request, sources, on_gpu->gpu);
+  const bool inputs_pinned = on_gpu != nullptr && on_gpu->pin != nullptr && !inputs_on_gpu &&
+                             InputsGoPinned(request, sources);
   static const std::vector<std::string> kFloatTypes = {"FP32", "FP16", "BF16"};
   static const std::vector<std::string> kPaddingMaskTypes = {"BOOL", "INT64", "INT32"};
   static const std::vector<std::string> kAttnMaskTypes = {"BOOL", "FP32"};
@@ -514,11 +529,22 @@ absl::Status ToNativeRequest(const inference::ModelInferRequest& request,
     }
     std::string shared;
     RawBytes bytes;
+    std::shared_ptr<char> pinned;
+    if (sources[i].has_value() && inputs_pinned && IsQueryKeyOrValue(input)) {
+      pinned = on_gpu->pin(sources[i]->byte_size);  // null: none to spare, read as usual
+    }
     if (sources[i].has_value() && inputs_on_gpu && IsQueryKeyOrValue(input)) {
       const GpuBytes kept = KeepOnGpu(*sources[i], on_gpu);
-      bytes.on_gpu = kept.size;
+      bytes.elsewhere = kept.size;
       (input.name() == kQuery ? on_gpu->query
                               : (input.name() == kKey ? on_gpu->key : on_gpu->value)) = kept;
+    } else if (pinned != nullptr) {
+      RETURN_IF_ERROR(ReadSliceInto(*sources[i], pinned.get()));
+      bytes.elsewhere = sources[i]->byte_size;
+      (input.name() == kQuery
+           ? on_gpu->pinned_query
+           : (input.name() == kKey ? on_gpu->pinned_key : on_gpu->pinned_value)) =
+          PinnedBytes{std::move(pinned), sources[i]->byte_size};
     } else if (sources[i].has_value()) {
       RETURN_IF_ERROR(ReadSlice(*sources[i], &shared));
       bytes.slice = &shared;

@@ -70,7 +70,9 @@ struct OutputPlan {
 // none), tensors in CUDA shared memory on that GPU stay there for the layer to read and
 // write in place: query, key and value when every one given is in such a region, in one
 // float datatype at offsets aligned to it (their native tensors then have no bytes), and
-// the output when its destination is and its answer is FP32 or BF16 raw bytes.
+// the output when its destination is and its answer is FP32 or BF16 raw bytes. Else, when
+// every query, key and value given is in system shared memory and `on_gpu->pin` gives
+// page-locked memory, they are read straight into it (one DMA each to the GPU).
 absl::Status ToNativeRequest(const inference::ModelInferRequest& request,
                              v1::MultiHeadAttentionRequest* native, OutputPlan* plan,
                              const SharedMemory* shared_memory = nullptr,

@@ -166,7 +166,17 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(
   // Found first: CUDA shared memory on the layer's GPU stays there for the layer.
   const absl::StatusOr<std::shared_ptr<const LayerSnapshot>> model =
       FindModel("model_name", request->model_name(), request->model_version());
-  if (model.ok()) native->on_gpu.gpu = (*model)->layer->backend().InPlaceGpu().value_or(-1);
+  if (model.ok()) {
+    const core::Backend& backend = (*model)->layer->backend();
+    native->on_gpu.gpu = backend.InPlaceGpu().value_or(-1);
+    // Inputs from system shared memory are read into the GPU's page-locked memory; the
+    // snapshot keeps the backend.
+    if (native->on_gpu.gpu >= 0) {
+      native->on_gpu.pin = [snapshot = *model](size_t bytes) {
+        return snapshot->layer->backend().PinnedHostBuffer(bytes);
+      };
+    }
+  }
   absl::Status status = CatchExceptions("ModelInfer", [&] {
     return kserve::ToNativeRequest(*request, &native->request, &native->plan, &shared_memory_,
                                    &native->on_gpu);

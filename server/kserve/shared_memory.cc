@@ -305,7 +305,11 @@ int SharedMemorySlice::gpu() const {
 
 absl::Status ReadSlice(const SharedMemorySlice& slice, std::string* bytes) {
   bytes->resize(slice.byte_size);
-  return AboutSlice(slice, slice.region->Read(slice.offset, slice.byte_size, bytes->data()));
+  return ReadSliceInto(slice, bytes->data());
+}
+
+absl::Status ReadSliceInto(const SharedMemorySlice& slice, char* out) {
+  return AboutSlice(slice, slice.region->Read(slice.offset, slice.byte_size, out));
 }
 
 absl::Status WriteSlice(const SharedMemorySlice& slice, absl::string_view bytes) {

@@ -123,6 +123,8 @@ class SharedMemory {
 // The slice's bytes (exactly byte_size of them), or FAILED_PRECONDITION when the region no
 // longer holds them.
 absl::Status ReadSlice(const SharedMemorySlice& slice, std::string* bytes);
+// The same into `out`, which holds at least byte_size bytes.
+absl::Status ReadSliceInto(const SharedMemorySlice& slice, char* out);
 // Writes `bytes` at the start of the slice; INVALID_ARGUMENT when they do not fit in it.
 absl::Status WriteSlice(const SharedMemorySlice& slice, absl::string_view bytes);
 

@@ -184,18 +184,28 @@ namespace {
 // INTERNAL unless tensors in GPU memory are in the memory of the GPU `layer` runs on (the
 // front-end that found them asked the same layer).
 absl::Status CheckGpuTensors(const GpuTensors& on_gpu, const core::MhaLayer& layer) {
-  if (!on_gpu.inputs() && !on_gpu.output.has_value()) return absl::OkStatus();
+  if (!on_gpu.inputs() && !on_gpu.pinned_inputs() && !on_gpu.output.has_value()) {
+    return absl::OkStatus();
+  }
   if (layer.backend().InPlaceGpu() == on_gpu.gpu) return absl::OkStatus();
   return absl::InternalError(absl::StrCat("tensors in the memory of cuda:", on_gpu.gpu,
                                           " were sent to a layer on ", layer.device()));
 }
 
-// One of query, key and value: from `request`, or its bytes on the GPU when `on_gpu` has them.
+// One of query, key and value: from `request`, or its bytes on the GPU or in page-locked
+// host memory when GpuTensors has them.
 absl::StatusOr<DecodedTensor> DecodeInput(const v1::Tensor& tensor, absl::string_view field,
                                           const std::optional<GpuBytes>& on_gpu,
+                                          const std::optional<PinnedBytes>& pinned,
                                           const TensorDecoding& how) {
   if (on_gpu.has_value()) return DecodeGpuTensor(tensor, field, *on_gpu, how);
+  if (pinned.has_value()) return DecodePinnedTensor(tensor, field, *pinned, how);
   return DecodeTensor(tensor, field, how);
+}
+
+// Whether `decoded` is read in place (from its buffer), not copied.
+bool Borrowed(const DecodedTensor& decoded) {
+  return decoded.borrowed.data() != nullptr || decoded.borrowed_half.data() != nullptr;
 }
 
 // Decodes a MultiHeadAttention request's inputs into `item`'s input for `layer`: query, key
@@ -215,7 +225,11 @@ absl::Status DecodeMhaInputs(const v1::MultiHeadAttentionRequest& request,
                                 HalfDType(request.value()) == half_dtype));
   how.borrow = borrow;
   how.reject_non_finite = budget.reject_non_finite;
-  ASSIGN_OR_RETURN(DecodedTensor query, DecodeInput(request.query(), "query", on_gpu.query, how));
+  ASSIGN_OR_RETURN(DecodedTensor query,
+                   DecodeInput(request.query(), "query", on_gpu.query, on_gpu.pinned_query, how));
+  // Inputs read in place from page-locked memory are one DMA each; one widened on the host,
+  // or read elsewhere, is not.
+  bool all_pinned = on_gpu.pinned_query.has_value() && Borrowed(query);
   RETURN_IF_ERROR(core::CheckMhaQueryShape(config, query.shape));
   core::MhaInput& input = item->input;
   input.batch = query.shape[0];
@@ -226,8 +240,12 @@ absl::Status DecodeMhaInputs(const v1::MultiHeadAttentionRequest& request,
   absl::Span<const float> key_values, value_values;
   absl::Span<const uint16_t> key_half, value_half;
   if (has_key) {
-    ASSIGN_OR_RETURN(DecodedTensor key, DecodeInput(request.key(), "key", on_gpu.key, how));
-    ASSIGN_OR_RETURN(DecodedTensor value, DecodeInput(request.value(), "value", on_gpu.value, how));
+    ASSIGN_OR_RETURN(DecodedTensor key,
+                     DecodeInput(request.key(), "key", on_gpu.key, on_gpu.pinned_key, how));
+    ASSIGN_OR_RETURN(DecodedTensor value,
+                     DecodeInput(request.value(), "value", on_gpu.value, on_gpu.pinned_value, how));
+    all_pinned = all_pinned && on_gpu.pinned_key.has_value() && on_gpu.pinned_value.has_value() &&
+                 Borrowed(key) && Borrowed(value);
     RETURN_IF_ERROR(core::CheckMhaKeyValueShapes(config, input.batch, key.shape, value.shape));
     input.kv_len = key.shape[1];
     item->storage.push_back(std::move(key.values));
@@ -251,7 +269,11 @@ absl::Status DecodeMhaInputs(const v1::MultiHeadAttentionRequest& request,
     input.key = key_values;
     input.value = value_values;
   }
-  input.inputs_on_gpu = on_gpu.inputs();
+  if (on_gpu.inputs()) {
+    input.inputs_memory = core::InputMemory::kGpu;
+  } else if (all_pinned) {
+    input.inputs_memory = core::InputMemory::kPinnedHost;
+  }
   ASSIGN_OR_RETURN(input.options,
                    ConvertCheckedOptions(request.options(), layer.Dims(input), budget));
   return absl::OkStatus();

@@ -14,27 +14,16 @@ namespace {
 
 // Whether `bytes` may be read in place as elements of T.
 template <typename T>
-bool AlignedFor(const std::string& bytes) {
+bool AlignedFor(absl::string_view bytes) {
   return reinterpret_cast<uintptr_t>(bytes.data()) % alignof(T) == 0;
 }
 
-}  // namespace
-
-core::DType HalfDType(const v1::Tensor& tensor) {
-  if (tensor.float_data_size() > 0) return core::DType::kFloat32;
-  if (tensor.dtype() == v1::FLOAT16) return core::DType::kFloat16;
-  if (tensor.dtype() == v1::BFLOAT16) return core::DType::kBFloat16;
-  return core::DType::kFloat32;
-}
-
-absl::StatusOr<DecodedTensor> DecodeTensor(const v1::Tensor& tensor, absl::string_view field,
-                                           const TensorDecoding& how) {
-  // Presence, shape, one of float_data and raw_data, a float dtype, the byte count.
-  core::DType dtype;
-  ASSIGN_OR_RETURN(const int64_t count, wire::CheckFloatTensor(tensor, field, &dtype));
+// DecodeTensor of a checked `tensor` of `count` values of `dtype`, its raw bytes `raw`.
+absl::StatusOr<DecodedTensor> DecodeChecked(const v1::Tensor& tensor, absl::string_view field,
+                                            absl::string_view raw, core::DType dtype, int64_t count,
+                                            const TensorDecoding& how) {
   DecodedTensor decoded;
   decoded.shape.assign(tensor.shape().begin(), tensor.shape().end());
-  const std::string& raw = tensor.raw_data();
   const size_t elements = static_cast<size_t>(count);
   if (how.keep_half && dtype != core::DType::kFloat32) {
     const uint16_t* bits = reinterpret_cast<const uint16_t*>(raw.data());
@@ -50,7 +39,7 @@ absl::StatusOr<DecodedTensor> DecodeTensor(const v1::Tensor& tensor, absl::strin
       // Widened, the float32 check names the index and the value.
       TensorDecoding widened = how;
       widened.keep_half = false;
-      return DecodeTensor(tensor, field, widened).status();
+      return DecodeChecked(tensor, field, raw, dtype, count, widened).status();
     }
     return decoded;
   }
@@ -69,6 +58,35 @@ absl::StatusOr<DecodedTensor> DecodeTensor(const v1::Tensor& tensor, absl::strin
   }
   if (how.reject_non_finite) RETURN_IF_ERROR(CheckFinite(values, decoded.shape, field));
   return decoded;
+}
+
+}  // namespace
+
+core::DType HalfDType(const v1::Tensor& tensor) {
+  if (tensor.float_data_size() > 0) return core::DType::kFloat32;
+  if (tensor.dtype() == v1::FLOAT16) return core::DType::kFloat16;
+  if (tensor.dtype() == v1::BFLOAT16) return core::DType::kBFloat16;
+  return core::DType::kFloat32;
+}
+
+absl::StatusOr<DecodedTensor> DecodeTensor(const v1::Tensor& tensor, absl::string_view field,
+                                           const TensorDecoding& how) {
+  // Presence, shape, one of float_data and raw_data, a float dtype, the byte count.
+  core::DType dtype;
+  ASSIGN_OR_RETURN(const int64_t count, wire::CheckFloatTensor(tensor, field, &dtype));
+  return DecodeChecked(tensor, field, tensor.raw_data(), dtype, count, how);
+}
+
+absl::StatusOr<DecodedTensor> DecodePinnedTensor(const v1::Tensor& tensor, absl::string_view field,
+                                                 const PinnedBytes& bytes,
+                                                 const TensorDecoding& how) {
+  core::DType dtype;
+  ASSIGN_OR_RETURN(const int64_t count,
+                   wire::CheckFloatTensorBytes(tensor, field, bytes.size, &dtype));
+  TensorDecoding in_place = how;
+  in_place.borrow = true;
+  return DecodeChecked(tensor, field, absl::string_view(bytes.buffer.get(), bytes.size), dtype,
+                       count, in_place);
 }
 
 char* GpuBytes::data() const { return memory->data() + offset; }

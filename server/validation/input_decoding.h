@@ -6,6 +6,7 @@
 #define ATTENTION_SERVER_VALIDATION_INPUT_DECODING_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -63,15 +64,27 @@ struct GpuBytes {
   char* data() const;
 };
 
-// The tensors of a MultiHeadAttention call that lie in the memory of GPU `gpu`, the one its
-// layer runs on (core::Backend::InPlaceGpu): query, key and value (all that the call gives,
-// or none) and the output's destination. `regions` keeps their memory open for the call.
+// A tensor's bytes read into page-locked host memory of the layer's backend (core::Backend::
+// PinnedHostBuffer), from which its GPU copies them in one DMA.
+struct PinnedBytes {
+  std::shared_ptr<char> buffer;
+  uint64_t size = 0;
+};
+
+// The tensors of a MultiHeadAttention call that the GPU its layer runs on (`gpu`: core::
+// Backend::InPlaceGpu) reads straight: query, key and value (all that the call gives, or
+// none) in its memory or, read from system shared memory, in page-locked host memory that
+// `pin` gives (the layer backend's PinnedHostBuffer; null: none); and the output's
+// destination in its memory. `regions` keeps the GPU memory open for the call.
 struct GpuTensors {
   int gpu = -1;
+  std::function<std::shared_ptr<char>(size_t bytes)> pin;
   std::optional<GpuBytes> query, key, value, output;
+  std::optional<PinnedBytes> pinned_query, pinned_key, pinned_value;
   std::vector<std::shared_ptr<const void>> regions;
 
   bool inputs() const { return query.has_value(); }
+  bool pinned_inputs() const { return pinned_query.has_value(); }
 };
 
 // The 16-bit dtype `tensor` is sent in as raw data, or kFloat32 when it is not.
@@ -90,6 +103,12 @@ absl::StatusOr<DecodedTensor> DecodeTensor(const v1::Tensor& tensor, absl::strin
 // addresses. A 16-bit tensor needs `keep_half` (the host cannot widen it).
 absl::StatusOr<DecodedTensor> DecodeGpuTensor(const v1::Tensor& tensor, absl::string_view field,
                                               const GpuBytes& bytes, const TensorDecoding& how);
+
+// DecodeTensor of a tensor whose raw bytes are `bytes` (its raw_data empty), read in place
+// where the alignment allows (the buffer then outlives every use of the decoded spans).
+absl::StatusOr<DecodedTensor> DecodePinnedTensor(const v1::Tensor& tensor, absl::string_view field,
+                                                 const PinnedBytes& bytes,
+                                                 const TensorDecoding& how);
 
 }  // namespace attention::server
 

@@ -1,8 +1,9 @@
 // Layers on the CUDA backend reading inputs from, and writing answers to, GPU memory in
-// place (MhaInput::inputs_on_gpu, output_on_gpu: a caller's CUDA shared memory region).
-// In a batch of the same composition they answer bitwise as the same values from host
-// memory, for float32, FP16 and BF16 inputs and float32 and bf16 answers, beside host
-// inputs; a batch large enough to run in overlapped chunks answers by FlashAttention's rule.
+// place (InputMemory::kGpu, MhaInput::output_on_gpu: a caller's CUDA shared memory region),
+// and reading inputs straight from page-locked host memory (InputMemory::kPinnedHost). In a
+// batch of the same composition they answer bitwise as the same values from host memory,
+// for float32, FP16 and BF16 inputs and float32 and bf16 answers, beside host inputs; a
+// batch large enough to run in overlapped chunks answers by FlashAttention's rule.
 // Without a GPU every test reports SKIPPED with the reason.
 #include <cuda_runtime.h>
 
@@ -28,20 +29,25 @@ using testing::RandomFloats;
 using testing::TestDevices;
 using testing::TestSeed;
 
-// One cudaMalloc'd buffer holding a copy of host values; a failure fails the test.
+// One buffer in GPU memory (cudaMalloc) or, `pinned`, page-locked host memory
+// (cudaHostAlloc), holding a copy of host values; a failure fails the test.
 class GpuCopy {
  public:
-  GpuCopy(const void* host, size_t bytes) : bytes_(bytes) {
-    EXPECT_EQ(cudaMalloc(&data_, bytes == 0 ? 1 : bytes), cudaSuccess) << bytes << " bytes";
+  GpuCopy(const void* host, size_t bytes, bool pinned = false) : bytes_(bytes), pinned_(pinned) {
+    const size_t allocated = bytes == 0 ? 1 : bytes;
+    EXPECT_EQ(pinned ? cudaHostAlloc(&data_, allocated, cudaHostAllocPortable)
+                     : cudaMalloc(&data_, allocated),
+              cudaSuccess)
+        << bytes << " bytes";
     if (host != nullptr) {
-      EXPECT_EQ(cudaMemcpy(data_, host, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(data_, host, bytes, cudaMemcpyDefault), cudaSuccess);
     } else {
       EXPECT_EQ(cudaMemset(data_, 0xff, bytes), cudaSuccess);  // NaN until written
     }
   }
   GpuCopy(const GpuCopy&) = delete;
   GpuCopy& operator=(const GpuCopy&) = delete;
-  ~GpuCopy() { cudaFree(data_); }
+  ~GpuCopy() { pinned_ ? cudaFreeHost(data_) : cudaFree(data_); }
 
   template <typename T>
   T* as() const {
@@ -57,6 +63,7 @@ class GpuCopy {
  private:
   void* data_ = nullptr;
   size_t bytes_;
+  bool pinned_;
 };
 
 class CudaInPlaceTest : public ::testing::Test {
@@ -106,65 +113,71 @@ TEST_F(CudaInPlaceTest, GpuInputsAndAnswersMatchHostOnesBitwise) {
     ASSERT_NE(layer, nullptr);
     for (DType input_dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
       for (bool bf16_answer : {false, true}) {
-        SCOPED_TRACE(absl::StrCat("layer ", DTypeName(layer_dtype), ", inputs ",
-                                  DTypeName(input_dtype), bf16_answer ? ", bf16 answer" : ""));
-        // Input 0 (2 x 17 tokens, causal) in GPU memory or on the host; input 1 (1 x 5) on
-        // the host in both batches.
-        const std::vector<float> values = RandomFloats(rng, 2 * 17 * 64);
-        const std::vector<uint16_t> bits =
-            input_dtype == DType::kFloat32 ? std::vector<uint16_t>() : Rounded(values, input_dtype);
-        const std::vector<float> other = RandomFloats(rng, 1 * 5 * 64);
-        const bool half = input_dtype != DType::kFloat32;
-        const GpuCopy on_gpu(half ? static_cast<const void*>(bits.data()) : values.data(),
-                             half ? bits.size() * 2 : values.size() * 4);
-        const int64_t answer_elements = 2 * 17 * layer->config().output_dim;
-        const GpuCopy answer_on_gpu(nullptr, answer_elements * (bf16_answer ? 2 : 4));
-        std::vector<float> host_answer(answer_elements);
-        std::vector<uint16_t> host_answer_bf16(answer_elements);
+        for (InputMemory memory : {InputMemory::kGpu, InputMemory::kPinnedHost}) {
+          const bool pinned = memory == InputMemory::kPinnedHost;
+          SCOPED_TRACE(absl::StrCat("layer ", DTypeName(layer_dtype), ", inputs ",
+                                    DTypeName(input_dtype), bf16_answer ? ", bf16 answer" : "",
+                                    pinned ? ", inputs in page-locked host memory" : ""));
+          // Input 0 (2 x 17 tokens, causal) in GPU memory or on the host; input 1 (1 x 5) on
+          // the host in both batches.
+          const std::vector<float> values = RandomFloats(rng, 2 * 17 * 64);
+          const std::vector<uint16_t> bits = input_dtype == DType::kFloat32
+                                                 ? std::vector<uint16_t>()
+                                                 : Rounded(values, input_dtype);
+          const std::vector<float> other = RandomFloats(rng, 1 * 5 * 64);
+          const bool half = input_dtype != DType::kFloat32;
+          const GpuCopy on_gpu(half ? static_cast<const void*>(bits.data()) : values.data(),
+                               half ? bits.size() * 2 : values.size() * 4, pinned);
+          const int64_t answer_elements = 2 * 17 * layer->config().output_dim;
+          const GpuCopy answer_on_gpu(nullptr, answer_elements * (bf16_answer ? 2 : 4));
+          std::vector<float> host_answer(answer_elements);
+          std::vector<uint16_t> host_answer_bf16(answer_elements);
 
-        const auto batch = [&](bool gpu) {
-          MhaInput in;
-          in.batch = 2;
-          in.q_len = in.kv_len = 17;
-          in.options.causal = true;
-          if (half) {
-            in.half_dtype = input_dtype;
-            in.query_half = gpu ? absl::MakeConstSpan(on_gpu.as<uint16_t>(), bits.size())
-                                : absl::MakeConstSpan(bits);
-          } else {
-            in.query = gpu ? absl::MakeConstSpan(on_gpu.as<float>(), values.size())
-                           : absl::MakeConstSpan(values);
-          }
-          in.inputs_on_gpu = gpu;
+          const auto batch = [&](bool gpu) {
+            MhaInput in;
+            in.batch = 2;
+            in.q_len = in.kv_len = 17;
+            in.options.causal = true;
+            if (half) {
+              in.half_dtype = input_dtype;
+              in.query_half = gpu ? absl::MakeConstSpan(on_gpu.as<uint16_t>(), bits.size())
+                                  : absl::MakeConstSpan(bits);
+            } else {
+              in.query = gpu ? absl::MakeConstSpan(on_gpu.as<float>(), values.size())
+                             : absl::MakeConstSpan(values);
+            }
+            in.inputs_memory = gpu ? memory : InputMemory::kHost;
+            if (bf16_answer) {
+              in.output_destination_bf16 =
+                  gpu ? absl::MakeSpan(answer_on_gpu.as<uint16_t>(), answer_elements)
+                      : absl::MakeSpan(host_answer_bf16);
+            } else {
+              in.output_destination =
+                  gpu ? absl::MakeSpan(answer_on_gpu.as<float>(), answer_elements)
+                      : absl::MakeSpan(host_answer);
+            }
+            in.output_on_gpu = gpu;
+            return in;
+          };
+          MhaInput second;
+          second.batch = 1;
+          second.q_len = second.kv_len = 5;
+          second.query = other;
+          const MhaInput from_gpu = batch(true), from_host = batch(false);
+          ASSERT_TRUE(layer->ValidateInput(from_gpu).ok()) << layer->ValidateInput(from_gpu);
+          const auto gpu_results = layer->ForwardBatch({&from_gpu, &second});
+          const auto host_results = layer->ForwardBatch({&from_host, &second});
+          ASSERT_TRUE(gpu_results.ok()) << gpu_results.status();
+          ASSERT_TRUE(host_results.ok()) << host_results.status();
+          EXPECT_TRUE((*gpu_results)[0].output.empty());  // the answer went to the GPU
           if (bf16_answer) {
-            in.output_destination_bf16 =
-                gpu ? absl::MakeSpan(answer_on_gpu.as<uint16_t>(), answer_elements)
-                    : absl::MakeSpan(host_answer_bf16);
+            EXPECT_EQ(answer_on_gpu.Download<uint16_t>(), host_answer_bf16);
           } else {
-            in.output_destination = gpu ? absl::MakeSpan(answer_on_gpu.as<float>(), answer_elements)
-                                        : absl::MakeSpan(host_answer);
+            const std::vector<float> answer = answer_on_gpu.Download<float>();
+            EXPECT_EQ(std::memcmp(answer.data(), host_answer.data(), answer.size() * 4), 0);
           }
-          in.output_on_gpu = gpu;
-          return in;
-        };
-        MhaInput second;
-        second.batch = 1;
-        second.q_len = second.kv_len = 5;
-        second.query = other;
-        const MhaInput from_gpu = batch(true), from_host = batch(false);
-        ASSERT_TRUE(layer->ValidateInput(from_gpu).ok()) << layer->ValidateInput(from_gpu);
-        const auto gpu_results = layer->ForwardBatch({&from_gpu, &second});
-        const auto host_results = layer->ForwardBatch({&from_host, &second});
-        ASSERT_TRUE(gpu_results.ok()) << gpu_results.status();
-        ASSERT_TRUE(host_results.ok()) << host_results.status();
-        EXPECT_TRUE((*gpu_results)[0].output.empty());  // the answer went to the GPU
-        if (bf16_answer) {
-          EXPECT_EQ(answer_on_gpu.Download<uint16_t>(), host_answer_bf16);
-        } else {
-          const std::vector<float> answer = answer_on_gpu.Download<float>();
-          EXPECT_EQ(std::memcmp(answer.data(), host_answer.data(), answer.size() * 4), 0);
+          EXPECT_EQ((*gpu_results)[1].output, (*host_results)[1].output);
         }
-        EXPECT_EQ((*gpu_results)[1].output, (*host_results)[1].output);
       }
     }
   }
@@ -188,7 +201,8 @@ TEST_F(CudaInPlaceTest, BatchesInOverlappedChunksFollowTheRule) {
   from_gpu.q_len = from_gpu.kv_len = 40;
   from_gpu.query = absl::MakeConstSpan(on_gpu.as<float>(), gpu_values.size());
   from_gpu.output_destination = absl::MakeSpan(answer_on_gpu.as<float>(), gpu_values.size());
-  from_gpu.inputs_on_gpu = from_gpu.output_on_gpu = true;
+  from_gpu.inputs_memory = InputMemory::kGpu;
+  from_gpu.output_on_gpu = true;
   MhaInput from_host;
   from_host.batch = 64;
   from_host.q_len = from_host.kv_len = 256;
@@ -199,7 +213,8 @@ TEST_F(CudaInPlaceTest, BatchesInOverlappedChunksFollowTheRule) {
   FidelityStats outputs("in-place chunked batch outputs");
   MhaInput gpu_values_on_host = from_gpu;
   gpu_values_on_host.query = gpu_values;
-  gpu_values_on_host.inputs_on_gpu = gpu_values_on_host.output_on_gpu = false;
+  gpu_values_on_host.inputs_memory = InputMemory::kHost;
+  gpu_values_on_host.output_on_gpu = false;
   gpu_values_on_host.output_destination = {};
   const std::vector<float> answer = answer_on_gpu.Download<float>();
   EXPECT_TRUE(outputs.Check(answer, layer->ForwardTextbook<float>(gpu_values_on_host).output,

@@ -5,20 +5,13 @@
 // GPU side (host memory behind core::SharedDeviceMemory, opened as the plugin would open a
 // handle); where a GPU exists, over a real cudaIpcMemHandle that another process
 // (cuda_ipc_exporter) exported, and SKIPPED with the reason elsewhere.
-#include <fcntl.h>
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <csignal>
 #include <cstring>
-#include <fstream>
 #include <memory>
 #include <random>
-#include <sstream>
 #include <vector>
 
 #include <grpcpp/create_channel.h>
@@ -31,14 +24,14 @@
 #include "server/kserve/kserve_convert.h"
 #include "server/kserve/shared_memory.h"
 #include "server/validation/input_decoding.h"
+#include "tests/server/cuda_ipc_exporter_process.h"
 #include "tests/server/shared_memory_testing.h"
 #include "tests/server/test_server.h"
-
-extern char** environ;
 
 namespace attention::server::testing {
 namespace {
 
+using attention::testing::CudaIpcExporter;
 using inference::CudaSharedMemoryRegisterRequest;
 using inference::ModelInferRequest;
 using kserve::SharedMemory;
@@ -256,6 +249,12 @@ ModelInferRequest RegionRequest() {
   return request;
 }
 
+std::string RandomQueryBytes(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  const std::vector<float> query = RandomValues(rng, kTokens * kDemoEmbedDim);
+  return std::string(reinterpret_cast<const char*>(query.data()), kQueryBytes);
+}
+
 // What ToNativeRequest made of a request for a layer on GPU `layer_gpu` (-1: the CPU).
 struct Converted {
   absl::Status status;
@@ -359,6 +358,82 @@ TEST(CudaSharedMemoryTest, TensorsOnTheLayersGpuStayThere) {
   }
 }
 
+// For a layer on a GPU, query, key and value in system shared memory are read straight into
+// page-locked memory its backend gives (here plain memory, counted): the native tensors keep
+// shape and dtype only, and the decoded spans are that memory's own. Without such memory to
+// spare, or with an input elsewhere, they are read as usual.
+TEST(CudaSharedMemoryTest, SystemInputsForAGpuLayerAreReadIntoPinnedMemory) {
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const std::string query_bytes = RandomQueryBytes(seed);
+  SharedObject object(kRegionBytes);
+  object.Write(kQueryOffset, query_bytes);
+  TwinGpu gpu;
+  const size_t buffer = gpu.Add(kRegionBytes);
+  SharedMemory regions(true, 1 << 20, gpu.Opener());
+  ASSERT_TRUE(regions.RegisterSystem(Registration("io", object.key(), 0, kRegionBytes)).ok());
+  ASSERT_TRUE(
+      regions.RegisterCuda(GpuRegistration("gpu", TwinGpu::Handle(buffer), 0, kRegionBytes)).ok());
+  std::vector<size_t> pinned_sizes;
+  bool spare = true;
+  const auto convert = [&](const ModelInferRequest& request) {
+    Converted converted;
+    converted.on_gpu.gpu = 0;
+    converted.on_gpu.pin = [&](size_t bytes) -> std::shared_ptr<char> {
+      pinned_sizes.push_back(bytes);
+      if (!spare) return nullptr;
+      return std::shared_ptr<char>(new char[bytes], std::default_delete<char[]>());
+    };
+    converted.status = kserve::ToNativeRequest(request, &converted.native, &converted.plan,
+                                               &regions, &converted.on_gpu);
+    return converted;
+  };
+  const Converted pinned = convert(RegionRequest());
+  ASSERT_TRUE(pinned.status.ok()) << pinned.status;
+  EXPECT_EQ(pinned_sizes, std::vector<size_t>{kQueryBytes});
+  ASSERT_TRUE(pinned.on_gpu.pinned_inputs());
+  EXPECT_FALSE(pinned.on_gpu.inputs());
+  EXPECT_EQ(std::string(pinned.on_gpu.pinned_query->buffer.get(), kQueryBytes), query_bytes);
+  EXPECT_TRUE(pinned.native.query().raw_data().empty());
+  EXPECT_FALSE(pinned.plan.output_on_gpu);  // a system region: written from the host
+  TensorDecoding how;
+  const auto decoded =
+      DecodePinnedTensor(pinned.native.query(), "query", *pinned.on_gpu.pinned_query, how);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(reinterpret_cast<const char*>(decoded->borrowed.data()),
+            pinned.on_gpu.pinned_query->buffer.get());
+  ExpectStatus(
+      DecodePinnedTensor(pinned.native.query(), "query",
+                         PinnedBytes{pinned.on_gpu.pinned_query->buffer, kQueryBytes - 4}, how)
+          .status(),
+      absl::StatusCode::kInvalidArgument, "query.raw_data has");
+
+  spare = false;
+  const Converted none_to_spare = convert(RegionRequest());
+  ASSERT_TRUE(none_to_spare.status.ok()) << none_to_spare.status;
+  EXPECT_FALSE(none_to_spare.on_gpu.pinned_inputs());
+  EXPECT_EQ(none_to_spare.native.query().raw_data(), query_bytes);
+
+  spare = true;
+  pinned_sizes.clear();
+  ModelInferRequest mixed = RegionRequest();  // a key and value on the GPU: neither way
+  for (const char* name : {"key", "value"}) {
+    auto* input = mixed.add_inputs();
+    input->set_name(name);
+    input->set_datatype("FP32");
+    for (int64_t dim : {int64_t{1}, kTokens, kDemoEmbedDim}) input->add_shape(dim);
+    auto& parameters = *input->mutable_parameters();
+    parameters["shared_memory_region"].set_string_param("gpu");
+    parameters["shared_memory_byte_size"].set_uint64_param(kQueryBytes);
+  }
+  const Converted neither = convert(mixed);
+  ASSERT_TRUE(neither.status.ok()) << neither.status;
+  EXPECT_TRUE(pinned_sizes.empty());
+  EXPECT_FALSE(neither.on_gpu.pinned_inputs());
+  EXPECT_FALSE(neither.on_gpu.inputs());
+  EXPECT_EQ(neither.native.key().raw_data().size(), kQueryBytes);
+}
+
 // Inputs on the GPU are decoded where they are: shape, dtype and byte count as any input,
 // NaN and infinities found on the GPU and named by index, and spans that are the region's
 // own memory (no copy).
@@ -420,6 +495,7 @@ class KserveCudaSharedMemoryServerTest : public ServerTest {
   ServerOptions Options() override {
     ServerOptions options = ServerTest::Options();
     options.kserve_cuda_shared_memory = true;
+    options.kserve_system_shared_memory = true;
     options.device_memory_opener = OpenerForTest();
     return options;
   }
@@ -459,12 +535,6 @@ class KserveCudaSharedMemoryServerTest : public ServerTest {
   TwinGpu gpu_;
   std::unique_ptr<inference::GRPCInferenceService::Stub> stub_;
 };
-
-std::string RandomQueryBytes(uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  const std::vector<float> query = RandomValues(rng, kTokens * kDemoEmbedDim);
-  return std::string(reinterpret_cast<const char*>(query.data()), kQueryBytes);
-}
 
 TEST_F(KserveCudaSharedMemoryServerTest, InputsAndOutputsThroughGpuRegionsEqualTheRawCall) {
   const uint64_t seed = std::random_device{}();
@@ -527,95 +597,6 @@ TEST_F(ServerTest, CudaSharedMemoryIsOffByDefault) {
   }
 }
 
-// cuda_ipc_exporter as a child with pipes to its stdin and stdout; its stderr in a file.
-class Exporter {
- public:
-  // Beside this test binary, as CMake and scripts/gpu-bundle place it.
-  Exporter() {
-    char self[4096] = {};
-    const ssize_t length = readlink("/proc/self/exe", self, sizeof(self) - 1);
-    path_ = std::string(self, length > 0 ? length : 0);
-    path_ = path_.substr(0, path_.rfind('/') + 1) + "cuda_ipc_exporter";
-  }
-  const std::string& path() const { return path_; }
-  bool found() const { return access(path_.c_str(), X_OK) == 0; }
-
-  // Starts it over `contents`; false (with the reason in `failure`) when it cannot export
-  // them, as on a machine without a GPU.
-  bool Start(const std::string& contents, std::string* handle, std::string* failure) {
-    std::signal(SIGPIPE, SIG_IGN);  // a child that died fails the write instead
-    int to_child[2], from_child[2];
-    if (pipe(to_child) != 0 || pipe(from_child) != 0) return false;
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_adddup2(&actions, to_child[0], 0);
-    posix_spawn_file_actions_adddup2(&actions, from_child[1], 1);
-    posix_spawn_file_actions_addopen(&actions, 2, errors_.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
-                                     0600);
-    posix_spawn_file_actions_addclose(&actions, to_child[1]);
-    posix_spawn_file_actions_addclose(&actions, from_child[0]);
-    const std::string size = std::to_string(contents.size());
-    char* argv[] = {path_.data(), const_cast<char*>(size.c_str()), nullptr};
-    const int spawned = posix_spawn(&pid_, path_.c_str(), &actions, nullptr, argv, environ);
-    posix_spawn_file_actions_destroy(&actions);
-    close(to_child[0]);
-    close(from_child[1]);
-    in_ = to_child[1];
-    out_ = from_child[0];
-    if (spawned != 0) {
-      *failure = "posix_spawn: " + std::string(std::strerror(spawned));
-      return false;
-    }
-    if (!WriteAll(contents) || !ReadAll(core::kCudaIpcHandleBytes, handle)) {
-      *failure = Errors();
-      return false;
-    }
-    return true;
-  }
-  // Its buffer's bytes now.
-  std::string Dump(size_t bytes) {
-    std::string contents;
-    EXPECT_TRUE(WriteAll("g") && ReadAll(bytes, &contents)) << Errors();
-    return contents;
-  }
-  ~Exporter() {
-    if (in_ >= 0) close(in_);
-    if (out_ >= 0) close(out_);
-    if (pid_ > 0) waitpid(pid_, nullptr, 0);
-    unlink(errors_.c_str());
-  }
-
- private:
-  bool WriteAll(const std::string& bytes) {
-    for (size_t done = 0; done < bytes.size();) {
-      const ssize_t put = write(in_, bytes.data() + done, bytes.size() - done);
-      if (put <= 0) return false;
-      done += static_cast<size_t>(put);
-    }
-    return true;
-  }
-  bool ReadAll(size_t bytes, std::string* into) {
-    into->resize(bytes);
-    for (size_t done = 0; done < bytes;) {
-      const ssize_t got = read(out_, into->data() + done, bytes - done);
-      if (got <= 0) return false;
-      done += static_cast<size_t>(got);
-    }
-    return true;
-  }
-  std::string Errors() const {
-    std::ifstream file(errors_);
-    std::stringstream text;
-    text << file.rdbuf();
-    return text.str();
-  }
-
-  std::string path_;
-  const std::string errors_ = "/tmp/cuda_ipc_exporter." + std::to_string(getpid()) + ".err";
-  pid_t pid_ = -1;
-  int in_ = -1, out_ = -1;
-};
-
 // The real thing: a buffer another process cudaMalloc'd and exported, opened by the server's
 // CUDA plugin. SKIPPED where no GPU can export one.
 class KserveCudaSharedMemoryGpuTest : public KserveCudaSharedMemoryServerTest {
@@ -630,7 +611,7 @@ TEST_F(KserveCudaSharedMemoryGpuTest, ARealIpcHandleFromAnotherProcess) {
   const std::string query_bytes = RandomQueryBytes(seed);
   std::string contents(kRegionBytes, '\0');
   contents.replace(kQueryOffset, kQueryBytes, query_bytes);
-  Exporter exporter;
+  CudaIpcExporter exporter(CudaIpcExporter::BesideThisBinary());
   ASSERT_TRUE(exporter.found()) << exporter.path() << " is missing from a build with CUDA";
   std::string handle, failure;
   if (!exporter.Start(contents, &handle, &failure)) {
@@ -642,9 +623,32 @@ TEST_F(KserveCudaSharedMemoryGpuTest, ARealIpcHandleFromAnotherProcess) {
   EXPECT_EQ(too_big.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << too_big.error_message();
   const std::string expected = CallThroughRegionAndRaw(query_bytes);
   ASSERT_EQ(expected.size(), kQueryBytes);
-  const std::string after = exporter.Dump(kRegionBytes);
+  std::string after;
+  ASSERT_TRUE(exporter.Dump(kRegionBytes, &after)) << exporter.Errors();
   EXPECT_EQ(after.substr(kQueryOffset + kQueryBytes, kQueryBytes), expected);
   EXPECT_EQ(after.substr(kQueryOffset, kQueryBytes), query_bytes);
+}
+
+// System shared memory into a layer on a GPU: the query is read into the backend's
+// page-locked memory and copied from there in one DMA; the answer equals the raw call's.
+// SKIPPED where the demo layer is not on a GPU.
+TEST_F(KserveCudaSharedMemoryGpuTest, SystemRegionsIntoAGpuLayerEqualTheRawCall) {
+  if (!DemoLayer()->backend().InPlaceGpu().has_value()) {
+    GTEST_SKIP() << "the demo layer runs on " << DemoLayer()->device() << ": no GPU here";
+  }
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const std::string query_bytes = RandomQueryBytes(seed);
+  SharedObject object(kRegionBytes);
+  object.Write(kQueryOffset, query_bytes);
+  grpc::ClientContext context;
+  inference::SystemSharedMemoryRegisterResponse registered;
+  const grpc::Status status = stub_->SystemSharedMemoryRegister(
+      &context, Registration("io", object.key(), 0, kRegionBytes), &registered);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  const std::string expected = CallThroughRegionAndRaw(query_bytes);
+  ASSERT_EQ(expected.size(), kQueryBytes);
+  EXPECT_EQ(object.Read(kQueryOffset + kQueryBytes, kQueryBytes), expected);
 }
 
 // On the GPU the layer runs on, the region's tensors stay there: the query's NaN is found
@@ -656,7 +660,7 @@ TEST_F(KserveCudaSharedMemoryGpuTest, InPlaceInputsAreCheckedOnTheGpu) {
   query[kDemoEmbedDim + 7] = std::nanf("");
   std::string contents(kRegionBytes, '\0');
   std::memcpy(contents.data() + kQueryOffset, query.data(), kQueryBytes);
-  Exporter exporter;
+  CudaIpcExporter exporter(CudaIpcExporter::BesideThisBinary());
   ASSERT_TRUE(exporter.found()) << exporter.path() << " is missing from a build with CUDA";
   std::string handle, failure;
   if (!exporter.Start(contents, &handle, &failure)) {
