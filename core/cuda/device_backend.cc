@@ -39,7 +39,7 @@ CudaBackend::CudaBackend(int device, const cudaDeviceProp& properties)
              return buffer;
            },
            [](void* buffer) { cudaFreeHost(buffer); }},
-          kMaxKeptPinnedBytes)) {}
+          kMaxKeptPinnedBytes, kMaxPinnedBytes)) {}
 
 absl::Status CudaBackend::KernelSupports(const AttentionShape& shape) const {
   const std::string reason = FlashUnsupportedReason(shape, max_shared_bytes_);

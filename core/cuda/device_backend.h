@@ -69,8 +69,9 @@ class CudaBackend final : public Backend {
   StreamContexts contexts_;
   mutable ThreadPool host_copies_;
   mutable std::atomic<int64_t> cudnn_calls_{0}, kernel_calls_{0};
-  // Page-locked buffers kept for reuse: at most this many bytes of them.
+  // Page-locked buffers: at most this many bytes of them kept for reuse, and in all.
   static constexpr size_t kMaxKeptPinnedBytes = size_t{256} << 20;
+  static constexpr size_t kMaxPinnedBytes = size_t{1} << 30;
   const std::shared_ptr<PinnedBufferPool> pinned_;
 };
 

@@ -3,9 +3,10 @@
 namespace attention::core::cuda {
 
 std::shared_ptr<PinnedBufferPool> PinnedBufferPool::Create(Allocator allocator,
-                                                           size_t max_kept_bytes) {
+                                                           size_t max_kept_bytes,
+                                                           size_t max_allocated_bytes) {
   return std::shared_ptr<PinnedBufferPool>(
-      new PinnedBufferPool(std::move(allocator), max_kept_bytes));
+      new PinnedBufferPool(std::move(allocator), max_kept_bytes, max_allocated_bytes));
 }
 
 PinnedBufferPool::~PinnedBufferPool() {
@@ -30,13 +31,19 @@ std::shared_ptr<char> PinnedBufferPool::Get(size_t bytes) {
       buffer = kept->second.back();
       kept->second.pop_back();
       kept_bytes_ -= size;
+    } else if (allocated_bytes_ + size > max_allocated_bytes_) {
+      return nullptr;
+    } else {
+      allocated_bytes_ += size;  // counted before allocating, so that no race passes the bound
     }
   }
   if (buffer == nullptr) {
     buffer = allocator_.allocate(size);
-    if (buffer == nullptr) return nullptr;
-    MutexLock lock(mu_);
-    allocated_bytes_ += size;
+    if (buffer == nullptr) {
+      MutexLock lock(mu_);
+      allocated_bytes_ -= size;
+      return nullptr;
+    }
   }
   std::shared_ptr<PinnedBufferPool> pool = shared_from_this();
   return std::shared_ptr<char>(static_cast<char*>(buffer),

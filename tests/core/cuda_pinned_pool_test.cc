@@ -1,6 +1,6 @@
 // The pool of page-locked buffers (core/cuda/pinned_pool.h) over plain host memory: buffers
-// are reused by size class, kept only up to the bound, outlive the pool that made them, and
-// an allocation that fails gives null.
+// are reused by size class, kept only up to the bound, never allocated past the other bound,
+// outlive the pool that made them, and an allocation that fails gives null.
 #include "core/cuda/pinned_pool.h"
 
 #include <cstdlib>
@@ -30,7 +30,7 @@ struct CountingAllocator {
 
 TEST(PinnedBufferPoolTest, BuffersAreReusedBySizeClass) {
   CountingAllocator counts;
-  auto pool = PinnedBufferPool::Create(counts.Get(), size_t{1} << 20);
+  auto pool = PinnedBufferPool::Create(counts.Get(), size_t{1} << 20, size_t{16} << 20);
   EXPECT_EQ(PinnedBufferPool::SizeClass(1), PinnedBufferPool::kMinBytes);
   EXPECT_EQ(PinnedBufferPool::SizeClass(100 << 10), size_t{128} << 10);
   EXPECT_EQ(PinnedBufferPool::SizeClass(128 << 10), size_t{128} << 10);
@@ -54,20 +54,25 @@ TEST(PinnedBufferPoolTest, BuffersAreReusedBySizeClass) {
 
 TEST(PinnedBufferPoolTest, KeepsNoMoreThanItsBoundAndFreesTheRest) {
   CountingAllocator counts;
-  auto pool = PinnedBufferPool::Create(counts.Get(), size_t{256} << 10);
+  auto pool = PinnedBufferPool::Create(counts.Get(), size_t{256} << 10, size_t{512} << 10);
   {
     std::vector<std::shared_ptr<char>> held;
     for (int n = 0; n < 6; ++n) held.push_back(pool->Get(64 << 10));
     EXPECT_EQ(pool->allocated_bytes(), size_t{384} << 10);
+    EXPECT_EQ(pool->Get(256 << 10), nullptr);  // 640 KiB would pass the 512 KiB bound
+    EXPECT_EQ(counts.allocations, 6);
+    EXPECT_NE(pool->Get(128 << 10), nullptr);  // 512 KiB in all: within it
   }
-  EXPECT_EQ(pool->kept_bytes(), size_t{256} << 10);  // four kept, two freed
-  EXPECT_EQ(counts.releases, 2);
+  // The 128 KiB one and two of 64 KiB kept (256 KiB), the other four freed.
+  EXPECT_EQ(pool->kept_bytes(), size_t{256} << 10);
+  EXPECT_EQ(counts.allocations, 7);
+  EXPECT_EQ(counts.releases, 4);
   EXPECT_EQ(pool->allocated_bytes(), size_t{256} << 10);
 }
 
 TEST(PinnedBufferPoolTest, BuffersOutliveThePoolAndFailuresGiveNull) {
   CountingAllocator counts;
-  auto pool = PinnedBufferPool::Create(counts.Get(), size_t{1} << 20);
+  auto pool = PinnedBufferPool::Create(counts.Get(), size_t{1} << 20, size_t{16} << 20);
   std::shared_ptr<char> kept_alive = pool->Get(10);
   { std::shared_ptr<char> returned = pool->Get(10); }
   counts.fail = true;
