@@ -70,6 +70,9 @@ struct AttentionProblemOf {
   // Null, or where the output rows go rounded to bf16 instead of `output` (its layout):
   // what a BFLOAT16 layer's output projection reads.
   uint16_t* output_bf16 = nullptr;
+  // A FLOAT16 scaled dot-product attention call: products in fp16 where a backend has them
+  // (cuDNN's fused SDPA on a GPU); every other path computes it in float32.
+  bool fp16_products = false;
 };
 using AttentionProblem = AttentionProblemOf<float>;
 
@@ -121,6 +124,7 @@ AttentionProblemOf<T> SdpaProblem(const SdpaInput& input, const T* query, const 
   p.weights = weights;
   p.options = &input.options;
   p.bf16_products = input.compute_dtype == DType::kBFloat16;
+  p.fp16_products = input.compute_dtype == DType::kFloat16;
   return p;
 }
 

@@ -582,9 +582,10 @@ absl::Status ValidateSdpaInput(const SdpaInput& in) {
     if (value < 1) return Invalid(name, " = ", value, " must be >= 1");
   }
   RETURN_IF_ERROR(CheckHeadGroups(d.num_heads, d.num_kv_heads, "H", "Hkv"));
-  if (in.compute_dtype != DType::kFloat32 && in.compute_dtype != DType::kBFloat16) {
+  if (in.compute_dtype != DType::kFloat32 && in.compute_dtype != DType::kBFloat16 &&
+      in.compute_dtype != DType::kFloat16) {
     return Invalid("compute_dtype = ", DTypeName(in.compute_dtype),
-                   " is not a compute precision; expected FLOAT32 or BFLOAT16");
+                   " is not a compute precision; expected FLOAT32, BFLOAT16 or FLOAT16");
   }
   return in.options.Validate(d);
 }
@@ -628,19 +629,22 @@ template TextbookResult<double> SdpaTextbook<double>(const SdpaInput&);
 
 AttentionResult SdpaReference(const SdpaInput& in) { return Rounded(SdpaTextbook<double>(in)); }
 
-TextbookResult<float> SdpaBf16Textbook(const SdpaInput& in) {
-  const auto rounded = [](absl::Span<const float> values) {
-    std::vector<float> bf16(values.begin(), values.end());
-    for (float& value : bf16) value = BFloat16ToFloat(FloatToBFloat16(value));
-    return bf16;
+TextbookResult<float> SdpaHalfTextbook(const SdpaInput& in) {
+  const bool bf16 = in.compute_dtype == DType::kBFloat16;
+  const auto rounded = [bf16](absl::Span<const float> values) {
+    std::vector<float> half(values.begin(), values.end());
+    for (float& value : half) {
+      value = bf16 ? BFloat16ToFloat(FloatToBFloat16(value)) : HalfToFloat(FloatToHalf(value));
+    }
+    return half;
   };
   const std::vector<float> query = rounded(in.query), key = rounded(in.key),
                            value = rounded(in.value);
-  SdpaInput bf16_input = in;
-  bf16_input.query = query;
-  bf16_input.key = key;
-  bf16_input.value = value;
-  TextbookResult<float> result = SdpaTextbook<float>(bf16_input);
+  SdpaInput half_input = in;
+  half_input.query = query;
+  half_input.key = key;
+  half_input.value = value;
+  TextbookResult<float> result = SdpaTextbook<float>(half_input);
   result.output = rounded(result.output);
   result.weights = rounded(result.weights);
   return result;

@@ -139,9 +139,10 @@ template <typename T>
 TextbookResult<T> SdpaTextbook(const SdpaInput& input);
 // The oracle for scaled dot-product attention: SdpaTextbook<double>, rounded once to float.
 AttentionResult SdpaReference(const SdpaInput& input);
-// What PyTorch's SDPA computes on bf16 tensors, for the bf16 rule's reference: the inputs
-// rounded to bf16, SdpaTextbook<float>, the output and weights rounded to bf16.
-TextbookResult<float> SdpaBf16Textbook(const SdpaInput& input);
+// What PyTorch's SDPA computes on bf16 or fp16 tensors (`input.compute_dtype`), for the
+// 16-bit rule's reference: the inputs rounded to that type, SdpaTextbook<float>, the output
+// and weights rounded to it.
+TextbookResult<float> SdpaHalfTextbook(const SdpaInput& input);
 
 }  // namespace attention::core
 

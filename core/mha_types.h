@@ -175,7 +175,8 @@ struct SdpaInput {
   AttentionOptions options;
   // kBFloat16: scores and values multiplied in bf16 (Q, K, probabilities and V rounded,
   // float32 sums and softmax), as PyTorch's SDPA on bf16 tensors, where the backend has
-  // bf16 products faster than float32 ones; elsewhere computed in float32.
+  // bf16 products faster than float32 ones; elsewhere computed in float32. kFloat16: the
+  // same in fp16 where cuDNN's fused SDPA takes the call (a GPU); elsewhere float32.
   DType compute_dtype = DType::kFloat32;
 };
 }  // namespace attention::core

@@ -71,6 +71,7 @@ CudnnSdpaCall CudnnSdpaCallOf(const DeviceAttentionProblem& problem) {
   CudnnSdpaCall call;
   call.shape = problem.shape;
   call.bf16_products = problem.bf16_products;
+  call.fp16_products = problem.fp16_products;
   call.weights = problem.weights != nullptr;
   call.dropout = problem.dropout_p > 0.0f;
   call.causal = problem.mask.causal;
@@ -134,9 +135,10 @@ absl::Status EnqueueOnCudnn(const DeviceAttentionProblem& problem, const CudnnSd
                                  key.kv_bucket, s.head_dim, at.key},
                           Packed{"value", problem.value, problem.value_layout, s.num_kv_heads,
                                  s.kv_len, key.kv_bucket, s.v_head_dim, at.value}}) {
-    RETURN_IF_ERROR(CudaStatus(LaunchPackBf16Rows(t.source, t.layout, s.batch, t.heads, t.rows,
-                                                  t.bucket, t.dim, bf16_at(t.offset), stream),
-                               absl::StrCat("cuDNN SDPA ", t.what, " packing")));
+    RETURN_IF_ERROR(
+        CudaStatus(LaunchPack16BitRows(t.source, t.layout, s.batch, t.heads, t.rows, t.bucket,
+                                       t.dim, !key.fp16, bf16_at(t.offset), stream),
+                   absl::StrCat("cuDNN SDPA ", t.what, " packing")));
   }
   CudnnSdpaBuffers buffers;
   buffers.query = bf16_at(at.query);
@@ -149,8 +151,8 @@ absl::Status EnqueueOnCudnn(const DeviceAttentionProblem& problem, const CudnnSd
     return absl::InternalError(absl::StrCat("cuda:", device, ": ", error));
   }
   return CudaStatus(
-      LaunchUnpackBf16Rows(bf16_at(at.output), s.batch, s.num_heads, s.q_len, key.q_bucket,
-                           s.v_head_dim, problem.output, problem.output_layout, stream),
+      LaunchUnpack16BitRows(bf16_at(at.output), s.batch, s.num_heads, s.q_len, key.q_bucket,
+                            s.v_head_dim, !key.fp16, problem.output, problem.output_layout, stream),
       "cuDNN SDPA output unpacking");
 }
 
@@ -211,7 +213,9 @@ std::string CudnnSdpaSummary(int sm_major) {
   }
   return absl::StrCat(
       "cuDNN ", library->version(),
-      " fused SDPA for bfloat16 attention: head sizes multiples of 8 up to ", kCudnnSdpaMaxHeadDim,
+      " fused SDPA for bfloat16 attention (and float16 scaled dot-product attention): head "
+      "sizes multiples of 8 up to ",
+      kCudnnSdpaMaxHeadDim,
       ", GQA and MQA, no mask, causal (bottom-right), a sliding window, key lengths or "
       "right-padded key masks; session steps of bfloat16 layers over bfloat16 KV on its paged "
       "SDPA (no log-sum-exps, no forks of one prefix in the step); "

@@ -47,7 +47,7 @@ struct BuiltGraph {
 BuiltGraph Build(cudnnHandle_t handle, const CudnnSdpaGraphKey& key) {
   BuiltGraph built;
   auto graph = std::make_shared<fe::graph::Graph>();
-  graph->set_io_data_type(fe::DataType_t::BFLOAT16)
+  graph->set_io_data_type(key.fp16 ? fe::DataType_t::HALF : fe::DataType_t::BFLOAT16)
       .set_intermediate_data_type(fe::DataType_t::FLOAT)
       .set_compute_data_type(fe::DataType_t::FLOAT);
   auto tensor = [&](const char* name, int64_t uid, int64_t heads, int64_t length, int64_t dim) {

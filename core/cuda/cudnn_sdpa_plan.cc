@@ -43,7 +43,9 @@ std::string CudnnSdpaIneligibleReason(const CudnnSdpaCall& call, int sm_major,
                                       int64_t cudnn_version) {
   const AttentionShape& s = call.shape;
   if (std::string why = DeviceIneligibleReason(sm_major, cudnn_version); !why.empty()) return why;
-  if (!call.bf16_products) return "compute precision float32: cuDNN's SDPA is bf16 or fp16";
+  if (!call.bf16_products && !call.fp16_products) {
+    return "compute precision float32: cuDNN's SDPA is bf16 or fp16";
+  }
   if (call.weights) return "need_weights: cuDNN's SDPA returns no attention weights";
   if (call.dropout) return "dropout_p > 0: the service's dropout is its own";
   if (call.other_masks) {
@@ -105,6 +107,7 @@ CudnnSdpaGraphKey CudnnSdpaKeyOf(const CudnnSdpaCall& call, float scale) {
   key.causal = call.causal;
   key.sliding_window = call.sliding_window;
   std::memcpy(&key.scale_bits, &scale, sizeof(scale));
+  key.fp16 = call.fp16_products;
   return key;
 }
 

@@ -4,7 +4,9 @@
 // graphs.
 //
 // A call runs on cuDNN when it is a BFLOAT16 layer's (its products already round Q, K, the
-// probabilities and V to bf16) and cuDNN can express all of it: no attention weights asked
+// probabilities and V to bf16), or a scaled dot-product attention call in BFLOAT16 or
+// FLOAT16 (the same in that type, as PyTorch's SDPA on such tensors), and cuDNN can express
+// all of it: no attention weights asked
 // for, no dropout (the service's counter-based dropout is its own), head sizes that are
 // multiples of 8 up to 128, and masks that are causal (bottom-right), a sliding window with
 // causal (cuDNN's diagonal band), key lengths or right-padding key masks (cuDNN's padding
@@ -45,6 +47,7 @@ inline constexpr int64_t kCudnnSdpaMinVersion = 90500;
 struct CudnnSdpaCall {
   AttentionShape shape;
   bool bf16_products = false;  // a BFLOAT16 layer's call
+  bool fp16_products = false;  // a FLOAT16 scaled dot-product attention call
   bool weights = false;        // attention weights asked for
   bool dropout = false;
   bool causal = false;
@@ -77,6 +80,7 @@ struct CudnnSdpaGraphKey {
   bool causal = false;
   int64_t sliding_window = 0;
   uint32_t scale_bits = 0;  // the float scale's bits: the graph bakes it in
+  bool fp16 = false;        // Q, K, V and O in fp16 (else bf16)
   // A session step over a paged pool (CudnnPagedKeyOf), 0 otherwise: the pool's blocks, the
   // elements from one block to the next, tokens per block, and each sequence's page-table
   // entries (kv_bucket = pages * tokens_per_block keys at most).
@@ -85,7 +89,7 @@ struct CudnnSdpaGraphKey {
   bool paged() const { return pages > 0; }
   auto Tie() const {
     return std::tie(batch, num_heads, num_kv_heads, q_bucket, kv_bucket, head_dim, v_head_dim,
-                    causal, sliding_window, scale_bits, num_blocks, block_elements,
+                    causal, sliding_window, scale_bits, fp16, num_blocks, block_elements,
                     tokens_per_block, pages);
   }
   bool operator<(const CudnnSdpaGraphKey& other) const { return Tie() < other.Tie(); }

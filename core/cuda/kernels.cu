@@ -1,6 +1,7 @@
 #include "core/cuda/kernels.h"
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <mma.h>
 
 #include "core/half_bits.h"
@@ -372,31 +373,36 @@ __device__ inline DenseIndex DenseAt(int64_t e, int64_t heads, int64_t padded_ro
   return {head_and_batch / heads, head_and_batch % heads, row, column};
 }
 
-__global__ void PackBf16RowsKernel(const float* src, DeviceLayout layout, int64_t count,
-                                   int64_t heads, int64_t rows, int64_t padded_rows, int64_t dim,
-                                   uint16_t* dst) {
+// `value` rounded to nearest even as bf16 or, not `bfloat16`, IEEE half bits.
+__device__ uint16_t To16Bits(float value, bool bfloat16) {
+  return bfloat16 ? FloatToBFloat16Bits(value) : __half_as_ushort(__float2half_rn(value));
+}
+
+__global__ void Pack16BitRowsKernel(const float* src, DeviceLayout layout, int64_t count,
+                                    int64_t heads, int64_t rows, int64_t padded_rows, int64_t dim,
+                                    bool bfloat16, uint16_t* dst) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < count;
        e += stride) {
     const DenseIndex at = DenseAt(e, heads, padded_rows, dim);
-    dst[e] = at.row < rows
-                 ? FloatToBFloat16Bits(src[at.b * layout.batch_stride + at.h * layout.head_stride +
-                                           at.row * layout.row_stride + at.column])
-                 : 0;  // padding: zeros, so masked keys' values add nothing (0 * NaN)
+    dst[e] = at.row < rows ? To16Bits(src[at.b * layout.batch_stride + at.h * layout.head_stride +
+                                          at.row * layout.row_stride + at.column],
+                                      bfloat16)
+                           : 0;  // padding: zeros, so masked keys' values add nothing (0 * NaN)
   }
 }
 
 // `count` = batch * heads * rows * dim: every element of the true rows, none of the padding.
-__global__ void UnpackBf16RowsKernel(const uint16_t* src, int64_t count, int64_t heads,
-                                     int64_t rows, int64_t padded_rows, int64_t dim, float* dst,
-                                     DeviceLayout layout) {
+__global__ void Unpack16BitRowsKernel(const uint16_t* src, int64_t count, int64_t heads,
+                                      int64_t rows, int64_t padded_rows, int64_t dim, bool bfloat16,
+                                      float* dst, DeviceLayout layout) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < count;
        e += stride) {
     const DenseIndex at = DenseAt(e, heads, rows, dim);
+    const uint16_t bits = src[((at.b * heads + at.h) * padded_rows + at.row) * dim + at.column];
     dst[at.b * layout.batch_stride + at.h * layout.head_stride + at.row * layout.row_stride +
-        at.column] =
-        BFloat16BitsToFloat(src[((at.b * heads + at.h) * padded_rows + at.row) * dim + at.column]);
+        at.column] = bfloat16 ? BFloat16BitsToFloat(bits) : HalfBitsToFloat(bits);
   }
 }
 
@@ -498,21 +504,21 @@ cudaError_t LaunchFindNonFinite(const void* values, int64_t count, int element_b
   return cudaGetLastError();
 }
 
-cudaError_t LaunchPackBf16Rows(const float* src, const DeviceLayout& layout, int64_t batch,
-                               int64_t heads, int64_t rows, int64_t padded_rows, int64_t dim,
-                               uint16_t* dst, cudaStream_t stream) {
+cudaError_t LaunchPack16BitRows(const float* src, const DeviceLayout& layout, int64_t batch,
+                                int64_t heads, int64_t rows, int64_t padded_rows, int64_t dim,
+                                bool bfloat16, uint16_t* dst, cudaStream_t stream) {
   const int64_t count = batch * heads * padded_rows * dim;
-  PackBf16RowsKernel<<<GridFor(count), 256, 0, stream>>>(src, layout, count, heads, rows,
-                                                         padded_rows, dim, dst);
+  Pack16BitRowsKernel<<<GridFor(count), 256, 0, stream>>>(src, layout, count, heads, rows,
+                                                          padded_rows, dim, bfloat16, dst);
   return cudaGetLastError();
 }
 
-cudaError_t LaunchUnpackBf16Rows(const uint16_t* src, int64_t batch, int64_t heads, int64_t rows,
-                                 int64_t padded_rows, int64_t dim, float* dst,
-                                 const DeviceLayout& layout, cudaStream_t stream) {
+cudaError_t LaunchUnpack16BitRows(const uint16_t* src, int64_t batch, int64_t heads, int64_t rows,
+                                  int64_t padded_rows, int64_t dim, bool bfloat16, float* dst,
+                                  const DeviceLayout& layout, cudaStream_t stream) {
   const int64_t count = batch * heads * rows * dim;
-  UnpackBf16RowsKernel<<<GridFor(count), 256, 0, stream>>>(src, count, heads, rows, padded_rows,
-                                                           dim, dst, layout);
+  Unpack16BitRowsKernel<<<GridFor(count), 256, 0, stream>>>(src, count, heads, rows, padded_rows,
+                                                            dim, bfloat16, dst, layout);
   return cudaGetLastError();
 }
 

@@ -48,6 +48,8 @@ struct DeviceAttentionProblem {
   // A BFLOAT16 layer's call: Q, K, probabilities and V rounded to bf16 for the products
   // (float32 accumulation), where the mma kernel takes the shape (see MmaKernelTakes).
   bool bf16_products = false;
+  // A FLOAT16 SDPA call: fp16 products on cuDNN where it takes the call; float32 here.
+  bool fp16_products = false;
 };
 
 // Fused flash-style attention per `plan` (see PlanFlashAttention), then the weights when
@@ -73,15 +75,16 @@ cudaError_t LaunchFloatToBFloat16(const float* in, uint16_t* out, int64_t count,
 cudaError_t LaunchFindNonFinite(const void* values, int64_t count, int element_bytes, bool bfloat16,
                                 unsigned long long* first, cudaStream_t stream);
 
-// dst, dense [batch][heads][padded_rows][dim] bf16 = src (at `layout`) rounded to bf16, for
-// rows < `rows`; zeros in the padding rows (cuDNN's SDPA inputs; see cudnn_sdpa_plan.h).
-cudaError_t LaunchPackBf16Rows(const float* src, const DeviceLayout& layout, int64_t batch,
-                               int64_t heads, int64_t rows, int64_t padded_rows, int64_t dim,
-                               uint16_t* dst, cudaStream_t stream);
+// dst, dense [batch][heads][padded_rows][dim] 16-bit = src (at `layout`) rounded to bf16
+// (or, not `bfloat16`, IEEE half), for rows < `rows`; zeros in the padding rows (cuDNN's SDPA
+// inputs; see cudnn_sdpa_plan.h).
+cudaError_t LaunchPack16BitRows(const float* src, const DeviceLayout& layout, int64_t batch,
+                                int64_t heads, int64_t rows, int64_t padded_rows, int64_t dim,
+                                bool bfloat16, uint16_t* dst, cudaStream_t stream);
 // The reverse for the first `rows` rows of each head: dst (at `layout`) = src widened.
-cudaError_t LaunchUnpackBf16Rows(const uint16_t* src, int64_t batch, int64_t heads, int64_t rows,
-                                 int64_t padded_rows, int64_t dim, float* dst,
-                                 const DeviceLayout& layout, cudaStream_t stream);
+cudaError_t LaunchUnpack16BitRows(const uint16_t* src, int64_t batch, int64_t heads, int64_t rows,
+                                  int64_t padded_rows, int64_t dim, bool bfloat16, float* dst,
+                                  const DeviceLayout& layout, cudaStream_t stream);
 
 // rows x width: y[r, c] += bias[c].
 cudaError_t LaunchAddBias(float* y, int64_t rows, int64_t width, int64_t row_stride,

@@ -86,6 +86,7 @@ DeviceAttentionProblem ToDeviceProblem(const AttentionProblem& problem, const St
   p.dropout_p = options.dropout_p;
   p.dropout_seed = options.dropout_seed;
   p.bf16_products = problem.bf16_products;
+  p.fp16_products = problem.fp16_products;
   p.host_key_lengths = options.key_lengths.empty() ? nullptr : options.key_lengths.data();
   p.host_key_padding_keep =
       options.key_padding_keep.empty() ? nullptr : options.key_padding_keep.data();

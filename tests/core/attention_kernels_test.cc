@@ -49,6 +49,15 @@ std::vector<float> UniformBf16Floats(std::mt19937_64& rng, int64_t count) {
   return values;
 }
 
+// Uniform values that `dtype` (kBFloat16 or kFloat16) holds exactly.
+std::vector<float> UniformHalfFloats(std::mt19937_64& rng, int64_t count, DType dtype) {
+  std::vector<float> values = UniformBf16Floats(rng, count);
+  if (dtype == DType::kFloat16) {
+    for (float& value : values) value = HalfToFloat(FloatToHalf(value));
+  }
+  return values;
+}
+
 // Random SDPA dims: a batch of 1..max_batch, a (heads, KV heads) pair from `heads`, query
 // and key lengths from `q_lengths` and `kv_lengths`, head sizes from `head_dims`.
 AttentionDims RandomSdpaDims(std::mt19937_64& rng, int64_t max_batch,
@@ -85,41 +94,45 @@ SdpaTensors RandomSdpaTensors(std::mt19937_64& rng, const AttentionDims& d) {
           RandomFloats(rng, d.batch * d.num_kv_heads * d.kv_len * d.v_head_dim)};
 }
 
-// SDPA with compute_dtype BFLOAT16 on `backend` over a random grid of bf16 tensors, against
-// PyTorch's bf16 computation (SdpaBf16Textbook) by the bf16 rule (tests/core/fidelity.h).
-void ExpectSdpaBf16Rule(const Backend& backend, const std::string& name, uint64_t seed) {
+// SDPA with compute_dtype `dtype` (BFLOAT16 or FLOAT16) on `backend` over a random grid of
+// tensors of that type, against PyTorch's computation in it (SdpaHalfTextbook) by the
+// 16-bit rule (tests/core/fidelity.h).
+void ExpectSdpaHalfRule(const Backend& backend, const std::string& name, uint64_t seed,
+                        DType dtype) {
   SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
   std::mt19937_64 rng(seed);
   // Up to 1100 keys: one pass, and the online softmax's two key blocks without weights.
   const int64_t lengths[] = {1, 7, 64, 67, 131, 300, 1100};
   const int64_t head_dims[] = {3, 16, 64, 70};
   const std::pair<int64_t, int64_t> heads[] = {{1, 1}, {2, 1}, {4, 2}, {3, 3}};
-  FidelityStats outputs("SDPA bf16 output (" + name + ")"),
-      weights("SDPA bf16 weights (" + name + ")");
+  const std::string type = dtype == DType::kBFloat16 ? "bf16" : "fp16";
+  FidelityStats outputs("SDPA " + type + " output (" + name + ")"),
+      weights("SDPA " + type + " weights (" + name + ")");
   for (int trial = 0; trial < TrialsForThisBuild(80) && !::testing::Test::HasFailure(); ++trial) {
     SdpaInput input;
     AttentionDims& dims = input.dims;
     dims = RandomSdpaDims(rng, 2, lengths, lengths, head_dims, heads);
-    const auto q = UniformBf16Floats(rng, dims.batch * dims.num_heads * dims.q_len * dims.head_dim);
+    const auto q =
+        UniformHalfFloats(rng, dims.batch * dims.num_heads * dims.q_len * dims.head_dim, dtype);
     const auto k =
-        UniformBf16Floats(rng, dims.batch * dims.num_kv_heads * dims.kv_len * dims.head_dim);
-    const auto v =
-        UniformBf16Floats(rng, dims.batch * dims.num_kv_heads * dims.kv_len * dims.v_head_dim);
+        UniformHalfFloats(rng, dims.batch * dims.num_kv_heads * dims.kv_len * dims.head_dim, dtype);
+    const auto v = UniformHalfFloats(
+        rng, dims.batch * dims.num_kv_heads * dims.kv_len * dims.v_head_dim, dtype);
     input.query = q;
     input.key = k;
     input.value = v;
     input.options = RandomOptions(rng, dims);
-    input.compute_dtype = DType::kBFloat16;
+    input.compute_dtype = dtype;
     ASSERT_TRUE(ValidateSdpaInput(input).ok()) << ValidateSdpaInput(input);
     const std::string what =
         "trial " + std::to_string(trial) + ": " + Describe(dims, input.options);
     const absl::StatusOr<AttentionResult> forward = backend.ScaledDotProductAttention(input);
     ASSERT_TRUE(forward.ok()) << forward.status();
-    const TextbookResult<float> reference = SdpaBf16Textbook(input);
+    const TextbookResult<float> reference = SdpaHalfTextbook(input);
     const TextbookResult<double> oracle = SdpaTextbook<double>(input);
-    EXPECT_TRUE(outputs.CheckBf16(forward->output, reference.output, oracle.output))
+    EXPECT_TRUE(outputs.CheckHalf(forward->output, reference.output, oracle.output, dtype))
         << what << " output";
-    EXPECT_TRUE(weights.CheckBf16(forward->weights, reference.weights, oracle.weights))
+    EXPECT_TRUE(weights.CheckHalf(forward->weights, reference.weights, oracle.weights, dtype))
         << what << " weights";
   }
 }
@@ -128,7 +141,54 @@ void ExpectSdpaBf16Rule(const Backend& backend, const std::string& name, uint64_
 class SdpaBackendTest : public testing::BackendTest {};
 
 TEST_P(SdpaBackendTest, Bf16ComputeFollowsTheBf16Rule) {
-  ExpectSdpaBf16Rule(*backend_, GetParam(), TestSeed(2911));
+  ExpectSdpaHalfRule(*backend_, GetParam(), TestSeed(2911), DType::kBFloat16);
+}
+
+// FLOAT16 compute: on cuDNN where it takes the call, in float32 elsewhere (the CPU), which
+// holds the fp16 rule with room.
+TEST_P(SdpaBackendTest, Fp16ComputeFollowsTheFp16Rule) {
+  ExpectSdpaHalfRule(*backend_, GetParam(), TestSeed(2913), DType::kFloat16);
+}
+
+// FLOAT16 calls cuDNN's fused SDPA takes (head sizes multiples of 8, no weights, no dropout,
+// causal or not, GQA) must run there (a GPU machine whose cuDNN cannot load fails here; the
+// plugin's start-up line says why) and follow the fp16 rule. SKIPPED where no GPU can run.
+TEST(SdpaCudaTest, Fp16CallsRunOnCudnnWithinTheFp16Rule) {
+  auto backend = testing::TestDevices().Get("cuda");
+  if (!backend.ok()) GTEST_SKIP() << "backend cuda cannot run here: " << backend.status().message();
+  const uint64_t seed = TestSeed(2915);
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
+  std::mt19937_64 rng(seed);
+  const int64_t before = (*backend)->AttentionCallsByPath()["cudnn"];
+  FidelityStats outputs("SDPA fp16 output (cuda, cuDNN calls)");
+  for (int trial = 0; trial < 12 && !::testing::Test::HasFailure(); ++trial) {
+    SdpaInput input;
+    input.dims =
+        RandomSdpaDims(rng, 3, std::vector<int64_t>{1, 17, 64, 130, 300},
+                       std::vector<int64_t>{1, 64, 200, 513}, std::vector<int64_t>{64, 128},
+                       std::vector<std::pair<int64_t, int64_t>>{{8, 2}, {4, 4}, {2, 1}});
+    input.dims.v_head_dim = input.dims.head_dim;
+    const AttentionDims& d = input.dims;
+    const auto q =
+        UniformHalfFloats(rng, d.batch * d.num_heads * d.q_len * d.head_dim, DType::kFloat16);
+    const auto k =
+        UniformHalfFloats(rng, d.batch * d.num_kv_heads * d.kv_len * d.head_dim, DType::kFloat16);
+    const auto v =
+        UniformHalfFloats(rng, d.batch * d.num_kv_heads * d.kv_len * d.v_head_dim, DType::kFloat16);
+    input.query = q;
+    input.key = k;
+    input.value = v;
+    input.options.causal = trial % 2 == 1 && d.q_len <= d.kv_len;
+    input.compute_dtype = DType::kFloat16;
+    ASSERT_TRUE(ValidateSdpaInput(input).ok()) << ValidateSdpaInput(input);
+    const absl::StatusOr<AttentionResult> forward = (*backend)->ScaledDotProductAttention(input);
+    ASSERT_TRUE(forward.ok()) << forward.status();
+    EXPECT_TRUE(outputs.CheckHalf(forward->output, SdpaHalfTextbook(input).output,
+                                  SdpaTextbook<double>(input).output, DType::kFloat16))
+        << "trial " << trial << ": " << Describe(d, input.options);
+  }
+  EXPECT_GT((*backend)->AttentionCallsByPath()["cudnn"], before)
+      << "no call ran on cuDNN's SDPA (ATTENTION_CUDNN_SDPA, or the plugin's start-up line)";
 }
 
 // Where float32 products are the host's fastest (or forced), bf16 compute is float32's.
@@ -191,16 +251,17 @@ TEST(SdpaSequencesTest, PiecesAnswerAsTheirRowsOfTheWholeCall) {
   }
 }
 
-TEST(SdpaValidationTest, ComputeDTypeIsFloat32OrBf16) {
+TEST(SdpaValidationTest, ComputeDTypeIsAFloatType) {
   SdpaInput input;
   input.dims = {1, 1, 1, 1, 1, 1, 1};
   const float one = 1.0f;
   input.query = input.key = input.value = absl::MakeConstSpan(&one, 1);
-  input.compute_dtype = DType::kFloat16;
+  input.compute_dtype = DType::kBool;
   const absl::Status status = ValidateSdpaInput(input);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(status.message(),
-            "compute_dtype = FLOAT16 is not a compute precision; expected FLOAT32 or BFLOAT16");
+            "compute_dtype = BOOL is not a compute precision; expected FLOAT32, BFLOAT16 or "
+            "FLOAT16");
 }
 
 TEST_P(SdpaBackendTest, SdpaMatchesReferenceOnRandomGrid) {
@@ -407,7 +468,7 @@ TEST_P(AttentionBf16ProductsTest, SdpaInBf16RunsOnThisKernelWithinTheBf16Rule) {
   CpuKernelChoice kernels;
   kernels.bf16_products = GetParam();
   const CpuBackend backend(2, kernels);
-  ExpectSdpaBf16Rule(backend, Bf16KernelName(GetParam()), TestSeed(2912));
+  ExpectSdpaHalfRule(backend, Bf16KernelName(GetParam()), TestSeed(2912), DType::kBFloat16);
   std::mt19937_64 rng(TestSeed(2913));
   SdpaInput input;
   input.dims = {2, 4, 2, 67, 300, 64, 64};

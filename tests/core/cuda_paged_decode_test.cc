@@ -429,7 +429,7 @@ TEST_F(CudaPagedDecodeTest, ForksSharingTheirPrefixGetTheirOwnResultsBitwise) {
 }
 
 // `ours` ([n][H][dv], a session step's output rows) of sequence `s` against PyTorch's bf16
-// attention on the same queries, keys and values (SdpaBf16Textbook), by the bf16 rule.
+// attention on the same queries, keys and values (SdpaHalfTextbook), by the bf16 rule.
 ::testing::AssertionResult StepFollowsTheBf16Rule(const PagedShape& shape, const PagedSequence& s,
                                                   int64_t sliding_window, FidelityStats& stats) {
   const int64_t n = s.queries, l = s.length, h = shape.heads, hkv = shape.kv_heads;
@@ -457,7 +457,7 @@ TEST_F(CudaPagedDecodeTest, ForksSharingTheirPrefixGetTheirOwnResultsBitwise) {
   input.options.causal = true;  // bottom-right: query i at position L - n + i
   input.options.sliding_window = sliding_window;
   input.compute_dtype = DType::kBFloat16;
-  const TextbookResult<float> reference = SdpaBf16Textbook(input);
+  const TextbookResult<float> reference = SdpaHalfTextbook(input);
   const TextbookResult<double> oracle = SdpaTextbook<double>(input);
   return stats.CheckBf16(ours, reference.output, oracle.output);
 }

@@ -142,6 +142,23 @@ TEST(CudnnSdpaPlanTest, KeysShareAGraphWithinABucketOnly) {
   EXPECT_FALSE(CudnnSdpaKeyOf(a, 0.125f) == CudnnSdpaKeyOf(b, 0.125f));
   b.sliding_window = 16;
   EXPECT_FALSE(CudnnSdpaKeyOf(a, 0.125f) == CudnnSdpaKeyOf(b, 0.125f));
+  // An fp16 call's graph is another (its tensors are fp16).
+  b = a;
+  b.bf16_products = false;
+  b.fp16_products = true;
+  EXPECT_TRUE(CudnnSdpaKeyOf(b, 0.125f).fp16);
+  EXPECT_FALSE(CudnnSdpaKeyOf(a, 0.125f) == CudnnSdpaKeyOf(b, 0.125f));
+}
+
+// A FLOAT16 scaled dot-product attention call goes to cuDNN as a bf16 one does.
+TEST(CudnnSdpaPlanTest, TakesFp16CallsAsBf16Ones) {
+  CudnnSdpaCall fp16 = Eligible();
+  fp16.bf16_products = false;
+  fp16.fp16_products = true;
+  EXPECT_EQ(CudnnSdpaIneligibleReason(fp16, kHopper, kCudnn919), "");
+  fp16.weights = true;
+  EXPECT_EQ(CudnnSdpaIneligibleReason(fp16, kHopper, kCudnn919),
+            "need_weights: cuDNN's SDPA returns no attention weights");
 }
 
 TEST(CudnnSdpaPlanTest, CacheEvictsTheLeastRecentlyUsedPastItsCapacity) {

@@ -17,13 +17,15 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/types/span.h"
+#include "core/dtype.h"
 #include "gtest/gtest.h"
 
 namespace attention::core::testing {
 
 inline constexpr double kFidelityFloor = 1e-6;
-// bf16's floor as a fraction of the largest value (about one bf16 ulp).
+// bf16's floor as a fraction of the largest value (about one bf16 ulp), and fp16's.
 inline constexpr double kBf16FloorFraction = 4e-3;
+inline constexpr double kFp16FloorFraction = 5e-4;
 
 // max |values - oracle|; infinity when the sizes differ or a value is not finite where the
 // oracle is.
@@ -67,18 +69,27 @@ class FidelityStats {
   ::testing::AssertionResult CheckBf16(absl::Span<const float> fast,
                                        absl::Span<const float> reference,
                                        absl::Span<const double> oracle) {
+    return CheckHalf(fast, reference, oracle, core::DType::kBFloat16);
+  }
+  // The same rule for `dtype`, kBFloat16 or kFloat16 (PyTorch's fp16 computation as the
+  // reference, one fp16 unit as the floor).
+  ::testing::AssertionResult CheckHalf(absl::Span<const float> fast,
+                                       absl::Span<const float> reference,
+                                       absl::Span<const double> oracle, core::DType dtype) {
+    const double floor_fraction =
+        dtype == core::DType::kBFloat16 ? kBf16FloorFraction : kFp16FloorFraction;
     if (fast.empty() && oracle.empty()) return ::testing::AssertionSuccess();
     double largest = 0;
     for (double value : oracle) largest = std::max(largest, std::abs(value));
     const double fast_error = MaxError(fast, oracle);
     const double reference_error = MaxError(reference, oracle);
     if (reference_error > 0) ratios_.push_back(fast_error / reference_error);
-    const double allowed = 2 * reference_error + kBf16FloorFraction * largest;
+    const double allowed = 2 * reference_error + floor_fraction * largest;
     if (fast_error <= allowed) return ::testing::AssertionSuccess();
     return ::testing::AssertionFailure()
-           << "max|fast - float64| = " << fast_error << " > 2 * max|bf16 reference - float64| ("
-           << reference_error << ") + " << kBf16FloorFraction << " * max|float64| (" << largest
-           << ") over " << oracle.size() << " values";
+           << "max|fast - float64| = " << fast_error << " > 2 * max|" << core::DTypeName(dtype)
+           << " reference - float64| (" << reference_error << ") + " << floor_fraction
+           << " * max|float64| (" << largest << ") over " << oracle.size() << " values";
   }
 
   // "name: N tensors, fast/textbook error ratio median M, p99 P, max X".

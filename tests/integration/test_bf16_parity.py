@@ -1,10 +1,12 @@
 #!/usr/bin/python3
-"""bfloat16 layers (LayerConfig.compute_dtype = BFLOAT16) and SDPA in bfloat16
+"""bfloat16 layers (LayerConfig.compute_dtype = BFLOAT16) and SDPA in bfloat16 and float16
 (ScaledDotProductAttentionRequest.compute_dtype) over the wire against PyTorch 2.x computing
-the same in bfloat16, by issue 26's rule (FlashAttention's, with the
+the same in that dtype, by issue 26's rule (FlashAttention's, with the
 same-dtype reference):
 
     max|service - float64| <= 2 * max|torch bf16 - float64| + 4e-3 * max|float64|
+
+(for float16: torch fp16 and 5e-4, about one fp16 unit).
 
 torch bf16 is nn.Linear projections, Llama rotate-half RoPE and F.scaled_dot_product_attention
 (enable_gqa) in bfloat16, or nn.MultiheadAttention in bfloat16; float64 is the same layer on
@@ -28,6 +30,7 @@ from attention_client import AttentionClient, make_layer_spec
 from test_torch_parity import cast, causal_allowed, in_dtype, rotary, uniform_init
 
 FLOOR_FRACTION = 4e-3
+FP16_FLOOR_FRACTION = 5e-4
 torch.set_grad_enabled(False)
 
 
@@ -36,7 +39,7 @@ class Bf16Rule:
         self.t = checker
         self.ratios = []
 
-    def compare(self, label, actual, reference, oracle, config):
+    def compare(self, label, actual, reference, oracle, config, floor=FLOOR_FRACTION):
         actual = np.asarray(actual, dtype=np.float64)
         reference = np.asarray(reference, dtype=np.float64)
         oracle = np.asarray(oracle, dtype=np.float64)
@@ -45,13 +48,13 @@ class Bf16Rule:
                                                                   oracle.shape))
         error = np.max(np.abs(actual - oracle))
         reference_error = np.max(np.abs(reference - oracle))
-        allowed = 2 * reference_error + FLOOR_FRACTION * np.max(np.abs(oracle))
+        allowed = 2 * reference_error + floor * np.max(np.abs(oracle))
         if reference_error > 0:
             self.ratios.append(error / reference_error)
         return self.t.check(
             bool(np.all(np.isfinite(actual))) and error <= allowed,
-            "%s: max|service - float64| = %.3g, allowed 2 * %.3g (torch bf16) + %g * %.3g; "
-            "configuration %s" % (label, error, reference_error, FLOOR_FRACTION,
+            "%s: max|service - float64| = %.3g, allowed 2 * %.3g (torch, same dtype) + %g * %.3g; "
+            "configuration %s" % (label, error, reference_error, floor,
                                   np.max(np.abs(oracle)), config))
 
 
@@ -181,10 +184,10 @@ def torch_mha(rule, client, seed):
     return ok
 
 
-def sdpa_bf16(rule, client, seed):
-    """ScaledDotProductAttention with compute_dtype BFLOAT16 on bf16 tensors, answered in
-    bf16, against F.scaled_dot_product_attention on the same bf16 tensors (GQA, causal
-    bottom-right, head sizes of the usual models, one key block and several)."""
+def sdpa_half(rule, client, seed, dtype=torch.bfloat16):
+    """ScaledDotProductAttention with compute_dtype BFLOAT16 (or FLOAT16) on tensors of that
+    dtype, answered in it, against F.scaled_dot_product_attention on the same tensors (GQA,
+    causal bottom-right, head sizes of the usual models, one key block and several)."""
     rng = np.random.default_rng(seed)
     b, kv_heads, group = int(rng.integers(1, 3)), int(rng.choice([1, 2])), int(rng.choice([1, 4]))
     heads = kv_heads * group
@@ -194,33 +197,36 @@ def sdpa_bf16(rule, client, seed):
     causal = bool(rng.random() < 0.4)
     if causal:
         nq = min(nq, nk)  # PyTorch answers NaN for rows with no key
-    bf16 = lambda *shape: torch.from_numpy(rng.normal(size=shape).astype(np.float32)).bfloat16()
-    q, k, v = bf16(b, heads, nq, dk), bf16(b, kv_heads, nk, dk), bf16(b, kv_heads, nk, dk)
+    half = lambda *shape: torch.from_numpy(rng.normal(size=shape).astype(np.float32)).to(dtype)
+    q, k, v = half(b, heads, nq, dk), half(b, kv_heads, nk, dk), half(b, kv_heads, nk, dk)
     allowed = torch.from_numpy(causal_allowed(nq, nk) if causal else np.ones((nq, nk), bool))
 
     def forward(dt):
         return F.scaled_dot_product_attention(q.to(dt), k.to(dt), v.to(dt), attn_mask=allowed,
                                               enable_gqa=True).double().numpy()
 
-    r = client.scaled_dot_product_attention(q, k, v, causal=causal, compute_dtype="bfloat16")
-    ok = rule.t.check(r.output.dtype == torch.bfloat16,
-                      "sdpa[seed=%d]: answered in %s, not bfloat16" % (seed, r.output.dtype))
+    name = str(dtype).rsplit(".", 1)[-1]
+    r = client.scaled_dot_product_attention(q, k, v, causal=causal, compute_dtype=name)
+    ok = rule.t.check(r.output.dtype == dtype,
+                      "sdpa[seed=%d]: answered in %s, not %s" % (seed, r.output.dtype, name))
     cfg = dict(seed=seed, b=b, heads=heads, kv_heads=kv_heads, nq=nq, nk=nk, dk=dk,
-               causal=causal)
+               causal=causal, dtype=name)
+    floor = FLOOR_FRACTION if dtype == torch.bfloat16 else FP16_FLOOR_FRACTION
     return ok & rule.compare("sdpa[seed=%d]" % seed, r.output.double().numpy(),
-                             forward(torch.bfloat16), forward(torch.float64), cfg)
+                             forward(dtype), forward(torch.float64), cfg, floor)
 
 
 def refusals(rule, client):
-    """compute_dtype FLOAT16 is INVALID_ARGUMENT naming the field, for layers and SDPA."""
+    """compute_dtype BOOL for SDPA, and FLOAT16 for layers, is INVALID_ARGUMENT naming the
+    field."""
     x = np.ones((1, 1, 2, 4), np.float32)
     try:
-        client.scaled_dot_product_attention(x, x, x, compute_dtype="float16")
-        ok = rule.t.check(False, "SDPA compute_dtype FLOAT16 was accepted")
+        client.scaled_dot_product_attention(x, x, x, compute_dtype="bool")
+        ok = rule.t.check(False, "SDPA compute_dtype BOOL was accepted")
     except Exception as error:  # grpc.RpcError
         ok = rule.t.check(error.code().name == "INVALID_ARGUMENT"
-                          and "compute_dtype = FLOAT16" in error.details(),
-                          "SDPA FLOAT16 compute: %s %s" % (error.code(), error.details()))
+                          and "compute_dtype = BOOL" in error.details(),
+                          "SDPA BOOL compute: %s %s" % (error.code(), error.details()))
     return ok & layer_refusal(rule, client)
 
 
@@ -256,15 +262,18 @@ def main():
                 t.run("mha[seed=%d]" % (args.seed + 1000 + i), torch_mha, rule, client,
                       args.seed + 1000 + i)
             for i in range(args.configs):
-                t.run("sdpa[seed=%d]" % (args.seed + 2000 + i), sdpa_bf16, rule, client,
+                t.run("sdpa[seed=%d]" % (args.seed + 2000 + i), sdpa_half, rule, client,
                       args.seed + 2000 + i)
+            for i in range(args.configs // 2):
+                t.run("sdpa fp16[seed=%d]" % (args.seed + 3000 + i), sdpa_half, rule, client,
+                      args.seed + 3000 + i, torch.float16)
             t.run("refusals", refusals, rule, client)
     except BaseException:
         server.kill()
         raise
     r = np.array(rule.ratios)
-    print("%d tensors by issue 26's rule against torch %s bf16; error ratio service / torch "
-          "bf16: median %.2f, p99 %.2f, max %.2f"
+    print("%d tensors by issue 26's rule against torch %s in the same dtype; error ratio "
+          "service / torch: median %.2f, p99 %.2f, max %.2f"
           % (len(r), torch.__version__, np.median(r), np.percentile(r, 99), np.max(r)))
     t.finish(server)
 

@@ -235,8 +235,8 @@ TEST_F(ServerTest, MalformedScaledDotProductAttentionRequestsAreRejected) {
          r.mutable_options()->add_key_lengths(1);
        },
        "options.key_lengths[0] = 6 is outside [0, 5] (Nk)"},
-      {"float16 compute", [](auto& r) { r.set_compute_dtype(v1::FLOAT16); },
-       "compute_dtype = FLOAT16 is not a compute precision; expected FLOAT32 or BFLOAT16"},
+      {"bool compute", [](auto& r) { r.set_compute_dtype(v1::BOOL); },
+       "compute_dtype = BOOL is not a compute precision; expected FLOAT32, BFLOAT16 or FLOAT16"},
       {"unknown compute dtype", [](auto& r) { r.set_compute_dtype(static_cast<v1::DataType>(77)); },
        "compute_dtype = 77 is not a known DataType"},
   };

@@ -213,7 +213,8 @@ class AttentionClient(ClientBase):
     def scaled_dot_product_attention(self, query, key, value, *, timeout=None, **kwargs):
         """Q [B, H, Nq, dk], K [B, Hkv, Nk, dk], V [B, Hkv, Nk, dv] -> [B, H, Nq, dv].
         Keywords as for multi_head_attention (no layer), and compute_dtype ('bfloat16':
-        bf16 products as PyTorch's SDPA on bf16 tensors; default float32)."""
+        bf16 products as PyTorch's SDPA on bf16 tensors; 'float16': fp16 products on a GPU's
+        cuDNN, float32 elsewhere; default float32)."""
         request = messages.sdpa_request(query, key, value, **kwargs)
         return messages.attention_result(
             self._stub.ScaledDotProductAttention(request, timeout=self._timeout(timeout)), query)
