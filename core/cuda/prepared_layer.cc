@@ -143,6 +143,14 @@ absl::StatusOr<CudaPreparedLayer::InFlight> CudaPreparedLayer::Enqueue(
     }
   };
   plan_half(/*straight=*/false);
+  // Input n's 16-bit query, key and value, each with where it goes.
+  const auto half_tensors = [&](size_t n) {
+    const MhaInput& in = *inputs[n];
+    return std::array<std::pair<int64_t, absl::Span<const uint16_t>>, 3>{
+        {{half_at[n][0], in.query_half},
+         {half_at[n][1], in.key_half},
+         {half_at[n][2], in.value_half}}};
+  };
   std::vector<StagedMask> masks(count);
   for (size_t n = 0; n < count; ++n) masks[n].Plan(inputs[n]->options, arena);
   Staged staged;
@@ -203,9 +211,7 @@ absl::StatusOr<CudaPreparedLayer::InFlight> CudaPreparedLayer::Enqueue(
     if (copied_straight(in)) {
       // Copied by the device below.
     } else if (in.is_half()) {
-      for (auto [at, bits] : {std::pair{half_at[n][0], in.query_half},
-                              {half_at[n][1], in.key_half},
-                              {half_at[n][2], in.value_half}}) {
+      for (auto [at, bits] : half_tensors(n)) {
         if (at >= 0)
           ParallelCopy(copiers, staging + at, bits.data(), bits.size() * sizeof(uint16_t));
       }
@@ -231,9 +237,7 @@ absl::StatusOr<CudaPreparedLayer::InFlight> CudaPreparedLayer::Enqueue(
     const MhaInput& in = *inputs[n];
     if (!copied_straight(in)) continue;
     if (in.is_half()) {
-      for (auto [at, bits] : {std::pair{half_at[n][0], in.query_half},
-                              {half_at[n][1], in.key_half},
-                              {half_at[n][2], in.value_half}}) {
+      for (auto [at, bits] : half_tensors(n)) {
         if (at >= 0) copy_straight(bits.data(), device + at, bits.size() * sizeof(uint16_t));
       }
     } else {
