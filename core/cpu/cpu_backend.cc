@@ -23,10 +23,9 @@
 namespace attention::core {
 namespace {
 
-// Few rows use a copy of the weights packed once for the microkernel (core/cpu/gemm.h);
-// large batches run on the set the backend chose (core/cpu/float32_linear.h): the
-// microkernel, OpenBLAS or oneDNN, the last two reading the host weights in place. The pool
-// is the backend's.
+// Every projection runs on the kernel set the backend chose (core/cpu/float32_linear.h), at
+// every row count: the microkernel on a copy of the weights packed once (core/cpu/gemm.h),
+// or oneDNN reading the host weights in place. The pool is the backend's.
 class CpuPreparedLayer final : public PreparedLayer {
  public:
   CpuPreparedLayer(const MhaConfig& config, const MhaWeightsView& weights, ThreadPool& pool,
@@ -41,13 +40,14 @@ class CpuPreparedLayer final : public PreparedLayer {
       qkv_.emplace(w.fused_qkv_weight, w.fused_qkv_bias, q + k + v, c.embed_dim,
                    packed_qkv_->panels(), projection);
       // Cross-attention projects Q, K and V apart: the fused panels serve when each part
-      // starts on a panel boundary; otherwise those GEMMs go to OpenBLAS.
+      // starts on a panel boundary; otherwise each part is packed apart as well.
       if (q % kPanelWidth == 0 && k % kPanelWidth == 0) {
         q_panels = packed_qkv_->panels();
         k_panels = q_panels + PanelFloats(c.embed_dim, q);
         v_panels = k_panels + PanelFloats(c.embed_dim, k);
       }
-    } else {
+    }
+    if (q_panels == nullptr) {
       q_panels = packed_q_.emplace(w.q_weight, q, c.embed_dim).panels();
       k_panels = packed_k_.emplace(w.k_weight, k, c.kdim).panels();
       v_panels = packed_v_.emplace(w.v_weight, v, c.vdim).panels();
@@ -88,8 +88,8 @@ class CpuPreparedLayer final : public PreparedLayer {
   const MhaWeightsView weights_;
   ThreadPool& pool_;
   std::optional<PackedWeight> packed_qkv_, packed_q_, packed_k_, packed_v_, packed_out_;
-  // The projections on those panels (Q, K and V apart on the fused ones, or OpenBLAS where
-  // a part does not start on a panel), and on the host weights in place.
+  // The projections on those panels (Q, K and V apart on the fused ones where each part
+  // starts on a panel, else on their own), or on the host weights in place (oneDNN).
   std::optional<Float32Linear> qkv_, q_, k_, v_, out_;
 };
 
@@ -388,10 +388,9 @@ std::string CpuBackend::Bf16Path() const {
 std::string CpuBackend::Float32Path() const {
   const std::string measured = Float32ProjectionReport(pool_.size());
   return absl::StrCat(
-      "batches of ", kOneDnnFloat32MinRows, " rows or more on ",
+      "every row count on ",
       Float32ProjectionName(float32_projection_.value_or(FastestFloat32Projection(pool_.size()))),
-      float32_projection_.has_value() ? ", forced" : "", " (measured: ", measured,
-      "), fewer on the ", SimdLevelName(BestSimdLevel()), " microkernel");
+      float32_projection_.has_value() ? ", forced" : "", " (measured: ", measured, ")");
 }
 
 absl::StatusOr<std::unique_ptr<PreparedLayer>> CpuBackend::Prepare(
@@ -405,8 +404,7 @@ absl::StatusOr<std::unique_ptr<PreparedLayer>> CpuBackend::Prepare(
   return std::make_unique<CpuPreparedLayer>(config, weights, pool_, float32_projection_);
 }
 
-absl::StatusOr<AttentionResult> CpuBackend::ScaledDotProductAttention(
-    const SdpaInput& in) const {
+absl::StatusOr<AttentionResult> CpuBackend::ScaledDotProductAttention(const SdpaInput& in) const {
   const AttentionDims& d = in.dims;
   AttentionResult result;
   result.output.resize(d.batch * d.num_heads * d.q_len * d.v_head_dim);

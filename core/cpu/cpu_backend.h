@@ -1,7 +1,7 @@
 // The CPU backend: projections on its own microkernel over weights packed once
-// (core/cpu/gemm.h), OpenBLAS or oneDNN, each where it measured fastest
-// (core/cpu/float32_linear.h, core/cpu/bf16_linear.h), and the blocked attention kernel, on
-// a thread pool it owns.
+// (core/cpu/gemm.h) or on oneDNN, one kernel set per process at every row count, where it
+// measured fastest (core/cpu/float32_linear.h, core/cpu/bf16_linear.h), and the blocked
+// attention kernel, on a thread pool it owns.
 #ifndef ATTENTION_CORE_CPU_CPU_BACKEND_H_
 #define ATTENTION_CORE_CPU_CPU_BACKEND_H_
 
@@ -28,7 +28,7 @@ struct CpuKernelChoice {
   // (--bf16_attention_kernels, --bf16_kernels).
   std::optional<Bf16Kernel> bf16_products;
   std::optional<Bf16Projection> bf16_projection;
-  // How float32 layers project batches of many rows (--float32_kernels).
+  // How float32 layers project, at every row count (--float32_kernels).
   std::optional<Float32Projection> float32_projection;
   // Where both bf16 choices are float32, bf16 layers run as float32 layers
   // (Bf16ComputesInFloat32); tests turn this off to reach the bf16 layer's own path on
@@ -57,8 +57,7 @@ class CpuBackend final : public Backend {
   // DeviceWeightBytes); large batches compute from the host weights in place.
   absl::StatusOr<std::unique_ptr<PreparedLayer>> Prepare(
       const MhaConfig& config, const MhaWeightsView& weights) const override;
-  absl::StatusOr<AttentionResult> ScaledDotProductAttention(
-      const SdpaInput& input) const override;
+  absl::StatusOr<AttentionResult> ScaledDotProductAttention(const SdpaInput& input) const override;
 
   int num_threads() const { return pool_.size(); }
   // The compute threads, shared with the decode steps of KV-cache sessions.
@@ -69,8 +68,8 @@ class CpuBackend final : public Backend {
   // How this backend's BFLOAT16 layers multiply (for the start-up log): the projection
   // kernel and what the start-up measurement found, then attention's products.
   std::string Bf16Path() const;
-  // How float32 layers project batches of many rows (for the start-up log): the kernel
-  // set, forced or measured (measuring now if nothing has yet), and what was measured.
+  // How float32 layers project (for the start-up log): the kernel set, forced or measured
+  // (measuring now if nothing has yet), and what was measured.
   std::string Float32Path() const;
   // Whether BFLOAT16 layers run as float32 layers on their bf16 values: where both the
   // projections and attention's products are fastest on float32 kernels (hosts without
@@ -91,7 +90,7 @@ class CpuBackend final : public Backend {
   mutable ThreadPool pool_;
   const Bf16Kernel bf16_kernel_;
   const Bf16Projection bf16_projection_;
-  // Unset: measured when a layer first projects a batch of many rows.
+  // Unset: measured when a layer first projects.
   const std::optional<Float32Projection> float32_projection_;
   const bool bf16_layers_as_float32_;
 };

@@ -6,8 +6,6 @@
 #include <random>
 #include <vector>
 
-#include <cblas.h>
-
 #include "absl/strings/str_cat.h"
 #include "core/cpu/gemm.h"
 #include "core/cpu/onednn_matmul.h"
@@ -48,11 +46,14 @@ const OneDnnMatmul& Float32Linear::OneDnn() const {
 }
 
 void Float32Linear::Forward(ThreadPool& pool, const float* x, int64_t rows, float* y) const {
-  if (rows >= kOneDnnFloat32MinRows && Projection(pool.size()) == Float32Projection::kOneDnn) {
+  // One kernel set for every row count (issue 55): a decode step's single row gets the bits
+  // it would get in a batch of hundreds.
+  if (Projection(pool.size()) == Float32Projection::kOneDnn) {
     OneDnn().Forward(x, rows, bias_, y, DType::kFloat32, pool.size());
     return;
   }
-  LinearForward(pool, x, rows, in_features_, weight_, bias_, out_features_, y, panels_);
+  LinearForward(pool, x, rows, in_features_, weight_, bias_, out_features_, y, panels_,
+                BestSimdLevel(), std::numeric_limits<int64_t>::max());
 }
 
 Float32Projection Float32Linear::Projection(int threads) const {
@@ -107,9 +108,7 @@ Calibration Calibrate(int threads) {
   // oneDNN only for a clear win (5%): a change of kernels changes float32 layers' last bits,
   // and its OpenMP threads share the cores with the pool's.
   calibration.fastest = best_seconds[1] < 0.95 * best_seconds[0] ? candidates[1] : candidates[0];
-  const std::string own_kernel = kRows > PackedLinearMaxRows(BestSimdLevel())
-                                     ? absl::StrCat("OpenBLAS ", openblas_get_corename())
-                                     : absl::StrCat(SimdLevelName(BestSimdLevel()), " microkernel");
+  const std::string own_kernel = absl::StrCat(SimdLevelName(BestSimdLevel()), " microkernel");
   calibration.report = absl::StrCat(
       "onednn ", gflops(1), " GFLOPS (",
       OneDnnMatmul(weight.data(), DType::kFloat32, kOut, kIn, OneDnnMatmul::WeightCopy::kInPlace)

@@ -1,12 +1,11 @@
-// The projections of float32 layers. Batches of kOneDnnFloat32MinRows rows or more run on
-// the faster of two kernel sets, measured once per process (issue 39: float32 GEMMs chosen
-// by measured speed, as bf16 ones are):
-//   own     the project's packed microkernel, with OpenBLAS past PackedLinearMaxRows
-//           (core/cpu/gemm.h);
-//   onednn  Debian's oneDNN matmul, reading the layer's weights in place (no copy).
-// Fewer rows (decode steps) always run on the packed microkernel, the fastest there. Both
-// multiply the same float32 values and sum in float32 in different orders: each answers
-// within the float32 rule, and the choice may change a layer's last bits.
+// The projections of float32 layers, on one of two kernel sets for every row count, the
+// faster at many rows, measured once per process (issue 39), or forced (--float32_kernels):
+//   own     the project's packed microkernel (core/cpu/gemm.h);
+//   onednn  Debian's oneDNN matmul in fixed blocks of rows (core/cpu/onednn_matmul.h),
+//           reading the layer's weights in place (no copy).
+// Each sums a row's products in an order that does not depend on the rows beside it, so an
+// answer has the same bits alone or in any batch (issue 55). The two sets sum in different
+// orders: each answers within the float32 rule, and the choice may change a layer's last bits.
 #ifndef ATTENTION_CORE_CPU_FLOAT32_LINEAR_H_
 #define ATTENTION_CORE_CPU_FLOAT32_LINEAR_H_
 
@@ -29,11 +28,6 @@ const char* Float32ProjectionName(Float32Projection projection);
 // "own" or "onednn"; INVALID_ARGUMENT naming the choices otherwise.
 absl::StatusOr<Float32Projection> ParseFloat32Projection(absl::string_view name);
 
-// Rows from which a projection may run on oneDNN. attention_bench's neighbour
-// bench/bf16_gemm_bench, 768 -> 2304 on 2 threads (Zen 3): at 16 rows the microkernel ran at
-// 95 GFLOPS against oneDNN's 75, at 64 rows 98 against 110.
-inline constexpr int64_t kOneDnnFloat32MinRows = 64;
-
 // The faster set for batches of many rows: each projects 512 tokens of 768 -> 2304 features
 // (a BERT-base layer's fused QKV) on `threads` threads, best of four runs after warming up,
 // once per process (the first caller's thread count; about 250 ms on 2 threads of a Zen 3); oneDNN
@@ -49,9 +43,9 @@ class OneDnnMatmul;
 // One Linear of a float32 layer: y[rows, out] = x[rows, in] * W^T + bias.
 class Float32Linear {
  public:
-  // `weight` W [out_features, in_features] and `bias` (may be empty) are read in place and
-  // must outlive this; `panels`: W packed by PackTransposed, or null (OpenBLAS at every row
-  // count). `projection`: forced, or unset for the measured choice.
+  // `weight` W [out_features, in_features], `bias` (may be empty) and `panels` (W packed by
+  // PackTransposed) are read in place and must outlive this. `projection`: forced, or unset
+  // for the measured choice.
   Float32Linear(absl::Span<const float> weight, absl::Span<const float> bias, int64_t out_features,
                 int64_t in_features, const float* panels,
                 std::optional<Float32Projection> projection);

@@ -275,7 +275,8 @@ __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void PackBf16Row
 #endif
 
 constexpr int kMaxTileRows = 12;
-// Up to this many rows, kAmx multiplies on AVX512-BF16 instead (GemmBf16PanelsInto).
+// Up to this many rows, kAmx multiplies attention's products on AVX512-BF16 instead
+// (GemmBf16PanelsInto; a head's rows are its request's own). Projections always use AMX.
 constexpr int64_t kAmxMinRows = 16;
 
 }  // namespace
@@ -458,11 +459,19 @@ void LinearForwardBf16Into(ThreadPool& pool, const uint16_t* x, int64_t rows, in
       pool, rows, out_features,
       [&](int64_t first_row, int64_t row_count, int64_t first_panel, int64_t end_panel) {
         const int64_t offset = first_row * out_features;
+        float* c = y == nullptr ? nullptr : y + offset;
+        uint16_t* c_bf16 = y_bf16 == nullptr ? nullptr : y_bf16 + offset;
+        // AMX at every row count, a decode step's single row too: a row's bits must not
+        // depend on how many rows share its projection (issue 55).
+        if (kernel == Bf16Kernel::kAmx) {
+          GemmBf16Amx({x + first_row * in_features, in_features, row_count, weight.panels(),
+                       in_features, out_features, first_panel, end_panel, 1.0f, b, c, c_bf16,
+                       out_features, /*accumulate=*/false});
+          return;
+        }
         GemmBf16PanelsInto(kernel, x + first_row * in_features, in_features, row_count,
                            weight.panels(), in_features, out_features, first_panel, end_panel, 1.0f,
-                           b, y == nullptr ? nullptr : y + offset,
-                           y_bf16 == nullptr ? nullptr : y_bf16 + offset, out_features,
-                           /*accumulate=*/false);
+                           b, c, c_bf16, out_features, /*accumulate=*/false);
       });
 }
 

@@ -2,7 +2,9 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cstddef>
+#include <cstring>
 #include <vector>
 
 namespace attention::core {
@@ -20,11 +22,6 @@ memory::data_type OneDnnType(DType type) {
   return type == DType::kBFloat16 ? memory::data_type::bf16 : memory::data_type::f32;
 }
 
-// Row counts a primitive is described for before the first call (the preferred weight
-// layout does not depend on it).
-constexpr int64_t kTypicalRows = 512;
-constexpr size_t kMaxPrimitives = 64;
-
 }  // namespace
 
 OneDnnMatmul::OneDnnMatmul(const void* weight, DType type, int64_t out_features,
@@ -35,7 +32,7 @@ OneDnnMatmul::OneDnnMatmul(const void* weight, DType type, int64_t out_features,
   weights_desc_ = copy == WeightCopy::kInPlace
                       ? plain
                       : memory::desc({in_features, out_features}, type_, memory::format_tag::any);
-  const dnnl::matmul::primitive_desc typical = Describe(kTypicalRows, memory::data_type::f32);
+  const dnnl::matmul::primitive_desc typical = Describe(kRowBlock, memory::data_type::f32);
   weights_desc_ = typical.weights_desc();
   implementation_ = typical.impl_info_str();
   memory source(plain, OneDnnCpuEngine(), const_cast<void*>(weight));
@@ -51,12 +48,33 @@ OneDnnMatmul::OneDnnMatmul(const void* weight, DType type, int64_t out_features,
 
 void OneDnnMatmul::Forward(const void* x, int64_t rows, absl::Span<const float> bias, void* y,
                            DType y_type, int threads) const {
-  if (rows == 0) return;
+  const int64_t x_bytes = in_features_ * (type_ == memory::data_type::bf16 ? 2 : 4);
+  const int64_t y_bytes = out_features_ * (y_type == DType::kBFloat16 ? 2 : 4);
+  const auto* x_rows = static_cast<const std::byte*>(x);
+  auto* y_rows = static_cast<std::byte*>(y);
+  for (int64_t first = 0; first < rows; first += kRowBlock) {
+    const int64_t block = std::min(kRowBlock, rows - first);
+    if (block == kRowBlock) {
+      ForwardBlock(x_rows + first * x_bytes, bias, y_rows + first * y_bytes, y_type, threads);
+      continue;
+    }
+    // The last rows, zero-padded to a whole block: the same primitive computes them.
+    thread_local std::vector<std::byte> x_padded, y_padded;
+    x_padded.assign(kRowBlock * x_bytes, std::byte{0});
+    y_padded.resize(kRowBlock * y_bytes);
+    std::memcpy(x_padded.data(), x_rows + first * x_bytes, block * x_bytes);
+    ForwardBlock(x_padded.data(), bias, y_padded.data(), y_type, threads);
+    std::memcpy(y_rows + first * y_bytes, y_padded.data(), block * y_bytes);
+  }
+}
+
+void OneDnnMatmul::ForwardBlock(const void* x, absl::Span<const float> bias, void* y, DType y_type,
+                                int threads) const {
   const memory::data_type y_data_type = OneDnnType(y_type);
-  const std::shared_ptr<const Cached> cached = Primitive(rows, y_data_type);
-  memory source({{rows, in_features_}, type_, memory::format_tag::ab}, OneDnnCpuEngine(),
+  const std::shared_ptr<const Cached> cached = Primitive(y_data_type);
+  memory source({{kRowBlock, in_features_}, type_, memory::format_tag::ab}, OneDnnCpuEngine(),
                 const_cast<void*>(x));
-  memory destination({{rows, out_features_}, y_data_type, memory::format_tag::ab},
+  memory destination({{kRowBlock, out_features_}, y_data_type, memory::format_tag::ab},
                      OneDnnCpuEngine(), y);
   // Without a bias the primitive adds zeros: one primitive per shape serves both.
   thread_local std::vector<float> zeros;
@@ -96,16 +114,14 @@ dnnl::matmul::primitive_desc OneDnnMatmul::Describe(int64_t rows, memory::data_t
 }
 
 std::shared_ptr<const OneDnnMatmul::Cached> OneDnnMatmul::Primitive(
-    int64_t rows, memory::data_type y_type) const {
+    memory::data_type y_type) const {
   std::lock_guard<std::mutex> lock(mu_);
-  const auto key = std::make_pair(rows, y_type);
-  auto found = primitives_.find(key);
+  auto found = primitives_.find(y_type);
   if (found != primitives_.end()) return found->second;
-  if (primitives_.size() >= kMaxPrimitives) primitives_.erase(primitives_.begin());
-  const dnnl::matmul::primitive_desc description = Describe(rows, y_type);
+  const dnnl::matmul::primitive_desc description = Describe(kRowBlock, y_type);
   auto cached = std::make_shared<const Cached>(
       Cached{dnnl::matmul(description), description.scratchpad_desc()});
-  primitives_.emplace(key, cached);
+  primitives_.emplace(y_type, cached);
   return cached;
 }
 

@@ -22,6 +22,10 @@ dnnl::engine& OneDnnCpuEngine();
 
 class OneDnnMatmul {
  public:
+  // Rows of the one shape every call runs: oneDNN picks kernels, blockings and thread splits
+  // by shape, so a primitive per row count gave a token other bits beside more tokens.
+  static constexpr int64_t kRowBlock = 32;
+
   // Where the weight lives: copied once into the blocked layout the primitive prefers, or
   // read where the caller keeps it (no memory of its own; the weight must outlive this).
   enum class WeightCopy { kPreferredLayout, kInPlace };
@@ -32,7 +36,9 @@ class OneDnnMatmul {
                WeightCopy copy);
 
   // y [rows, out_features] of `y_type` (kFloat32, or kBFloat16 rounded as written) = x *
-  // W^T + bias (empty: none), on `threads` OpenMP threads.
+  // W^T + bias (empty: none), on `threads` OpenMP threads. Batch-invariant: every block of
+  // kRowBlock rows runs on the one primitive of that shape (the last block zero-padded), so
+  // a row's bits never depend on how many rows came with it.
   void Forward(const void* x, int64_t rows, absl::Span<const float> bias, void* y, DType y_type,
                int threads) const;
 
@@ -49,9 +55,12 @@ class OneDnnMatmul {
   };
 
   dnnl::matmul::primitive_desc Describe(int64_t rows, dnnl::memory::data_type y_type) const;
-  // Made per row count and output type (about a millisecond each) and kept, up to
-  // kMaxPrimitives; shared, so that one evicted while another thread runs it lives on.
-  std::shared_ptr<const Cached> Primitive(int64_t rows, dnnl::memory::data_type y_type) const;
+  // The primitive of kRowBlock rows for an output type, made on first use (about a
+  // millisecond) and kept.
+  std::shared_ptr<const Cached> Primitive(dnnl::memory::data_type y_type) const;
+  // One block of kRowBlock rows.
+  void ForwardBlock(const void* x, absl::Span<const float> bias, void* y, DType y_type,
+                    int threads) const;
 
   const int64_t out_features_, in_features_;
   const dnnl::memory::data_type type_;
@@ -60,8 +69,7 @@ class OneDnnMatmul {
   dnnl::memory weights_;
   std::string implementation_;
   mutable std::mutex mu_;
-  mutable std::map<std::pair<int64_t, dnnl::memory::data_type>, std::shared_ptr<const Cached>>
-      primitives_;
+  mutable std::map<dnnl::memory::data_type, std::shared_ptr<const Cached>> primitives_;
 };
 
 }  // namespace attention::core

@@ -5,8 +5,8 @@
 #include <csignal>
 #include <cstdio>
 #include <fstream>
-#include <sstream>
 #include <iostream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -160,9 +160,10 @@ ABSL_FLAG(std::string, bf16_attention_kernels, "auto",
           "fastest of this host's kernels, measured at start-up and logged), amx (AMX tiles), "
           "avx512_bf16, or float32 (the bf16 values widened)");
 ABSL_FLAG(std::string, float32_kernels, "auto",
-          "how float32 layers project batches of 64 rows or more on the CPU: auto (the faster "
-          "of the two, measured at start-up and logged), own (this project's microkernel, "
-          "OpenBLAS for large batches on AVX2 hosts) or onednn (oneDNN's matmul)");
+          "how float32 layers project on the CPU, at every row count: auto (the faster of the "
+          "two, measured at start-up and logged), own (this project's microkernel) or onednn "
+          "(oneDNN's matmul in fixed blocks of 32 rows); pin one so that replicas agree bit "
+          "for bit");
 ABSL_FLAG(int64_t, prefill_chunk_tokens, 256,
           "a session step's attention runs in turns of at most this many query tokens per "
           "entry, so that other sessions' decode steps run between a long prefill's chunks");
@@ -304,8 +305,7 @@ int main(int argc, char** argv) {
   options.kserve_system_shared_memory = absl::GetFlag(FLAGS_kserve_system_shared_memory);
   options.kserve_cuda_shared_memory = absl::GetFlag(FLAGS_kserve_cuda_shared_memory);
   options.request_budget.max_request_flops = absl::GetFlag(FLAGS_max_request_flops);
-  options.request_budget.max_request_memory_bytes =
-      absl::GetFlag(FLAGS_max_request_memory_bytes);
+  options.request_budget.max_request_memory_bytes = absl::GetFlag(FLAGS_max_request_memory_bytes);
   options.request_budget.reject_non_finite = absl::GetFlag(FLAGS_reject_non_finite);
   options.drain_delay = absl::GetFlag(FLAGS_drain_delay);
   options.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);

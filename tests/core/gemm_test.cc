@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -96,8 +97,9 @@ TEST_P(GemmLevelTest, TransposedPanelsMatchNaiveGemm) {
         std::vector<float> c(rows * ldc, 7.0f);
         GemmPanels(GetParam(), a.data(), lda, rows, panels.data(), depth, columns, 0,
                    PanelCount(columns), alpha, with_bias ? bias.data() : nullptr, c.data(), ldc);
-        ExpectGemm(a, lda, rows, depth, [&](int64_t k, int64_t j) { return w[j * ldw + k]; }, 0,
-                   columns, ldc, alpha, with_bias ? bias.data() : nullptr, c, 7.0f, stats);
+        ExpectGemm(
+            a, lda, rows, depth, [&](int64_t k, int64_t j) { return w[j * ldw + k]; }, 0, columns,
+            ldc, alpha, with_bias ? bias.data() : nullptr, c, 7.0f, stats);
       }
     }
   }
@@ -126,9 +128,10 @@ TEST_P(GemmLevelTest, RowPanelsAndPanelRangesMatchNaiveGemm) {
         const std::vector<float> sevens(columns, 7.0f);
         GemmPanels(GetParam(), a.data(), depth, rows, panels.data(), depth, columns, first_panel,
                    end_panel, 1.0f, nullptr, c.data(), columns, accumulate);
-        ExpectGemm(a, depth, rows, depth, [&](int64_t k, int64_t j) { return b[k * ldb + j]; },
-                   first_panel * kPanelWidth, columns, columns, 1.0f,
-                   accumulate ? sevens.data() : nullptr, c, 7.0f, stats);
+        ExpectGemm(
+            a, depth, rows, depth, [&](int64_t k, int64_t j) { return b[k * ldb + j]; },
+            first_panel * kPanelWidth, columns, columns, 1.0f, accumulate ? sevens.data() : nullptr,
+            c, 7.0f, stats);
       }
     }
   }
@@ -156,9 +159,10 @@ TEST_P(GemmLevelTest, LinearForwardMatchesNaiveOnBothPaths) {
           std::vector<float> y(rows * out_features, 7.0f);
           LinearForward(pool, x.data(), rows, in_features, w, bias, out_features, y.data(),
                         packed.panels(), GetParam(), max_packed_rows);
-          ExpectGemm(x, in_features, rows, in_features,
-                     [&](int64_t k, int64_t j) { return w[j * in_features + k]; }, 0,
-                     out_features, out_features, 1.0f, bias.data(), y, 7.0f, stats);
+          ExpectGemm(
+              x, in_features, rows, in_features,
+              [&](int64_t k, int64_t j) { return w[j * in_features + k]; }, 0, out_features,
+              out_features, 1.0f, bias.data(), y, 7.0f, stats);
         }
       }
     }
@@ -234,17 +238,19 @@ TEST(PackedWeightTest, CpuLayerReportsPackedBytesAndKeepsPlainWeights) {
   const MhaWeights weights = MhaWeights::Random(resolved, 3);
   auto layer = MhaLayer::Create(resolved, weights, std::make_shared<CpuBackend>(2));
   ASSERT_TRUE(layer.ok()) << layer.status();
-  // Fused QKV: 120 outputs = 8 panels; output: 40 outputs = 3 panels; depth 40.
-  EXPECT_EQ((*layer)->DeviceWeightBytes(), (8 + 3) * 40 * kPanelWidth * 4);
+  // Fused QKV: 120 outputs = 8 panels; Q, K and V apart (for cross-attention: their parts
+  // of the fused panels do not start on a panel) 3 panels each; output: 3 panels; depth 40.
+  EXPECT_EQ((*layer)->DeviceWeightBytes(), (8 + 3 * 3 + 3) * 40 * kPanelWidth * 4);
   EXPECT_EQ((*layer)->weights().q_weight, weights.q_weight);
   EXPECT_EQ((*layer)->weights().out_weight, weights.out_weight);
 }
 
 class Float32LinearTest : public ::testing::TestWithParam<Float32Projection> {};
 
-// Every row count on both sides of kOneDnnFloat32MinRows, with and without bias and panels,
-// on one and two threads, within the rule; and bitwise the kernel the set names: oneDNN's
-// matmul from kOneDnnFloat32MinRows rows on the onednn set, LinearForward otherwise.
+// Row counts on both sides of oneDNN's row blocks and of the 64 rows where the sets once
+// switched kernels, with and without bias, on one and two threads, within the rule; and
+// bitwise the kernel the set names at every row count: oneDNN's matmul on the onednn set,
+// the microkernel on the own set.
 TEST_P(Float32LinearTest, RunsTheKernelItNamesWithinTheRule) {
   const uint64_t seed = TestSeed(3911);
   SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
@@ -253,19 +259,18 @@ TEST_P(Float32LinearTest, RunsTheKernelItNamesWithinTheRule) {
   FidelityStats stats(std::string("Float32Linear, ") + Float32ProjectionName(set));
   for (int threads : {1, 2}) {
     ThreadPool pool(threads);
-    for (int64_t rows :
-         {int64_t{1}, kOneDnnFloat32MinRows - 1, kOneDnnFloat32MinRows, int64_t{300}}) {
-      for (const bool with_panels : {true, false}) {
-        const int64_t in_features = with_panels ? 200 : 45, out_features = with_panels ? 72 : 40;
+    for (int64_t rows : {int64_t{1}, OneDnnMatmul::kRowBlock, OneDnnMatmul::kRowBlock + 1,
+                         int64_t{63}, int64_t{64}, int64_t{300}}) {
+      for (const bool with_bias : {true, false}) {
+        const int64_t in_features = with_bias ? 200 : 45, out_features = with_bias ? 72 : 40;
         SCOPED_TRACE("threads " + std::to_string(threads) + " rows " + std::to_string(rows) +
-                     (with_panels ? " with panels" : " without panels"));
+                     (with_bias ? " with bias" : " without bias"));
         const std::vector<float> x = Uniform(rng, rows * in_features);
         const std::vector<float> w = Uniform(rng, out_features * in_features);
         const std::vector<float> bias =
-            with_panels ? Uniform(rng, out_features) : std::vector<float>{};
+            with_bias ? Uniform(rng, out_features) : std::vector<float>{};
         const PackedWeight packed(w, out_features, in_features);
-        const float* panels = with_panels ? packed.panels() : nullptr;
-        const Float32Linear linear(w, bias, out_features, in_features, panels, set);
+        const Float32Linear linear(w, bias, out_features, in_features, packed.panels(), set);
         std::vector<float> y(rows * out_features, 7.0f);
         linear.Forward(pool, x.data(), rows, y.data());
         ExpectGemm(
@@ -273,13 +278,13 @@ TEST_P(Float32LinearTest, RunsTheKernelItNamesWithinTheRule) {
             [&](int64_t k, int64_t j) { return w[j * in_features + k]; }, 0, out_features,
             out_features, 1.0f, bias.empty() ? nullptr : bias.data(), y, 7.0f, stats);
         std::vector<float> named(rows * out_features);
-        if (set == Float32Projection::kOneDnn && rows >= kOneDnnFloat32MinRows) {
+        if (set == Float32Projection::kOneDnn) {
           OneDnnMatmul(w.data(), DType::kFloat32, out_features, in_features,
                        OneDnnMatmul::WeightCopy::kInPlace)
               .Forward(x.data(), rows, bias, named.data(), DType::kFloat32, threads);
         } else {
           LinearForward(pool, x.data(), rows, in_features, w, bias, out_features, named.data(),
-                        panels);
+                        packed.panels(), BestSimdLevel(), std::numeric_limits<int64_t>::max());
         }
         EXPECT_EQ(y, named) << "not the kernel the set names";
       }
