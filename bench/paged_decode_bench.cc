@@ -233,7 +233,7 @@ std::optional<Bf16Kernel> SharedBf16Products(DType dtype) {
 }
 
 // Mode of BM_SharedPrefixDecode.
-enum PrefixMode { kShared = 0, kForksUnshared = 1, kPrivateCopies = 2 };
+enum PrefixMode { kShared = 0, kForksUnshared = 1, kPrivateCopies = 2, kSharedAsProducts = 3 };
 
 // One layer-step of `sessions` sessions over one 4,096-token prefix, each with 1-256 tokens
 // of its own (the new one included), n = 1, Llama-3-8B heads, KV float32 or bfloat16. The
@@ -282,7 +282,10 @@ void BM_SharedPrefixDecode(benchmark::State& state) {
   // As the server's sessions: bf16 KV's shared products on the host's bf16 products.
   const std::optional<Bf16Kernel> bf16_products = SharedBf16Products(layout.dtype);
   for (auto _ : state) {
-    if (!PagedDecodeCpu(batch, threads, BestSimdLevel(), mode == kShared, bf16_products).ok()) {
+    const SharedPrefixes shared = mode == kSharedAsProducts ? SharedPrefixes::kAsProducts
+                                  : mode == kShared         ? SharedPrefixes::kReadOnce
+                                                            : SharedPrefixes::kReadPerFork;
+    if (!PagedDecodeCpu(batch, threads, BestSimdLevel(), shared, bf16_products).ok()) {
       state.SkipWithError("PagedDecodeCpu failed");
     }
     benchmark::DoNotOptimize(outputs.data());
@@ -291,14 +294,15 @@ void BM_SharedPrefixDecode(benchmark::State& state) {
       benchmark::Counter(flops * state.iterations() / 1e9, benchmark::Counter::kIsRate);
   state.counters["layer_steps/s"] =
       benchmark::Counter(static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
-  static const char* const kModes[] = {"shared", "forks, read per fork", "private copies"};
+  static const char* const kModes[] = {"shared", "forks, read per fork", "private copies",
+                                       "shared as products (not batch-invariant)"};
   state.SetLabel(std::string(kModes[mode]) + ", " + std::string(DTypeName(layout.dtype)) +
                  (bf16_products ? std::string(", products ") + Bf16KernelName(*bf16_products)
                                 : std::string()));
 }
 BENCHMARK(BM_SharedPrefixDecode)
     ->ArgNames({"sessions", "mode", "bf16"})
-    ->ArgsProduct({{8, 16, 64}, {kShared, kForksUnshared, kPrivateCopies}, {0, 1}})
+    ->ArgsProduct({{8, 16, 64}, {kShared, kForksUnshared, kPrivateCopies, kSharedAsProducts}, {0, 1}})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 

@@ -122,7 +122,8 @@ absl::StatusOr<std::unique_ptr<kv_cache::KvStorage>> Devices::CreateKvStorage(
   if (backend == cpu_) {
     return std::unique_ptr<kv_cache::KvStorage>(
         std::make_unique<HostKvStorage>(num_blocks, block_bytes, cpu_->pool(),
-                                        kPagedPrefillMinQueries, cpu_->SessionBf16Products()));
+                                        kPagedPrefillMinQueries, cpu_->SessionBf16Products(),
+                                        cpu_->SessionSharedPrefixes()));
   }
   int index = 0;
   absl::string_view number = backend->name();

@@ -30,6 +30,9 @@ struct CpuKernelChoice {
   std::optional<Bf16Projection> bf16_projection;
   // How float32 layers project, at every row count (--float32_kernels).
   std::optional<Float32Projection> float32_projection;
+  // How forks of one prefix stepping together in a session step attend what they share
+  // (--shared_prefix_products: kAsProducts, which gives up batch invariance for speed).
+  SharedPrefixes shared_prefixes = SharedPrefixes::kReadOnce;
   // Where both bf16 choices are float32, bf16 layers run as float32 layers
   // (Bf16ComputesInFloat32); tests turn this off to reach the bf16 layer's own path on
   // every host.
@@ -46,6 +49,7 @@ class CpuBackend final : public Backend {
         bf16_kernel_(forced.bf16_products.value_or(FastestBf16Products())),
         bf16_projection_(forced.bf16_projection.value_or(FastestBf16Projection())),
         float32_projection_(forced.float32_projection),
+        shared_prefixes_(forced.shared_prefixes),
         bf16_layers_as_float32_(forced.bf16_layers_as_float32) {}
 
   const std::string& name() const override { return name_; }
@@ -83,6 +87,8 @@ class CpuBackend final : public Backend {
   std::optional<Bf16Kernel> SessionBf16Products() const {
     return SharedPrefixBf16Products(bf16_kernel_);
   }
+  // How sessions' forks attend their shared prefixes (PagedDecodeCpu).
+  SharedPrefixes SessionSharedPrefixes() const { return shared_prefixes_; }
 
  private:
   const std::string name_ = "cpu";
@@ -92,6 +98,7 @@ class CpuBackend final : public Backend {
   const Bf16Projection bf16_projection_;
   // Unset: measured when a layer first projects.
   const std::optional<Float32Projection> float32_projection_;
+  const SharedPrefixes shared_prefixes_;
   const bool bf16_layers_as_float32_;
 };
 

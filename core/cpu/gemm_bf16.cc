@@ -375,13 +375,15 @@ void PackBf16Panels(const uint16_t* b, int64_t depth, int64_t columns, int64_t d
 namespace {
 
 // GemmBf16Panels into float32 `c` or, with `c_bf16`, into bf16 (then `c` is unused).
+// With `amx_min_rows`, up to that many rows of kAmx multiply on AVX512-BF16 instead.
 void GemmBf16PanelsInto(Bf16Kernel kernel, const uint16_t* a, int64_t lda, int64_t rows,
                         const uint16_t* panels, int64_t depth, int64_t columns, int64_t first_panel,
                         int64_t end_panel, float alpha, const float* bias, float* c,
-                        uint16_t* c_bf16, int64_t ldc, bool accumulate) {
+                        uint16_t* c_bf16, int64_t ldc, bool accumulate,
+                        int64_t amx_min_rows = kAmxMinRows) {
   // A block of tiles is 32 rows: 16 or fewer would leave half of it multiplying zeros and pay
   // for staging their edges, and every AMX host has AVX512-BF16 (AmxTilesUsable checks).
-  if (kernel == Bf16Kernel::kAmx && rows > kAmxMinRows) {
+  if (kernel == Bf16Kernel::kAmx && rows > amx_min_rows) {
     GemmBf16Amx({a, lda, rows, panels, depth, columns, first_panel, end_panel, alpha, bias, c,
                  c_bf16, ldc, accumulate});
     return;
@@ -459,19 +461,13 @@ void LinearForwardBf16Into(ThreadPool& pool, const uint16_t* x, int64_t rows, in
       pool, rows, out_features,
       [&](int64_t first_row, int64_t row_count, int64_t first_panel, int64_t end_panel) {
         const int64_t offset = first_row * out_features;
-        float* c = y == nullptr ? nullptr : y + offset;
-        uint16_t* c_bf16 = y_bf16 == nullptr ? nullptr : y_bf16 + offset;
         // AMX at every row count, a decode step's single row too: a row's bits must not
         // depend on how many rows share its projection (issue 55).
-        if (kernel == Bf16Kernel::kAmx) {
-          GemmBf16Amx({x + first_row * in_features, in_features, row_count, weight.panels(),
-                       in_features, out_features, first_panel, end_panel, 1.0f, b, c, c_bf16,
-                       out_features, /*accumulate=*/false});
-          return;
-        }
         GemmBf16PanelsInto(kernel, x + first_row * in_features, in_features, row_count,
                            weight.panels(), in_features, out_features, first_panel, end_panel, 1.0f,
-                           b, c, c_bf16, out_features, /*accumulate=*/false);
+                           b, y == nullptr ? nullptr : y + offset,
+                           y_bf16 == nullptr ? nullptr : y_bf16 + offset, out_features,
+                           /*accumulate=*/false, /*amx_min_rows=*/0);
       });
 }
 

@@ -28,11 +28,13 @@ void ForEachHeadRun(const KvLayout& layout, int64_t tokens_per_block, int64_t sl
 }  // namespace
 
 HostKvStorage::HostKvStorage(int64_t num_blocks, int64_t block_bytes, ThreadPool& pool,
-                             int64_t prefill_min_queries, std::optional<Bf16Kernel> bf16_products)
+                             int64_t prefill_min_queries, std::optional<Bf16Kernel> bf16_products,
+                             SharedPrefixes shared_prefixes)
     : KvStorage(num_blocks, block_bytes),
       pool_(pool),
       prefill_min_queries_(prefill_min_queries),
-      bf16_products_(bf16_products) {
+      bf16_products_(bf16_products),
+      shared_prefixes_(shared_prefixes) {
   constexpr int64_t kHugePage = int64_t{2} << 20;
   const int64_t bytes = (num_blocks * block_bytes + kHugePage - 1) / kHugePage * kHugePage;
   bytes_.reset(static_cast<std::byte*>(std::aligned_alloc(kHugePage, bytes)));
@@ -87,7 +89,7 @@ absl::Status HostKvStorage::Poison(BlockId block) {
 absl::Status HostKvStorage::Attend(const PagedDecodeBatch& batch) {
   PagedDecodeBatch here = batch;
   here.storage = {bytes_.get(), block_bytes(), num_blocks()};
-  return PagedAttentionCpu(here, pool_, prefill_min_queries_, bf16_products_);
+  return PagedAttentionCpu(here, pool_, prefill_min_queries_, bf16_products_, shared_prefixes_);
 }
 
 }  // namespace attention::core

@@ -1,7 +1,8 @@
 // The CPU backend's KV storage: the pool's blocks in host memory, on huge pages where the
 // kernel gives them, attended by the CPU paged kernels (PagedAttentionCpu: sequences of at
 // least `prefill_min_queries` new tokens on the blocked flash-style kernel, the rest on the
-// decode kernel; shared prefixes over bf16 KV in `bf16_products`, see PagedDecodeCpu).
+// decode kernel; forks' shared prefixes as `shared_prefixes` says, over bf16 KV in
+// `bf16_products`, see PagedDecodeCpu).
 #ifndef ATTENTION_CORE_CPU_HOST_KV_STORAGE_H_
 #define ATTENTION_CORE_CPU_HOST_KV_STORAGE_H_
 
@@ -23,7 +24,8 @@ class HostKvStorage final : public kv_cache::KvStorage {
   // Throws std::bad_alloc when the memory cannot be had (as a vector would).
   HostKvStorage(int64_t num_blocks, int64_t block_bytes, ThreadPool& pool,
                 int64_t prefill_min_queries = kPagedPrefillMinQueries,
-                std::optional<Bf16Kernel> bf16_products = std::nullopt);
+                std::optional<Bf16Kernel> bf16_products = std::nullopt,
+                SharedPrefixes shared_prefixes = SharedPrefixes::kReadOnce);
 
   const std::string& device() const override { return device_; }
   absl::Status WriteTokens(kv_cache::BlockId block, const kv_cache::KvLayout& layout,
@@ -52,6 +54,7 @@ class HostKvStorage final : public kv_cache::KvStorage {
   ThreadPool& pool_;
   const int64_t prefill_min_queries_;
   const std::optional<Bf16Kernel> bf16_products_;
+  const SharedPrefixes shared_prefixes_;
   // Left uninitialized, so pages are committed as sessions fill them; huge pages because a
   // decode step streams through blocks and 4 KiB pages cost TLB misses.
   std::unique_ptr<std::byte[], Free> bytes_;

@@ -639,7 +639,8 @@ struct SharedPrefix {
 }  // namespace
 
 absl::Status PagedDecodeCpu(const PagedDecodeBatch& batch, ThreadPool& pool, SimdLevel level,
-                            bool share_prefixes, std::optional<Bf16Kernel> bf16_products) {
+                            SharedPrefixes shared_prefixes,
+                            std::optional<Bf16Kernel> bf16_products) {
   if (absl::Status status = ValidatePagedDecodeBatch(batch, /*check_block_ids=*/true);
       !status.ok()) {
     return status;
@@ -663,7 +664,7 @@ absl::Status PagedDecodeCpu(const PagedDecodeBatch& batch, ThreadPool& pool, Sim
   // group (SharedPrefix below), so each sequence starts its own splits after it.
   std::vector<SharedPrefix> shared;
   std::vector<int64_t> own_keys_from(batch.sequences.size(), 0);
-  if (share_prefixes) {
+  if (shared_prefixes != SharedPrefixes::kReadPerFork) {
     for (SharedPrefixGroup& found : FindSharedPrefixes(batch, kPagedSplitKeys)) {
       for (const int64_t b : found.sequences) own_keys_from[b] = found.shared_keys;
       if (batch.stats != nullptr) {
@@ -732,7 +733,8 @@ absl::Status PagedDecodeCpu(const PagedDecodeBatch& batch, ThreadPool& pool, Sim
       const SharedPrefix& prefix = shared[unit.group];
       thread_local std::vector<float> group_states;
       group_states.resize(prefix.rows.num_queries * group * state_floats);
-      const bool as_products = prefix.rows.num_queries * group >= kSharedPrefixGemmRows;
+      const bool as_products = shared_prefixes == SharedPrefixes::kAsProducts &&
+                               prefix.rows.num_queries * group >= kSharedPrefixGemmRows;
       if (as_products && bf16_products.has_value() && batch.layout.dtype == DType::kBFloat16) {
         AttendWholeSplitAsBf16Gemm(kernels, *bf16_products, batch, prefix.rows, unit.kv_head,
                                    unit.key_begin, unit.key_begin + kPagedSplitKeys,

@@ -103,7 +103,7 @@ absl::Status PagedPrefillCpu(const PagedDecodeBatch& batch, ThreadPool& pool) {
 
 absl::Status PagedAttentionCpu(const PagedDecodeBatch& batch, ThreadPool& pool,
                                int64_t prefill_min_queries,
-                               std::optional<Bf16Kernel> bf16_products) {
+                               std::optional<Bf16Kernel> bf16_products, SharedPrefixes shared) {
   if (absl::Status status = ValidatePagedDecodeBatch(batch, /*check_block_ids=*/true);
       !status.ok()) {
     return status;
@@ -116,7 +116,7 @@ absl::Status PagedAttentionCpu(const PagedDecodeBatch& batch, ThreadPool& pool,
   if (!decode.empty()) {
     part.sequences = decode;
     if (absl::Status status =
-            PagedDecodeCpu(part, pool, BestSimdLevel(), /*share_prefixes=*/true, bf16_products);
+            PagedDecodeCpu(part, pool, BestSimdLevel(), shared, bf16_products);
         !status.ok()) {
       return status;
     }

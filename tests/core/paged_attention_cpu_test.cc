@@ -3,8 +3,8 @@
 // groups, head sizes, block sizes and KV dtypes; block tables are random permutations of a
 // pool three times too large whose other blocks hold NaN, so a read outside the table
 // shows. Results must be bitwise the same for any thread count and batch composition, forks
-// of one prefix read once for the group included, up to the groups whose shared splits are
-// matrix products (kSharedPrefixGemmRows rows), which answer within the rule.
+// of one prefix read once for the group included, unless asked to attend shared splits as
+// matrix products (SharedPrefixes::kAsProducts), which answer within the rule.
 #include "core/cpu/paged_attention_cpu.h"
 
 #include <algorithm>
@@ -40,9 +40,10 @@ using PagedPool = testing::HostPagedPool;
 
 // The CPU kernel over `indices` of the pool's sequences, as one batch.
 absl::Status RunCpu(PagedPool& pool, const std::vector<size_t>& indices, ThreadPool& threads,
-                    SimdLevel level = BestSimdLevel(), bool share_prefixes = true) {
+                    SimdLevel level = BestSimdLevel(),
+                    SharedPrefixes shared = SharedPrefixes::kReadOnce) {
   std::vector<PagedDecodeSequence> entries;
-  return PagedDecodeCpu(pool.Batch(indices, entries), threads, level, share_prefixes);
+  return PagedDecodeCpu(pool.Batch(indices, entries), threads, level, shared);
 }
 
 // Every SIMD level this CPU runs; the others are skipped.
@@ -277,7 +278,7 @@ TEST_P(PagedDecodeLevelTest, ForksSharingAPrefixAreBitwiseTheirAnswersAlone) {
     ThreadPool threads(2);
     ASSERT_TRUE(RunCpu(pool, forks.all, threads, GetParam()).ok());
     const std::vector<Sequence> shared = pool.sequences();
-    ASSERT_TRUE(RunCpu(pool, forks.all, threads, GetParam(), /*share_prefixes=*/false).ok());
+    ASSERT_TRUE(RunCpu(pool, forks.all, threads, GetParam(), SharedPrefixes::kReadPerFork).ok());
     const std::string level = SimdLevelName(GetParam());
     FidelityStats outputs("forks " + level), lses("forks lse " + level);
     for (size_t i = 0; i < forks.all.size(); ++i) {
@@ -296,9 +297,10 @@ TEST_P(PagedDecodeLevelTest, ForksSharingAPrefixAreBitwiseTheirAnswersAlone) {
   }
 }
 
-// From kSharedPrefixGemmRows query rows, forks attend their shared splits as matrix
-// products: every answer within the rule against the references, and against the same
-// batch with sharing off (the plain path) as the rule's reference.
+// From kSharedPrefixGemmRows query rows, forks asked to (SharedPrefixes::kAsProducts) attend
+// their shared splits as matrix products: every answer within the rule against the
+// references, and against the same batch with sharing off (the plain path) as the rule's
+// reference. Read once row by row (the default), they answer bitwise the plain path.
 // Forks of one 2,048-key prefix, many enough for the shared products.
 struct ForkCase {
   int64_t heads, kv_heads, key_dim, value_dim, forks, most_queries, min_rows;
@@ -346,10 +348,16 @@ TEST_P(PagedDecodeLevelTest, ManyForksShareTheirPrefixAsMatrixProductsWithinTheR
       std::vector<PagedDecodeSequence> entries;
       PagedDecodeBatch batch = pool.Batch(all, entries);
       batch.stats = &stats;
+      // By default, as many forks still answer bitwise what each gets alone (issue 55).
       ASSERT_TRUE(PagedDecodeCpu(batch, threads, GetParam()).ok());
       EXPECT_EQ(stats.shared_blocks, 128);  // 2,048 keys in blocks of 16
+      const std::vector<Sequence> read_once = pool.sequences();
+      ASSERT_TRUE(PagedDecodeCpu(batch, threads, GetParam(), SharedPrefixes::kAsProducts).ok());
       const std::vector<Sequence> shared = pool.sequences();
-      ASSERT_TRUE(RunCpu(pool, all, threads, GetParam(), /*share_prefixes=*/false).ok());
+      ASSERT_TRUE(RunCpu(pool, all, threads, GetParam(), SharedPrefixes::kReadPerFork).ok());
+      for (const size_t i : all) {
+        EXPECT_EQ(read_once[i].output, pool.sequences()[i].output) << "sequence " << i;
+      }
       const std::string level = SimdLevelName(GetParam());
       FidelityStats outputs("gemm forks " + level), lses("gemm forks lse " + level);
       FidelityStats against_plain("gemm forks against the plain path " + level);
@@ -396,7 +404,7 @@ TEST_P(PagedDecodeBf16ProductsTest, ManyForksShareTheirPrefixWithinTheBf16Rule) 
     ThreadPool threads(2);
     std::vector<PagedDecodeSequence> entries;
     ASSERT_TRUE(PagedDecodeCpu(pool.Batch(all, entries), threads, BestSimdLevel(),
-                               /*share_prefixes=*/true, GetParam())
+                               SharedPrefixes::kAsProducts, GetParam())
                     .ok());
     const std::vector<Sequence> bf16 = pool.sequences();
     ASSERT_TRUE(RunCpu(pool, all, threads).ok());  // the same products in float32
@@ -432,6 +440,7 @@ TEST(DevicesTest, CpuKvStorageMultipliesSharedBf16PrefixesOnTheBackendsKernel) {
     const std::vector<size_t> all = AddForks(pool, c, kSeed);
     CpuKernelChoice kernels;
     kernels.bf16_products = kernel;
+    kernels.shared_prefixes = SharedPrefixes::kAsProducts;
     Devices devices(2, kernels);
     absl::StatusOr<std::unique_ptr<kv_cache::KvStorage>> storage =
         devices.CreateKvStorage("cpu", pool.num_blocks(), pool.block_bytes());
@@ -450,7 +459,7 @@ TEST(DevicesTest, CpuKvStorageMultipliesSharedBf16PrefixesOnTheBackendsKernel) {
     const std::optional<Bf16Kernel> products =
         kernel == Bf16Kernel::kPortable ? std::nullopt : std::optional<Bf16Kernel>(kernel);
     ASSERT_TRUE(PagedDecodeCpu(pool.Batch(all, entries), threads, BestSimdLevel(),
-                               /*share_prefixes=*/true, products)
+                               SharedPrefixes::kAsProducts, products)
                     .ok());
     for (const size_t i : all) {
       EXPECT_EQ(stored[i].output, pool.sequences()[i].output) << "sequence " << i;
@@ -469,7 +478,7 @@ TEST(PagedDecodeCpuTest, RefusesBf16ProductsThisCpuCannotRun) {
     ThreadPool threads(1);
     std::vector<PagedDecodeSequence> entries;
     const absl::Status status = PagedDecodeCpu(pool.Batch({0}, entries), threads, BestSimdLevel(),
-                                               /*share_prefixes=*/true, kernel);
+                                               SharedPrefixes::kAsProducts, kernel);
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(status.message(), ::testing::HasSubstr(Bf16KernelName(kernel)));
   }

@@ -1,6 +1,6 @@
 // Batch invariance over the wire (issue 55): for every kernel set this host runs (forced as
 // --float32_kernels and --bf16_kernels force them), a probe's answer is the same bits alone
-// as beside concurrent callers that share its forward pass, and a session step retried
+// as beside concurrent callers that share its forward pass (natively and over KServe), and a session step retried
 // beside other sessions' rows is a retry: OK, with the same bits. The core's test
 // (tests/core/batch_invariance_test.cc) covers every neighbour size and thread count.
 #include <cstdint>
@@ -10,8 +10,11 @@
 #include <thread>
 #include <vector>
 
+#include <grpcpp/create_channel.h>
+
 #include "core/cpu/bf16_linear.h"
 #include "core/cpu/float32_linear.h"
+#include "inference/grpc_service.grpc.pb.h"
 #include "tests/server/test_server.h"
 
 namespace attention::server::testing {
@@ -139,6 +142,35 @@ class BatchInvarianceServerTest : public ServerTest,
     return created.ok() ? created->session_id() : "";
   }
 
+  // `probe`'s query as a KServe ModelInfer call's answer bytes, sent with `neighbours` at once.
+  std::string KserveProbeBeside(const v1::MultiHeadAttentionRequest& probe,
+                                const std::vector<v1::MultiHeadAttentionRequest>& neighbours) {
+    inference::ModelInferRequest request;
+    request.set_model_name(probe.layer());
+    auto* query = request.add_inputs();
+    query->set_name("query");
+    query->set_datatype("FP32");
+    for (const int64_t dim : probe.query().shape()) query->add_shape(dim);
+    *request.add_raw_input_contents() = probe.query().raw_data();
+    std::vector<std::thread> callers;
+    for (const v1::MultiHeadAttentionRequest& neighbour : neighbours) {
+      callers.emplace_back([this, &neighbour] {
+        const auto answered = client_->MultiHeadAttention(neighbour);
+        EXPECT_TRUE(answered.ok()) << answered.status();
+      });
+    }
+    const auto kserve = inference::GRPCInferenceService::NewStub(grpc::CreateChannel(
+        "127.0.0.1:" + std::to_string(server_->port()), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext context;
+    inference::ModelInferResponse response;
+    const grpc::Status status = kserve->ModelInfer(&context, request, &response);
+    for (std::thread& caller : callers) caller.join();
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    return status.ok() && response.raw_output_contents_size() > 0
+               ? response.raw_output_contents(0)
+               : "";
+  }
+
   std::mt19937_64 rng_{55};
 };
 
@@ -155,6 +187,9 @@ TEST_P(BatchInvarianceServerTest, StatelessAnswersAreTheSameBitsBesideConcurrent
         const std::vector<v1::MultiHeadAttentionRequest> neighbours = {Request(layer, rows),
                                                                        Request(layer, rows)};
         EXPECT_EQ(DifferingFloats(ProbeBeside(probe, neighbours), alone->output().raw_data()), 0);
+        EXPECT_EQ(
+            DifferingFloats(KserveProbeBeside(probe, neighbours), alone->output().raw_data()), 0)
+            << "over KServe";
       }
     }
   }
@@ -199,6 +234,80 @@ TEST_P(BatchInvarianceServerTest, RetriedSessionStepsBesideOtherSessionsAreRetri
 
 INSTANTIATE_TEST_SUITE_P(KernelSets, BatchInvarianceServerTest,
                          ::testing::ValuesIn(ServerKernelSets()), ServerKernelsName);
+
+// The decode kernel's shared prefixes do not depend on the projections' kernel sets: one
+// server, with room for 2 x 72 forks of a prefix, each with a block of its own.
+class ForkInvarianceServerTest : public ServerTest {
+ protected:
+  ServerOptions Options() override {
+    ServerOptions options = ServerTest::Options();
+    options.demo_layer = false;
+    options.sessions.kv_cache_bytes = 64 << 20;
+    return options;
+  }
+};
+
+// Forks of one 4,096-token prefix (whole KV blocks, so the forks share them, and four whole
+// splits of the decode kernel) each step a token alone; then all of them step again in one request, 72 forks of 4 query heads (288 rows,
+// past the 64 from which forks once attended their prefix as matrix products, not bitwise):
+// every retry answers its bits alone. In float32 and bf16 KV (bf16 products where the host
+// has them).
+TEST_F(ForkInvarianceServerTest, ForksSteppingTogetherAnswerTheirBitsAlone) {
+  SCOPED_TRACE("seed 55");
+  std::mt19937_64 rng(55);
+  constexpr int64_t kPrefix = 4096, kForks = 72, kHeads = 4, kHeadDim = 16;
+  const auto raw_entry = [&rng](const std::string& session, int64_t position, int64_t n) {
+    v1::SessionStepEntry entry;
+    entry.set_session_id(session);
+    entry.set_position(position);
+    wire::EncodeTensor(RandomValues(rng, n * kHeads * kHeadDim), {n, kHeads, kHeadDim},
+                       core::DType::kFloat32, entry.mutable_query());
+    wire::EncodeTensor(RandomValues(rng, n * kHeadDim), {n, 1, kHeadDim}, core::DType::kFloat32,
+                       entry.mutable_key());
+    wire::EncodeTensor(RandomValues(rng, n * kHeadDim), {n, 1, kHeadDim}, core::DType::kFloat32,
+                       entry.mutable_value());
+    return entry;
+  };
+  for (const v1::DataType kv_dtype : {v1::FLOAT32, v1::BFLOAT16}) {
+    SCOPED_TRACE(v1::DataType_Name(kv_dtype) + " KV");
+    v1::CreateSessionRequest create;
+    create.mutable_config()->set_num_layers(1);
+    create.mutable_config()->set_num_heads(kHeads);
+    create.mutable_config()->set_num_kv_heads(1);
+    create.mutable_config()->set_head_dim(kHeadDim);
+    create.mutable_config()->set_kv_dtype(kv_dtype);
+    create.set_reserved_tokens(kPrefix + 1);
+    const auto prefix = client_->CreateSession(create);
+    ASSERT_TRUE(prefix.ok()) << prefix.status();
+    v1::SessionStepRequest prefill;
+    *prefill.add_entries() = raw_entry(prefix->session_id(), 0, kPrefix);
+    const auto prefilled = client_->SessionStep(prefill);
+    ASSERT_TRUE(prefilled.ok()) << prefilled.status();
+    v1::SessionStepRequest together;
+    std::vector<std::string> answers_alone;
+    for (int64_t f = 0; f < kForks; ++f) {
+      v1::ForkSessionRequest fork;
+      fork.set_session_id(prefix->session_id());
+      fork.set_tokens(kPrefix);
+      const auto forked = client_->ForkSession(fork);
+      ASSERT_TRUE(forked.ok()) << forked.status();
+      v1::SessionStepRequest alone;
+      *alone.add_entries() = raw_entry(forked->session_id(), kPrefix, 1);
+      const auto answered = client_->SessionStep(alone);
+      ASSERT_TRUE(answered.ok()) << answered.status();
+      answers_alone.push_back(answered->results(0).output().raw_data());
+      *together.add_entries() = alone.entries(0);
+    }
+    const auto retried = client_->SessionStep(together);
+    ASSERT_TRUE(retried.ok()) << retried.status();
+    int64_t differing_forks = 0;
+    for (int64_t f = 0; f < kForks; ++f) {
+      differing_forks +=
+          DifferingFloats(retried->results(f).output().raw_data(), answers_alone[f]) != 0 ? 1 : 0;
+    }
+    EXPECT_EQ(differing_forks, 0) << "of " << kForks << " forks";
+  }
+}
 
 }  // namespace
 }  // namespace attention::server::testing
