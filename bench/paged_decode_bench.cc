@@ -302,7 +302,9 @@ void BM_SharedPrefixDecode(benchmark::State& state) {
 }
 BENCHMARK(BM_SharedPrefixDecode)
     ->ArgNames({"sessions", "mode", "bf16"})
-    ->ArgsProduct({{8, 16, 64}, {kShared, kForksUnshared, kPrivateCopies, kSharedAsProducts}, {0, 1}})
+    ->ArgsProduct({{8, 16, 64},
+                   {kShared, kForksUnshared, kPrivateCopies, kSharedAsProducts},
+                   {0, 1}})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 

@@ -38,12 +38,13 @@ absl::StatusOr<Bf16Projection> ParseBf16Projection(absl::string_view name);
 bool CpuSupports(Bf16Projection projection);
 
 // The fastest projection kernel of this host: each candidate multiplies 256 tokens of
-// 1024 -> 1024 features a few times on one thread, once per process (about 20 ms), the
-// best of three timings counting.
+// 1024 -> 1024 features, and one token, a few times on one thread, once per process (about
+// 20 ms), the best of three timings counting; the fastest at 256 tokens, but oneDNN only
+// where it is also the fastest at one token (its fixed blocks pad a decode step to 32 rows).
 Bf16Projection FastestBf16Projection();
 // What that measurement found, for the start-up log, e.g.
-// "onednn 612 GFLOPS (brg:avx512_core_amx_bf16), avx512_bf16 104, float32 131" (and
-// "amx N" where AMX runs).
+// "onednn 612 GFLOPS (brg:avx512_core_amx_bf16), avx512_bf16 104, float32 131; fastest at
+// one row: avx512_bf16" (and "amx N" where AMX runs).
 std::string Bf16ProjectionReport();
 
 class OneDnnMatmul;

@@ -71,7 +71,8 @@ struct Calibration {
 // Own runs first, after 100 ms of warming up (a process's first ~100 ms of work on both cores
 // ran up to 2x slower on a 2-vCPU Zen 3 VM), so that oneDNN's OpenMP threads, which spin for a
 // while after each call, never share the cores with its runs; then oneDNN, after two calls
-// that make its primitive and threads. Best of four runs each.
+// that make its primitive and threads. Best of four runs each, of a batch and of one row (a
+// decode step, which oneDNN's fixed blocks of rows pad to a whole block).
 Calibration Calibrate(int threads) {
   constexpr int64_t kRows = 512, kIn = 768, kOut = 2304;  // a BERT-base layer's fused QKV
   constexpr int kRuns = 4;
@@ -85,6 +86,8 @@ Calibration Calibrate(int threads) {
   ThreadPool pool(threads);
   const Float32Projection candidates[] = {Float32Projection::kOwn, Float32Projection::kOneDnn};
   double best_seconds[] = {std::numeric_limits<double>::max(), std::numeric_limits<double>::max()};
+  double one_row_seconds[] = {std::numeric_limits<double>::max(),
+                              std::numeric_limits<double>::max()};
   for (int c = 0; c < 2; ++c) {
     const Float32Linear linear(weight, {}, kOut, kIn, packed.panels(), candidates[c]);
     const auto warm_up_start = std::chrono::steady_clock::now();
@@ -93,27 +96,36 @@ Calibration Calibrate(int threads) {
          ++call) {
       linear.Forward(pool, x.data(), kRows, y.data());
     }
-    for (int run = 0; run < kRuns; ++run) {
+    const auto timed = [&](int64_t rows, double& best) {
       const auto start = std::chrono::steady_clock::now();
-      linear.Forward(pool, x.data(), kRows, y.data());
-      best_seconds[c] =
-          std::min(best_seconds[c],
-                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      linear.Forward(pool, x.data(), rows, y.data());
+      best = std::min(
+          best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    };
+    for (int run = 0; run < kRuns; ++run) {
+      timed(kRows, best_seconds[c]);
+      timed(1, one_row_seconds[c]);
     }
   }
   const auto gflops = [&](int c) {
     return static_cast<int64_t>(2.0 * kRows * kIn * kOut / best_seconds[c] / 1e9);
   };
   Calibration calibration;
-  // oneDNN only for a clear win (5%): a change of kernels changes float32 layers' last bits,
-  // and its OpenMP threads share the cores with the pool's.
-  calibration.fastest = best_seconds[1] < 0.95 * best_seconds[0] ? candidates[1] : candidates[0];
+  // oneDNN only for a clear win (5%) at both sizes, since one set serves every row count: a
+  // change of kernels changes float32 layers' last bits, and its OpenMP threads share the
+  // cores with the pool's.
+  calibration.fastest =
+      best_seconds[1] < 0.95 * best_seconds[0] && one_row_seconds[1] < 0.95 * one_row_seconds[0]
+          ? candidates[1]
+          : candidates[0];
   const std::string own_kernel = absl::StrCat(SimdLevelName(BestSimdLevel()), " microkernel");
   calibration.report = absl::StrCat(
       "onednn ", gflops(1), " GFLOPS (",
       OneDnnMatmul(weight.data(), DType::kFloat32, kOut, kIn, OneDnnMatmul::WeightCopy::kInPlace)
           .implementation(),
-      "), own ", gflops(0), " (", own_kernel, ")");
+      "), own ", gflops(0), " (", own_kernel, "); one row: onednn ",
+      static_cast<int64_t>(one_row_seconds[1] * 1e6), " us, own ",
+      static_cast<int64_t>(one_row_seconds[0] * 1e6), " us");
   return calibration;
 }
 

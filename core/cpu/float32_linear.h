@@ -28,11 +28,11 @@ const char* Float32ProjectionName(Float32Projection projection);
 // "own" or "onednn"; INVALID_ARGUMENT naming the choices otherwise.
 absl::StatusOr<Float32Projection> ParseFloat32Projection(absl::string_view name);
 
-// The faster set for batches of many rows: each projects 512 tokens of 768 -> 2304 features
-// (a BERT-base layer's fused QKV) on `threads` threads, best of four runs after warming up,
-// once per process (the first caller's thread count; about 250 ms on 2 threads of a Zen 3); oneDNN
-// must be 5% faster to be chosen. Measured when first asked, so that a process that never projects
-// a large batch never pays for it.
+// The faster set: each projects 512 tokens of 768 -> 2304 features (a BERT-base layer's fused
+// QKV) and one token (a decode step) on `threads` threads, best of four runs after warming
+// up, once per process (the first caller's thread count; about 250 ms on 2 threads of a Zen
+// 3); oneDNN must be 5% faster at both to be chosen. Measured when first asked, so that a
+// process that never projects never pays for it.
 Float32Projection FastestFloat32Projection(int threads);
 // What that measurement found, for the start-up log, e.g.
 // "onednn 131 GFLOPS (gemm:jit), own 125 (OpenBLAS Zen)"; measures if nothing has yet.

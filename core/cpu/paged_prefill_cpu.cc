@@ -102,8 +102,8 @@ absl::Status PagedPrefillCpu(const PagedDecodeBatch& batch, ThreadPool& pool) {
 }
 
 absl::Status PagedAttentionCpu(const PagedDecodeBatch& batch, ThreadPool& pool,
-                               int64_t prefill_min_queries,
-                               std::optional<Bf16Kernel> bf16_products, SharedPrefixes shared) {
+                               int64_t prefill_min_queries, std::optional<Bf16Kernel> bf16_products,
+                               SharedPrefixes shared) {
   if (absl::Status status = ValidatePagedDecodeBatch(batch, /*check_block_ids=*/true);
       !status.ok()) {
     return status;
@@ -115,8 +115,7 @@ absl::Status PagedAttentionCpu(const PagedDecodeBatch& batch, ThreadPool& pool,
   PagedDecodeBatch part = batch;
   if (!decode.empty()) {
     part.sequences = decode;
-    if (absl::Status status =
-            PagedDecodeCpu(part, pool, BestSimdLevel(), shared, bf16_products);
+    if (absl::Status status = PagedDecodeCpu(part, pool, BestSimdLevel(), shared, bf16_products);
         !status.ok()) {
       return status;
     }

@@ -42,8 +42,8 @@ absl::Status PagedPrefillCpu(const PagedDecodeBatch& batch, ThreadPool& pool);
 
 // The paged attention of a step: sequences with n >= `prefill_min_queries` on
 // PagedPrefillCpu, the others on PagedDecodeCpu (a bound above every n keeps them all
-// there), with PagedDecodeCpu's `bf16_products` and `shared`. INVALID_ARGUMENT as PagedDecodeCpu, before
-// anything is computed.
+// there), with PagedDecodeCpu's `bf16_products` and `shared`. INVALID_ARGUMENT as PagedDecodeCpu,
+// before anything is computed.
 absl::Status PagedAttentionCpu(const PagedDecodeBatch& batch, ThreadPool& pool,
                                int64_t prefill_min_queries = kPagedPrefillMinQueries,
                                std::optional<Bf16Kernel> bf16_products = std::nullopt,

@@ -1,8 +1,8 @@
 // Batch invariance over the wire (issue 55): for every kernel set this host runs (forced as
 // --float32_kernels and --bf16_kernels force them), a probe's answer is the same bits alone
-// as beside concurrent callers that share its forward pass (natively and over KServe), and a session step retried
-// beside other sessions' rows is a retry: OK, with the same bits. The core's test
-// (tests/core/batch_invariance_test.cc) covers every neighbour size and thread count.
+// as beside concurrent callers that share its forward pass (natively and over KServe), and a
+// session step retried beside other sessions' rows is a retry: OK, with the same bits. The core's
+// test (tests/core/batch_invariance_test.cc) covers every neighbour size and thread count.
 #include <cstdint>
 #include <ostream>
 #include <random>
@@ -166,9 +166,8 @@ class BatchInvarianceServerTest : public ServerTest,
     const grpc::Status status = kserve->ModelInfer(&context, request, &response);
     for (std::thread& caller : callers) caller.join();
     EXPECT_TRUE(status.ok()) << status.error_message();
-    return status.ok() && response.raw_output_contents_size() > 0
-               ? response.raw_output_contents(0)
-               : "";
+    return status.ok() && response.raw_output_contents_size() > 0 ? response.raw_output_contents(0)
+                                                                  : "";
   }
 
   std::mt19937_64 rng_{55};
@@ -187,8 +186,8 @@ TEST_P(BatchInvarianceServerTest, StatelessAnswersAreTheSameBitsBesideConcurrent
         const std::vector<v1::MultiHeadAttentionRequest> neighbours = {Request(layer, rows),
                                                                        Request(layer, rows)};
         EXPECT_EQ(DifferingFloats(ProbeBeside(probe, neighbours), alone->output().raw_data()), 0);
-        EXPECT_EQ(
-            DifferingFloats(KserveProbeBeside(probe, neighbours), alone->output().raw_data()), 0)
+        EXPECT_EQ(DifferingFloats(KserveProbeBeside(probe, neighbours), alone->output().raw_data()),
+                  0)
             << "over KServe";
       }
     }
@@ -248,10 +247,10 @@ class ForkInvarianceServerTest : public ServerTest {
 };
 
 // Forks of one 4,096-token prefix (whole KV blocks, so the forks share them, and four whole
-// splits of the decode kernel) each step a token alone; then all of them step again in one request, 72 forks of 4 query heads (288 rows,
-// past the 64 from which forks once attended their prefix as matrix products, not bitwise):
-// every retry answers its bits alone. In float32 and bf16 KV (bf16 products where the host
-// has them).
+// splits of the decode kernel) each step a token alone; then all of them step again in one request,
+// 72 forks of 4 query heads (288 rows, past the 64 from which forks once attended their prefix as
+// matrix products, not bitwise): every retry answers its bits alone. In float32 and bf16 KV (bf16
+// products where the host has them).
 TEST_F(ForkInvarianceServerTest, ForksSteppingTogetherAnswerTheirBitsAlone) {
   SCOPED_TRACE("seed 55");
   std::mt19937_64 rng(55);
