@@ -42,8 +42,8 @@ void BM_Sgemm(benchmark::State& state) {
   const auto a = RandomValues(n * n, 1), b = RandomValues(n * n, 2);
   std::vector<float> c(n * n);
   for (auto _ : state) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n,
-                0.0f, c.data(), n);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(),
+                n, 0.0f, c.data(), n);
     benchmark::DoNotOptimize(c.data());
   }
   SetGflops(state, 2.0 * n * n * n);
@@ -192,16 +192,10 @@ void RunMha(benchmark::State& state, const std::vector<int64_t>& lengths, int64_
 
 // The issue's shapes: S1 B=32 N=128, S2 B=8 N=512, S3 B=1 N=2048 causal, S4 B=256 N=16,
 // all E=768 with 12 heads. Arg: threads.
-void BM_MhaS1(benchmark::State& s) {
-  RunMha(s, std::vector<int64_t>(32, 128), 768, 12, false, s.range(0));
-}
-void BM_MhaS2(benchmark::State& s) {
-  RunMha(s, std::vector<int64_t>(8, 512), 768, 12, false, s.range(0));
-}
+void BM_MhaS1(benchmark::State& s) { RunMha(s, std::vector<int64_t>(32, 128), 768, 12, false, s.range(0)); }
+void BM_MhaS2(benchmark::State& s) { RunMha(s, std::vector<int64_t>(8, 512), 768, 12, false, s.range(0)); }
 void BM_MhaS3(benchmark::State& s) { RunMha(s, {2048}, 768, 12, true, s.range(0)); }
-void BM_MhaS4(benchmark::State& s) {
-  RunMha(s, std::vector<int64_t>(256, 16), 768, 12, false, s.range(0));
-}
+void BM_MhaS4(benchmark::State& s) { RunMha(s, std::vector<int64_t>(256, 16), 768, 12, false, s.range(0)); }
 // S1, S2, S4 and the serving benchmark's batch of 32 requests of 16 tokens (512 rows) on a
 // float32 layer with its projections forced onto each kernel set (the start-up measurement
 // picks one; issue 39). Args: threads, kernel (own 0, onednn 1), shape.
@@ -368,10 +362,8 @@ void BM_MhaLoneAfterGap(benchmark::State& s) {
 }
 BENCHMARK(BM_MhaLoneAfterGap)->ArgName("gap_us")->Arg(0)->Arg(300)->UseRealTime();
 
-BENCHMARK(BM_MhaS1)->ArgName("threads")->Arg(1)->Arg(2)->UseRealTime()->Unit(
-    benchmark::kMillisecond);
-BENCHMARK(BM_MhaS2)->ArgName("threads")->Arg(1)->Arg(2)->UseRealTime()->Unit(
-    benchmark::kMillisecond);
+BENCHMARK(BM_MhaS1)->ArgName("threads")->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_MhaS2)->ArgName("threads")->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MhaS3)->ArgName("threads")->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MhaS4)->ArgName("threads")->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MhaS1)
@@ -466,8 +458,7 @@ BENCHMARK(BM_SdpaCpu)
 // S5: one causal sequence of 65536 tokens, E=512, 8 heads (scores would need 128 GiB if
 // materialised). Run alone: --benchmark_filter=S5.
 void BM_MhaS5(benchmark::State& s) { RunMha(s, {65536}, 512, 8, true, s.range(0)); }
-BENCHMARK(BM_MhaS5)->ArgName("threads")->Arg(2)->UseRealTime()->Iterations(1)->Unit(
-    benchmark::kSecond);
+BENCHMARK(BM_MhaS5)->ArgName("threads")->Arg(2)->UseRealTime()->Iterations(1)->Unit(benchmark::kSecond);
 
 // Ragged: 24 sequences with lengths spread over 16..512 packed into one batch, against the
 // same sequences one batch each, and against padding every sequence to the longest.
@@ -489,8 +480,8 @@ void BM_MhaRaggedOneByOne(benchmark::State& state) {
   config.embed_dim = 768;
   config.num_heads = 12;
   const MhaConfig resolved = *MhaConfig::Resolve(config);
-  auto layer =
-      *MhaLayer::Create(resolved, MhaWeights::Random(resolved, 7), std::make_shared<CpuBackend>(2));
+  auto layer = *MhaLayer::Create(resolved, MhaWeights::Random(resolved, 7),
+                                 std::make_shared<CpuBackend>(2));
   const auto lengths = RaggedLengths();
   std::vector<std::vector<float>> queries;
   std::vector<MhaInput> inputs(lengths.size());

@@ -41,8 +41,7 @@ std::vector<std::string> CudaPluginCandidates() {
 
 // Loaded once per process, on first use; never unloaded (backends live in it).
 const absl::StatusOr<const CudaPlugin*>& CudaPluginOnce() {
-  static const absl::StatusOr<const CudaPlugin*> plugin =
-      []() -> absl::StatusOr<const CudaPlugin*> {
+  static const absl::StatusOr<const CudaPlugin*> plugin = []() -> absl::StatusOr<const CudaPlugin*> {
     if (!CudaBuilt()) {
       return absl::FailedPreconditionError("this build has no CUDA backend (ATTENTION_CUDA=OFF)");
     }
@@ -61,11 +60,11 @@ const absl::StatusOr<const CudaPlugin*>& CudaPluginOnce() {
       }
       return entry();
     }
-    return absl::FailedPreconditionError(
-        absl::StrCat("the CUDA backend plugin ", kCudaPluginFile, " could not be loaded (",
-                     errors.empty() ? "not found beside the executable; set ATTENTION_CUDA_PLUGIN"
-                                    : absl::StrJoin(errors, "; "),
-                     ")"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the CUDA backend plugin ", kCudaPluginFile, " could not be loaded (",
+        errors.empty() ? "not found beside the executable; set ATTENTION_CUDA_PLUGIN"
+                       : absl::StrJoin(errors, "; "),
+        ")"));
   }();
   return plugin;
 }
@@ -92,8 +91,8 @@ absl::StatusOr<std::shared_ptr<const Backend>> Devices::Get(absl::string_view de
   absl::string_view number = device;
   if (device != "auto" && device != "cuda" &&
       !(absl::ConsumePrefix(&number, "cuda:") && absl::SimpleAtoi(number, &index) && index >= 0)) {
-    return absl::InvalidArgumentError(absl::StrCat("device \"", device.substr(0, 64),
-                                                   "\" is not one of auto, cpu, cuda, cuda:N"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "device \"", device.substr(0, 64), "\" is not one of auto, cpu, cuda, cuda:N"));
   }
   std::string why_none;
   const int gpus = GpuCount(&why_none);
@@ -107,8 +106,7 @@ absl::StatusOr<std::shared_ptr<const Backend>> Devices::Get(absl::string_view de
   MutexLock lock(mu_);
   std::shared_ptr<const Backend>& backend = gpus_[index];
   if (backend == nullptr) {
-    absl::StatusOr<std::shared_ptr<const Backend>> opened =
-        (*CudaPluginOnce())->open_backend(index);
+    absl::StatusOr<std::shared_ptr<const Backend>> opened = (*CudaPluginOnce())->open_backend(index);
     if (!opened.ok()) {
       gpus_.erase(index);
       return opened.status();
@@ -122,9 +120,10 @@ absl::StatusOr<std::unique_ptr<kv_cache::KvStorage>> Devices::CreateKvStorage(
     absl::string_view device, int64_t num_blocks, int64_t block_bytes) {
   ASSIGN_OR_RETURN(const std::shared_ptr<const Backend> backend, Get(device));
   if (backend == cpu_) {
-    return std::unique_ptr<kv_cache::KvStorage>(std::make_unique<HostKvStorage>(
-        num_blocks, block_bytes, cpu_->pool(), kPagedPrefillMinQueries, cpu_->SessionBf16Products(),
-        cpu_->SessionSharedPrefixes()));
+    return std::unique_ptr<kv_cache::KvStorage>(
+        std::make_unique<HostKvStorage>(num_blocks, block_bytes, cpu_->pool(),
+                                        kPagedPrefillMinQueries, cpu_->SessionBf16Products(),
+                                        cpu_->SessionSharedPrefixes()));
   }
   int index = 0;
   absl::string_view number = backend->name();

@@ -404,7 +404,8 @@ absl::StatusOr<std::unique_ptr<PreparedLayer>> CpuBackend::Prepare(
   return std::make_unique<CpuPreparedLayer>(config, weights, pool_, float32_projection_);
 }
 
-absl::StatusOr<AttentionResult> CpuBackend::ScaledDotProductAttention(const SdpaInput& in) const {
+absl::StatusOr<AttentionResult> CpuBackend::ScaledDotProductAttention(
+    const SdpaInput& in) const {
   const AttentionDims& d = in.dims;
   AttentionResult result;
   result.output.resize(d.batch * d.num_heads * d.q_len * d.v_head_dim);

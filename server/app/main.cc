@@ -5,8 +5,8 @@
 #include <csignal>
 #include <cstdio>
 #include <fstream>
-#include <iostream>
 #include <sstream>
+#include <iostream>
 #include <string>
 #include <vector>
 
