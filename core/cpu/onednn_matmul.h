@@ -25,7 +25,7 @@ class OneDnnMatmul {
   // Rows of the one shape every call runs: oneDNN picks kernels, blockings and thread splits
   // by shape, so a primitive per row count gave a token other bits beside more tokens (and a
   // runtime row count did too). 32: BM_MhaBf16Projection on a Xeon with AMX (model 167) ran
-  // at 0.82-0.90 of a primitive per row count, float32 layers at 0.70-0.75 (256: 0.96-1.04,
+  // at 0.79-0.88 of a primitive per row count, float32 layers at 0.64-0.74 (256: 0.96-1.04,
   // but 0.4 for bf16 layers' groups of 64 rows, padded). 64 ran faster but crashed (SIGILL on
   // a tile load in oneDNN 2.6's AMX kernel) on small bf16 layers run in groups.
   static constexpr int64_t kRowBlock = 32;
