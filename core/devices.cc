@@ -120,10 +120,9 @@ absl::StatusOr<std::unique_ptr<kv_cache::KvStorage>> Devices::CreateKvStorage(
     absl::string_view device, int64_t num_blocks, int64_t block_bytes) {
   ASSIGN_OR_RETURN(const std::shared_ptr<const Backend> backend, Get(device));
   if (backend == cpu_) {
-    return std::unique_ptr<kv_cache::KvStorage>(
-        std::make_unique<HostKvStorage>(num_blocks, block_bytes, cpu_->pool(),
-                                        kPagedPrefillMinQueries, cpu_->SessionBf16Products(),
-                                        cpu_->SessionSharedPrefixes()));
+    return std::unique_ptr<kv_cache::KvStorage>(std::make_unique<HostKvStorage>(
+        num_blocks, block_bytes, cpu_->pool(), kPagedPrefillMinQueries, cpu_->SessionBf16Products(),
+        cpu_->SessionSharedPrefixes()));
   }
   int index = 0;
   absl::string_view number = backend->name();
