@@ -66,9 +66,11 @@ ABSL_FLAG(std::string, tls_client_ca_file, "",
 ABSL_FLAG(absl::Duration, tls_reload_interval, absl::Seconds(10),
           "how often the TLS files are checked for a rotated certificate");
 ABSL_FLAG(std::string, admin_token_file, "",
-          "file holding a bearer token that LoadLayer and UnloadLayer callers must send as "
-          "'authorization: Bearer <token>' metadata; empty = layer management is open to "
-          "every caller");
+          "file holding a bearer token, sent as 'authorization: Bearer <token>' metadata, that "
+          "LoadLayer, UnloadLayer, InspectCheckpoint, ListSessions, AdoptSessions and KServe's "
+          "RepositoryModelLoad and RepositoryModelUnload require, and that acts on any "
+          "session; empty = those calls are open to every caller (ListSessions only with "
+          "--allow_list_sessions)");
 ABSL_FLAG(bool, allow_list_sessions, false,
           "answer ListSessions on a server without --admin_token_file (it hands out every "
           "live session id, the only key to a session)");
