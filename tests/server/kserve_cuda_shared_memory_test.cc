@@ -26,6 +26,7 @@
 #include "server/validation/input_decoding.h"
 #include "tests/server/cuda_ipc_exporter_process.h"
 #include "tests/server/shared_memory_testing.h"
+#include "tests/core/random_options.h"
 #include "tests/server/test_server.h"
 
 namespace attention::server::testing {
@@ -363,8 +364,8 @@ TEST(CudaSharedMemoryTest, TensorsOnTheLayersGpuStayThere) {
 // shape and dtype only, and the decoded spans are that memory's own. Without such memory to
 // spare, or with an input elsewhere, they are read as usual.
 TEST(CudaSharedMemoryTest, SystemInputsForAGpuLayerAreReadIntoPinnedMemory) {
-  const uint64_t seed = std::random_device{}();
-  SCOPED_TRACE("seed " + std::to_string(seed));
+  const uint64_t seed = core::testing::TestSeed(3660);
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
   const std::string query_bytes = RandomQueryBytes(seed);
   SharedObject object(kRegionBytes);
   object.Write(kQueryOffset, query_bytes);
@@ -537,8 +538,8 @@ class KserveCudaSharedMemoryServerTest : public ServerTest {
 };
 
 TEST_F(KserveCudaSharedMemoryServerTest, InputsAndOutputsThroughGpuRegionsEqualTheRawCall) {
-  const uint64_t seed = std::random_device{}();
-  SCOPED_TRACE("seed " + std::to_string(seed));
+  const uint64_t seed = core::testing::TestSeed(5400);
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
   const std::string query_bytes = RandomQueryBytes(seed);
   const size_t buffer = gpu_.Add(kRegionBytes);
   gpu_.buffer(buffer).replace(kQueryOffset, kQueryBytes, query_bytes);
@@ -606,8 +607,8 @@ class KserveCudaSharedMemoryGpuTest : public KserveCudaSharedMemoryServerTest {
 
 TEST_F(KserveCudaSharedMemoryGpuTest, ARealIpcHandleFromAnotherProcess) {
   if (!core::CudaBuilt()) GTEST_SKIP() << "this build has no CUDA backend";
-  const uint64_t seed = std::random_device{}();
-  SCOPED_TRACE("seed " + std::to_string(seed));
+  const uint64_t seed = core::testing::TestSeed(6090);
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
   const std::string query_bytes = RandomQueryBytes(seed);
   std::string contents(kRegionBytes, '\0');
   contents.replace(kQueryOffset, kQueryBytes, query_bytes);
@@ -636,8 +637,8 @@ TEST_F(KserveCudaSharedMemoryGpuTest, SystemRegionsIntoAGpuLayerEqualTheRawCall)
   if (!DemoLayer()->backend().InPlaceGpu().has_value()) {
     GTEST_SKIP() << "the demo layer runs on " << DemoLayer()->device() << ": no GPU here";
   }
-  const uint64_t seed = std::random_device{}();
-  SCOPED_TRACE("seed " + std::to_string(seed));
+  const uint64_t seed = core::testing::TestSeed(6390);
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
   const std::string query_bytes = RandomQueryBytes(seed);
   SharedObject object(kRegionBytes);
   object.Write(kQueryOffset, query_bytes);

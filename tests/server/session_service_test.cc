@@ -1010,13 +1010,14 @@ TEST(SessionDeviceTest, AnUnusableKvCacheDeviceStopsTheStart) {
   EXPECT_TRUE(absl::StrContains(started.status().message(),
                                 "--kv_cache_device: device \"tpu\" is not one of"))
       << started.status();
+  // The first GPU this machine does not have (cuda:0 without any).
   core::Devices devices(1);
-  if (devices.GpuCount() > 0) return;  // cuda:0 is usable there (see the fuzzer's CUDA test)
-  options.kv_cache_device = "cuda:0";
+  const std::string missing = "cuda:" + std::to_string(devices.GpuCount());
+  options.kv_cache_device = missing;
   started = AttentionServer::Start(options);
   EXPECT_EQ(started.status().code(), absl::StatusCode::kFailedPrecondition) << started.status();
   EXPECT_TRUE(absl::StrContains(started.status().message(),
-                                "--kv_cache_device: device cuda:0 is not available"))
+                                "--kv_cache_device: device " + missing + " is not available"))
       << started.status();
 }
 
