@@ -124,58 +124,65 @@ void GemmTiled(Unit& unit, const Bf16PanelGemm& g) {
   const bool plain_sums =
       g.alpha == 1.0f && g.bias == nullptr && !g.accumulate && g.c_bf16 == nullptr;
   unit.Begin();
-  for (int64_t first_row = 0; first_row < g.rows; first_row += kBlockRows) {
-    const int64_t rows = std::min(kBlockRows, g.rows - first_row);
-    const uint16_t* a = g.a + first_row * g.lda;
-    int64_t lda = g.lda;
-    if (rows < kBlockRows) {
-      short_block.assign(kBlockRows * padded_depth, 0);
-      for (int64_t r = 0; r < rows; ++r) {
-        std::memcpy(short_block.data() + r * padded_depth, a + r * lda, g.depth * sizeof(uint16_t));
-      }
-      a = short_block.data();
-      lda = padded_depth;
-    }
-    // The last depth step's A: in place in a staged short block, else staged here.
-    const uint16_t* a_last = a + full_depth;
-    int64_t a_last_stride = lda;
-    if (has_tail && rows == kBlockRows) {
-      std::fill(std::begin(a_tail), std::end(a_tail), uint16_t{0});
-      for (int64_t r = 0; r < kBlockRows; ++r) {
-        std::memcpy(a_tail + r * kTileDepth, a + r * lda + full_depth,
-                    (g.depth - full_depth) * sizeof(uint16_t));
-      }
-      a_last = a_tail;
-      a_last_stride = kTileDepth;
-    }
-    for (int64_t p = g.first_panel; p < g.end_panel; p += 2) {
-      const bool two_panels = p + 1 < g.end_panel;
-      const uint16_t* b0 = g.panels + p * panel_stride;
-      const uint16_t* b1 = two_panels ? b0 + panel_stride : nullptr;
-      unit.Zero();
-      for (int64_t k = 0; k < full_depth; k += kTileDepth) {
-        const int64_t pair_row = k / 2;
-        unit.Step({a + k, lda, b0 + pair_row * kPairRow,
-                   two_panels ? b1 + pair_row * kPairRow : kZeroPanel});
-      }
-      if (has_tail) {
-        const int64_t tail_bytes = (pair_rows - full_depth / 2) * kPairRowBytes;
-        for (int64_t q = 0; q < 2; ++q) {
-          std::memset(b_tail[q], 0, sizeof(b_tail[q]));
-          if (q == 1 && !two_panels) continue;
-          std::memcpy(b_tail[q], (q == 0 ? b0 : b1) + full_depth / 2 * kPairRow, tail_bytes);
+  // Panels a pass keeps in L2 while every block of rows goes by (384 KiB at depth 768):
+  // row blocks outermost re-read all the weights from L3 for every 32 rows.
+  constexpr int64_t kChunkPanels = 16;  // even, so panels pair up as over the whole range
+  for (int64_t chunk = g.first_panel; chunk < g.end_panel; chunk += kChunkPanels) {
+    const int64_t chunk_end = std::min(g.end_panel, chunk + kChunkPanels);
+    for (int64_t first_row = 0; first_row < g.rows; first_row += kBlockRows) {
+      const int64_t rows = std::min(kBlockRows, g.rows - first_row);
+      const uint16_t* a = g.a + first_row * g.lda;
+      int64_t lda = g.lda;
+      if (rows < kBlockRows) {
+        short_block.assign(kBlockRows * padded_depth, 0);
+        for (int64_t r = 0; r < rows; ++r) {
+          std::memcpy(short_block.data() + r * padded_depth, a + r * lda,
+                      g.depth * sizeof(uint16_t));
         }
-        unit.Step({a_last, a_last_stride, b_tail[0], b_tail[1]});
+        a = short_block.data();
+        lda = padded_depth;
       }
-      const int64_t first_column = p * kPanelWidth;
-      const int64_t width =
-          std::min(two_panels ? kBlockColumns : kPanelWidth, g.columns - first_column);
-      if (plain_sums && rows == kBlockRows && width == kBlockColumns) {
-        unit.StoreTo(g.c + first_row * g.ldc + first_column, g.ldc);  // 1 * sum + 0 is sum
-        continue;
+      // The last depth step's A: in place in a staged short block, else staged here.
+      const uint16_t* a_last = a + full_depth;
+      int64_t a_last_stride = lda;
+      if (has_tail && rows == kBlockRows) {
+        std::fill(std::begin(a_tail), std::end(a_tail), uint16_t{0});
+        for (int64_t r = 0; r < kBlockRows; ++r) {
+          std::memcpy(a_tail + r * kTileDepth, a + r * lda + full_depth,
+                      (g.depth - full_depth) * sizeof(uint16_t));
+        }
+        a_last = a_tail;
+        a_last_stride = kTileDepth;
       }
-      unit.Store(sums);
-      unit.Write(g, sums, first_row, rows, first_column, width);
+      for (int64_t p = chunk; p < chunk_end; p += 2) {
+        const bool two_panels = p + 1 < chunk_end;
+        const uint16_t* b0 = g.panels + p * panel_stride;
+        const uint16_t* b1 = two_panels ? b0 + panel_stride : nullptr;
+        unit.Zero();
+        for (int64_t k = 0; k < full_depth; k += kTileDepth) {
+          const int64_t pair_row = k / 2;
+          unit.Step({a + k, lda, b0 + pair_row * kPairRow,
+                     two_panels ? b1 + pair_row * kPairRow : kZeroPanel});
+        }
+        if (has_tail) {
+          const int64_t tail_bytes = (pair_rows - full_depth / 2) * kPairRowBytes;
+          for (int64_t q = 0; q < 2; ++q) {
+            std::memset(b_tail[q], 0, sizeof(b_tail[q]));
+            if (q == 1 && !two_panels) continue;
+            std::memcpy(b_tail[q], (q == 0 ? b0 : b1) + full_depth / 2 * kPairRow, tail_bytes);
+          }
+          unit.Step({a_last, a_last_stride, b_tail[0], b_tail[1]});
+        }
+        const int64_t first_column = p * kPanelWidth;
+        const int64_t width =
+            std::min(two_panels ? kBlockColumns : kPanelWidth, g.columns - first_column);
+        if (plain_sums && rows == kBlockRows && width == kBlockColumns) {
+          unit.StoreTo(g.c + first_row * g.ldc + first_column, g.ldc);  // 1 * sum + 0 is sum
+          continue;
+        }
+        unit.Store(sums);
+        unit.Write(g, sums, first_row, rows, first_column, width);
+      }
     }
   }
   unit.End();

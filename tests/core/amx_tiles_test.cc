@@ -27,7 +27,8 @@ using testing::UniformBf16;
 
 // One GEMM of every block edge: rows around the 16-row tile and the 32-row block, depths
 // around the 32-depth step (odd ones pair their last depth with zero), columns around the
-// 16-wide panel and the two-panel block, a range of panels, and the four epilogues.
+// 16-wide panel, the two-panel block and the 16-panel pass, a range of panels, and the four
+// epilogues.
 struct TileCase {
   int64_t rows, depth, columns;
   int mode;  // 0: bias, 1: alpha 0.125, 2: accumulate, 3: bf16 output with bias
@@ -100,6 +101,10 @@ std::vector<TileCase> EdgeCases() {
         mode = (mode + 1) % 4;
       }
     }
+  }
+  // Past one pass of panels (16): 18 and 33 panels, a partial pass last.
+  for (int64_t columns : {273, 528}) {
+    for (int64_t rows : {17, 70}) cases.push_back({rows, 130, columns, mode++ % 4});
   }
   return cases;
 }
