@@ -26,13 +26,17 @@ memory::data_type OneDnnType(DType type) {
 
 OneDnnMatmul::OneDnnMatmul(const void* weight, DType type, int64_t out_features,
                            int64_t in_features, WeightCopy copy)
-    : out_features_(out_features), in_features_(in_features), type_(OneDnnType(type)), copy_(copy) {
+    : out_features_(out_features),
+      in_features_(in_features),
+      type_(OneDnnType(type)),
+      row_block_(type == DType::kBFloat16 ? kBf16RowBlock : kFloat32RowBlock),
+      copy_(copy) {
   // W [out][in] row-major is B [in][out] in the "ba" layout.
   const memory::desc plain({in_features, out_features}, type_, memory::format_tag::ba);
   weights_desc_ = copy == WeightCopy::kInPlace
                       ? plain
                       : memory::desc({in_features, out_features}, type_, memory::format_tag::any);
-  const dnnl::matmul::primitive_desc typical = Describe(kRowBlock, memory::data_type::f32);
+  const dnnl::matmul::primitive_desc typical = Describe(row_block_, memory::data_type::f32);
   weights_desc_ = typical.weights_desc();
   implementation_ = typical.impl_info_str();
   memory source(plain, OneDnnCpuEngine(), const_cast<void*>(weight));
@@ -52,16 +56,16 @@ void OneDnnMatmul::Forward(const void* x, int64_t rows, absl::Span<const float> 
   const int64_t y_bytes = out_features_ * (y_type == DType::kBFloat16 ? 2 : 4);
   const auto* x_rows = static_cast<const std::byte*>(x);
   auto* y_rows = static_cast<std::byte*>(y);
-  for (int64_t first = 0; first < rows; first += kRowBlock) {
-    const int64_t block = std::min(kRowBlock, rows - first);
-    if (block == kRowBlock) {
+  for (int64_t first = 0; first < rows; first += row_block_) {
+    const int64_t block = std::min(row_block_, rows - first);
+    if (block == row_block_) {
       ForwardBlock(x_rows + first * x_bytes, bias, y_rows + first * y_bytes, y_type, threads);
       continue;
     }
     // The last rows, zero-padded to a whole block: the same primitive computes them.
     thread_local std::vector<std::byte> x_padded, y_padded;
-    x_padded.assign(kRowBlock * x_bytes, std::byte{0});
-    y_padded.resize(kRowBlock * y_bytes);
+    x_padded.assign(row_block_ * x_bytes, std::byte{0});
+    y_padded.resize(row_block_ * y_bytes);
     std::memcpy(x_padded.data(), x_rows + first * x_bytes, block * x_bytes);
     ForwardBlock(x_padded.data(), bias, y_padded.data(), y_type, threads);
     std::memcpy(y_rows + first * y_bytes, y_padded.data(), block * y_bytes);
@@ -72,9 +76,9 @@ void OneDnnMatmul::ForwardBlock(const void* x, absl::Span<const float> bias, voi
                                 int threads) const {
   const memory::data_type y_data_type = OneDnnType(y_type);
   const std::shared_ptr<const Cached> cached = Primitive(y_data_type);
-  memory source({{kRowBlock, in_features_}, type_, memory::format_tag::ab}, OneDnnCpuEngine(),
+  memory source({{row_block_, in_features_}, type_, memory::format_tag::ab}, OneDnnCpuEngine(),
                 const_cast<void*>(x));
-  memory destination({{kRowBlock, out_features_}, y_data_type, memory::format_tag::ab},
+  memory destination({{row_block_, out_features_}, y_data_type, memory::format_tag::ab},
                      OneDnnCpuEngine(), y);
   // Without a bias the primitive adds zeros: one primitive per shape serves both.
   thread_local std::vector<float> zeros;
@@ -118,7 +122,7 @@ std::shared_ptr<const OneDnnMatmul::Cached> OneDnnMatmul::Primitive(
   std::lock_guard<std::mutex> lock(mu_);
   auto found = primitives_.find(y_type);
   if (found != primitives_.end()) return found->second;
-  const dnnl::matmul::primitive_desc description = Describe(kRowBlock, y_type);
+  const dnnl::matmul::primitive_desc description = Describe(row_block_, y_type);
   auto cached = std::make_shared<const Cached>(
       Cached{dnnl::matmul(description), description.scratchpad_desc()});
   primitives_.emplace(y_type, cached);

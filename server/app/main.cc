@@ -164,7 +164,7 @@ ABSL_FLAG(std::string, bf16_attention_kernels, "auto",
 ABSL_FLAG(std::string, float32_kernels, "auto",
           "how float32 layers project on the CPU, at every row count: auto (the faster of the "
           "two, measured at start-up and logged), own (this project's microkernel) or onednn "
-          "(oneDNN's matmul in fixed blocks of 32 rows); pin one so that replicas agree bit "
+          "(oneDNN's matmul in fixed blocks of 256 rows); pin one so that replicas agree bit "
           "for bit");
 ABSL_FLAG(bool, shared_prefix_products, false,
           "forks of one prefix that step together attend the keys they share as two matrix "

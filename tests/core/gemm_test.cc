@@ -259,8 +259,8 @@ TEST_P(Float32LinearTest, RunsTheKernelItNamesWithinTheRule) {
   FidelityStats stats(std::string("Float32Linear, ") + Float32ProjectionName(set));
   for (int threads : {1, 2}) {
     ThreadPool pool(threads);
-    for (int64_t rows : {int64_t{1}, OneDnnMatmul::kRowBlock, OneDnnMatmul::kRowBlock + 1,
-                         int64_t{63}, int64_t{64}, int64_t{300}}) {
+    for (int64_t rows : {int64_t{1}, int64_t{63}, int64_t{64}, OneDnnMatmul::kFloat32RowBlock,
+                         OneDnnMatmul::kFloat32RowBlock + 1, int64_t{600}}) {
       for (const bool with_bias : {true, false}) {
         const int64_t in_features = with_bias ? 200 : 45, out_features = with_bias ? 72 : 40;
         SCOPED_TRACE("threads " + std::to_string(threads) + " rows " + std::to_string(rows) +
