@@ -24,9 +24,9 @@
 #include "server/kserve/kserve_convert.h"
 #include "server/kserve/shared_memory.h"
 #include "server/validation/input_decoding.h"
+#include "tests/core/random_options.h"
 #include "tests/server/cuda_ipc_exporter_process.h"
 #include "tests/server/shared_memory_testing.h"
-#include "tests/core/random_options.h"
 #include "tests/server/test_server.h"
 
 namespace attention::server::testing {

@@ -11,8 +11,8 @@
 #include "inference/grpc_service.grpc.pb.h"
 #include "server/kserve/kserve_convert.h"
 #include "server/kserve/shared_memory.h"
-#include "tests/server/shared_memory_testing.h"
 #include "tests/core/random_options.h"
+#include "tests/server/shared_memory_testing.h"
 #include "tests/server/test_server.h"
 
 namespace attention::server::testing {
