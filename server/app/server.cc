@@ -271,6 +271,11 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
         *server->sessions_, server->registry_, options.access, server->session_spool_dir_);
     builder.RegisterService(server->handoff_service_.get());
   }
+  // Calls that arrive once the port opens find the sessions a snapshot holds restored, or
+  // are told to retry (SESSION_RESTORING), never that their session is unknown.
+  const bool restores = !server->session_snapshot_path_.empty() &&
+                        access(server->session_snapshot_path_.c_str(), F_OK) == 0;
+  if (restores) server->sessions_->SetRestoring(true);
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || server->port_ == 0) {
     return absl::UnavailableError(
@@ -308,6 +313,7 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
   }
   // After the layers, which restored sessions over served layers find by name.
   server->RestoreSessions();
+  if (restores) server->sessions_->SetRestoring(false);
   server->service_.RefreshLayerMetrics();
   server->service_.RefreshSessionMetrics();
   health->SetServingStatus(true);

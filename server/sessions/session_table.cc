@@ -142,6 +142,13 @@ void Store(const float* values, int64_t count, std::byte* stored, core::DType dt
   for (int64_t i = 0; i < count; ++i) bits[i] = core::FloatToBFloat16(values[i]);
 }
 
+// A call that reached a replica still restoring its snapshot (SessionTable::SetRestoring).
+absl::Status RestoringSessions() {
+  return WithReason(absl::UnavailableError("this replica is restoring its sessions after a "
+                                           "restart; retry in a moment"),
+                    "SESSION_RESTORING");
+}
+
 }  // namespace
 
 absl::Status CheckPlacement(const StepEntry& entry, absl::Span<const int64_t> layer_lengths,
@@ -325,6 +332,7 @@ absl::StatusOr<SessionInfo> SessionTable::CreateSession(const SessionShape& shap
                           " sessions, its max_sessions; drop one or wait for one to expire")),
                       "MAX_SESSIONS");
   }
+  if (restoring_) return RestoringSessions();
   RETURN_IF_ERROR(CheckOwnerLimitsLocked(owner, reserved_tokens));
   ASSIGN_OR_RETURN(
       const core::kv_cache::SequenceId sequence,
@@ -364,6 +372,7 @@ absl::StatusOr<SessionTable::Session*> SessionTable::FindLocked(const std::strin
     if (renew_ttl) found->second.last_used = now;  // every use renews the TTL
     return &found->second;
   }
+  if (restoring_) return RestoringSessions();
   const auto tombstone = tombstones_.find(id);
   if (tombstone != tombstones_.end() && tombstone->second.ending == Ending::kHandedOff) {
     // Clients parse `is held by replica "NAME" at "ADDRESS"` and send the call there.
@@ -866,6 +875,11 @@ absl::StatusOr<SnapshotReport> SessionTable::BeginHandoff(const std::string& pat
   // Under the same lock: no step lands between the file and the peer taking it over.
   moving_ = true;
   return written;
+}
+
+void SessionTable::SetRestoring(bool restoring) {
+  core::MutexLock lock(mu_);
+  restoring_ = restoring;
 }
 
 void SessionTable::EndHandoff(absl::Span<const std::string> adopted, const std::string& holder,

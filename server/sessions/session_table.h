@@ -264,6 +264,11 @@ class SessionTable {
   // adopted here, and their calls answer FAILED_PRECONDITION (WRONG_REPLICA) naming `holder`
   // at `address` for as long as a tombstone lasts; every other session answers again.
   absl::StatusOr<SnapshotReport> BeginHandoff(const std::string& path, absl::Time now);
+  // While the server restores a snapshot at start-up (its port is already open): a call for
+  // a session the table does not hold yet, and a new session, are UNAVAILABLE
+  // (SESSION_RESTORING), which clients retry, instead of NOT_FOUND or taking blocks the
+  // restored sessions need.
+  void SetRestoring(bool restoring);
   void EndHandoff(absl::Span<const std::string> adopted, const std::string& holder,
                   const std::string& address, absl::Time now);
   // Adds the sessions of another named replica's snapshot beside this table's own, under
@@ -392,6 +397,8 @@ class SessionTable {
   std::deque<std::string> tombstone_order_ ABSL_GUARDED_BY(mu_);  // oldest first
   // Between BeginHandoff and EndHandoff: live sessions' calls are UNAVAILABLE.
   bool moving_ ABSL_GUARDED_BY(mu_) = false;
+  // Between SetRestoring(true) and SetRestoring(false).
+  bool restoring_ ABSL_GUARDED_BY(mu_) = false;
   SessionCounters totals_ ABSL_GUARDED_BY(mu_);                   // the "since start" fields
   absl::flat_hash_map<std::string, OwnerUsage> owner_usage_ ABSL_GUARDED_BY(mu_);
   // Steps in flight per sequence, and the sequences whose session ended meanwhile.

@@ -387,6 +387,26 @@ TEST_F(SessionTableTest, ExpiredDroppedAndUnknownAreToldApart) {
   EXPECT_EQ(reason("replica-b/nope", kT0), "SESSION_UNKNOWN");
 }
 
+// While a restarted replica restores its snapshot (its port already open), a session it does
+// not hold yet and a new session are UNAVAILABLE (SESSION_RESTORING), which clients retry;
+// those it holds answer as ever, and once restored an unknown one is NOT_FOUND again.
+TEST_F(SessionTableTest, WhileRestoringUnknownSessionsAreToldToRetry) {
+  auto table = Table();
+  const SessionShape shape{1, 2, 2, 8, 0, core::DType::kFloat32, 0};
+  const SessionInfo held = *table->CreateSession(shape, 8, {}, kT0);
+  table->SetRestoring(true);
+  const absl::Status unknown = table->Get("nope", kT0).status();
+  EXPECT_EQ(unknown.code(), absl::StatusCode::kUnavailable) << unknown;
+  EXPECT_EQ(ReasonOf(unknown), "SESSION_RESTORING");
+  const absl::Status created = table->CreateSession(shape, 8, {}, kT0).status();
+  EXPECT_EQ(created.code(), absl::StatusCode::kUnavailable) << created;
+  EXPECT_EQ(ReasonOf(created), "SESSION_RESTORING");
+  EXPECT_TRUE(table->Get(held.id, kT0).ok());
+  table->SetRestoring(false);
+  EXPECT_EQ(ReasonOf(table->Get("nope", kT0).status()), "SESSION_UNKNOWN");
+  EXPECT_TRUE(table->CreateSession(shape, 8, {}, kT0).ok());
+}
+
 // A read that keeps the session idle (GetSessionRequest.keep_idle, issue 38) is not a use:
 // a monitor watching a session does not keep it alive.
 TEST_F(SessionTableTest, AReadThatKeepsIdleDoesNotRenewTheTtl) {
