@@ -151,7 +151,8 @@ Calibration Calibrate() {
   std::vector<float> y(kRows * kFeatures);
   ThreadPool one_thread(1);
   Calibration calibration;
-  double best_gflops = 0, best_own_gflops = 0, best_one_row_seconds = 0;
+  double best_gflops = 0, best_own_gflops = 0;
+  double best_one_row_seconds = std::numeric_limits<double>::max();
   Bf16Projection fastest_own = Bf16Projection::kFloat32, fastest_one_row = Bf16Projection::kFloat32;
   for (const Bf16Projection projection : kBf16Projections) {
     if (!CpuSupports(projection)) continue;
@@ -169,7 +170,7 @@ Calibration Calibrate() {
       timed(kRows, seconds);
       timed(1, one_row_seconds);
     }
-    if (best_one_row_seconds == 0 || one_row_seconds < best_one_row_seconds) {
+    if (one_row_seconds < best_one_row_seconds) {
       best_one_row_seconds = one_row_seconds;
       fastest_one_row = projection;
     }

@@ -9,7 +9,6 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <utility>
 
 #include "absl/types/span.h"
 #include "core/dtype.h"

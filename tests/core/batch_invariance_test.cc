@@ -205,7 +205,7 @@ void ExpectSameBitsInEveryBatch(const std::vector<std::shared_ptr<const MhaLayer
 // A session step's projections and output projection of one token alone against the same
 // token among other sessions' rows (ProjectForDecode, ProjectDecodeOutput).
 void ExpectSameDecodeBits(const std::vector<std::shared_ptr<const MhaLayer>>& layers,
-                          const MhaConfig& config, std::mt19937_64& rng) {
+                          std::mt19937_64& rng) {
   const MhaConfig& c = layers[0]->config();
   const std::vector<float> token = RandomFloats(rng, c.embed_dim);
   const std::vector<float> attended = RandomFloats(rng, c.AttentionWidth());
@@ -285,7 +285,7 @@ TEST_P(BatchInvarianceTest, SessionProjectionsAreTheSameBitsBesideOtherSessions)
   SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with ATTENTION_TEST_SEED)");
   std::mt19937_64 rng(seed);
   const MhaConfig config = FusedRopeConfig();
-  ExpectSameDecodeBits(Layers(config, rng), config, rng);
+  ExpectSameDecodeBits(Layers(config, rng), rng);
 }
 
 // The projections' kernels at each SIMD level this host runs, not only its best: a row's bits
